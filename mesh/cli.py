@@ -1,0 +1,41 @@
+"""``mesh``: one CLI, one module per subcommand.
+
+Each subcommand module exposes ``add_parser(subparsers)``, which registers its parser and sets
+``func`` (a callable taking the parsed args and returning an exit code). Modules import their
+heavy dependencies (torch, uvicorn, ...) inside ``func``, so ``mesh --help`` stays instant and the
+gateway never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMAND_MODULES = (
+    "mesh.commands.serve",  # mesh serve --config mesh.yaml
+    "mesh.commands.up",  # mesh up [--workers N]
+    "mesh.commands.config",  # mesh config validate FILE
+    "workers.cli",  # mesh worker [--preset NAME | --model DIR]
+    "simulator.cli",  # mesh simulate TRACE ... / mesh calibrate
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

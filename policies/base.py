@@ -1,0 +1,190 @@
+"""The decision core's types: what a policy sees and what it returns.
+
+Invariants (DESIGN.md, "One decision core"):
+- A policy never does I/O and never reads a clock: time arrives as ``ClusterView.now``.
+- A policy reads ``TargetState``s; the gateway registry (live) or the simulator owns and mutates
+  them. The same policy object runs in both.
+- Randomness comes from the ``random.Random`` a policy is constructed with (``seed`` param), so a
+  simulation or a test is reproducible.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Role(str, enum.Enum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Tier(str, enum.Enum):
+    GPU = "GPU"
+    CPU = "CPU"
+
+
+@dataclass(slots=True)
+class TargetState:
+    """One routable target: a worker, or one data-parallel rank of a worker.
+
+    Owned and mutated by the gateway's registry or by the simulator; policies only read it.
+    """
+
+    id: str  # unique: "worker" for rank 0 of a single-rank worker, else "worker@rank"
+    worker: str
+    dp_rank: int = 0
+    url: str = ""
+    models: frozenset[str] = frozenset()
+    loras: frozenset[str] = frozenset()
+    role: Role = Role.MIXED
+    block_size: int = 16
+    healthy: bool = True
+    draining: bool = False
+    circuit_open: bool = False
+    index_healthy: bool = True  # its KV event stream is live (else prefix scores are not trusted)
+    in_flight: int = 0  # requests sent and not yet finished
+    prefill_tokens: int = 0  # prompt tokens of in-flight requests still before their first token
+    decode_tokens: int = 0  # context tokens of in-flight requests past their first token
+    kv_usage: float = 0.0  # 0..1, from the worker's metrics when known
+    kv_capacity_blocks: int = 0  # 0 = unknown
+    live_sessions: int = 0  # session bindings currently pointing here
+    max_in_flight: int = 0  # admission ceiling, 0 = none
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.draining and not self.circuit_open
+
+
+def target_id(worker: str, dp_rank: int = 0, dp_size: int = 1) -> str:
+    return worker if dp_size <= 1 else f"{worker}@{dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A target's longest cached prefix of a request, in blocks.
+
+    ``gpu_blocks`` leading blocks are on the GPU; the next ``cpu_blocks`` continue the prefix
+    from the CPU offload tier.
+    """
+
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.gpu_blocks + self.cpu_blocks
+
+
+NO_OVERLAP = Overlap()
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What a policy knows of a request (built by the gateway or by the simulator)."""
+
+    model: str
+    block_keys: Sequence[int]
+    block_size: int
+    prompt_tokens: int
+    max_tokens: int = 0
+    session_id: str | None = None  # already bounded and hashed by the gateway
+    text: str = ""  # rendered prompt, for text-based (approximate) policies
+    lora: str | None = None
+    request_id: str = ""
+
+
+class PrefixIndexView(Protocol):
+    def match(self, keys: Sequence[int]) -> Mapping[str, Overlap]:
+        """Per target, its longest cached prefix of ``keys``; targets with none may be absent."""
+        ...
+
+
+class SessionView(Protocol):
+    def bound_target(self, session_id: str, now: float) -> str | None:
+        """The target a live (not idle-expired) session is bound to, if any."""
+        ...
+
+
+@dataclass(slots=True)
+class ClusterView:
+    """A read-only view of the cluster handed to a policy for one decision."""
+
+    targets: Sequence[TargetState]
+    now: float
+    index: PrefixIndexView | None = None
+    sessions: SessionView | None = None
+    _overlaps: Mapping[str, Overlap] | None = None
+    _overlaps_for: Sequence[int] | None = None
+
+    def overlaps(self, request: RequestInfo) -> Mapping[str, Overlap]:
+        """Prefix overlaps of ``request`` per target, computed once per decision."""
+        if self._overlaps is None or self._overlaps_for is not request.block_keys:
+            self._overlaps = self.index.match(request.block_keys) if self.index else {}
+            self._overlaps_for = request.block_keys
+        return self._overlaps
+
+    def available(self, request: RequestInfo | None = None) -> list[TargetState]:
+        """Targets that are healthy, not draining, circuit closed, and serve the model."""
+        out = [t for t in self.targets if t.available]
+        if request is not None:
+            out = [t for t in out if not t.models or request.model in t.models]
+        return out
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision with its explanation (shown by ``POST /debug/route``)."""
+
+    target: str | None
+    reason: str
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> term -> value
+    overlaps: dict[str, Overlap] = field(default_factory=dict)
+    decode_target: str | None = None  # set for a prefill -> decode pair
+
+    def explain(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "decode_target": self.decode_target,
+            "reason": self.reason,
+            "candidates": {
+                tid: {
+                    "scores": self.scores.get(tid, {}),
+                    "overlap": {
+                        "gpu_blocks": self.overlaps.get(tid, NO_OVERLAP).gpu_blocks,
+                        "cpu_blocks": self.overlaps.get(tid, NO_OVERLAP).cpu_blocks,
+                    },
+                }
+                for tid in sorted(set(self.scores) | set(self.overlaps))
+            },
+        }
+
+
+class Policy:
+    """Base of whole policies. Subclasses set ``name`` and implement ``decide``.
+
+    ``on_routed`` and ``on_finished`` let a stateful policy (round robin's cursor, SGLang's
+    text tree) learn from what really happened; ``decide`` alone must not commit state that a
+    dry run (``/debug/route``) would corrupt, except cheap cursors.
+    """
+
+    name: str = "policy"
+
+    def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        raise NotImplementedError
+
+    def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
+        return None
+
+    def on_finished(self, request: RequestInfo, target: str, now: float) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class NoCandidate(Exception):
+    """No target can take the request (none healthy, none serves the model, all over limits)."""

@@ -1,0 +1,3 @@
+"""Imports every built-in plugin module so that each registers itself."""
+
+import policies.basic  # noqa: F401

@@ -1,0 +1,1 @@
+"""The bundled worker engine (needs torch: ``pip install mesh-router[engine]``)."""
