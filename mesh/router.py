@@ -1,0 +1,122 @@
+"""The decision core shared by the live gateway and the simulator.
+
+``Router.route`` builds the cluster view, asks the policy, and commits the bookkeeping that
+follows a real decision: the policy's own learning hook, the session binding, the speculative
+prefix-index entry and the target's load. It returns a ``Lease`` that the caller (gateway proxy or
+simulated worker) releases exactly once, whatever the outcome: every path that ends a request calls
+``Lease.finish`` (it is idempotent), so in-flight load can never leak or go negative.
+
+Nothing here does I/O or reads a clock: ``now`` is passed in (simulated or wall time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo, TargetState
+
+
+class SessionStore(Protocol):
+    """Session bindings (``mesh.sessions``): read by policies, written by the router only."""
+
+    def bound_target(self, session_id: str, now: float) -> str | None: ...
+
+    def bind(self, session_id: str, target: str, now: float) -> bool:
+        """Bind (or refresh) a session; True when it moved from another live target."""
+        ...
+
+    def live_sessions(self, target: str) -> int: ...
+
+
+class SpeculativeIndex(Protocol):
+    def store_speculative(self, target: str, keys: list[int] | tuple[int, ...], expires_at: float) -> None: ...
+
+
+@dataclass(slots=True)
+class Lease:
+    """One routed request's claim on a target's load; released exactly once."""
+
+    target: TargetState
+    uncached_tokens: int
+    prompt_tokens: int
+    policy: Policy
+    request: RequestInfo
+    _phase: int = 0  # 0 prefill, 1 decode, 2 finished
+
+    def first_token(self) -> None:
+        if self._phase == 0:
+            self.target.prefill_tokens -= self.uncached_tokens
+            self.target.decode_tokens += self.prompt_tokens
+            self._phase = 1
+
+    def finish(self, now: float) -> None:
+        if self._phase == 2:
+            return
+        if self._phase == 0:
+            self.target.prefill_tokens -= self.uncached_tokens
+        else:
+            self.target.decode_tokens -= self.prompt_tokens
+        self.target.in_flight -= 1
+        self._phase = 2
+        self.policy.on_finished(self.request, self.target.id, now)
+
+    @property
+    def finished(self) -> bool:
+        return self._phase == 2
+
+
+class Router:
+    def __init__(
+        self,
+        policy: Policy,
+        targets: MutableMapping[str, TargetState],
+        *,
+        index: object | None = None,
+        sessions: SessionStore | None = None,
+        speculative_ttl_s: float = 2.0,
+    ) -> None:
+        self.policy = policy  # swapped whole on config reload; bindings and load stay here
+        self.targets = targets  # owned by the registry (gateway) or the simulator
+        self.index = index
+        self.sessions = sessions
+        self.speculative_ttl_s = speculative_ttl_s
+        self.session_moves = 0
+
+    def view(self, now: float, exclude: Iterable[str] = ()) -> ClusterView:
+        excluded = set(exclude)
+        targets = [t for t in self.targets.values() if t.id not in excluded]
+        if self.sessions is not None:
+            for t in targets:
+                t.live_sessions = self.sessions.live_sessions(t.id)
+        return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions)  # type: ignore[arg-type]
+
+    def decide(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> Decision:
+        """The decision alone (``/debug/route``): commits nothing. Raises ``NoCandidate``."""
+        decision = self.policy.decide(request, self.view(now, exclude))
+        if decision.target is None or decision.target not in self.targets:
+            raise NoCandidate(decision.reason or "policy chose no target")
+        return decision
+
+    def route(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> tuple[Decision, Lease]:
+        """Decide and commit. The caller must eventually call ``lease.finish(now)``."""
+        decision = self.decide(request, now, exclude)
+        return decision, self.commit(request, decision, now)
+
+    def commit(self, request: RequestInfo, decision: Decision, now: float) -> Lease:
+        target = self.targets[decision.target]  # type: ignore[index]
+        self.policy.on_routed(request, target.id, now)
+        if self.sessions is not None and request.session_id:
+            if self.sessions.bind(request.session_id, target.id, now):
+                self.session_moves += 1
+        cached = decision.overlaps.get(target.id)
+        cached_tokens = min(cached.blocks * request.block_size, request.prompt_tokens) if cached else 0
+        if self.index is not None and request.block_keys and self.speculative_ttl_s > 0:
+            store = getattr(self.index, "store_speculative", None)
+            if store is not None:
+                store(target.id, request.block_keys, now + self.speculative_ttl_s)
+        target.in_flight += 1
+        uncached = request.prompt_tokens - cached_tokens
+        target.prefill_tokens += uncached
+        return Lease(target, uncached, request.prompt_tokens, self.policy, request)

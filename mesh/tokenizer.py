@@ -1,0 +1,203 @@
+"""Tokenizers and chat templates shared by the gateway and the bundled engine (no torch).
+
+The gateway and the engine must turn the same request into the same token ids, or the router's
+block keys will not match the engine's cache. Both load tokenizers through ``load_tokenizer``.
+
+- ``byte``: a byte-level tokenizer that needs no files (ids 0-255 are bytes; 256 BOS, 257 EOS).
+- a ``tokenizer.json`` (Hugging Face ``tokenizers``), with the chat template, BOS and EOS from a
+  ``tokenizer_config.json`` beside it when present.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.sandbox
+
+# ChatML, the template of Qwen2 and of the byte-level default.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (bad shape, or the template raised)."""
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int
+    bos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def stream_decoder(self) -> StreamDecoder: ...
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class StreamDecoder(Protocol):
+    def push(self, token_id: int) -> str:
+        """Text completed by this token (may be empty while a multi-byte character is open)."""
+        ...
+
+
+class ChatRenderer:
+    """Renders OpenAI chat messages with a Jinja chat template in a sandbox."""
+
+    def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, **special: Any) -> None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(template)
+        self._special = special
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        normalized = [normalize_message(m) for m in messages]
+        try:
+            return self._template.render(
+                messages=normalized, add_generation_prompt=add_generation_prompt, **self._special
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def normalize_message(message: Any) -> dict[str, Any]:
+    """A message with string content: text parts joined, other parts rejected."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError("each message must be an object with a string 'role'")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError("only text content parts are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise ChatTemplateError("message 'content' must be a string or a list of text parts")
+    return {**message, "content": content}
+
+
+def _raise_template_error(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. Needs no files; the default of the gateway and the tiny preset."""
+
+    BOS = 256
+    EOS = 257
+    vocab_size = 258
+    bos_token_id: int | None = None  # no BOS is prepended, so token ids == bytes of the prompt
+    eos_token_id = EOS
+    name = "byte"
+
+    def __init__(self) -> None:
+        self._chat = ChatRenderer()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _ByteStreamDecoder()
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._chat.render(messages, add_generation_prompt)
+
+
+class _ByteStreamDecoder:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``, with its ``tokenizer_config.json`` when present."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self._tok = _HF.from_file(str(file))
+        self.name = str(file)
+        config = _read_json(file.parent / "tokenizer_config.json")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = self._special_id(config.get("eos_token"), fallback=self.vocab_size - 1)
+        bos = config.get("bos_token")
+        self.bos_token_id = self._special_id(bos, fallback=None) if bos else None
+        template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        if isinstance(template, list):  # [{name, template}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        self._chat = ChatRenderer(template, bos_token=_token_text(bos), eos_token=_token_text(config.get("eos_token")))
+
+    def _special_id(self, token: Any, fallback: int | None) -> Any:
+        text = _token_text(token)
+        found = self._tok.token_to_id(text) if text else None
+        return found if found is not None else fallback
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _HFStreamDecoder(self)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._chat.render(messages, add_generation_prompt)
+
+
+class _HFStreamDecoder:
+    """Decodes the growing id list and emits the new suffix once it is not a broken character."""
+
+    def __init__(self, tok: HFTokenizer) -> None:
+        self._tok = tok
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._emitted = text[self._emitted :], len(text)
+        return new
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_tokenizer(spec: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """``None`` or ``"byte"``: the byte-level default; else a tokenizer.json or a model directory."""
+    if spec in (None, "", "byte"):
+        return ByteTokenizer()
+    return HFTokenizer(spec)
