@@ -1,0 +1,93 @@
+"""Built-in pickers: choose one candidate index from the weighted totals.
+
+Every tie is broken by the picker's seeded RNG, uniformly among the tied candidates: "always the
+first worker" (SGLang's known complaint) would pile equal-score traffic onto one target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from policies.pipeline import Picker
+from policies.registry import PluginError, register
+
+TIE_EPS = 1e-9  # totals this close (relative to their size) are a tie
+
+
+def _ties(values: Sequence[float], best: float) -> list[int]:
+    cut = best - TIE_EPS * max(1.0, abs(best))
+    return [i for i, v in enumerate(values) if v >= cut]
+
+
+@register("picker", "max_score")
+class MaxScore(Picker):
+    """The highest total; ties spread uniformly at random."""
+
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
+        tied = _ties(totals, max(totals))
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def summary(self, terms: Sequence[str]) -> str:
+        return "highest weighted score"
+
+
+@register("picker", "weighted_random")
+class WeightedRandom(Picker):
+    """Probability proportional to the total; uniform when every total is 0."""
+
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
+        n = len(totals)
+        if sum(totals) <= 0:
+            return self.rng.randrange(n)
+        return self.rng.choices(range(n), weights=totals)[0]
+
+    def summary(self, terms: Sequence[str]) -> str:
+        return "random draw weighted by score"
+
+
+@register("picker", "softmax")
+class Softmax(Picker):
+    """Probability proportional to ``exp(total / temperature)`` (Dynamo's sampling at T > 0)."""
+
+    def __init__(self, temperature: float = 0.1, seed: int | None = None) -> None:
+        super().__init__(seed)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature <= 0:
+            raise PluginError(f"picker 'softmax': temperature must be finite and > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
+        top, t = max(totals), self.temperature
+        weights = [math.exp((v - top) / t) for v in totals]  # shifted: the best weighs 1, no overflow
+        return self.rng.choices(range(len(totals)), weights=weights)[0]
+
+    def summary(self, terms: Sequence[str]) -> str:
+        return f"softmax draw (temperature {self.temperature:g})"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "temperature": self.temperature}
+
+
+@register("picker", "lexicographic")
+class Lexicographic(Picker):
+    """Ranks by the scorers in their configured order: the first scorer decides, the next breaks
+    its ties, and so on; remaining ties spread at random. Weights do not matter here.
+
+    Expresses "prefix overlap first, then fewest live sessions, then load" exactly, which no
+    weighted sum can for every input.
+    """
+
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
+        alive = list(range(len(totals)))
+        for col in columns:
+            best = max(col[i] for i in alive)
+            cut = best - TIE_EPS * max(1.0, abs(best))
+            alive = [i for i in alive if col[i] >= cut]
+            if len(alive) == 1:
+                return alive[0]
+        return self.rng.choice(alive)
+
+    def summary(self, terms: Sequence[str]) -> str:
+        return "best by " + " > ".join(terms) if terms else "random (no scorers)"

@@ -1,0 +1,311 @@
+"""The plugin pipeline (llm-d's split): filters -> weighted scorers -> picker.
+
+- A **filter** drops candidates (unhealthy, wrong model, no headroom).
+- A **scorer** gives every remaining candidate a score in [0, 1]; the pipeline multiplies it by
+  the scorer's weight (configured outside the scorer) and sums the terms into a total.
+- A **picker** chooses one candidate from the totals (ties broken fairly, never "the first").
+
+Profiles run the pipeline once for prefill and once for decode: with ``profiles: {prefill: ...,
+decode: ...}`` the decision names a prefill target and a ``decode_target``.
+
+Invariants: no I/O, no clock (``cluster.now``), randomness only from the picker's seeded RNG.
+Every plugin is built through ``policies.registry.create`` so that built-in names, ``module:Class``
+paths and ``mesh.policies`` entry points all work, and every error is a ``PluginError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import ClusterView, Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
+from policies.registry import PluginError, create, register
+
+
+class Filter(abc.ABC):
+    """Removes candidates that must not take the request. Returns the kept ones, in order."""
+
+    name: str = "filter"
+
+    @abc.abstractmethod
+    def filter(
+        self, request: RequestInfo, cluster: ClusterView, candidates: list[TargetState]
+    ) -> list[TargetState]: ...
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class Scorer(abc.ABC):
+    """Scores every candidate in [0, 1] (higher is better); returns one float per candidate.
+
+    Built-in scorers set ``trusted = True``: they guarantee the range, so the pipeline skips the
+    clamp it applies to a plugin's scores (a plugin bug must not poison the total).
+    """
+
+    name: str = "scorer"
+    trusted: bool = False
+
+    @abc.abstractmethod
+    def score(
+        self, request: RequestInfo, cluster: ClusterView, candidates: list[TargetState]
+    ) -> Sequence[float]: ...
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class Picker(abc.ABC):
+    """Chooses one candidate: returns its index.
+
+    ``totals`` holds each candidate's weighted score; ``columns`` holds each scorer's raw scores
+    (in the configured scorer order) for pickers that rank by terms instead of the sum.
+    A picker owns its ``random.Random`` (seeded by the ``seed`` context param).
+    """
+
+    name: str = "picker"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    @abc.abstractmethod
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int: ...
+
+    def summary(self, terms: Sequence[str]) -> str:
+        """How the choice was made, for ``Decision.reason``; ``terms`` are the scorer names."""
+        return f"picked by {self.name}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+DEFAULT_FILTERS: tuple[str, ...] = ("healthy", "model_match")
+_SCORER_KEYS = frozenset({"name", "weight", "params"})
+_PROFILE_KEYS = frozenset({"filters", "scorers", "picker"})
+
+
+def validate_weight(owner: str, weight: Any) -> float:
+    """A scorer weight: a real number, finite and >= 0."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise PluginError(f"{owner}: weight must be a number, got {weight!r}")
+    w = float(weight)
+    if not math.isfinite(w) or w < 0:
+        raise PluginError(f"{owner}: weight must be finite and >= 0, got {weight!r}")
+    return w
+
+
+def _check_kind(kind: str, obj: Any, base: type, method: str) -> None:
+    if not callable(getattr(obj, method, None)):
+        raise PluginError(
+            f"{kind} {getattr(obj, 'name', type(obj).__name__)!r} has no {method}() method "
+            f"(subclass policies.pipeline.{base.__name__})"
+        )
+
+
+def build_filter(spec: Any) -> Filter:
+    obj = create("filter", spec)
+    _check_kind("filter", obj, Filter, "filter")
+    return obj
+
+
+def build_scorer(spec: Any, index: int) -> tuple[Scorer, float]:
+    """A scorer entry: a bare name (weight 1) or ``{name, weight, params}``."""
+    where = f"scorers[{index}]"
+    if isinstance(spec, dict):
+        unknown = set(spec) - _SCORER_KEYS
+        if unknown:
+            raise PluginError(f"{where}: unknown keys {sorted(unknown)} (allowed: name, weight, params)")
+        weight = validate_weight(f"{where} ({spec.get('name')!r})", spec.get("weight", 1.0))
+        spec = {k: v for k, v in spec.items() if k != "weight"}
+    elif isinstance(spec, str):
+        weight = 1.0
+    else:
+        raise PluginError(f"{where}: expected a name or a map with name/weight/params, got {spec!r}")
+    obj = create("scorer", spec)
+    _check_kind("scorer", obj, Scorer, "score")
+    return obj, weight
+
+
+def build_picker(spec: Any, seed: int | None) -> Picker:
+    obj = create("picker", spec, seed=seed)
+    _check_kind("picker", obj, Picker, "pick")
+    return obj
+
+
+def _as_list(owner: str, value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise PluginError(f"{owner} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _checked(scorer: Scorer, request: RequestInfo, cluster: ClusterView, found: list[TargetState]) -> list[float]:
+    """A plugin scorer's output, checked for shape and forced into [0, 1] (NaN counts as 0)."""
+    try:
+        col = [float(v) for v in scorer.score(request, cluster, found)]
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"scorer {scorer.name!r} returned something other than numbers: {exc}") from exc
+    if len(col) != len(found):
+        raise PluginError(f"scorer {scorer.name!r} returned {len(col)} scores for {len(found)} candidates")
+    return [0.0 if not v == v else (0.0 if v < 0.0 else (1.0 if v > 1.0 else v)) for v in col]
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    target: str
+    reason: str
+    scores: dict[str, dict[str, float]]
+
+
+class Profile:
+    """One filters -> scorers -> picker run. ``roles`` (when set) is an implicit first filter."""
+
+    def __init__(
+        self,
+        label: str,
+        filters: list[Any] | None,
+        scorers: list[Any] | None,
+        picker: Any,
+        seed: int | None,
+        roles: frozenset[Role] | None = None,
+    ) -> None:
+        self.label = label
+        specs = list(DEFAULT_FILTERS) if filters is None else _as_list(f"{label}.filters", filters)
+        self.filters = [build_filter(s) for s in specs]
+        # Health is never optional: a configured list without it gets it first.
+        if not any(f.name == "healthy" for f in self.filters):
+            self.filters.insert(0, build_filter("healthy"))
+        self.scorers: list[tuple[Scorer, float]] = [
+            build_scorer(s, i) for i, s in enumerate(_as_list(f"{label}.scorers", scorers))
+        ]
+        self.terms = _term_names([s.name for s, _ in self.scorers])
+        self.picker = build_picker(picker if picker is not None else "max_score", seed)
+        self.reason = self.picker.summary(self.terms)
+        self.roles = roles
+
+    def run(self, request: RequestInfo, cluster: ClusterView) -> ProfileResult:
+        found = list(cluster.targets)
+        if self.roles is not None:
+            found = [t for t in found if t.role in self.roles]
+        for f in self.filters:
+            found = f.filter(request, cluster, found)
+            if not found:
+                raise NoCandidate(f"{self.label}: no candidate left after filter {f.name!r}")
+        n = len(found)
+        columns: list[Sequence[float]] = []
+        totals = [0.0] * n
+        for scorer, weight in self.scorers:
+            col = scorer.score(request, cluster, found) if scorer.trusted else _checked(scorer, request, cluster, found)
+            columns.append(col)
+            if weight:
+                totals = [a + weight * b for a, b in zip(totals, col)]
+        pick = self.picker.pick(totals, columns) if n > 1 else 0
+        return ProfileResult(found[pick].id, self.reason, self._scores(found, columns, totals))
+
+    def _scores(
+        self, found: list[TargetState], columns: list[Sequence[float]], totals: list[float]
+    ) -> dict[str, dict[str, float]]:
+        keys = (*self.terms, "total")
+        rows = zip(*columns, totals)
+        return {t.id: dict(zip(keys, row)) for t, row in zip(found, rows)}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "filters": [f.name for f in self.filters],
+            "scorers": [{"name": s.name, "weight": w} for s, w in self.scorers],
+            "picker": self.picker.name,
+        }
+
+
+def _term_names(names: list[str]) -> tuple[str, ...]:
+    """Score keys in ``Decision.scores``: the scorer names, a duplicate gets ``#2``, ``#3``..."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return tuple(out)
+
+
+@register("policy", "pipeline")
+class Pipeline(Policy):
+    """filters -> weighted scorers -> picker; or two profiles (prefill, decode) for P/D pairs.
+
+    Params: ``filters`` (default ``[healthy, model_match]``; ``healthy`` is always applied),
+    ``scorers`` (``[{name, weight, params}]``, weights finite and >= 0), ``picker`` (default
+    ``max_score``); or ``profiles: {prefill: {...}, decode: {...}}`` with the same three keys
+    each. A prefill profile considers prefill-role targets, a decode profile decode-role ones;
+    when no pair can be formed the prefill profile runs over mixed-role targets instead.
+    """
+
+    def __init__(
+        self,
+        filters: list[Any] | None = None,
+        scorers: list[Any] | None = None,
+        picker: Any = None,
+        profiles: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.profile: Profile | None = None
+        self.pd: tuple[Profile, Profile, Profile] | None = None  # prefill, decode, mixed fallback
+        if profiles is None:
+            self.profile = Profile("pipeline", filters, scorers, picker, seed)
+            return
+        if filters is not None or scorers is not None or picker is not None:
+            raise PluginError("pipeline: give either profiles or filters/scorers/picker, not both")
+        self.pd = _build_profiles(profiles, seed)
+
+    def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        ov = cluster.overlaps(request)
+        overlaps: dict[str, Overlap] = ov if type(ov) is dict else dict(ov)
+        if self.pd is None:
+            res = self.profile.run(request, cluster)  # type: ignore[union-attr]
+            return Decision(res.target, res.reason, res.scores, overlaps)
+        prefill, decode, mixed = self.pd
+        try:
+            pre = prefill.run(request, cluster)
+            dec = decode.run(request, cluster)
+        except NoCandidate as exc:
+            try:
+                res = mixed.run(request, cluster)
+            except NoCandidate:
+                raise NoCandidate(f"no prefill/decode pair ({exc}) and no mixed-role candidate") from exc
+            return Decision(res.target, f"{res.reason} (mixed-role fallback: {exc})", res.scores, overlaps)
+        scores = {**dec.scores, **pre.scores}  # role sets are disjoint: no target is in both
+        reason = f"prefill {pre.reason}; decode {dec.reason}"
+        return Decision(pre.target, reason, scores, overlaps, dec.target)
+
+    def describe(self) -> dict[str, Any]:
+        if self.pd is None:
+            return {"name": self.name, **self.profile.describe()}  # type: ignore[union-attr]
+        return {"name": self.name, "profiles": {"prefill": self.pd[0].describe(), "decode": self.pd[1].describe()}}
+
+
+def _build_profiles(profiles: Any, seed: int | None) -> tuple[Profile, Profile, Profile]:
+    """Prefill profile over prefill-role targets, decode over decode-role ones, and the prefill
+    profile again over mixed-role targets for when no pair can be formed."""
+    if not isinstance(profiles, Mapping) or set(profiles) != {"prefill", "decode"}:
+        got = sorted(profiles) if isinstance(profiles, Mapping) else profiles
+        raise PluginError(f"pipeline: profiles must have exactly 'prefill' and 'decode', got {got!r}")
+    for label in ("prefill", "decode"):
+        body = profiles[label]
+        if not isinstance(body, Mapping):
+            raise PluginError(f"pipeline: profile {label!r} must be a map, got {body!r}")
+        unknown = set(body) - _PROFILE_KEYS
+        if unknown:
+            raise PluginError(f"pipeline: profile {label!r} has unknown keys {sorted(unknown)}")
+    p, d = profiles["prefill"], profiles["decode"]
+
+    def seeded(k: int) -> int | None:
+        return None if seed is None else seed + k
+
+    def make(label: str, body: Mapping[str, Any], k: int, role: Role) -> Profile:
+        return Profile(label, body.get("filters"), body.get("scorers"), body.get("picker"), seeded(k),
+                       frozenset({role}))
+
+    return make("prefill", p, 0, Role.PREFILL), make("decode", d, 1, Role.DECODE), make("mixed", p, 2, Role.MIXED)

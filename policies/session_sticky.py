@@ -1,0 +1,152 @@
+"""Session-sticky data-parallel routing (ATOM Mesh ``dp_sticky``, made cache-aware).
+
+A request with a session id goes back to the target (worker, DP rank) its session is bound to,
+while that target is available, serves the model and is under the load ceiling. Otherwise the
+session is (re)bound by the inner policy, run over the targets under the ceiling: by default
+prefix overlap first, then fewest live sessions, then load.
+
+Reads bindings only through ``cluster.sessions.bound_target``; the ``Router`` writes them
+(``SessionStore.bind``) after the decision and counts a move when a live binding changes target.
+``Decision.reason`` starts with ``bound``, ``new session`` or ``rebound: <why>``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from policies import registry
+from policies.base import ClusterView, Decision, Policy, RequestInfo, TargetState
+from policies.registry import PluginError, register
+
+# The issue's order for a new session, when the precise kv_aware policy is not installed.
+FALLBACK_INNER: dict[str, Any] = {
+    "name": "pipeline",
+    "params": {
+        "scorers": [
+            {"name": "prefix", "weight": 3.0},
+            {"name": "live_sessions", "weight": 2.0},
+            {"name": "load", "weight": 1.0},
+        ],
+        "picker": "lexicographic",
+    },
+}
+
+
+def default_inner() -> str | dict[str, Any]:
+    return "kv_aware" if "kv_aware" in registry.names("policy") else FALLBACK_INNER
+
+
+def _number(owner: str, value: Any, lo: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
+        raise PluginError(f"policy 'session_sticky': {owner} must be a finite number >= {lo}, got {value!r}")
+    return float(value)
+
+
+@register("policy", "session_sticky")
+class SessionSticky(Policy):
+    """Sticky sessions with a load ceiling.
+
+    Params: ``inner`` (a policy spec; default ``kv_aware`` if installed, else a lexicographic
+    pipeline prefix > live_sessions > load), ``max_in_flight`` (absolute ceiling on the bound
+    target's in-flight requests; 0 = none), ``load_factor`` and ``load_slack`` (relative ceiling:
+    ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none).
+    A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
+    """
+
+    def __init__(
+        self,
+        inner: str | dict[str, Any] | None = None,
+        max_in_flight: int = 0,
+        load_factor: float = 2.0,
+        load_slack: float = 4.0,
+        seed: int | None = None,
+    ) -> None:
+        spec = default_inner() if inner is None else inner
+        self.inner: Policy = registry.create("policy", spec, seed=seed)
+        self.max_in_flight = int(_number("max_in_flight", max_in_flight, 0))
+        self.load_factor = _number("load_factor", load_factor, 0)
+        self.load_slack = _number("load_slack", load_slack, 0)
+
+    def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        sid, store = request.session_id, cluster.sessions
+        if not sid:
+            return self.inner.decide(request, cluster)
+        if store is None:
+            d = self.inner.decide(request, cluster)
+            d.reason = f"no session store; {d.reason}"
+            return d
+        usable = [t for t in cluster.targets if t.available and (not t.models or request.model in t.models)]
+        ceiling = self._ceiling(usable)
+        bound = store.bound_target(sid, cluster.now)
+        why = "new session"
+        if bound is not None:
+            state = next((t for t in cluster.targets if t.id == bound), None)
+            why = self._why_not(request, state, usable, ceiling)
+            if why is None:
+                return self._bound(request, cluster, bound)
+            why = f"rebound: {why}"
+        # New or moving session: the best target under the ceiling (all usable ones if none is).
+        under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
+        narrowed = under or [t for t in usable if t.id != bound] or usable
+        view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions)
+        view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
+        d = self.inner.decide(request, view)
+        d.reason = f"{why} ({d.reason})"
+        return d
+
+    def _bound(self, request: RequestInfo, cluster: ClusterView, bound: str) -> Decision:
+        ov = cluster.overlaps(request)
+        return Decision(bound, "bound", {bound: {"session_affinity": 1.0}}, ov if type(ov) is dict else dict(ov))
+
+    def _ceiling(self, usable: list[TargetState]) -> float:
+        ceiling = float(self.max_in_flight) if self.max_in_flight > 0 else math.inf
+        if self.load_factor > 0 and usable:
+            mean = sum(t.in_flight for t in usable) / len(usable)
+            ceiling = min(ceiling, self.load_factor * mean + self.load_slack)
+        return ceiling
+
+    @staticmethod
+    def _over(t: TargetState, ceiling: float) -> bool:
+        return t.in_flight > ceiling or 0 < t.max_in_flight <= t.in_flight
+
+    def _why_not(
+        self, request: RequestInfo, state: TargetState | None, usable: list[TargetState], ceiling: float
+    ) -> str | None:
+        """Why the bound target cannot take this turn, or None when it can."""
+        if state is None:
+            return "bound target gone"
+        if not state.available:
+            return _unavailable(state)
+        if state.models and request.model not in state.models:
+            return "bound target does not serve the model"
+        if self._over(state, ceiling):
+            # Moving only helps when some other target is under the ceiling.
+            if any(t is not state and not self._over(t, ceiling) for t in usable):
+                if 0 < state.max_in_flight <= state.in_flight:
+                    return f"bound target at its admission limit ({state.in_flight}/{state.max_in_flight})"
+                return f"bound target over load ceiling (in_flight {state.in_flight} > {ceiling:.1f})"
+        return None
+
+    def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
+        self.inner.on_routed(request, target, now)
+
+    def on_finished(self, request: RequestInfo, target: str, now: float) -> None:
+        self.inner.on_finished(request, target, now)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner": self.inner.describe(),
+            "max_in_flight": self.max_in_flight,
+            "load_factor": self.load_factor,
+            "load_slack": self.load_slack,
+        }
+
+
+def _unavailable(t: TargetState) -> str:
+    if not t.healthy:
+        return "bound target unhealthy"
+    if t.draining:
+        return "bound target draining"
+    return "bound target circuit open"
