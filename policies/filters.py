@@ -20,7 +20,8 @@ class Healthy(Filter):
     """Healthy, not draining, circuit closed (``TargetState.available``)."""
 
     def filter(self, request: RequestInfo, cluster: ClusterView, candidates: list[TargetState]) -> list[TargetState]:
-        return [t for t in candidates if t.available]
+        # ``TargetState.available``, inlined: this runs on every decision over every target.
+        return [t for t in candidates if t.healthy and not t.draining and not t.circuit_open]
 
 
 @register("filter", "model_match")

@@ -26,8 +26,12 @@ class MaxScore(Picker):
     """The highest total; ties spread uniformly at random."""
 
     def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
-        tied = _ties(totals, max(totals))
-        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        best = max(totals)
+        cut = best - TIE_EPS * max(1.0, abs(best))
+        ranked = sorted(totals)  # C speed; only a real tie pays for the Python scan below
+        if len(ranked) < 2 or ranked[-2] < cut:
+            return totals.index(best)
+        return self.rng.choice([i for i, v in enumerate(totals) if v >= cut])
 
     def summary(self, terms: Sequence[str]) -> str:
         return "highest weighted score"

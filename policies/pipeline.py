@@ -184,6 +184,8 @@ class Profile:
             build_scorer(s, i) for i, s in enumerate(_as_list(f"{label}.scorers", scorers))
         ]
         self.terms = _term_names([s.name for s, _ in self.scorers])
+        self._scorer_objs = [s for s, _ in self.scorers]
+        self._totals, self._rows = _compile_combiners([w for _, w in self.scorers], (*self.terms, "total"))
         self.picker = build_picker(picker if picker is not None else "max_score", seed)
         self.reason = self.picker.summary(self.terms)
         self.roles = roles
@@ -196,23 +198,13 @@ class Profile:
             found = f.filter(request, cluster, found)
             if not found:
                 raise NoCandidate(f"{self.label}: no candidate left after filter {f.name!r}")
-        n = len(found)
-        columns: list[Sequence[float]] = []
-        totals = [0.0] * n
-        for scorer, weight in self.scorers:
-            col = scorer.score(request, cluster, found) if scorer.trusted else _checked(scorer, request, cluster, found)
-            columns.append(col)
-            if weight:
-                totals = [a + weight * b for a, b in zip(totals, col)]
-        pick = self.picker.pick(totals, columns) if n > 1 else 0
-        return ProfileResult(found[pick].id, self.reason, self._scores(found, columns, totals))
-
-    def _scores(
-        self, found: list[TargetState], columns: list[Sequence[float]], totals: list[float]
-    ) -> dict[str, dict[str, float]]:
-        keys = (*self.terms, "total")
-        rows = zip(*columns, totals)
-        return {t.id: dict(zip(keys, row)) for t, row in zip(found, rows)}
+        columns = [
+            s.score(request, cluster, found) if s.trusted else _checked(s, request, cluster, found)
+            for s in self._scorer_objs
+        ]
+        totals = self._totals(len(found), *columns)
+        pick = self.picker.pick(totals, columns) if len(found) > 1 else 0
+        return ProfileResult(found[pick].id, self.reason, self._rows([t.id for t in found], *columns, totals))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -220,6 +212,30 @@ class Profile:
             "scorers": [{"name": s.name, "weight": w} for s, w in self.scorers],
             "picker": self.picker.name,
         }
+
+
+def _compile_combiners(weights: list[float], keys: tuple[str, ...]) -> tuple[Any, Any]:
+    """Two functions specialised to this profile's scorer count (the decision hot path):
+    ``totals(n, c0, c1, ..)`` -> weighted sums, and ``rows(ids, c0, c1, .., totals)`` ->
+    ``{target: {term: score, .., "total": sum}}``. A generated dict display is ~3x faster than
+    ``dict(zip(..))`` per row. Only column *counts* reach the source text; weights and keys are
+    bound as values, so nothing from the config is ever executed.
+    """
+    k = len(weights)
+    cs = ", ".join(f"c{i}" for i in range(k))
+    xs = ", ".join(f"x{i}" for i in range(k))
+    env: dict[str, Any] = {f"w{i}": w for i, w in enumerate(weights)}
+    env.update({f"k{i}": key for i, key in enumerate(keys)})
+    if k == 0:
+        src = ("def totals(n):\n    return [0.0] * n\n"
+               f"def rows(ids, tot):\n    return {{t: {{k0: s}} for t, s in zip(ids, tot)}}\n")
+    else:
+        total = " + ".join(f"w{i} * x{i}" for i in range(k) if weights[i]) or "0.0"
+        row = ", ".join(f"k{i}: x{i}" for i in range(k)) + f", k{k}: s"
+        src = (f"def totals(n, {cs}):\n    return [{total} for {xs}, in zip({cs})]\n"
+               f"def rows(ids, {cs}, tot):\n    return {{t: {{{row}}} for t, {xs}, s in zip(ids, {cs}, tot)}}\n")
+    exec(compile(src, "<pipeline combiners>", "exec"), env)  # noqa: S102 (source built from counts only)
+    return env["totals"], env["rows"]
 
 
 def _term_names(names: list[str]) -> tuple[str, ...]:

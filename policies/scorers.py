@@ -52,13 +52,12 @@ class PrefixOverlap(Scorer):
         ov = cluster.overlaps(request)
         if not n_blocks or not ov:
             return [0.0] * len(candidates)
-        g, c = self.gpu_weight / n_blocks, self.cpu_weight / n_blocks
-        out = [0.0] * len(candidates)
-        for i, t in enumerate(candidates):
-            o = ov.get(t.id)
-            if o is not None and t.index_healthy:
-                out[i] = min(1.0, g * o.gpu_blocks + c * o.cpu_blocks)
-        return out
+        # An overlap never exceeds the request's blocks and tier weights are <= 1: no clamp.
+        g, c, get = self.gpu_weight / n_blocks, self.cpu_weight / n_blocks, ov.get
+        return [
+            g * o.gpu_blocks + c * o.cpu_blocks if (o := get(t.id)) is not None and t.index_healthy else 0.0
+            for t in candidates
+        ]
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "gpu_weight": self.gpu_weight, "cpu_weight": self.cpu_weight}
@@ -81,7 +80,7 @@ class KvUtilization(Scorer):
     trusted = True
 
     def score(self, request: RequestInfo, cluster: ClusterView, candidates: list[TargetState]) -> list[float]:
-        return [min(1.0, max(0.0, 1.0 - t.kv_usage)) for t in candidates]
+        return [1.0 - u if 0.0 <= (u := t.kv_usage) <= 1.0 else (0.0 if u > 1.0 else 1.0) for t in candidates]
 
 
 @register("scorer", "session_affinity")
