@@ -1,0 +1,199 @@
+"""Configuration of the bundled engine: the model's shape (``ModelConfig``) and the engine's
+limits (``EngineConfig``). Both are frozen: built once at startup, then only read.
+
+Presets carry deterministic random weights (seeded), so a demo, a load test or a benchmark needs
+no download. ``tiny`` runs on two CPU cores; the others have the shapes of common checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    # HF ``rope_scaling`` of type "llama3" (Llama 3.1+): factor, low/high_freq_factor, original len.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # Qwen2
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"  # float32 | float16 | bfloat16
+    init_std: float = 0.02  # random presets only
+    tokenizer: str = "byte"  # "byte" or a path load_tokenizer accepts
+    eos_token_id: int | None = None  # None: the tokenizer's
+    path: str | None = None  # a local HF directory to load weights from; None: random weights
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Two CPU cores: a decode step is dominated by Python, not arithmetic. vocab 512 holds the
+    # byte tokenizer's 258 ids. A larger init_std makes greedy argmaxes well separated.
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", init_std=0.1,
+    ),
+    "qwen2-0.5b": ModelConfig(
+        name="qwen2-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, qkv_bias=True, tie_word_embeddings=True,
+    ),
+    "llama3-1b": ModelConfig(
+        name="llama3-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "llama3-3b": ModelConfig(
+        name="llama3-3b", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+        num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return replace(PRESETS[name], **overrides)
+
+
+def config_from_hf(path: str | Path, dtype: str | None = None) -> ModelConfig:
+    """A ``ModelConfig`` from a Hugging Face directory's ``config.json`` (Llama or Qwen2)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    hf = json.loads(cfg_file.read_text())
+    arch = (hf.get("architectures") or [""])[0]
+    model_type = hf.get("model_type", "")
+    if model_type not in ("llama", "qwen2", "mistral") and arch not in (
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
+    ):
+        raise ValueError(f"unsupported architecture {arch or model_type!r} (Llama, Qwen2, Mistral)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    rope_theta = hf.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
+    rope_scaling = None
+    if scaling:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind == "llama3":
+            rope_scaling = tuple(sorted((k, v) for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta")))
+        elif kind not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    torch_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    tokenizer = str(path) if (path / "tokenizer.json").is_file() else "byte"
+    return ModelConfig(
+        name=path.name,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        tokenizer=tokenizer,
+        eos_token_id=eos,
+        path=str(path),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    # KV capacity: an explicit block count, else a share of free GPU memory (CUDA) or a byte
+    # budget (CPU).
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
+    chunked_prefill_size: int | None = None  # most new tokens of one sequence per step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    attention_backend: str = "auto"  # auto | torch | triton
+    cpu_threads: int | None = None  # None: half the cores (a shared box must not oversubscribe)
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    max_graph_batch_size: int = 256
+    seed: int = 0
+    served_model_name: str | None = None  # also the namespace of block keys (mesh.keys)
+    # KV events (vLLM wire format); None: no publisher.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    kv_events_queue_size: int = 100_000  # batches queued for the publisher thread
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must lie in (0, 1]")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return min(self.chunked_prefill_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
