@@ -118,7 +118,8 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_cb, stride_ct, stride_ch,  # cache strides: block, token, kv head (head_dim is 1)
     num_splits, split_tokens,  # split_tokens is a multiple of BLOCK_N
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP,  # query heads per KV head (runtime: fewer compiled variants)
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -185,10 +186,10 @@ def _decode_reduce_kernel(
 @_jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, GROUP,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_ct, stride_ch,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -338,11 +339,9 @@ class TritonBackend(AttentionBackend):
             return out
         cfg = self.decode_config
         # Upper bound on any context, from shapes alone (no sync; graph-capturable).
-        n_tiles = triton.cdiv(block_tables.shape[1] * block_size, cfg.block_n)
-        if num_splits is None:
-            num_splits = _auto_splits(num_seqs * num_kv_heads, n_tiles, cfg, q.device)
-        tiles_per_split = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
-        num_splits = triton.cdiv(n_tiles, tiles_per_split)
+        num_splits, split_tokens = self.decode_splits(
+            num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device, num_splits
+        )
         split = num_splits > 1
         if split:
             part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim),
@@ -356,8 +355,8 @@ class TritonBackend(AttentionBackend):
             scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            num_splits, tiles_per_split * cfg.block_n,
-            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            num_splits, split_tokens, group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, SPLIT=split,
             IEEE=q.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -368,6 +367,25 @@ class TritonBackend(AttentionBackend):
                 HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
             )
         return out
+
+    def decode_splits(
+        self,
+        num_seqs: int,
+        num_kv_heads: int,
+        max_context: int,
+        device: torch.device,
+        num_splits: int | None = None,
+    ) -> tuple[int, int]:
+        """(splits, tokens per split) of decode for contexts of at most ``max_context`` tokens.
+
+        ``num_splits=None`` picks enough splits that (sequences x KV heads x splits) fills the
+        SMs (``ctas_per_sm``) without splits thinner than ``min_split_tokens``."""
+        cfg = self.decode_config
+        n_tiles = triton.cdiv(max(1, max_context), cfg.block_n)
+        if num_splits is None:
+            num_splits = _auto_splits(num_seqs * num_kv_heads, n_tiles, cfg, device)
+        tiles_per_split = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
+        return triton.cdiv(n_tiles, tiles_per_split), tiles_per_split * cfg.block_n
 
     def prefill(
         self,
@@ -392,10 +410,10 @@ class TritonBackend(AttentionBackend):
         max_tiles = triton.cdiv(total, cfg.block_m) + num_seqs
         _prefill_kernel[(max_tiles, num_heads)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-            scale * LOG2E, num_seqs,
+            scale * LOG2E, num_seqs, group,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             SEQ_PAD=max(16, triton.next_power_of_2(num_seqs)), IEEE=q.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
