@@ -466,6 +466,8 @@ def main() -> int:
             r.kind += " sweep"
     print_tables([r for r in rows if r.config != "default"], ceil)
     print_tables([r for r in rows if r.config == "default"], ceil)
+    for k in kernel_resources():
+        print("kernel", k)
     if skipped:
         print(f"skipped (budget {args.budget_s:.0f}s): {', '.join(skipped)}")
     result = {
@@ -477,6 +479,7 @@ def main() -> int:
         "ceilings": ceil,
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
+        "kernels": kernel_resources(),
         "wall_s": time.monotonic() - t0,
     }
     out = Path(os.environ.get("BENCH_JSON") or args.json)
@@ -484,6 +487,28 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} in {result['wall_s']:.0f}s")
     return 0
+
+
+def kernel_resources() -> list[dict[str, Any]]:
+    """Registers, spills and shared memory of every compiled variant of the attention kernels."""
+    from workers.attention import triton_backend as tb
+
+    found = []
+    for name in ("_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel"):
+        fn = getattr(tb, name)
+        try:
+            for caches in fn.device_caches.values():
+                for key, kernel in caches[0].items():
+                    kernel._init_handles()
+                    found.append({
+                        "kernel": name, "num_warps": kernel.metadata.num_warps,
+                        "num_stages": kernel.metadata.num_stages, "regs": kernel.n_regs,
+                        "spills": kernel.n_spills, "shared": kernel.metadata.shared,
+                        "constants": str(getattr(kernel, "constants", ""))[:200],
+                    })
+        except Exception as e:  # noqa: BLE001  (internal API; report, never fail the run)
+            found.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:200]})
+    return found
 
 
 def _triton_version() -> str | None:
