@@ -464,10 +464,10 @@ def main() -> int:
     for r in rows:
         if r.config != "default":
             r.kind += " sweep"
+    for k in kernel_resources():
+        print("kernel", {key: val for key, val in k.items() if key != "constants"})
     print_tables([r for r in rows if r.config != "default"], ceil)
     print_tables([r for r in rows if r.config == "default"], ceil)
-    for k in kernel_resources():
-        print("kernel", k)
     if skipped:
         print(f"skipped (budget {args.budget_s:.0f}s): {', '.join(skipped)}")
     result = {
