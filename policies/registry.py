@@ -70,6 +70,8 @@ def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
     extra = {k: v for k, v in context.items() if accepts_any or k in sig.parameters}
     try:
         obj = cls(**{**extra, **params})
+    except PluginError:  # a nested plugin's error already names itself and what is wrong
+        raise
     except (TypeError, ValueError) as exc:
         raise PluginError(f"{kind} {name!r}: bad parameters {params}: {exc}") from exc
     return obj

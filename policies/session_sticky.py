@@ -58,7 +58,7 @@ class SessionSticky(Policy):
         self,
         inner: str | dict[str, Any] | None = None,
         max_in_flight: int = 0,
-        load_factor: float = 2.0,
+        load_factor: float = 1.5,
         load_slack: float = 4.0,
         seed: int | None = None,
     ) -> None:

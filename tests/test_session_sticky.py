@@ -1,0 +1,224 @@
+"""session_sticky through the Router with simulated time: bound, new, rebound, expiry, hot spots."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from mesh.index import PrefixIndex
+from mesh.router import Lease, Router
+from mesh.sessions import SessionTable
+from policies.base import RequestInfo, TargetState
+from policies.registry import PluginError, create, names
+from policies.session_sticky import FALLBACK_INNER, default_inner
+
+TTL = 60.0
+SYSTEM = [101, 102, 103, 104]
+
+
+def T(tid: str, **kw: object) -> TargetState:
+    return TargetState(id=tid, worker=tid.split("@")[0], **kw)  # type: ignore[arg-type]
+
+
+def turn(sid: str | None, keys: list[int] = SYSTEM) -> RequestInfo:
+    return RequestInfo(model="m", block_keys=keys, block_size=16, prompt_tokens=16 * len(keys) + 3, session_id=sid)
+
+
+def setup(
+    ids: list[str], *, inner: object = FALLBACK_INNER, seed: int = 0, **params: object
+) -> tuple[Router, dict[str, TargetState], PrefixIndex, SessionTable]:
+    targets = {tid: T(tid) for tid in ids}
+    index = PrefixIndex()
+    table = SessionTable(idle_ttl_s=TTL, max_sessions=10_000)
+    policy = create("policy", {"name": "session_sticky", "params": {"inner": inner, **params}}, seed=seed)
+    return Router(policy, targets, index=index, sessions=table), targets, index, table
+
+
+def go(router: Router, req: RequestInfo, now: float, finish: bool = True) -> tuple[str, str, Lease]:
+    d, lease = router.route(req, now)
+    if finish:
+        lease.finish(now)
+    return d.target or "", d.reason, lease
+
+
+def test_a_session_keeps_its_target_across_turns() -> None:
+    router, targets, _, table = setup(["a", "b", "c", "d"])
+    first, reason, _ = go(router, turn("s1"), 0.0)
+    assert reason.startswith("new session")
+    for i in range(1, 20):
+        other = next(t for t in targets if t != first)
+        targets[other].in_flight = 0
+        targets[first].in_flight = 3  # a little busier, but under the ceiling
+        target, reason, _ = go(router, turn("s1"), i * 10.0)
+        assert (target, reason) == (first, "bound")
+    assert table.live_sessions(first) == 1 and router.session_moves == 0
+
+
+def test_idle_expiry_unbinds_and_the_next_turn_is_a_new_session() -> None:
+    router, targets, _, table = setup(["a", "b"])
+    first, _, _ = go(router, turn("s1"), 0.0)
+    assert router.decide(turn("s1"), TTL - 0.001).reason == "bound"
+    assert router.decide(turn("s1"), TTL).reason.startswith("new session")  # exactly at the idle time
+    table.expire(TTL)
+    assert len(table) == 0 and table.live_sessions(first) == 0
+    _, reason, _ = go(router, turn("s1"), TTL + 1)
+    assert reason.startswith("new session") and router.session_moves == 0
+
+
+@pytest.mark.parametrize(
+    ("breakage", "why"),
+    [
+        ({"healthy": False}, "bound target unhealthy"),
+        ({"draining": True}, "bound target draining"),
+        ({"circuit_open": True}, "bound target circuit open"),
+    ],
+)
+def test_dead_or_drained_target_rebinds_and_counts_the_move(breakage: dict[str, bool], why: str) -> None:
+    router, targets, _, table = setup(["a", "b", "c"])
+    first, _, _ = go(router, turn("s1"), 0.0)
+    for k, v in breakage.items():
+        setattr(targets[first], k, v)
+    second, reason, _ = go(router, turn("s1"), 1.0)
+    assert second != first and reason.startswith(f"rebound: {why}")
+    assert router.session_moves == 1 and table.stats()["moves"] == 1
+    third, reason, _ = go(router, turn("s1"), 2.0)  # the session continues on its new target
+    assert (third, reason) == (second, "bound")
+    assert table.live_sessions(first) == 0 and table.live_sessions(second) == 1
+
+
+def test_a_removed_target_is_gone_and_the_session_moves() -> None:
+    router, targets, _, _ = setup(["a", "b"])
+    first, _, _ = go(router, turn("s1"), 0.0)
+    del targets[first]
+    second, reason, _ = go(router, turn("s1"), 1.0)
+    assert second != first and reason.startswith("rebound: bound target gone")
+
+
+def test_rebinding_prefers_the_target_holding_most_of_the_prefix() -> None:
+    router, targets, index, _ = setup(["a", "b", "c", "d"])
+    convo = SYSTEM + [201, 202, 203, 204]
+    index.store("a", convo)
+    index.store("c", convo[:6])  # c holds 6 of 8 blocks, b and d only the system prompt
+    index.store("b", SYSTEM)
+    index.store("d", SYSTEM)
+    first, _, _ = go(router, turn("s1", convo), 0.0)
+    assert first == "a"
+    targets["a"].healthy = False
+    assert go(router, turn("s1", convo + [205]), 1.0)[0] == "c"
+
+
+def test_new_sessions_go_prefix_first_then_fewest_sessions_then_load() -> None:
+    router, targets, index, table = setup(["a", "b", "c"])
+    index.store("c", SYSTEM[:2])
+    assert go(router, turn("p", SYSTEM), 0.0)[0] == "c"  # only c has any prefix, though it has load
+    for sid in ("x1", "x2"):
+        table.bind(sid, "a", 0.0)
+    table.bind("y1", "b", 0.0)
+    targets["b"].in_flight = 5
+    # No prefix anywhere: fewest live sessions wins (c has 1 (p), b 1, a 2); b and c tie, load decides: c.
+    assert go(router, turn("q", [900, 901]), 1.0)[0] == "c"
+
+
+def test_new_sessions_spread_fairly_over_equal_targets() -> None:
+    router, _, _, _ = setup(["a", "b", "c", "d"], seed=5)
+    firsts = Counter(go(router, turn(f"s{i}", [1000 + i]), 0.0)[0] for i in range(400))
+    assert set(firsts) == {"a", "b", "c", "d"} and max(firsts.values()) - min(firsts.values()) <= 2
+
+
+def test_hot_spot_load_ceiling_moves_new_sessions_elsewhere() -> None:
+    router, targets, index, _ = setup(["a", "b", "c", "d"], load_factor=1.5, load_slack=4.0)
+    index.store("a", SYSTEM)  # every new session's prefix lives on a: a magnet
+    leases, placed = [], Counter()
+    for i in range(60):  # nobody finishes: load piles up
+        ceiling = 1.5 * sum(t.in_flight for t in targets.values()) / 4 + 4.0
+        over = {t.id for t in targets.values() if t.in_flight > ceiling}
+        target, reason, lease = go(router, turn(f"s{i}"), float(i), finish=False)
+        assert reason.startswith("new session")
+        assert target not in over  # a target over the ceiling never takes a new session
+        leases.append(lease)
+        placed[target] += 1
+    assert placed["a"] >= 9  # prefix first while a is under the ceiling
+    assert placed["a"] <= 21 and len(placed) >= 3  # without the ceiling all 60 would go to a
+    for lease in leases:
+        lease.finish(100.0)
+    assert all(t.in_flight == 0 for t in targets.values())
+
+
+def test_a_bound_session_leaves_a_target_over_the_ceiling() -> None:
+    router, targets, _, _ = setup(["a", "b", "c", "d"], load_factor=2.0, load_slack=4.0)
+    first, _, _ = go(router, turn("s1"), 0.0)
+    targets[first].in_flight = 20  # mean 5, ceiling 14
+    second, reason, _ = go(router, turn("s1"), 1.0)
+    assert second != first and reason.startswith("rebound: bound target over load ceiling")
+    assert router.session_moves == 1
+
+
+def test_absolute_ceiling_and_admission_limit() -> None:
+    router, targets, _, _ = setup(["a", "b"], max_in_flight=3, load_factor=0)
+    first, _, _ = go(router, turn("s1"), 0.0)
+    targets[first].in_flight = 3
+    assert go(router, turn("s1"), 1.0)[1] == "bound"  # at the ceiling is allowed
+    targets[first].in_flight = 4
+    assert go(router, turn("s1"), 2.0)[1].startswith("rebound: bound target over load ceiling")
+    now_on = go(router, turn("s1"), 3.0)[0]
+    targets[now_on].max_in_flight, targets[now_on].in_flight = 2, 2
+    targets[first].in_flight = 0
+    assert go(router, turn("s1"), 4.0)[1].startswith("rebound: bound target at its admission limit")
+
+
+def test_overloaded_everywhere_keeps_the_binding() -> None:
+    router, targets, _, _ = setup(["a", "b"], max_in_flight=2, load_factor=0)
+    first, _, _ = go(router, turn("s1"), 0.0)
+    for t in targets.values():
+        t.in_flight = 10
+    assert go(router, turn("s1"), 1.0)[:2] == (first, "bound")  # moving would not help
+
+
+def test_dp_ranks_are_separate_targets() -> None:
+    router, targets, _, table = setup(["w0@0", "w0@1", "w1@0", "w1@1"])
+    first, _, _ = go(router, turn("s1"), 0.0)
+    assert go(router, turn("s1"), 1.0)[0] == first
+    targets[first].healthy = False  # one rank down, its worker's other rank still serves
+    second, reason, _ = go(router, turn("s1"), 2.0)
+    assert second != first and reason.startswith("rebound") and table.live_sessions(second) == 1
+
+
+def test_requests_without_a_session_use_the_inner_policy() -> None:
+    router, _, index, table = setup(["a", "b"])
+    index.store("b", SYSTEM)
+    target, reason, _ = go(router, turn(None), 0.0)
+    assert target == "b" and reason == "best by prefix > live_sessions > load" and len(table) == 0
+
+
+def test_without_a_session_store_it_says_so() -> None:
+    policy = create("policy", {"name": "session_sticky", "params": {"inner": "least_load"}})
+    router = Router(policy, {"a": T("a")})
+    assert router.decide(turn("s1"), 0.0).reason.startswith("no session store")
+
+
+def test_decide_alone_binds_nothing() -> None:
+    router, _, _, table = setup(["a", "b"])
+    router.decide(turn("s1"), 0.0)
+    assert len(table) == 0
+
+
+def test_default_inner_is_kv_aware_when_installed() -> None:
+    expected = "kv_aware" if "kv_aware" in names("policy") else FALLBACK_INNER
+    assert default_inner() == expected
+    desc = create("policy", "session_sticky").describe()
+    assert desc["inner"]["name"] == ("kv_aware" if expected == "kv_aware" else "pipeline")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"load_factor": -1}, "load_factor"),
+        ({"load_slack": float("nan")}, "load_slack"),
+        ({"max_in_flight": "10"}, "max_in_flight"),
+        ({"inner": "no_such_policy"}, "unknown policy 'no_such_policy'"),
+    ],
+)
+def test_bad_parameters_raise_plugin_errors(params: dict[str, object], message: str) -> None:
+    with pytest.raises(PluginError, match=message):
+        create("policy", {"name": "session_sticky", "params": params})
