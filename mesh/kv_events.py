@@ -1,0 +1,310 @@
+"""Decoding of vLLM's KV event wire format (REFERENCE.md section 2), tolerant of every layout.
+
+Accepted shapes:
+- batch: ``[ts, events]``, ``[ts, events, data_parallel_rank]``, or a map with those keys
+  (``dp_rank`` accepted as an alias);
+- event: a map with a ``"type"`` tag (current vLLM, msgspec ``tag=True``) or an array whose
+  element 0 is the tag (``array_like=True``: older vLLM, SGLang); trailing fields may be missing,
+  unknown keys and extra elements are ignored.
+
+Block hashes arrive as u64, i64 or raw bytes. They are normalized to a u64 int: ints modulo 2**64
+(an i64 keeps its two's-complement bits, as Dynamo's ``cast_unsigned``), bytes as
+``int.from_bytes(b, "big") & (2**64 - 1)`` (the low 8 bytes), which is exactly what vLLM itself
+publishes for the same block when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set
+(``maybe_convert_block_hash`` in ``vllm/v1/core/kv_cache_utils.py``). Engine hashes are opaque
+ids, compared only within one target, so the only requirement is a stable, injective-enough map.
+
+Nothing here raises on garbage: ``decode_batch`` returns a ``DecodeError`` for an undecodable
+payload, and a batch whose individual events are malformed or unknown carries them as counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+U64 = (1 << 64) - 1
+# Kinds whose blocks form a reusable prefix (Dynamo's ``is_main_attention``).
+MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_decoder = msgspec.msgpack.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int] | None  # None or empty: a tier update of blocks known by hash
+    block_size: int
+    medium: str  # "GPU", "CPU", or another tier name (upper case)
+    lora_name: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class Batch:
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None
+    unknown: int = 0  # events with an unknown tag (skipped)
+    malformed: int = 0  # events with a known tag and a bad shape (skipped)
+    unknown_tags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeError:
+    reason: str
+
+
+class _Bad(Exception):
+    """A malformed event (internal: becomes a count, never escapes)."""
+
+
+def decode_batch(payload: bytes | memoryview) -> Batch | DecodeError:
+    """Decode one payload frame. Never raises."""
+    try:
+        raw = _decoder.decode(payload)
+    except Exception as exc:  # msgspec raises DecodeError, but a guard costs nothing here
+        return DecodeError(f"not msgpack: {exc}")
+    try:
+        return _batch(raw)
+    except _Bad as exc:
+        return DecodeError(str(exc))
+    except Exception as exc:  # defensive: a decoder bug must not take the subscriber down
+        return DecodeError(f"unexpected {type(exc).__name__}: {exc}")
+
+
+def _batch(raw: Any) -> Batch:
+    if isinstance(raw, (list, tuple)):
+        if len(raw) < 2:
+            raise _Bad(f"batch array of {len(raw)} elements")
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        if "events" not in raw:
+            raise _Bad("batch map without 'events'")
+        ts, events = raw.get("ts", 0.0), raw["events"]
+        rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
+    else:
+        raise _Bad(f"batch is a {type(raw).__name__}")
+    if not isinstance(events, (list, tuple)):
+        raise _Bad("batch events is not an array")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        ts = 0.0
+    if not _is_int(rank):
+        rank = None
+    batch = Batch(float(ts), [], rank)
+    for ev in events:
+        try:
+            decoded = _event(ev)
+        except _Bad:
+            batch.malformed += 1
+            continue
+        if isinstance(decoded, str):
+            batch.unknown += 1
+            if len(batch.unknown_tags) < 8:
+                batch.unknown_tags.append(decoded[:64])
+        else:
+            batch.events.append(decoded)
+    return batch
+
+
+def _event(ev: Any) -> Event | str:
+    """An event, or the tag (str) of an unknown event type."""
+    if isinstance(ev, dict):
+        tag = ev.get("type")
+        if not isinstance(tag, str):
+            raise _Bad("event map without a string 'type'")
+        if tag == "BlockStored":
+            return _stored_map(ev)
+        if tag == "BlockRemoved":
+            return BlockRemoved(
+                _hashes(ev.get("block_hashes")),
+                _medium(ev.get("medium")),
+                _opt_int(ev.get("group_idx")),
+                _opt_str(ev.get("kv_cache_spec_kind")),
+            )
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+        return tag
+    if isinstance(ev, (list, tuple)) and ev and isinstance(ev[0], str):
+        tag = ev[0]
+        if tag == "BlockStored":
+            return _stored_array(ev)
+        if tag == "BlockRemoved":
+            return _removed_array(ev)
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+        return tag
+    raise _Bad("event is neither a tagged map nor a tagged array")
+
+
+def _stored_map(ev: dict[str, Any]) -> BlockStored:
+    if "block_hashes" not in ev:
+        raise _Bad("BlockStored without block_hashes")
+    return BlockStored(
+        _hashes(ev["block_hashes"]),
+        _opt_hash(ev.get("parent_block_hash")),
+        _tokens(ev.get("token_ids")),
+        _block_size(ev.get("block_size")),
+        _medium(ev.get("medium")),
+        _opt_str(ev.get("lora_name")),
+        _opt_int(ev.get("group_idx")),
+        _opt_str(ev.get("kv_cache_spec_kind")),
+    )
+
+
+def _stored_array(ev: Sequence[Any]) -> BlockStored:
+    # tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+    # extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
+    n = len(ev)
+    if n < 2:
+        raise _Bad("BlockStored array without block_hashes")
+    medium: Any = ev[6] if n > 6 else None
+    if n > 5 and isinstance(ev[5], str) and n <= 6:  # an SGLang-style tuple: medium in slot 5
+        medium = ev[5]
+    group_idx, kind = _tail(ev[9:])
+    return BlockStored(
+        _hashes(ev[1]),
+        _opt_hash(ev[2] if n > 2 else None),
+        _tokens(ev[3] if n > 3 else None),
+        _block_size(ev[4] if n > 4 else None),
+        _medium(medium),
+        _opt_str(ev[7] if n > 7 else None),
+        group_idx,
+        kind,
+    )
+
+
+def _removed_array(ev: Sequence[Any]) -> BlockRemoved:
+    # tag, block_hashes, medium, group_idx (, kv_cache_spec_kind, sliding_window)
+    n = len(ev)
+    if n < 2:
+        raise _Bad("BlockRemoved array without block_hashes")
+    group_idx, kind = _tail(ev[3:])
+    return BlockRemoved(_hashes(ev[1]), _medium(ev[2] if n > 2 else None), group_idx, kind)
+
+
+def _tail(tail: Sequence[Any]) -> tuple[int | None, str | None]:
+    """``(group_idx, kv_cache_spec_kind)`` from the metadata tail of a positional event.
+
+    The current layout is fixed (``group_idx, kind, sliding_window``); older producers appended
+    metadata opportunistically (possibly after multimodal infos), so when the fixed layout does
+    not type-check, the first int is the group and the first string the kind.
+    """
+    if not tail:
+        return None, None
+    g, k = tail[0], tail[1] if len(tail) > 1 else None
+    if (g is None or _is_int(g)) and (k is None or isinstance(k, str)):
+        return g, k
+    ints = [x for x in tail if _is_int(x)]
+    strs = [x for x in tail if isinstance(x, str)]
+    return (ints[0] if ints else None), (strs[0] if strs else None)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _norm_hash(h: Any) -> int:
+    if type(h) is int:
+        return h & U64
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        if not len(h):
+            raise _Bad("empty bytes block hash")
+        return int.from_bytes(h, "big") & U64
+    raise _Bad(f"block hash of type {type(h).__name__}")
+
+
+def _hashes(raw: Any) -> list[int]:
+    if not isinstance(raw, (list, tuple)):
+        raise _Bad("block_hashes is not an array")
+    if all(type(h) is int for h in raw):
+        return [h & U64 for h in raw]
+    return [_norm_hash(h) for h in raw]
+
+
+def _opt_hash(raw: Any) -> int | None:
+    return None if raw is None else _norm_hash(raw)
+
+
+def _tokens(raw: Any) -> list[int] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)):
+        raise _Bad("token_ids is not an array")
+    return raw if isinstance(raw, list) else list(raw)  # ids are checked when keyed
+
+
+def _block_size(raw: Any) -> int:
+    if raw is None:
+        return 0
+    if not _is_int(raw) or raw <= 0:
+        raise _Bad(f"bad block_size {raw!r}")
+    return raw
+
+
+def _medium(raw: Any) -> str:
+    if raw is None:
+        return "GPU"
+    if not isinstance(raw, str):
+        raise _Bad("medium is not a string")
+    return raw.upper()
+
+
+def _opt_int(raw: Any) -> int | None:
+    return raw if _is_int(raw) else None
+
+
+def _opt_str(raw: Any) -> str | None:
+    return raw if isinstance(raw, str) else None
+
+
+class GroupFilter:
+    """Which events of a hybrid model describe the reusable prefix (one per stream).
+
+    Only full-attention groups qualify (``MAIN_ATTENTION_KINDS``); the first such group seen
+    becomes the stream's main group and the others are skipped, since each group reports the
+    same block hashes. Without a kind, only group 0 (or no group) qualifies. Removals carry a
+    group but no kind: they qualify when their group is the main group (group 0 until one is
+    learned) or absent.
+    """
+
+    __slots__ = ("main",)
+
+    def __init__(self) -> None:
+        self.main: int | None = None
+
+    def accept_stored(self, ev: BlockStored) -> bool:
+        group = ev.group_idx or 0
+        if ev.kv_cache_spec_kind is not None:
+            if ev.kv_cache_spec_kind not in MAIN_ATTENTION_KINDS:
+                return False
+            if self.main is None:
+                self.main = group
+            return group == self.main
+        return group == (0 if self.main is None else self.main)
+
+    def accept_removed(self, ev: BlockRemoved) -> bool:
+        if ev.group_idx is None:
+            return True
+        return ev.group_idx == (0 if self.main is None else self.main)
