@@ -1,0 +1,41 @@
+"""``mesh config validate FILE``: prints OK, or every error with its YAML path (exit 1)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("config", help="work with config files")
+    sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    v = sub.add_parser("validate", help="validate a YAML config file")
+    v.add_argument("file")
+    v.set_defaults(func=validate)
+
+
+def validate(args: argparse.Namespace) -> int:
+    from mesh.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(f"{args.file}: {len(exc.errors)} error(s)", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    policy = config.policy if isinstance(config.policy, str) else "custom"
+    print(f"OK: {args.file} ({len(config.workers)} workers, policy {policy})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mesh")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["config", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``mesh serve --config mesh.yaml [--host H] [--port P]``: run the gateway (uvicorn).
+
+Uses uvloop and httptools when installed; access log off by default (a log line per request
+costs more than the proxying). SIGHUP re-reads the config file (a broken file keeps the old one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="run the gateway from one YAML config file")
+    p.add_argument("--config", "-c", help="YAML config file (default: embedded defaults, no workers)")
+    p.add_argument("--host", help="override server.host")
+    p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every request (slow)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mesh.app import create_app
+    from mesh.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"error: invalid config {exc.source or ''}", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    config = with_server(config, host=args.host, port=args.port)
+    app = create_app(config, config_path=args.config, handle_sighup=True)
+    serve_app(app, config.server.host, config.server.port, log_level=args.log_level, access_log=args.access_log)
+    return 0
+
+
+def with_server(config: Any, **overrides: Any) -> Any:
+    """A copy of ``config`` with server fields replaced (None values ignored), re-validated."""
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if not changes:
+        return config
+    data = config.model_dump(mode="python")
+    data["server"].update(changes)
+    return type(config).model_validate(data)
+
+
+def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> Any:
+    import uvicorn
+
+    has = importlib.util.find_spec
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop" if has("uvloop") else "asyncio",
+        http="httptools" if has("httptools") else "h11",
+        lifespan="on",
+        access_log=access_log,
+        log_level=log_level,
+        server_header=False,
+        timeout_keep_alive=75,  # clients and load balancers reuse connections; do not race them
+        backlog=4096,
+    )
+
+
+def serve_app(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, access_log=access_log)).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run without the full ``mesh`` CLI (``python -m mesh.commands.serve``)."""
+    parser = argparse.ArgumentParser(prog="mesh")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""One YAML file configures a deployment: pydantic models with errors that name the YAML path.
+
+Every section has defaults, so ``MeshConfig()`` (no file at all) is a usable gateway with no
+static workers. ``load_config(path)`` reads and validates a file; any problem raises
+``ConfigError`` whose ``errors`` list holds one ``"path.to.field: message"`` line per problem.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies.base import Role
+
+WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+MIB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; ``errors`` holds one line per problem."""
+
+    def __init__(self, errors: list[str], source: str | None = None) -> None:
+        self.errors = errors
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "; ".join(errors))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)  # data plane: empty = open
+    admin_key: str | None = None  # admin API: None = admin API disabled (403)
+    max_body_bytes: int = Field(8 * MIB, ge=1024)
+    max_tokens_limit: int = Field(1_000_000, ge=1)
+    max_prompt_tokens: int = Field(4_000_000, ge=1)
+    request_timeout_s: PositiveFloat = 600.0  # whole upstream request, streaming included
+    connect_timeout_s: PositiveFloat = 5.0
+    allowed_worker_hosts: list[str] | None = None  # None = any host; else exact names/IPs
+    allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"])
+    forward_authorization: bool = False  # pass the client's Authorization header to workers
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_empty(cls, keys: list[str]) -> list[str]:
+        if any(not k or not k.isprintable() for k in keys):
+            raise ValueError("api keys must be non-empty printable strings")
+        return keys
+
+
+class KVEventsConfig(_Model):
+    endpoint: str  # ZMQ SUB endpoint, e.g. tcp://host:5557
+    replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
+    topic: str = ""
+
+
+class WorkerConfig(_Model):
+    name: str
+    url: str
+    models: list[str] | None = None  # None: discovered from the worker's /v1/models
+    role: Role = Role.MIXED
+    dp_size: int = Field(1, ge=1, le=1024)
+    block_size: int = Field(16, ge=1, le=65536)
+    tokenizer: str | None = None  # None = byte-level; else a tokenizer.json or model directory
+    kv_events: KVEventsConfig | None = None
+    max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
+    api_key: str | None = None  # sent to the worker as a Bearer token
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not WORKER_NAME.match(name):
+            raise ValueError("worker name must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
+        return name
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return normalize_url(url)
+
+
+class HealthConfig(_Model):
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 2.0
+    unhealthy_threshold: int = Field(2, ge=1)
+    healthy_threshold: int = Field(1, ge=1)
+
+
+class CircuitBreakerConfig(_Model):
+    failure_threshold: int = Field(5, ge=1)  # consecutive request failures that open it
+    open_s: PositiveFloat = 10.0  # then half-open: the next request is a probe
+
+
+class RetriesConfig(_Model):
+    max_attempts: int = Field(3, ge=1, le=16)  # attempts in all, each on another target
+    backoff_base_s: float = Field(0.01, ge=0)
+    backoff_max_s: float = Field(0.5, ge=0)
+
+
+class SessionsConfig(_Model):
+    header: str = "x-session-id"
+    body_field: str = "user"
+    idle_ttl_s: PositiveFloat = 600.0
+    max_sessions: int = Field(1_000_000, ge=1)
+    # A bound target is not honoured once its in-flight load exceeds this multiple of the mean
+    # load of the available targets (read by session-aware policies).
+    load_ceiling: float = Field(2.0, gt=0)
+
+    @field_validator("header")
+    @classmethod
+    def _header(cls, header: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9\-_]{1,64}", header):
+            raise ValueError("header must be an HTTP header name")
+        return header.lower()
+
+
+class IndexConfig(_Model):
+    max_keys: int = Field(0, ge=0)  # 0 = unbounded
+    speculative_ttl_s: float = Field(2.0, ge=0)
+
+
+DEFAULT_POLICY = "least_load"
+
+
+class MeshConfig(_Model):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
+    retries: RetriesConfig = Field(default_factory=RetriesConfig)
+    policy: Any = DEFAULT_POLICY  # a policies spec, passed untouched to policies.create_policy
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> MeshConfig:
+        seen: set[str] = set()
+        for w in self.workers:
+            if w.name in seen:
+                raise ValueError(f"duplicate worker name {w.name!r}")
+            seen.add(w.name)
+            check_worker_url(w.url, self.server)
+        return self
+
+    def build_policy(self) -> Any:
+        """The routing policy this config names (raises ConfigError with path ``policy``)."""
+        return build_policy(self.policy)
+
+
+def build_policy(spec: Any) -> Any:
+    from policies import create_policy
+
+    try:
+        return create_policy(spec)
+    except Exception as exc:  # PluginError, or anything a third-party constructor raises
+        raise ConfigError([f"policy: {exc}"]) from exc
+
+
+def normalize_url(url: str) -> str:
+    """``scheme://host[:port][/base]`` without a trailing slash; rejects what cannot be a worker."""
+    if not isinstance(url, str) or not url or any(c in url for c in "\r\n\t\0 "):
+        raise ValueError("worker url must be a non-empty URL without whitespace or control characters")
+    parsed = urllib.parse.urlsplit(url)
+    if not parsed.scheme or not parsed.hostname:
+        raise ValueError(f"worker url {url!r} needs a scheme and a host, e.g. http://10.0.0.5:8000")
+    if parsed.query or parsed.fragment or parsed.username or parsed.password:
+        raise ValueError(f"worker url {url!r} must not carry credentials, a query or a fragment")
+    try:
+        parsed.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"worker url {url!r}: {exc}") from exc
+    return url.rstrip("/")
+
+
+def check_worker_url(url: str, server: ServerConfig) -> None:
+    """Scheme and host allowlist of the server config; raises ValueError."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in server.allowed_schemes:
+        raise ValueError(f"worker url {url!r}: scheme {parsed.scheme!r} not in allowed_schemes {server.allowed_schemes}")
+    allowed = server.allowed_worker_hosts
+    if allowed is not None and (parsed.hostname or "") not in allowed:
+        raise ValueError(f"worker url {url!r}: host {parsed.hostname!r} not in allowed_worker_hosts")
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    """One ``path: message`` line per pydantic error, the path written as in the YAML."""
+    lines = []
+    for err in exc.errors():
+        path = ""
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{path or '(top level)'}: {msg}")
+    return lines
+
+
+def parse_config(data: Any, source: str | None = None, *, check_policy: bool = True) -> MeshConfig:
+    """Validate a decoded YAML document; ``None`` (an empty file) means all defaults."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], source)
+    try:
+        config = MeshConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc), source) from exc
+    if check_policy:
+        try:
+            config.build_policy()
+        except ConfigError as exc:
+            raise ConfigError(exc.errors, source) from exc
+    return config
+
+
+def load_config(path: str | Path | None = None) -> MeshConfig:
+    """Read and validate one YAML file; ``None`` returns the embedded defaults."""
+    if path is None:
+        return MeshConfig()
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"cannot read file: {exc}"], source) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"invalid YAML: {exc}"], source) from exc
+    return parse_config(data, source)

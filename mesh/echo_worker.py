@@ -1,0 +1,226 @@
+"""A small OpenAI-compatible echo worker: the stand-in engine of ``mesh up`` and of tests.
+
+It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not) by echoing the
+last user message (or the prompt) word by word, up to ``max_tokens`` words; ``/v1/models``;
+``/health``. Usage counts prompt tokens with the byte-level tokenizer (the gateway's default), and
+reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache).
+
+Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
+``--fail-rate P`` answers 500 before any output with probability P; ``--crash-after-tokens N``
+kills the whole process after streaming N tokens; ``--unhealthy`` makes ``/health`` answer 503.
+
+    python -m mesh.echo_worker --port 9001 [--model echo] [--token-delay-s 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from mesh.tokenizer import ByteTokenizer, ChatTemplateError
+
+_encode = msgspec.json.Encoder().encode
+_WORDS = re.compile(r"\S+\s*")
+
+
+@dataclass
+class EchoSettings:
+    name: str = "echo-0"
+    models: tuple[str, ...] = ("echo",)
+    token_delay_s: float = 0.0
+    first_token_delay_s: float = 0.0
+    fail_rate: float = 0.0
+    crash_after_tokens: int = 0  # 0 = never
+    unhealthy: bool = False
+    default_max_tokens: int = 16
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    return Response(_encode(body), status, media_type="application/json")
+
+
+def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
+    settings = settings or EchoSettings()
+    tokenizer = ByteTokenizer()
+    app = FastAPI(title="mesh echo worker")
+    app.state.settings = settings
+    app.state.served = 0
+
+    @app.get("/health")
+    async def health() -> Response:
+        if settings.unhealthy:
+            return _error(503, "unhealthy (injected)", "service_unavailable_error")
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": settings.name} for m in settings.models]
+        return {"object": "list", "data": data}
+
+    @app.post("/admin/faults")
+    async def faults(request: Request) -> dict[str, Any]:
+        """Change fault injection at runtime: any of fail_rate, crash_after_tokens, unhealthy, delays."""
+        for key, value in (await request.json()).items():
+            if key in ("fail_rate", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
+                setattr(settings, key, type(getattr(settings, key))(value))
+        return {"name": settings.name, "served": app.state.served}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(request, chat=False)
+
+    async def _complete(request: Request, chat: bool) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.MsgspecError as exc:
+            return _error(400, f"invalid JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        model = body.get("model")
+        if model not in settings.models:
+            return _error(404, f"model {model!r} not served here", "not_found_error")
+        try:
+            prompt_text, echo_text = _texts(body, chat, tokenizer)
+        except (ChatTemplateError, ValueError) as exc:
+            return _error(400, str(exc))
+        if settings.fail_rate and random.random() < settings.fail_rate:
+            return _error(500, "injected failure", "server_error")
+        app.state.served += 1
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or settings.default_max_tokens
+        words = _WORDS.findall(echo_text) or ["echo"]
+        out = words[: int(max_tokens)]
+        finish = "length" if len(words) > len(out) else "stop"
+        usage = {
+            "prompt_tokens": len(prompt_text.encode()),
+            "completion_tokens": len(out),
+            "total_tokens": len(prompt_text.encode()) + len(out),
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        headers = {"x-echo-worker": settings.name}
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            stream = _stream(rid, model, out, finish, usage if include_usage else None, chat)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        if settings.first_token_delay_s or settings.token_delay_s:
+            await asyncio.sleep(settings.first_token_delay_s + settings.token_delay_s * len(out))
+        text = "".join(out)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        result = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice], "usage": usage}
+        return Response(_encode(result), media_type="application/json", headers=headers)
+
+    async def _stream(
+        rid: str, model: str, out: list[str], finish: str, usage: dict[str, Any] | None, chat: bool
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
+            payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], **(extra or {})}
+            return b"data: " + _encode(payload) + b"\n\n"
+
+        if settings.first_token_delay_s:
+            await asyncio.sleep(settings.first_token_delay_s)
+        if chat:
+            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        for i, word in enumerate(out):
+            if settings.crash_after_tokens and i >= settings.crash_after_tokens:
+                os._exit(17)  # a crash, on purpose: the socket dies mid-stream
+            if settings.token_delay_s:
+                await asyncio.sleep(settings.token_delay_s)
+            delta = {"delta": {"content": word}} if chat else {"text": word, "logprobs": None}
+            yield event({"index": 0, **delta, "finish_reason": None})
+        last = {"delta": {}} if chat else {"text": "", "logprobs": None}
+        yield event({"index": 0, **last, "finish_reason": finish})
+        if usage is not None:
+            payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+            yield b"data: " + _encode(payload) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return app
+
+
+def _texts(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> tuple[str, str]:
+    """(the rendered prompt, the text to echo)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty array")
+        prompt = tokenizer.render_chat(messages)
+        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        last = users[-1] if users else messages[-1]
+        content = last.get("content") if isinstance(last, dict) else ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return prompt, content if isinstance(content, str) else ""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], int):
+            prompt = tokenizer.decode(prompt)
+        elif prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif prompt and isinstance(prompt[0], list):
+            prompt = tokenizer.decode(prompt[0])
+        else:
+            prompt = ""
+    if not isinstance(prompt, str):
+        raise ValueError("'prompt' must be a string or token ids")
+    return prompt, prompt
+
+
+def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str, int]:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m mesh.echo_worker", description="OpenAI-compatible echo worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=int(env("MESH_ECHO_PORT", "9001")))
+    p.add_argument("--name", default=env("MESH_ECHO_NAME"))
+    p.add_argument("--model", action="append", dest="models", help="model id served (repeatable; default echo)")
+    p.add_argument("--token-delay-s", type=float, default=float(env("MESH_ECHO_TOKEN_DELAY_S", "0")))
+    p.add_argument("--first-token-delay-s", type=float, default=float(env("MESH_ECHO_FIRST_TOKEN_DELAY_S", "0")))
+    p.add_argument("--fail-rate", type=float, default=float(env("MESH_ECHO_FAIL_RATE", "0")))
+    p.add_argument("--crash-after-tokens", type=int, default=int(env("MESH_ECHO_CRASH_AFTER_TOKENS", "0")))
+    p.add_argument("--unhealthy", action="store_true", default=env("MESH_ECHO_UNHEALTHY", "") not in ("", "0"))
+    args = p.parse_args(argv)
+    settings = EchoSettings(
+        name=args.name or f"echo-{args.port}",
+        models=tuple(args.models or [env("MESH_ECHO_MODEL", "echo")]),
+        token_delay_s=args.token_delay_s,
+        first_token_delay_s=args.first_token_delay_s,
+        fail_rate=args.fail_rate,
+        crash_after_tokens=args.crash_after_tokens,
+        unhealthy=args.unhealthy,
+    )
+    return settings, args.host, args.port
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    settings, host, port = settings_from_args(argv)
+    uvicorn.run(create_echo_app(settings), host=host, port=port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Prometheus metrics (``mesh_*``) on an app-owned registry, never the process-global one.
+
+Two kinds of metric live here:
+- event metrics (counters, histograms) updated on the request path through pre-bound children;
+- live gauges (in-flight, health, circuit state, ...) read from the owners' state at scrape time
+  through collectors added with ``Metrics.add_collector``, so the hot path never writes them.
+
+Other modules add their own metrics with ``metrics.counter(...)`` / ``metrics.histogram(...)`` /
+``metrics.gauge(...)`` (same registry) or ``add_collector``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _FnCollector(Collector):
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self._fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._fn())
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests_total = self.counter(
+            "mesh_requests_total", "Requests answered, by route and HTTP status", ["route", "status"]
+        )
+        self.request_latency = self.histogram(
+            "mesh_request_latency_seconds", "Gateway request latency until the last byte", ["route"]
+        )
+        self.ttfb = self.histogram("mesh_ttfb_seconds", "Time to the first response byte from a worker", ["route"])
+        self.retries_total = self.counter("mesh_retries_total", "Requests retried on another target", ["reason"])
+        self.upstream_errors_total = self.counter(
+            "mesh_upstream_errors_total", "Failed upstream attempts, by worker and kind", ["worker", "kind"]
+        )
+        self.stream_errors_total = self.counter(
+            "mesh_stream_errors_total", "Streams ended with an error event after the first byte"
+        )
+        self.client_disconnects_total = self.counter(
+            "mesh_client_disconnects_total", "Requests whose client went away before the end"
+        )
+        self.routing_decision = self.histogram(
+            "mesh_routing_decision_seconds", "Time of one routing decision (policy + commit)", buckets=FAST_BUCKETS
+        )
+        self.prompt_seconds = self.histogram(
+            "mesh_prompt_processing_seconds", "Parse, render, tokenize and hash one request", buckets=FAST_BUCKETS
+        )
+        self.health_checks_total = self.counter(
+            "mesh_health_checks_total", "Worker health checks, by worker and result", ["worker", "result"]
+        )
+        self.config_reloads_total = self.counter("mesh_config_reloads_total", "Config reloads", ["result"])
+        self._children: dict[tuple[str, int], Counter] = {}
+
+    # -- registration helpers for other modules --
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, doc, list(labels), registry=self.registry)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, doc, list(labels), registry=self.registry)
+
+    def histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry)
+
+    def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        """``fn`` yields metric families at scrape time (live gauges read from their owner)."""
+        self.registry.register(_FnCollector(fn))
+
+    # -- hot path --
+    def request_done(self, route: str, status: int) -> None:
+        child = self._children.get((route, status))
+        if child is None:
+            child = self._children[(route, status)] = self.requests_total.labels(route, str(status))
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,299 @@
+"""Request body -> ``policies.base.RequestInfo``: validate, render, tokenize, hash.
+
+The body is decoded once (msgspec) and forwarded byte for byte by the proxy; nothing here
+re-encodes it. Validation covers what routing reads and what must never reach a worker
+(a non-object body, absurd ``max_tokens``, token ids out of range); the worker validates the rest.
+
+Tokenizer and block size come from the pool of workers serving the model (the first worker, in
+registry order, that serves it). Sessions reuse a bounded LRU of ``mesh.keys.KeyChain`` so that
+turn N hashes only the blocks it added; a chain is checked out of the cache while in use, so two
+concurrent requests of one session never share one (the second simply starts a fresh chain).
+Long prompts are rendered and hashed off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from mesh.errors import MeshError, bad_request
+from mesh.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
+from mesh.registry import WorkerRegistry
+from mesh.tokenizer import ByteTokenizer, ChatTemplateError, load_tokenizer, normalize_message
+from policies.base import RequestInfo
+
+MAX_SESSION_ID_BYTES = 256
+MAX_MODEL_CHARS = 256
+OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
+
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    body: dict[str, Any]
+    raw: bytes  # forwarded unchanged
+    model: str
+    stream: bool
+    info: RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    tokenizer: str | None
+    block_size: int
+
+
+class ChainCache:
+    """A bounded LRU of per-session key chains (entries and total cached tokens both bounded)."""
+
+    def __init__(self, max_entries: int = 4096, max_tokens: int = 8_000_000) -> None:
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self._chains: OrderedDict[tuple[str, int, int], KeyChain] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()  # used from the event loop and from executor threads
+
+    def checkout(self, key: tuple[str, int, int]) -> KeyChain | None:
+        with self._lock:
+            chain = self._chains.pop(key, None)
+            if chain is not None:
+                self._tokens -= chain.tokens.size
+            return chain
+
+    def checkin(self, key: tuple[str, int, int], chain: KeyChain) -> None:
+        size = chain.tokens.size
+        if size > self.max_tokens:
+            return
+        with self._lock:
+            old = self._chains.pop(key, None)
+            if old is not None:
+                self._tokens -= old.tokens.size
+            self._chains[key] = chain
+            self._tokens += size
+            while len(self._chains) > self.max_entries or self._tokens > self.max_tokens:
+                _, evicted = self._chains.popitem(last=False)
+                self._tokens -= evicted.tokens.size
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+
+class PromptProcessor:
+    def __init__(self, registry: WorkerRegistry, chain_cache: ChainCache | None = None) -> None:
+        self.registry = registry
+        self.chains = chain_cache or ChainCache()
+        self._tokenizers: dict[str | None, Any] = {}
+        self._pools: dict[str, Pool | None] = {}
+        self._pools_version = -1
+
+    # -- entry point --
+    async def process(self, raw: bytes, kind: str, session_header: bytes | None) -> ParsedRequest:
+        """Validate and prepare one request; raises ``MeshError`` (4xx/503) on bad input."""
+        body = decode_body(raw)
+        model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
+        source = chat_messages(body) if kind == "chat" else completion_prompt(body)
+        session_id = self.session_id(body, session_header)
+        pool = self.pool_for(model)
+        salt = body.get("cache_salt")
+        seed = namespace_seed(model, None, salt if isinstance(salt, str) else None)
+        args = (kind, source, pool, seed, session_id)
+        if len(raw) > OFFLOAD_CHARS:
+            tokens_text, keys, n_tokens = await asyncio.get_running_loop().run_in_executor(None, self._prepare, *args)
+        else:
+            tokens_text, keys, n_tokens = self._prepare(*args)
+        if n_tokens > self.registry.config.server.max_prompt_tokens:
+            raise bad_request(
+                f"prompt has {n_tokens} tokens, over the limit of {self.registry.config.server.max_prompt_tokens}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        info = RequestInfo(
+            model=model,
+            block_keys=keys,
+            block_size=pool.block_size,
+            prompt_tokens=n_tokens,
+            max_tokens=max_tokens,
+            session_id=session_id,
+            text=tokens_text,
+        )
+        return ParsedRequest(kind, body, raw, model, stream, info)
+
+    # -- sessions --
+    def session_id(self, body: dict[str, Any], header: bytes | None) -> str | None:
+        raw: bytes | None = header
+        if raw is None:
+            value = body.get(self.registry.config.sessions.body_field)
+            if isinstance(value, str) and value:
+                raw = value.encode("utf-8", "surrogatepass")
+        if not raw:
+            return None
+        if len(raw) > MAX_SESSION_ID_BYTES:
+            raise bad_request(f"session id longer than {MAX_SESSION_ID_BYTES} bytes", "session_id", "session_id_too_long")
+        return xxhash.xxh3_128_hexdigest(raw)  # never kept or logged raw
+
+    # -- pools --
+    def pool_for(self, model: str) -> Pool:
+        registry = self.registry
+        if self._pools_version != registry.version:
+            self._pools.clear()
+            self._pools_version = registry.version
+        if model not in self._pools:
+            if len(self._pools) > 10_000:
+                self._pools.clear()
+            self._pools[model] = self._find_pool(model)
+        pool = self._pools[model]
+        if pool is None:
+            if not registry.workers:
+                raise MeshError(503, "no workers are registered", code="no_workers")
+            raise MeshError(404, f"model {model!r} is not served by any worker", param="model", code="model_not_found")
+        return pool
+
+    def _find_pool(self, model: str) -> Pool | None:
+        fallback = None
+        for w in self.registry.workers.values():
+            models = w.models
+            if model in models:
+                return Pool(w.config.tokenizer, w.config.block_size)
+            if not models and fallback is None:
+                fallback = Pool(w.config.tokenizer, w.config.block_size)  # models not known yet
+        return fallback
+
+    def tokenizer(self, spec: str | None) -> Any:
+        tok = self._tokenizers.get(spec)
+        if tok is None:
+            try:
+                tok = self._tokenizers[spec] = load_tokenizer(spec)
+            except Exception as exc:
+                raise MeshError(503, f"cannot load tokenizer {spec!r}: {exc}", code="tokenizer_unavailable") from exc
+        return tok
+
+    # -- tokens and keys (runs on the loop or in a thread) --
+    def _prepare(
+        self, kind: str, source: Any, pool: Pool, seed: int, session_id: str | None
+    ) -> tuple[str, list[int], int]:
+        tok = self.tokenizer(pool.tokenizer)
+        text, tokens = self._tokens(kind, source, tok)
+        n_tokens = int(tokens.size)
+        if session_id is None:
+            return text, block_keys(tokens, pool.block_size, seed), n_tokens
+        cache_key = (session_id, seed, pool.block_size)
+        chain = self.chains.checkout(cache_key) or KeyChain(pool.block_size, seed)
+        keys = list(chain.extend_to(tokens))
+        self.chains.checkin(cache_key, chain)
+        return text, keys, n_tokens
+
+    @staticmethod
+    def _tokens(kind: str, source: Any, tok: Any) -> tuple[str, np.ndarray]:
+        if kind == "chat":
+            try:
+                text = render_chatml(source) if type(tok) is ByteTokenizer else tok.render_chat(source)
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        elif isinstance(source, str):
+            text = source
+        else:  # token ids, already range-checked
+            return "", np.asarray(source, dtype=np.int64)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise bad_request("prompt is not valid Unicode text", "messages" if kind == "chat" else "prompt") from exc
+        if isinstance(tok, ByteTokenizer):
+            return text, np.frombuffer(data, dtype=np.uint8)
+        return text, np.asarray(tok.encode(text), dtype=np.int64)
+
+
+def render_chatml(messages: list[Any]) -> str:
+    """``mesh.tokenizer.DEFAULT_CHAT_TEMPLATE`` (ChatML, the byte tokenizer's template) without Jinja.
+
+    Jinja costs ~12 us per request, a measurable share of the gateway's per-request budget;
+    ``tests/test_prompt.py`` checks that this equals the template's output.
+    """
+    parts = []
+    for m in messages:
+        m = normalize_message(m)
+        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+# -- body validation (pure functions) --
+def decode_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object", code="empty_body")
+    try:
+        body = _decode(raw)
+    except msgspec.MsgspecError as exc:
+        message = str(exc)
+        code = "invalid_utf8" if "UTF-8" in message else "invalid_json"
+        raise bad_request(f"request body is not valid JSON: {message}", code=code) from exc
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def validate_common(body: dict[str, Any], max_tokens_limit: int) -> tuple[str, bool, int]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string", "model", "missing_model")
+    if len(model) > MAX_MODEL_CHARS or not model.isprintable():
+        raise bad_request(f"'model' must be at most {MAX_MODEL_CHARS} printable characters", "model")
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    max_tokens = 0
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_request(f"'{name}' must be an integer", name)
+        if value < 1 or value > max_tokens_limit:
+            raise bad_request(f"'{name}' must lie in [1, {max_tokens_limit}], got {value}", name, "invalid_max_tokens")
+        max_tokens = max(max_tokens, value)
+    return model, stream, max_tokens
+
+
+def chat_messages(body: dict[str, Any]) -> list[Any]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required and must be a non-empty array", "messages", "missing_messages")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request("each message must be an object with a string 'role'", "messages", "invalid_messages")
+    return messages
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The prompt routed on: the string, or the first of a batch; token ids are range-checked."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return prompt[0]
+        if all(_is_token(p) for p in prompt):
+            return prompt
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return prompt[0]
+    raise bad_request(
+        "'prompt' is required: a string, an array of strings, or token ids in [0, 2**32)", "prompt", "invalid_prompt"
+    )
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID

@@ -1,0 +1,463 @@
+"""The data-plane proxy: one OpenAI request in, one worker's answer out, at raw ASGI level.
+
+Why raw ASGI and aiohttp (measured, see BENCHMARKS.md): on this 2-core machine a FastAPI route
+plus httpx capped the gateway near 1,500 req/s (httpx's pool even slows down as concurrency
+grows); Starlette's routing and middleware alone cost about 40% of a minimal proxy's rate. The
+hot routes therefore bypass FastAPI (``MeshApp.__call__`` dispatches them here) and use one pooled
+``aiohttp.ClientSession`` (C HTTP parser, TCP_NODELAY, keep-alive).
+
+Invariants:
+- The body is forwarded byte for byte; routing reads a decoded copy.
+- Every routed attempt holds a ``Lease`` that is finished exactly once on every path (success,
+  upstream failure, retry, client disconnect, cancellation): ``try/finally`` around each attempt.
+- Until the first byte has gone to the client, a failed attempt is retried on another worker
+  (``Router.route(..., exclude=...)``) with backoff; after it, the stream ends with an SSE error
+  event and ``[DONE]``.
+- A client disconnect cancels the upstream request: a watcher task reads the ASGI ``receive``
+  channel and cancels the handler, whose ``finally`` blocks close the upstream response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from mesh.errors import MeshError, sse_error_event
+from mesh.metrics import Metrics
+from mesh.prompt import ParsedRequest, PromptProcessor
+from mesh.registry import WorkerRegistry
+from mesh.router import Lease, Router
+from policies.base import NoCandidate, TargetState
+
+log = logging.getLogger("mesh.proxy")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Never forwarded in either direction (RFC 9110 hop-by-hop, plus what the proxy recomputes).
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-authenticate proxy-authorization proxy-connection te trailer trailers "
+    b"transfer-encoding upgrade host content-length expect".split()
+)
+RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
+JSON_HEADERS = [(b"content-type", b"application/json")]
+WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
+
+
+def new_client_session(connect_timeout_s: float) -> aiohttp.ClientSession:
+    """The gateway's one pooled upstream client (also used for health checks)."""
+    connector = aiohttp.TCPConnector(
+        limit=0,  # no pool-wide cap: admission is the router's job
+        limit_per_host=0,
+        ttl_dns_cache=300,
+        keepalive_timeout=4.0,  # below uvicorn's 5 s default, so we close idle sockets first
+        enable_cleanup_closed=False,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,  # bodies pass through unchanged, Content-Encoding included
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
+        raise_for_status=False,
+    )
+
+
+class _UpstreamFailed(Exception):
+    """An attempt failed before anything reached the client: retry elsewhere."""
+
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        *,
+        status: int = 502,
+        body: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        worker_fault: bool = True,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.body = body  # a worker's own error answer, passed through if no retry is left
+        self.headers = headers
+        self.worker_fault = worker_fault  # counts toward the circuit breaker
+
+
+@dataclass(slots=True)
+class _Failure:
+    """The last failed attempt, answered to the client when no retry is left."""
+
+    kind: str
+    status: int
+    message: str
+    body: bytes | None = None
+    headers: list[tuple[bytes, bytes]] | None = None
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        registry: WorkerRegistry,
+        router: Router,
+        prompts: PromptProcessor,
+        metrics: Metrics,
+    ) -> None:
+        self.session = session
+        self.registry = registry
+        self.router = router
+        self.prompts = prompts
+        self.metrics = metrics
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._timeout_key: tuple[float, float] | None = None
+        self._client_timeout = aiohttp.ClientTimeout()
+        self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
+        self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
+
+    # -- ASGI entry --
+    async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str, route: str) -> None:
+        """Serve one data-plane request end to end. Never raises (except real cancellation)."""
+        start = time.perf_counter()
+        state = _Exchange(send)
+        loop = asyncio.get_running_loop()
+        watcher: asyncio.TimerHandle | None = None
+        try:
+            headers = scope["headers"]
+            self._check_auth(headers)
+            raw = await _read_body(receive, headers, self.registry.config.server.max_body_bytes)
+            watcher = loop.call_later(WATCH_AFTER_S, _watch_disconnect, receive, state, asyncio.current_task())
+            t0 = time.perf_counter()
+            parsed = await self.prompts.process(raw, kind, _header(headers, self._session_header()))
+            self.metrics.prompt_seconds.observe(time.perf_counter() - t0)
+            await self._forward(parsed, headers, state, route, start)
+        except MeshError as exc:
+            await state.error(exc)
+        except asyncio.CancelledError:
+            if not state.disconnected:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            state.status = 499
+            self.metrics.client_disconnects_total.inc()
+        except Exception as exc:  # a bug must never surface as a traceback to the client
+            log.exception("unexpected error in proxy: %s", exc)
+            await state.error(MeshError(500, "internal gateway error", code="internal_error"))
+        finally:
+            state.done = True
+            if watcher is not None:
+                watcher.cancel()
+            if state.watch_task is not None:
+                state.watch_task.cancel()
+            self.metrics.request_done(route, state.status)
+            self._route_hist[route].observe(time.perf_counter() - start)
+
+    def _session_header(self) -> bytes:
+        return self.registry.config.sessions.header.encode()
+
+    def _check_auth(self, headers: list[tuple[bytes, bytes]]) -> None:
+        keys = self.registry.config.server.api_keys
+        if not keys:
+            return
+        check_bearer(headers, keys, "API key")
+
+    # -- routing and attempts --
+    async def _forward(
+        self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange, route: str, start: float
+    ) -> None:
+        config = self.registry.config
+        retries = config.retries
+        out_headers = upstream_headers(client_headers, config.server.forward_authorization)
+        excluded: list[str] = []
+        failure: _Failure | None = None
+        for attempt in range(retries.max_attempts):
+            if attempt:
+                self.metrics.retries_total.labels(failure.kind if failure else "error").inc()
+                await asyncio.sleep(_backoff(attempt, retries.backoff_base_s, retries.backoff_max_s))
+            lease = self._route(parsed, excluded, failure)
+            if lease is None:
+                break
+            target = lease.target
+            worker = self.registry.worker_of(target.id)
+            # A failed worker is excluded with all its data-parallel ranks.
+            excluded.extend([t.id for t in worker.targets] if worker is not None else [target.id])
+            try:
+                failure = await self._attempt(parsed, lease, out_headers, state, route, start)
+            finally:
+                lease.finish(time.monotonic())
+            if failure is None:
+                return
+        if failure is None:  # no attempt could be routed at all
+            raise MeshError(503, "no healthy worker is available", code="no_healthy_worker")
+        if failure.body is not None:
+            await state.respond(failure.status, failure.headers or JSON_HEADERS, failure.body)
+        else:
+            raise MeshError(failure.status, failure.message, code="upstream_error")
+
+    def _route(self, parsed: ParsedRequest, excluded: list[str], failure: _Failure | None) -> Lease | None:
+        """A lease on the next target, or None when a retry has nowhere left to go."""
+        now = time.monotonic()
+        self.registry.tick(now)
+        full = self._full_targets()
+        t0 = time.perf_counter()
+        try:
+            _, lease = self.router.route(parsed.info, now, exclude=excluded + full if full else excluded)
+        except NoCandidate as exc:
+            if failure is not None:
+                return None
+            if full:
+                raise MeshError(
+                    429, "every worker serving this model is at its in-flight limit", code="over_capacity",
+                    headers={"retry-after": "1"},
+                ) from exc
+            raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
+        self.metrics.routing_decision.observe(time.perf_counter() - t0)
+        return lease
+
+    def _full_targets(self) -> list[str]:
+        return [t.id for t in self.registry.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        server = self.registry.config.server
+        key = (server.request_timeout_s, server.connect_timeout_s)
+        if self._timeout_key != key:
+            self._timeout_key = key
+            self._client_timeout = aiohttp.ClientTimeout(total=key[0], sock_connect=key[1])
+        return self._client_timeout
+
+    def _url(self, target: TargetState, path: str) -> URL:
+        key = (target.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            url = self._urls[key] = URL(target.url + path)
+        return url
+
+    async def _attempt(
+        self,
+        parsed: ParsedRequest,
+        lease: Lease,
+        headers: dict[str, str],
+        state: _Exchange,
+        route: str,
+        start: float,
+    ) -> _Failure | None:
+        """One upstream attempt. None when the client got its answer, else the failure."""
+        target = lease.target
+        worker = self.registry.worker_of(target.id)
+        if worker is not None and (worker.headers or worker.config.dp_size > 1):
+            headers = {**headers, **worker.headers}
+            if worker.config.dp_size > 1:
+                headers["x-data-parallel-rank"] = str(target.dp_rank)
+        path = "/v1/chat/completions" if parsed.kind == "chat" else "/v1/completions"
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                # The client timeout bounds the whole exchange, streaming included.
+                resp = await self.session.post(self._url(target, path), data=parsed.raw, headers=headers, timeout=self._timeout())
+                if resp.status in RETRY_STATUSES:
+                    raise _UpstreamFailed(
+                        f"status_{resp.status}",
+                        f"worker {target.worker} answered {resp.status}",
+                        status=resp.status,
+                        body=await resp.read(),
+                        headers=_response_headers(resp),
+                        worker_fault=resp.status >= 500,
+                    )
+                if parsed.stream and resp.status == 200:
+                    first = await resp.content.readany()
+                    if not first:
+                        raise _UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
+                else:
+                    first = await resp.read()
+            except aiohttp.ClientError as exc:  # connect errors, resets, connect timeouts: retryable
+                kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError) else "disconnect"
+                raise _UpstreamFailed(kind, f"worker {target.worker} failed: {type(exc).__name__}: {exc}") from exc
+            except TimeoutError:  # the request timeout: the worker is too slow, not broken
+                self.registry.record_failure(target.id, time.monotonic(), "timeout")
+                self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
+                timeout = self.registry.config.server.request_timeout_s
+                raise MeshError(504, f"worker {target.worker} timed out after {timeout:g} s", code="upstream_timeout") from None
+            except OSError as exc:
+                raise _UpstreamFailed("disconnect", f"worker {target.worker} failed: {type(exc).__name__}: {exc}") from exc
+            lease.first_token()
+            self._ttfb_hist[route].observe(time.perf_counter() - start)
+            self.registry.record_success(target.id)
+            out = _response_headers(resp)
+            out.append((b"x-mesh-worker", target.id.encode()))
+            if parsed.stream and resp.status == 200:
+                await self._stream(resp, first, out, state, target)
+            else:
+                await state.respond(resp.status, out, first)
+            return None
+        except _UpstreamFailed as exc:
+            self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
+            if exc.worker_fault:
+                self.registry.record_failure(target.id, time.monotonic(), str(exc))
+            return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers)
+        finally:
+            if resp is not None:
+                resp.close()  # returns or drops the connection; also aborts an unfinished upstream
+
+    async def _stream(
+        self, resp: aiohttp.ClientResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
+    ) -> None:
+        await state.start(200, headers)
+        await state.chunk(first)
+        try:
+            while True:
+                data = await resp.content.readany()
+                if not data:
+                    break
+                await state.chunk(data)
+        except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+            what = "timed out" if isinstance(exc, TimeoutError) else f"failed mid-stream: {type(exc).__name__}"
+            self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
+            self.metrics.stream_errors_total.inc()
+            await state.stream_error(f"worker {target.worker} {what}")
+            return
+        await state.end()
+
+
+class _Exchange:
+    """The client side of one request: what was sent, and whether the client left."""
+
+    __slots__ = ("send", "started", "done", "disconnected", "status", "watch_task")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.watch_task: asyncio.Task[None] | None = None
+        self.started = False
+        self.done = False
+        self.disconnected = False
+        self.status = 500
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self) -> None:
+        self.done = True
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.started = True
+        self.status = status
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        self.done = True
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def error(self, exc: MeshError) -> None:
+        if self.started:
+            await self.stream_error(exc.message)
+            return
+        headers = [(b"content-type", b"application/json")]
+        headers.extend((k.encode(), v.encode()) for k, v in exc.headers.items())
+        await self.respond(exc.status, headers, exc.to_bytes())
+
+    async def stream_error(self, message: str) -> None:
+        self.done = True
+        await self.send({"type": "http.response.body", "body": sse_error_event(message), "more_body": False})
+
+
+def _watch_disconnect(receive: Receive, state: _Exchange, task: asyncio.Task[Any] | None) -> None:
+    """Start watching for a client disconnect; it cancels ``task`` unless the response is complete.
+
+    Started ``WATCH_AFTER_S`` after the request began (a timer is far cheaper than a task, and
+    requests that finish sooner have nothing worth cancelling).
+    """
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not state.done and task is not None:
+                    state.disconnected = True
+                    task.cancel()
+                return
+
+    if not state.done:
+        state.watch_task = asyncio.get_running_loop().create_task(watch())
+
+
+async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    declared = _header(headers, b"content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise MeshError(400, "invalid Content-Length header", code="invalid_header")
+        if int(declared) > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if len(body) > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        return body
+    parts = [body]
+    size = len(body)
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise MeshError(400, "client disconnected while sending the body", code="client_disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:  # ASGI servers give lower-case names
+            return value
+    return None
+
+
+def check_bearer(headers: list[tuple[bytes, bytes]], keys: list[str], what: str) -> None:
+    """Raise 401 unless ``Authorization: Bearer <one of keys>`` is present (constant-time compare)."""
+    value = _header(headers, b"authorization")
+    token = value[7:].strip() if value is not None and value[:7].lower() == b"bearer " else b""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token, key.encode())
+    if not token or not ok:
+        raise MeshError(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')", code="invalid_api_key",
+                        headers={"www-authenticate": "Bearer"})
+
+
+def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> dict[str, str]:
+    """Client headers minus hop-by-hop ones (and Authorization unless configured); rejects CR/LF/NUL."""
+    out: dict[str, str] = {"content-type": "application/json"}
+    for key, value in client:
+        if key in HOP_BY_HOP or key == b"content-type" or (key == b"authorization" and not forward_authorization):
+            continue
+        if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(key):
+            raise MeshError(400, "header contains a control character", code="invalid_header")
+        out[key.decode("latin-1")] = value.decode("latin-1")
+    return out
+
+
+def _response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in RESPONSE_DROP]
+
+
+def _backoff(attempt: int, base: float, cap: float) -> float:
+    return min(cap, base * (2 ** (attempt - 1))) * random.uniform(0.5, 1.0)

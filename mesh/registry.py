@@ -1,0 +1,363 @@
+"""The worker registry: workers, their routable targets, health, circuit breakers and draining.
+
+Ownership: the registry owns every ``TargetState`` of the live gateway and the ``targets`` dict
+that ``mesh.router.Router`` reads (the same dict object for the app's whole life: workers added
+or removed at runtime appear in, or vanish from, the router's view at once). Load fields
+(``in_flight``, ``prefill_tokens``, ``decode_tokens``) are written only by router leases; the
+registry writes the availability fields (``healthy``, ``draining``, ``circuit_open``, ``models``).
+
+Listeners (``add_listener``) hear ``on_worker_added(worker)`` / ``on_worker_removed(worker)``:
+this is where KV event subscribers are started and stopped per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import aiohttp
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from mesh.config import CircuitBreakerConfig, HealthConfig, MeshConfig, WorkerConfig, check_worker_url
+from mesh.metrics import Metrics
+from policies.base import TargetState, target_id
+
+log = logging.getLogger("mesh.registry")
+
+
+class RegistryError(ValueError):
+    """An admin operation that cannot be done; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RegistryListener(Protocol):
+    def on_worker_added(self, worker: Worker) -> None: ...
+
+    def on_worker_removed(self, worker: Worker) -> None: ...
+
+
+class CircuitBreaker:
+    """Closed -> open after ``failure_threshold`` consecutive failures -> half-open after ``open_s``.
+
+    Half-open lets traffic through again: the next success closes it, the next failure reopens it.
+    """
+
+    def __init__(self, config: CircuitBreakerConfig) -> None:
+        self.config = config
+        self.state: Literal["closed", "open", "half_open"] = "closed"
+        self.failures = 0
+        self.opened_at = 0.0
+
+    @property
+    def is_open(self) -> bool:
+        return self.state == "open"
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.state = "closed"
+
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True when this failure opened the circuit."""
+        self.failures += 1
+        if self.state == "half_open" or (self.state == "closed" and self.failures >= self.config.failure_threshold):
+            self.state = "open"
+            self.opened_at = now
+            return True
+        return False
+
+    def tick(self, now: float) -> None:
+        if self.state == "open" and now - self.opened_at >= self.config.open_s:
+            self.state = "half_open"
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker endpoint and its data-parallel targets."""
+
+    config: WorkerConfig
+    targets: list[TargetState]
+    breaker: CircuitBreaker
+    source: Literal["config", "admin"] = "config"
+    healthy: bool = False  # unknown until the first check passes
+    draining: bool = False
+    ok_streak: int = 0
+    fail_streak: int = 0
+    last_error: str | None = None
+    last_check: float = 0.0
+    discovered_models: frozenset[str] = frozenset()
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request to it
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.config.models) if self.config.models is not None else self.discovered_models
+
+    def sync(self) -> None:
+        """Push availability into the targets (the policies' view)."""
+        models = self.models
+        for t in self.targets:
+            t.healthy = self.healthy
+            t.draining = self.draining
+            t.circuit_open = self.breaker.is_open
+            t.models = models
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "role": self.config.role.value,
+            "source": self.source,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "circuit": self.breaker.state,
+            "models": sorted(self.models),
+            "dp_size": self.config.dp_size,
+            "block_size": self.config.block_size,
+            "last_error": self.last_error,
+            "targets": [
+                {
+                    "id": t.id,
+                    "in_flight": t.in_flight,
+                    "prefill_tokens": t.prefill_tokens,
+                    "decode_tokens": t.decode_tokens,
+                    "live_sessions": t.live_sessions,
+                }
+                for t in self.targets
+            ],
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        self.targets: dict[str, TargetState] = {}  # the Router's view; never replaced
+        self.workers: dict[str, Worker] = {}
+        self._by_target: dict[str, Worker] = {}
+        self._listeners: list[RegistryListener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.any_circuit_open = False
+        self.version = 0  # bumped whenever membership or a worker's model list changes
+
+    # -- membership --
+    def add_listener(self, listener: RegistryListener) -> None:
+        self._listeners.append(listener)
+
+    def add(self, cfg: WorkerConfig, source: Literal["config", "admin"] = "admin") -> Worker:
+        if cfg.name in self.workers:
+            raise RegistryError(409, f"worker {cfg.name!r} already exists")
+        try:
+            check_worker_url(cfg.url, self.config.server)
+        except ValueError as exc:
+            raise RegistryError(400, str(exc)) from exc
+        ids = [target_id(cfg.name, r, cfg.dp_size) for r in range(cfg.dp_size)]
+        if any(i in self.targets for i in ids):
+            raise RegistryError(409, f"worker {cfg.name!r} collides with an existing target id")
+        targets = [
+            TargetState(
+                id=tid,
+                worker=cfg.name,
+                dp_rank=rank,
+                url=cfg.url,
+                role=cfg.role,
+                block_size=cfg.block_size,
+                healthy=False,
+                max_in_flight=cfg.max_in_flight,
+            )
+            for rank, tid in enumerate(ids)
+        ]
+        headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        worker = Worker(cfg, targets, CircuitBreaker(self.config.circuit_breaker), source, headers=headers)
+        worker.sync()
+        self.workers[cfg.name] = worker
+        for t in targets:
+            self.targets[t.id] = t
+            self._by_target[t.id] = worker
+        self.version += 1
+        for listener in self._listeners:
+            listener.on_worker_added(worker)
+        return worker
+
+    def remove(self, name: str) -> Worker:
+        worker = self.get(name)
+        del self.workers[name]
+        for t in worker.targets:
+            # In-flight leases keep their TargetState object and release it normally.
+            self.targets.pop(t.id, None)
+            self._by_target.pop(t.id, None)
+        self.version += 1
+        for listener in self._listeners:
+            listener.on_worker_removed(worker)
+        return worker
+
+    def get(self, name: str) -> Worker:
+        worker = self.workers.get(name)
+        if worker is None:
+            raise RegistryError(404, f"no worker named {name!r}")
+        return worker
+
+    def worker_of(self, tid: str) -> Worker | None:
+        return self._by_target.get(tid)
+
+    def drain(self, name: str, draining: bool = True) -> Worker:
+        worker = self.get(name)
+        worker.draining = draining
+        worker.sync()
+        return worker
+
+    def reconfigure(self, config: MeshConfig) -> None:
+        """Apply a reloaded config: settings now, static workers reconciled (admin-added kept)."""
+        self.config = config
+        for worker in self.workers.values():
+            worker.breaker.config = config.circuit_breaker
+        wanted = {w.name: w for w in config.workers}
+        for name, worker in list(self.workers.items()):
+            if worker.source == "config" and (name not in wanted or wanted[name] != worker.config):
+                self.remove(name)
+        for name, cfg in wanted.items():
+            if name not in self.workers:
+                self.add(cfg, source="config")
+
+    # -- passive health (request outcomes) --
+    def record_success(self, tid: str) -> None:
+        worker = self._by_target.get(tid)
+        if worker is not None and (worker.breaker.failures or worker.breaker.state != "closed"):
+            worker.breaker.record_success()
+            worker.sync()
+            self._update_circuit_flag()
+
+    def record_failure(self, tid: str, now: float, error: str) -> None:
+        worker = self._by_target.get(tid)
+        if worker is None:
+            return
+        worker.last_error = error
+        if worker.breaker.record_failure(now):
+            log.warning("circuit opened for worker %s after %d failures: %s", worker.name, worker.breaker.failures, error)
+            worker.sync()
+            self.any_circuit_open = True
+
+    def tick(self, now: float) -> None:
+        """Move open circuits to half-open once their time is up (cheap; called per request)."""
+        if not self.any_circuit_open:
+            return
+        for worker in self.workers.values():
+            if worker.breaker.is_open:
+                worker.breaker.tick(now)
+                if not worker.breaker.is_open:
+                    worker.sync()
+        self._update_circuit_flag()
+
+    def _update_circuit_flag(self) -> None:
+        self.any_circuit_open = any(w.breaker.is_open for w in self.workers.values())
+
+    # -- active health --
+    async def check(self, worker: Worker, session: aiohttp.ClientSession) -> bool:
+        cfg = self.config.health
+        ok, error = await _probe(session, worker.url + "/health", worker.headers, cfg.timeout_s)
+        if worker.name not in self.workers or self.workers[worker.name] is not worker:
+            return ok  # removed while the probe ran
+        worker.last_check = time.monotonic()
+        if ok:
+            worker.ok_streak += 1
+            worker.fail_streak = 0
+            if not worker.healthy and worker.ok_streak >= cfg.healthy_threshold:
+                worker.healthy = True
+                log.info("worker %s is healthy", worker.name)
+            if worker.healthy and worker.config.models is None and (worker.ok_streak == 1 or not worker.discovered_models):
+                found = await discover_models(session, worker, cfg.timeout_s)
+                if found and found != worker.discovered_models:
+                    worker.discovered_models = found
+                    self.version += 1
+        else:
+            worker.fail_streak += 1
+            worker.ok_streak = 0
+            worker.last_error = error
+            if worker.healthy and worker.fail_streak >= cfg.unhealthy_threshold:
+                worker.healthy = False
+                log.warning("worker %s is unhealthy: %s", worker.name, error)
+        worker.sync()
+        return ok
+
+    async def check_all(self, session: aiohttp.ClientSession, metrics: Metrics | None = None) -> None:
+        workers = list(self.workers.values())
+        results = await asyncio.gather(*(self.check(w, session) for w in workers))
+        if metrics is not None:
+            for w, ok in zip(workers, results, strict=True):
+                metrics.health_checks_total.labels(w.name, "ok" if ok else "fail").inc()
+        self.tick(time.monotonic())
+
+    # -- views --
+    def models(self) -> list[str]:
+        """The union of models served by healthy workers."""
+        names: set[str] = set()
+        for w in self.workers.values():
+            if w.healthy:
+                names |= w.models
+        return sorted(names)
+
+    def knows_model(self, model: str) -> bool:
+        """False only when every worker's model list is known and none serves ``model``."""
+        return any(not w.models or model in w.models for w in self.workers.values())
+
+    def metric_families(self) -> Iterable[Metric]:
+        in_flight = GaugeMetricFamily("mesh_worker_in_flight", "In-flight requests per target", labels=["target"])
+        prefill = GaugeMetricFamily("mesh_worker_prefill_tokens", "Queued prefill tokens per target", labels=["target"])
+        decode = GaugeMetricFamily("mesh_worker_decode_tokens", "Decoding context tokens per target", labels=["target"])
+        sessions = GaugeMetricFamily("mesh_worker_live_sessions", "Session bindings per target", labels=["target"])
+        healthy = GaugeMetricFamily("mesh_worker_healthy", "1 when the worker passes health checks", labels=["worker"])
+        circuit = GaugeMetricFamily("mesh_circuit_open", "1 when the worker's circuit breaker is open", labels=["worker"])
+        draining = GaugeMetricFamily("mesh_worker_draining", "1 when the worker is draining", labels=["worker"])
+        for w in self.workers.values():
+            healthy.add_metric([w.name], 1.0 if w.healthy else 0.0)
+            circuit.add_metric([w.name], 1.0 if w.breaker.is_open else 0.0)
+            draining.add_metric([w.name], 1.0 if w.draining else 0.0)
+            for t in w.targets:
+                in_flight.add_metric([t.id], t.in_flight)
+                prefill.add_metric([t.id], t.prefill_tokens)
+                decode.add_metric([t.id], t.decode_tokens)
+                sessions.add_metric([t.id], t.live_sessions)
+        return [in_flight, prefill, decode, sessions, healthy, circuit, draining]
+
+
+async def _probe(session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout_s: float) -> tuple[bool, str | None]:
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return True, None
+            return False, f"GET /health answered {resp.status}"
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # connection refused, timeout, bad response: all mean "not healthy"
+        return False, f"GET /health failed: {type(exc).__name__}: {exc}".rstrip(": ")
+
+
+async def discover_models(session: aiohttp.ClientSession, worker: Worker, timeout_s: float) -> frozenset[str]:
+    """Model ids from the worker's ``/v1/models``; empty when it cannot say."""
+    try:
+        async with session.get(
+            worker.url + "/v1/models", headers=worker.headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return frozenset()
+            data = await resp.json(content_type=None)
+        return frozenset(m["id"] for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning("model discovery failed for worker %s: %s", worker.name, exc)
+        return frozenset()
