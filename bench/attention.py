@@ -61,23 +61,22 @@ PREFILL_CASES = [  # (name, [(ctx, new tokens) per sequence])
     ("hit 30k+2k", [(32768, 2048)]),  # prefix hit: 30k cached, 2k new
 ]
 DECODE_SWEEP = {
-    "d64w4s3c2 (default)": DecodeConfig(64, 4, 3, 2, 256),
-    "d128w4s3c2": DecodeConfig(128, 4, 3, 2, 256),
-    "d32w4s4c2": DecodeConfig(32, 4, 4, 2, 256),
-    "d64w4s2c2": DecodeConfig(64, 4, 2, 2, 256),
-    "d64w4s3c4": DecodeConfig(64, 4, 3, 4, 256),
-    "d128w8s3c2m512": DecodeConfig(128, 8, 3, 2, 512),
+    "c4u2 (default)": DecodeConfig(),
+    "c2 (v1)": DecodeConfig(64, 4, 3, 2, 1000, 256),
+    "c4 always": DecodeConfig(64, 4, 3, 4, 1000, 256),
+    "c8u2": DecodeConfig(64, 4, 3, 8, 2, 256),
+    "c8u2m128": DecodeConfig(64, 4, 3, 8, 2, 128),
+    "n128c4u2": DecodeConfig(128, 4, 3, 4, 2, 256),
 }
-DECODE_SWEEP_CELLS = [(1, 32768), (64, 4096), (64, 16384)]
+DECODE_SWEEP_CELLS = [(1, 4096), (1, 32768), (8, 16384), (32, 4096), (64, 4096)]
 PREFILL_SWEEP = {
-    "m128n64w8s3 (default)": PrefillConfig(128, 64, 8, 3),
-    "m128n128w8s3": PrefillConfig(128, 128, 8, 3),
+    "m128n128w8s3 (default)": PrefillConfig(128, 128, 8, 3),
+    "m128n64w8s3 (v1)": PrefillConfig(128, 64, 8, 3),
     "m128n128w8s2": PrefillConfig(128, 128, 8, 2),
-    "m128n64w4s3": PrefillConfig(128, 64, 4, 3),
-    "m64n64w4s3": PrefillConfig(64, 64, 4, 3),
-    "m64n128w4s3": PrefillConfig(64, 128, 4, 3),
+    "m64n128w4s2": PrefillConfig(64, 128, 4, 2),
+    "m128n64w8s4": PrefillConfig(128, 64, 8, 4),
 }
-PREFILL_SWEEP_CELLS = [("16k", [(16384, 16384)])]
+PREFILL_SWEEP_CELLS = [("16k", [(16384, 16384)]), ("hit 30k+2k", [(32768, 2048)])]
 
 
 @dataclass

@@ -218,7 +218,8 @@ def test_prefill_random_shapes(seed: int) -> None:
         q_len = rng.choice([ctx, ctx, rng.randint(1, ctx), 1])  # misses, prefix hits, one token
         seqs.append((ctx, q_len))
     dtype = rng.choice([torch.bfloat16, torch.bfloat16, torch.float16])
-    config = rng.choice([None, PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 2)])
+    config = rng.choice([None, PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 8, 3),
+                         PrefillConfig(128, 128, 8, 2)])
     _run_prefill(gen, block_size, num_heads, kvh, d, seqs, dtype,
                  rng.uniform(0.5, 1.5) / math.sqrt(d), config)
 

@@ -52,14 +52,15 @@ class DecodeConfig:
     block_n: int = 64  # context tokens per inner step
     num_warps: int = 4
     num_stages: int = 3
-    ctas_per_sm: int = 2  # split the context until the grid has this many programs per SM
+    ctas_per_sm: int = 4  # when splitting, split until the grid has this many programs per SM
+    split_under_per_sm: int = 2  # split only when (sequences x KV heads) < this x SMs
     min_split_tokens: int = 256  # never split finer than this
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int = 128  # new tokens per program
-    block_n: int = 64  # context tokens per inner step
+    block_n: int = 128  # context tokens per inner step
     num_warps: int = 8
     num_stages: int = 3
 
@@ -453,7 +454,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _auto_splits(programs: int, n_tiles: int, cfg: DecodeConfig, device: torch.device) -> int:
-    """Enough context splits that (sequences x KV heads x splits) fills the SMs, none too thin."""
-    want = math.ceil(cfg.ctas_per_sm * _num_sms(device) / programs)
+    """Enough context splits that (sequences x KV heads x splits) fills the SMs, none too thin.
+
+    A batch that fills the SMs on its own is not split: the partials' extra traffic and the reduce
+    launch then cost more than the tail of the last wave (measured, NOTES.md)."""
+    sms = _num_sms(device)
+    if programs >= cfg.split_under_per_sm * sms:
+        return 1
+    want = math.ceil(cfg.ctas_per_sm * sms / programs)
     most = max(1, (n_tiles * cfg.block_n) // cfg.min_split_tokens)
     return max(1, min(want, most))
