@@ -173,28 +173,40 @@ class Profile:
         picker: Any,
         seed: int | None,
         roles: frozenset[Role] | None = None,
+        explain_top: int = 16,
     ) -> None:
         self.label = label
         specs = list(DEFAULT_FILTERS) if filters is None else _as_list(f"{label}.filters", filters)
         self.filters = [build_filter(s) for s in specs]
-        # Health is never optional: a configured list without it gets it first.
-        if not any(f.name == "healthy" for f in self.filters):
-            self.filters.insert(0, build_filter("healthy"))
+        # Health and model match are never optional (a request sent to a dead worker, or to one
+        # that does not serve its model, fails): a configured list without them gets them first.
+        for i, required in enumerate(DEFAULT_FILTERS):
+            if not any(_builtin(f, required) for f in self.filters):
+                self.filters.insert(i, build_filter(required))
         self.scorers: list[tuple[Scorer, float]] = [
             build_scorer(s, i) for i, s in enumerate(_as_list(f"{label}.scorers", scorers))
         ]
         self.terms = _term_names([s.name for s, _ in self.scorers])
         self._scorer_objs = [s for s, _ in self.scorers]
-        self._totals, self._rows = _compile_combiners([w for _, w in self.scorers], (*self.terms, "total"))
+        self._totals, self._rows, self._rows_at = _compile_combiners(
+            [w for _, w in self.scorers], (*self.terms, "total")
+        )
+        if isinstance(explain_top, bool) or not isinstance(explain_top, int) or explain_top < 1:
+            raise PluginError(f"{label}: explain_top must be an integer >= 1, got {explain_top!r}")
+        self.explain_top = explain_top
+        # The built-in healthy and model_match filters run fused in _first_pass; plugins after.
+        fused = {"healthy", "model_match"}
+        self._rest = [f for f in self.filters if not (f.name in fused and _builtin(f, f.name))]
+        self._first_names = "/".join(f.name for f in self.filters if f not in self._rest)
         self.picker = build_picker(picker if picker is not None else "max_score", seed)
         self.reason = self.picker.summary(self.terms)
         self.roles = roles
 
     def run(self, request: RequestInfo, cluster: ClusterView) -> ProfileResult:
-        found = list(cluster.targets)
-        if self.roles is not None:
-            found = [t for t in found if t.role in self.roles]
-        for f in self.filters:
+        found = self._first_pass(request, cluster)
+        if not found:
+            raise NoCandidate(f"{self.label}: no candidate left after filter {self._first_names}")
+        for f in self._rest:
             found = f.filter(request, cluster, found)
             if not found:
                 raise NoCandidate(f"{self.label}: no candidate left after filter {f.name!r}")
@@ -202,9 +214,26 @@ class Profile:
             s.score(request, cluster, found) if s.trusted else _checked(s, request, cluster, found)
             for s in self._scorer_objs
         ]
-        totals = self._totals(len(found), *columns)
-        pick = self.picker.pick(totals, columns) if len(found) > 1 else 0
-        return ProfileResult(found[pick].id, self.reason, self._rows([t.id for t in found], *columns, totals))
+        n = len(found)
+        totals = self._totals(n, *columns)
+        pick = self.picker.pick(totals, columns) if n > 1 else 0
+        ids = [t.id for t in found]
+        if n <= self.explain_top:
+            rows = self._rows(ids, *columns, totals)
+        else:
+            rows = self._rows_at(_top(totals, pick, self.explain_top), ids, *columns, totals)
+        return ProfileResult(ids[pick], self.reason, rows)
+
+    def _first_pass(self, request: RequestInfo, cluster: ClusterView) -> list[TargetState]:
+        """Health, the profile's roles and model/LoRA match, the always-applied filters: pure
+        per-target predicates, so the order among them does not matter."""
+        roles = self.roles
+        out = [
+            t for t in cluster.targets
+            if t.healthy and not t.draining and not t.circuit_open and (roles is None or t.role in roles)
+        ]
+        model, lora = request.model, request.lora
+        return [t for t in out if (not t.models or model in t.models) and (not lora or not t.loras or lora in t.loras)]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -214,28 +243,43 @@ class Profile:
         }
 
 
-def _compile_combiners(weights: list[float], keys: tuple[str, ...]) -> tuple[Any, Any]:
-    """Two functions specialised to this profile's scorer count (the decision hot path):
-    ``totals(n, c0, c1, ..)`` -> weighted sums, and ``rows(ids, c0, c1, .., totals)`` ->
-    ``{target: {term: score, .., "total": sum}}``. A generated dict display is ~3x faster than
-    ``dict(zip(..))`` per row. Only column *counts* reach the source text; weights and keys are
-    bound as values, so nothing from the config is ever executed.
+def _compile_combiners(weights: list[float], keys: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """Three functions specialised to this profile's scorer count (the decision hot path):
+    ``totals(n, c0, c1, ..)`` -> weighted sums; ``rows(ids, c0, c1, .., totals)`` ->
+    ``{target: {term: score, .., "total": sum}}``; ``rows_at(keep, ids, c0, .., totals)``, the same
+    for the indices in ``keep``. A generated dict display is ~3x faster than ``dict(zip(..))``
+    per row. Only column *counts* reach the source text; weights and keys are bound as values,
+    so nothing from the config is ever executed.
     """
     k = len(weights)
-    cs = ", ".join(f"c{i}" for i in range(k))
-    xs = ", ".join(f"x{i}" for i in range(k))
+    cs = "".join(f", c{i}" for i in range(k))
+    xs = "".join(f"x{i}, " for i in range(k))
     env: dict[str, Any] = {f"w{i}": w for i, w in enumerate(weights)}
     env.update({f"k{i}": key for i, key in enumerate(keys)})
-    if k == 0:
-        src = ("def totals(n):\n    return [0.0] * n\n"
-               f"def rows(ids, tot):\n    return {{t: {{k0: s}} for t, s in zip(ids, tot)}}\n")
-    else:
-        total = " + ".join(f"w{i} * x{i}" for i in range(k) if weights[i]) or "0.0"
-        row = ", ".join(f"k{i}: x{i}" for i in range(k)) + f", k{k}: s"
-        src = (f"def totals(n, {cs}):\n    return [{total} for {xs}, in zip({cs})]\n"
-               f"def rows(ids, {cs}, tot):\n    return {{t: {{{row}}} for t, {xs}, s in zip(ids, {cs}, tot)}}\n")
+    total = " + ".join(f"w{i} * x{i}" for i in range(k) if weights[i]) or "0.0"
+    row = "".join(f"k{i}: x{i}, " for i in range(k)) + f"k{k}: s"
+    row_at = "".join(f"k{i}: c{i}[j], " for i in range(k)) + f"k{k}: tot[j]"
+    totals = f"[{total} for {xs}in zip({cs[2:]})]" if k else "[0.0] * n"
+    src = (
+        f"def totals(n{cs}):\n    return {totals}\n"
+        f"def rows(ids{cs}, tot):\n    return {{t: {{{row}}} for t, {xs}s in zip(ids{cs}, tot)}}\n"
+        f"def rows_at(keep, ids{cs}, tot):\n    return {{ids[j]: {{{row_at}}} for j in keep}}\n"
+    )
     exec(compile(src, "<pipeline combiners>", "exec"), env)  # noqa: S102 (source built from counts only)
-    return env["totals"], env["rows"]
+    return env["totals"], env["rows"], env["rows_at"]
+
+
+def _top(totals: list[float], pick: int, k: int) -> list[int]:
+    """Indices of (at most) the ``k`` best totals, the pick always among them."""
+    cut = sorted(totals)[-k]
+    keep = [i for i, v in enumerate(totals) if v >= cut][:k]
+    if pick not in keep:
+        keep[-1] = pick
+    return keep
+
+
+def _builtin(f: Filter, name: str) -> bool:
+    return f.name == name and type(f).__module__ == "policies.filters"
 
 
 def _term_names(names: list[str]) -> tuple[str, ...]:
@@ -252,10 +296,11 @@ def _term_names(names: list[str]) -> tuple[str, ...]:
 class Pipeline(Policy):
     """filters -> weighted scorers -> picker; or two profiles (prefill, decode) for P/D pairs.
 
-    Params: ``filters`` (default ``[healthy, model_match]``; ``healthy`` is always applied),
+    Params: ``filters`` (``healthy`` and ``model_match`` are always applied, listed or not),
     ``scorers`` (``[{name, weight, params}]``, weights finite and >= 0), ``picker`` (default
     ``max_score``); or ``profiles: {prefill: {...}, decode: {...}}`` with the same three keys
-    each. A prefill profile considers prefill-role targets, a decode profile decode-role ones;
+    each. ``explain_top`` (default 16) bounds the candidates whose per-term scores the decision
+    carries (the best ones and the pick): building them is a cost every request pays. A prefill profile considers prefill-role targets, a decode profile decode-role ones;
     when no pair can be formed the prefill profile runs over mixed-role targets instead.
     """
 
@@ -265,16 +310,17 @@ class Pipeline(Policy):
         scorers: list[Any] | None = None,
         picker: Any = None,
         profiles: Mapping[str, Any] | None = None,
+        explain_top: int = 16,
         seed: int | None = None,
     ) -> None:
         self.profile: Profile | None = None
         self.pd: tuple[Profile, Profile, Profile] | None = None  # prefill, decode, mixed fallback
         if profiles is None:
-            self.profile = Profile("pipeline", filters, scorers, picker, seed)
+            self.profile = Profile("pipeline", filters, scorers, picker, seed, explain_top=explain_top)
             return
         if filters is not None or scorers is not None or picker is not None:
             raise PluginError("pipeline: give either profiles or filters/scorers/picker, not both")
-        self.pd = _build_profiles(profiles, seed)
+        self.pd = _build_profiles(profiles, seed, explain_top)
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         ov = cluster.overlaps(request)
@@ -302,7 +348,7 @@ class Pipeline(Policy):
         return {"name": self.name, "profiles": {"prefill": self.pd[0].describe(), "decode": self.pd[1].describe()}}
 
 
-def _build_profiles(profiles: Any, seed: int | None) -> tuple[Profile, Profile, Profile]:
+def _build_profiles(profiles: Any, seed: int | None, explain_top: int) -> tuple[Profile, Profile, Profile]:
     """Prefill profile over prefill-role targets, decode over decode-role ones, and the prefill
     profile again over mixed-role targets for when no pair can be formed."""
     if not isinstance(profiles, Mapping) or set(profiles) != {"prefill", "decode"}:
@@ -322,6 +368,6 @@ def _build_profiles(profiles: Any, seed: int | None) -> tuple[Profile, Profile, 
 
     def make(label: str, body: Mapping[str, Any], k: int, role: Role) -> Profile:
         return Profile(label, body.get("filters"), body.get("scorers"), body.get("picker"), seeded(k),
-                       frozenset({role}))
+                       frozenset({role}), explain_top)
 
     return make("prefill", p, 0, Role.PREFILL), make("decode", d, 1, Role.DECODE), make("mixed", p, 2, Role.MIXED)

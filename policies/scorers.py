@@ -18,11 +18,11 @@ from policies.registry import PluginError, register
 
 def fewer_is_better(values: Sequence[float]) -> list[float]:
     """Min-max normalized, inverted: min -> 1.0, max -> 0.0; all equal -> 1.0."""
-    lo = min(values)
-    span = max(values) - lo
-    if span <= 0:
+    lo, hi = min(values), max(values)
+    if hi <= lo:
         return [1.0] * len(values)
-    return [(span - (v - lo)) / span for v in values]
+    inv = 1.0 / (hi - lo)
+    return [(hi - v) * inv for v in values]
 
 
 def _tier_weight(owner: str, value: Any) -> float:

@@ -60,7 +60,7 @@ def test_no_scorers_is_a_fair_random_choice() -> None:
     assert set(counts) == {"w0", "w1", "w2", "w3"} and min(counts.values()) > 400
 
 
-def test_health_filter_is_always_applied() -> None:
+def test_health_and_model_filters_are_always_applied() -> None:
     ts = [T("dead", healthy=False), T("alive")]
     p = pipeline(filters=["model_match"], scorers=["load"])
     for _ in range(50):
@@ -200,3 +200,37 @@ def test_describe_lists_the_configured_plugins() -> None:
                     {"name": "load", "weight": 1.0}],
         "picker": "weighted_random",
     }
+
+
+def test_explanation_is_bounded_to_the_best_candidates_and_the_pick() -> None:
+    index = PrefixIndex()
+    ts = [T(f"w{i:02d}", in_flight=i) for i in range(40)]
+    p = pipeline(scorers=["load"], explain_top=5)
+    d = p.decide(req(), ClusterView(ts, 0.0, index))
+    assert d.target == "w00" and set(d.scores) == {f"w{i:02d}" for i in range(5)}
+    full = pipeline(scorers=["load"], explain_top=1000).decide(req(), ClusterView(ts, 0.0, index))
+    assert len(full.scores) == 40
+    rand = pipeline(scorers=["load"], picker="weighted_random", explain_top=3)
+    for _ in range(30):  # a random pick outside the best 3 is still explained
+        d = rand.decide(req(), ClusterView(ts, 0.0, index))
+        assert d.target in d.scores and len(d.scores) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "16"])
+def test_explain_top_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(PluginError, match="explain_top"):
+        pipeline(explain_top=bad)
+
+
+def test_model_and_lora_matching_inside_the_pipeline() -> None:
+    ts = [
+        T("other", models=frozenset({"x"})),
+        T("nolora", models=frozenset({"m"}), loras=frozenset({"chat"})),
+        T("good", models=frozenset({"m"}), loras=frozenset({"sql"})),
+    ]
+    p = pipeline(filters=["model_match", "healthy"], scorers=["load"])
+    assert {p.decide(req(lora="sql"), ClusterView(ts, 0.0)).target for _ in range(20)} == {"good"}
+    assert {p.decide(req(), ClusterView(ts, 0.0)).target for _ in range(40)} == {"nolora", "good"}
+    implicit = pipeline(filters=["admission_headroom"], scorers=["load"])  # matching is never off
+    assert {implicit.decide(req(lora="sql"), ClusterView(ts, 0.0)).target for _ in range(20)} == {"good"}
+    assert [f.name for f in implicit.profile.filters] == ["healthy", "model_match", "admission_headroom"]  # type: ignore[union-attr]
