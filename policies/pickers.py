@@ -16,11 +16,6 @@ from policies.registry import PluginError, register
 TIE_EPS = 1e-9  # totals this close (relative to their size) are a tie
 
 
-def _ties(values: Sequence[float], best: float) -> list[int]:
-    cut = best - TIE_EPS * max(1.0, abs(best))
-    return [i for i, v in enumerate(values) if v >= cut]
-
-
 @register("picker", "max_score")
 class MaxScore(Picker):
     """The highest total; ties spread uniformly at random."""

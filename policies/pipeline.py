@@ -227,13 +227,14 @@ class Profile:
     def _first_pass(self, request: RequestInfo, cluster: ClusterView) -> list[TargetState]:
         """Health, the profile's roles and model/LoRA match, the always-applied filters: pure
         per-target predicates, so the order among them does not matter."""
-        roles = self.roles
-        out = [
+        roles, model, lora = self.roles, request.model, request.lora
+        return [
             t for t in cluster.targets
-            if t.healthy and not t.draining and not t.circuit_open and (roles is None or t.role in roles)
+            if t.healthy and not t.draining and not t.circuit_open
+            and (not t.models or model in t.models)
+            and (roles is None or t.role in roles)
+            and (not lora or not t.loras or lora in t.loras)
         ]
-        model, lora = request.model, request.lora
-        return [t for t in out if (not t.models or model in t.models) and (not lora or not t.loras or lora in t.loras)]
 
     def describe(self) -> dict[str, Any]:
         return {
