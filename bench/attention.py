@@ -61,14 +61,13 @@ PREFILL_CASES = [  # (name, [(ctx, new tokens) per sequence])
     ("hit 30k+2k", [(32768, 2048)]),  # prefix hit: 30k cached, 2k new
 ]
 DECODE_SWEEP = {
-    "c4u2 (default)": DecodeConfig(),
-    "c2 (v1)": DecodeConfig(64, 4, 3, 2, 1000, 256),
-    "c4 always": DecodeConfig(64, 4, 3, 4, 1000, 256),
-    "c8u2": DecodeConfig(64, 4, 3, 8, 2, 256),
-    "c8u2m128": DecodeConfig(64, 4, 3, 8, 2, 128),
-    "n128c4u2": DecodeConfig(128, 4, 3, 4, 2, 256),
+    "c4 (default)": DecodeConfig(),
+    "c3": DecodeConfig(64, 4, 3, 3, 256),
+    "c5": DecodeConfig(64, 4, 3, 5, 256),
+    "c8": DecodeConfig(64, 4, 3, 8, 256),
+    "c4 m512": DecodeConfig(64, 4, 3, 4, 512),
 }
-DECODE_SWEEP_CELLS = [(1, 4096), (1, 32768), (8, 16384), (32, 4096), (64, 4096)]
+DECODE_SWEEP_CELLS = [(1, 32768), (4, 16384), (8, 16384), (8, 32768), (16, 8192), (32, 4096)]
 PREFILL_SWEEP = {
     "m128n128w8s3 (default)": PrefillConfig(128, 128, 8, 3),
     "m128n64w8s3 (v1)": PrefillConfig(128, 64, 8, 3),
@@ -76,7 +75,7 @@ PREFILL_SWEEP = {
     "m64n128w4s2": PrefillConfig(64, 128, 4, 2),
     "m128n64w8s4": PrefillConfig(128, 64, 8, 4),
 }
-PREFILL_SWEEP_CELLS = [("16k", [(16384, 16384)]), ("hit 30k+2k", [(32768, 2048)])]
+PREFILL_SWEEP_CELLS: list[tuple[str, list[tuple[int, int]]]] = []  # run 2 settled these
 
 
 @dataclass

@@ -52,8 +52,10 @@ class DecodeConfig:
     block_n: int = 64  # context tokens per inner step
     num_warps: int = 4
     num_stages: int = 3
-    ctas_per_sm: int = 4  # when splitting, split until the grid has this many programs per SM
-    split_under_per_sm: int = 2  # split only when (sequences x KV heads) < this x SMs
+    # Programs that fit on one SM at once with this config (128 regs x 128 threads, 39 KB shared:
+    # 4). The context is split so that all programs run in ONE wave: a second, mostly idle wave
+    # cost up to 25% (NOTES.md, run 2).
+    ctas_per_sm: int = 4
     min_split_tokens: int = 256  # never split finer than this
 
 
@@ -454,13 +456,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _auto_splits(programs: int, n_tiles: int, cfg: DecodeConfig, device: torch.device) -> int:
-    """Enough context splits that (sequences x KV heads x splits) fills the SMs, none too thin.
-
-    A batch that fills the SMs on its own is not split: the partials' extra traffic and the reduce
-    launch then cost more than the tail of the last wave (measured, NOTES.md)."""
-    sms = _num_sms(device)
-    if programs >= cfg.split_under_per_sm * sms:
-        return 1
-    want = math.ceil(cfg.ctas_per_sm * sms / programs)
+    """As many context splits as fit (sequences x KV heads x splits) into one wave of the SMs
+    (``ctas_per_sm`` resident programs each), none thinner than ``min_split_tokens``."""
+    want = (cfg.ctas_per_sm * _num_sms(device)) // programs
     most = max(1, (n_tiles * cfg.block_n) // cfg.min_split_tokens)
     return max(1, min(want, most))
