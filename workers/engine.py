@@ -9,6 +9,7 @@ queue (add, abort) and receives outputs through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -284,6 +285,14 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (refused while blocks are in use); runs on the engine thread."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop died: {self.error!r}")
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._send(("reset", done))
+        return await asyncio.wrap_future(done)
+
     def _send(self, cmd: tuple[Any, ...]) -> None:
         self._inbox.put(cmd)
         self._wake.set()
@@ -320,6 +329,8 @@ class AsyncLLMEngine:
                     self._deliver(rid, exc)
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
+            elif cmd[0] == "reset":
+                cmd[1].set_result(self.engine.reset_prefix_cache())
 
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)

@@ -1,0 +1,493 @@
+"""The worker's OpenAI-compatible HTTP server (FastAPI) over ``AsyncLLMEngine``.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (streaming and not), ``/v1/models``,
+``/health``, ``/metrics`` (Prometheus), ``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``.
+
+Prompts are tokenized exactly as the gateway (``mesh.prompt``) does: chat = ``encode(render_chat
+(messages))``, completion text = ``encode(text)``, completion token ids as given; no BOS is
+added. So the router's block keys are this engine's block hashes.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad input is a
+400, never a crash. A client that disconnects aborts its request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mesh.tokenizer import ChatTemplateError
+from workers.engine import AsyncLLMEngine, EngineDeadError, RequestOutput
+from workers.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error_response(400, "request body is not valid JSON", None, "invalid_json")
+        params = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors]
+        message = "; ".join(f"{p or 'body'}: {e.get('msg')}" for p, e in list(zip(params, errors))[:3])
+        return _error_response(400, message or "invalid request body", (params or [None])[0] or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(500, f"internal error: {type(exc).__name__}")
+
+
+# ---- request bodies ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = -1
+    n: StrictInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: StrictInt | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    tokens: list[StrictInt]
+
+
+# ---- text out of a token stream -----------------------------------------------------------------
+
+
+class StopText:
+    """Accumulates generated text; holds back what could still become a stop string."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self._emit(len(self.text)), True
+        return self._emit(max(self.sent, len(self.text) - self.hold)), False
+
+    def flush(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        delta = self.text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return delta
+
+
+@dataclass
+class Chunk:
+    text: str
+    finish_reason: str | None
+    output: RequestOutput
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+class WorkerAPI:
+    """Request handling; state lives here (one instance per app), never in module globals."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any]) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.info = info
+        self.max_model_len = engine.engine.max_model_len
+
+    # -- prompt and params --
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "messages") from exc
+
+    def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", "n")
+        if max_tokens is None:  # as much as fits (vLLM's default)
+            cap = min(self.max_model_len, self.engine.engine.capacity_tokens)
+            max_tokens = max(1, cap - prompt_len)
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+            seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
+
+    def validate(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.engine.validate(ids, params)
+        except ValueError as exc:
+            message = str(exc)
+            name = next((p for p in ("temperature", "top_p", "top_k", "max_tokens") if p in message), param)
+            if "capacity" in message:
+                name = "max_tokens"
+            code = "context_length_exceeded" if "context length" in message else None
+            raise APIError(400, message, name, code) from exc
+
+    # -- running a request --
+
+    async def run(
+        self, rid: str, ids: list[int], params: SamplingParams, salt: str | None, stops: list[str]
+    ) -> AsyncIterator[Chunk]:
+        """Text chunks of one request; leaving early (stop string, disconnect) aborts it."""
+        decoder = self.tokenizer.stream_decoder()
+        text = StopText(stops)
+        gen = self.engine.generate(rid, ids, params, salt)
+        try:
+            async for out in gen:
+                delta, stopped = text.push("".join(decoder.push(t) for t in out.new_token_ids))
+                if stopped:
+                    yield Chunk(delta, "stop", out)
+                    return
+                if out.finished:
+                    yield Chunk(delta + text.flush(), out.finish_reason, out)
+                    return
+                if delta:
+                    yield Chunk(delta, None, out)
+        finally:
+            await gen.aclose()
+
+    async def collect(self, rid: str, ids: list[int], params: SamplingParams, salt: str | None,
+                      stops: list[str]) -> tuple[str, str | None, RequestOutput]:
+        parts: list[str] = []
+        last: Chunk | None = None
+        async for chunk in self.run(rid, ids, params, salt, stops):
+            parts.append(chunk.text)
+            last = chunk
+        if last is None:
+            raise APIError(500, "the request produced no output")
+        return "".join(parts), last.finish_reason, last.output
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    completion = sum(o.num_output_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; cancel it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any] | None = None) -> FastAPI:
+    api = WorkerAPI(engine, tokenizer, model_name, info or {})
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="mesh worker", lifespan=lifespan)
+    app.state.api = api
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        api.check_model(req.model)
+        if req.echo or req.logprobs is not None:
+            raise APIError(400, "echo and logprobs are not supported", "echo" if req.echo else "logprobs")
+        prompts = api.completion_prompts(req.prompt)
+        plist = [api.params(req, req.max_tokens, len(ids)) for ids in prompts]
+        for ids, p in zip(prompts, plist, strict=True):
+            api.validate(ids, p, "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            if len(prompts) > 1:
+                raise APIError(400, "streaming supports one prompt per request", "prompt")
+            return _stream(api, req, rid, created, prompts[0], plist[0], chat=False)
+        results = await _unless_disconnected(request, asyncio.gather(*(
+            api.collect(f"{rid}-{i}", ids, p, req.cache_salt, _stops(req.stop))
+            for i, (ids, p) in enumerate(zip(prompts, plist, strict=True))
+        )))
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": api.model_name,
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                        for i, (text, reason, _) in enumerate(results)],
+            "usage": _usage([out for _, _, out in results]),
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        api.check_model(req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        ids = api.chat_prompt(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = api.params(req, max_tokens, len(ids))
+        api.validate(ids, params, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return _stream(api, req, rid, created, ids, params, chat=True)
+        text, reason, out = await _unless_disconnected(
+            request, api.collect(rid, ids, params, req.cache_salt, _stops(req.stop)))
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": api.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": reason}],
+            "usage": _usage([out]),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{
+            "id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
+            "root": api.model_name, "max_model_len": api.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.alive:
+            return _error_response(503, f"engine loop is not running: {engine.error!r}")
+        return {"status": "ok", "model": api.model_name, **api.info}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(engine.engine.stats()), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        if req.messages is not None:
+            try:
+                ids = tokenizer.encode(tokenizer.render_chat(req.messages, req.add_generation_prompt))
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), "messages") from exc
+        elif req.prompt is not None:
+            ids = tokenizer.encode(req.prompt)
+        else:
+            raise APIError(400, "give 'prompt' or 'messages'", "prompt")
+        return {"count": len(ids), "max_model_len": api.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Any:
+        if not await engine.reset_prefix_cache():
+            raise APIError(400, "blocks are in use; reset refused", code="blocks_in_use")
+        return {"status": "ok"}
+
+    return app
+
+
+def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int], params: SamplingParams,
+            chat: bool) -> StreamingResponse:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": api.model_name,
+                                "choices": [choice] if choice else []}
+        if include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+    def choice(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        if not chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    async def body() -> AsyncIterator[bytes]:
+        if chat:
+            yield chunk(choice(None, None, first=True))
+        last: RequestOutput | None = None
+        try:
+            async for c in api.run(rid, ids, params, req.cache_salt, _stops(req.stop)):
+                last = c.output
+                if c.text or c.finish_reason is None:
+                    yield chunk(choice(c.text, None))
+                if c.finish_reason is not None:
+                    yield chunk(choice(None if chat else "", c.finish_reason))
+        except EngineDeadError as exc:
+            yield _sse(error_body(503, str(exc)))
+            return
+        if include_usage and last is not None:
+            yield chunk(None, _usage([last]))
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+_GAUGES = {
+    "num_requests_running": "Requests in the running batch",
+    "num_requests_waiting": "Requests waiting for admission",
+    "kv_cache_usage": "Fraction of KV blocks held by requests (0-1)",
+    "kv_blocks_total": "KV blocks in the cache",
+    "kv_blocks_used": "KV blocks held by requests",
+    "kv_blocks_cached": "KV blocks registered in the prefix cache (used or free)",
+}
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of admitted requests",
+    "prompt_cached_tokens": "Prompt tokens served from the prefix cache (sum of usage.cached_tokens)",
+    "prefix_cache_queries": "Tokens looked up in the prefix cache (every admission)",
+    "prefix_cache_hits": "Tokens found in the prefix cache (every admission)",
+    "prefill_computed_tokens": "Prompt tokens run through the model",
+    "generation_tokens": "Tokens generated",
+    "preemptions": "Requests preempted under KV pressure",
+    "blocks_evicted": "Cached KV blocks evicted to make room",
+    "kv_events_published": "KV event batches published",
+    "kv_events_dropped": "KV event batches dropped (publisher queue full)",
+}
+# vLLM's names for the load signals a router reads, so Mesh can treat this worker like vLLM.
+_VLLM_ALIASES = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+}
+
+
+def render_metrics(stats: dict[str, float]) -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class _Snapshot:
+        def collect(self) -> Any:
+            for key, doc in _GAUGES.items():
+                yield GaugeMetricFamily(f"mesh_worker_{key}", doc, value=stats[key])
+                if key in _VLLM_ALIASES:
+                    yield GaugeMetricFamily(_VLLM_ALIASES[key], doc, value=stats[key])
+            for key, doc in _COUNTERS.items():
+                yield CounterMetricFamily(f"mesh_worker_{key}", doc, value=stats[key])
+
+    registry = CollectorRegistry()
+    registry.register(_Snapshot())
+    return generate_latest(registry)
+
