@@ -29,6 +29,10 @@ class SessionStore(Protocol):
 
     def live_sessions(self, target: str) -> int: ...
 
+    def expire(self, now: float) -> int:
+        """Drop bindings idle for the TTL (ordered, so it costs only what expires)."""
+        ...
+
 
 class SpeculativeIndex(Protocol):
     def store_speculative(self, target: str, keys: list[int] | tuple[int, ...], expires_at: float) -> None: ...
@@ -83,13 +87,21 @@ class Router:
         self.sessions = sessions
         self.speculative_ttl_s = speculative_ttl_s
         self.session_moves = 0
+        if sessions is not None and hasattr(sessions, "count_listener"):
+            sessions.count_listener = self._on_session_count
+
+    def _on_session_count(self, target: str, count: int) -> None:
+        state = self.targets.get(target)
+        if state is not None:
+            state.live_sessions = count
 
     def view(self, now: float, exclude: Iterable[str] = ()) -> ClusterView:
-        excluded = set(exclude)
-        targets = [t for t in self.targets.values() if t.id not in excluded]
+        targets = list(self.targets.values())
+        if exclude:
+            excluded = set(exclude)
+            targets = [t for t in targets if t.id not in excluded]
         if self.sessions is not None:
-            for t in targets:
-                t.live_sessions = self.sessions.live_sessions(t.id)
+            self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
         return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions)  # type: ignore[arg-type]
 
     def decide(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> Decision:

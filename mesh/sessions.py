@@ -19,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 from typing import Any, Protocol
 
@@ -57,6 +59,9 @@ class SessionTable:
         self._bindings: dict[str, tuple[str, float, int]] = {}  # session -> (target, last_used, seq)
         self._order: SortedList = SortedList()  # (last_used, seq, session)
         self._counts: dict[str, int] = {}
+        # Called with (target, live sessions) whenever a target's count changes; the Router sets
+        # it to keep TargetState.live_sessions current without a per-decision scan.
+        self.count_listener: Callable[[str, int], None] | None = None
         self._seq = 0
         self.created = 0
         self.moves = 0
@@ -155,7 +160,9 @@ class SessionTable:
         self.evicted += 1
 
     def _inc(self, target: str) -> None:
-        self._counts[target] = self._counts.get(target, 0) + 1
+        count = self._counts[target] = self._counts.get(target, 0) + 1
+        if self.count_listener is not None:
+            self.count_listener(target, count)
 
     def _dec(self, target: str) -> None:
         left = self._counts[target] - 1
@@ -163,6 +170,8 @@ class SessionTable:
             self._counts[target] = left
         else:
             del self._counts[target]
+        if self.count_listener is not None:
+            self.count_listener(target, left)
 
 
 def _norm(session_id: str) -> str:
