@@ -98,6 +98,15 @@ class KVEventPublisher:
             self._queue.append((seq, time.time(), list(events)))
         return seq
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last batch queued (-1 before the first)."""
+        return self._next_seq - 1
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
     def close(self, timeout: float = 2.0) -> None:
         """Flush what is queued (up to ``timeout``), then close the sockets."""
         deadline = time.monotonic() + timeout
