@@ -6,3 +6,5 @@ import policies.filters  # noqa: F401
 import policies.scorers  # noqa: F401
 import policies.pickers  # noqa: F401
 import policies.session_sticky  # noqa: F401
+import policies.kv_aware  # noqa: F401
+import policies.cache_aware  # noqa: F401

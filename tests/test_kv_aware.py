@@ -1,0 +1,117 @@
+"""Policy kv_aware on fixed inputs: Dynamo's cost, tiers, health fallback, ties, sampling."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from mesh.index import PrefixIndex
+from policies import registry
+from policies.base import ClusterView, NoCandidate, Overlap, RequestInfo, TargetState, Tier
+from policies.kv_aware import KvAware
+
+KEYS = list(range(1, 11))  # a 10-block prompt
+
+
+def request(blocks: int = 10, bs: int = 16) -> RequestInfo:
+    return RequestInfo(model="m", block_keys=KEYS[:blocks], block_size=bs, prompt_tokens=blocks * bs + 5)
+
+
+def view(targets: list[TargetState], index: PrefixIndex | None) -> ClusterView:
+    return ClusterView(targets=targets, now=0.0, index=index)
+
+
+def test_the_target_holding_the_prefix_wins_and_the_explanation_shows_the_cost() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS[:8])
+    index.store("b", KEYS[:2])
+    a, b = TargetState("a", "a"), TargetState("b", "b")
+    d = KvAware(seed=0).decide(request(), view([a, b], index))
+    assert d.target == "a"
+    prompt = (10 * 16 + 5) / 16
+    assert d.scores["a"]["cost"] == pytest.approx(prompt - 8)
+    assert d.scores["b"]["cost"] == pytest.approx(prompt - 2)
+    assert d.overlaps == {"a": Overlap(8, 0), "b": Overlap(2, 0)}
+    assert d.explain()["candidates"]["a"]["overlap"] == {"gpu_blocks": 8, "cpu_blocks": 0}
+
+
+def test_queued_prefill_and_decode_load_outweigh_a_small_overlap() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS[:3])
+    a = TargetState("a", "a", prefill_tokens=16 * 20, decode_tokens=16 * 4)
+    b = TargetState("b", "b", decode_tokens=16 * 2)
+    d = KvAware(seed=0).decide(request(), view([a, b], index))
+    prompt = (10 * 16 + 5) / 16
+    assert d.scores["a"]["cost"] == pytest.approx(20 + prompt - 3 + 4)
+    assert d.scores["b"]["cost"] == pytest.approx(prompt + 2)
+    assert d.target == "b"
+
+
+def test_prefill_load_scale_weighs_prefill_against_decode() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS)
+    a = TargetState("a", "a", decode_tokens=16 * 8)  # all cached, but busy decoding
+    b = TargetState("b", "b")
+    assert KvAware(seed=0).decide(request(), view([a, b], index)).target == "a"
+    assert KvAware(prefill_load_scale=0.5, seed=0).decide(request(), view([a, b], index)).target == "b"
+
+
+def test_cpu_hits_count_below_gpu_hits() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS[:6])
+    index.store("b", KEYS[:2])
+    index.store("b", KEYS[2:8], Tier.CPU, parent=KEYS[1])
+    d = KvAware(cpu_weight=0.75, seed=0).decide(request(), view([TargetState("a", "a"), TargetState("b", "b")], index))
+    assert d.overlaps["b"] == Overlap(2, 6)
+    assert d.scores["b"]["cost"] == pytest.approx((165 / 16) - 2 - 0.75 * 6)
+    assert d.target == "b"  # 2 + 4.5 = 6.5 credited blocks beat 6
+    d = KvAware(cpu_weight=0.5, seed=0).decide(request(), view([TargetState("a", "a"), TargetState("b", "b")], index))
+    assert d.target == "a"  # 2 + 3 = 5 < 6
+
+
+def test_an_unhealthy_index_gets_no_overlap_credit() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS)
+    a = TargetState("a", "a", index_healthy=False, decode_tokens=16)
+    b = TargetState("b", "b")
+    d = KvAware(seed=0).decide(request(), view([a, b], index))
+    assert d.target == "b" and "a" not in d.overlaps
+    assert d.scores["a"]["index_healthy"] == 0.0 and d.scores["a"]["gpu_overlap"] == 0.0
+
+
+def test_ties_are_broken_at_random_not_first() -> None:
+    targets = [TargetState(t, t) for t in "abcd"]
+    policy = KvAware(seed=1)
+    picks = Counter(policy.decide(request(), view(targets, None)).target for _ in range(400))
+    assert set(picks) == set("abcd") and min(picks.values()) > 60
+
+
+def test_softmax_sampling_prefers_low_cost_but_explores() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS)
+    targets = [TargetState("a", "a"), TargetState("b", "b")]
+    policy = KvAware(temperature=0.5, seed=2)
+    picks = Counter(policy.decide(request(), view(targets, index)).target for _ in range(1000))
+    # normalized costs 0 and 1: P(b) = e^-2 / (1 + e^-2) ~ 0.12
+    assert 60 < picks["b"] < 200 and picks["a"] > picks["b"]
+
+
+def test_full_targets_are_skipped_while_another_has_room_and_no_candidate_raises() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS)
+    a = TargetState("a", "a", in_flight=4, max_in_flight=4)
+    b = TargetState("b", "b")
+    assert KvAware(seed=0).decide(request(), view([a, b], index)).target == "b"
+    assert KvAware(seed=0).decide(request(), view([a], index)).target == "a"  # all full: still routes
+    with pytest.raises(NoCandidate):
+        KvAware().decide(request(), view([TargetState("c", "c", healthy=False)], index))
+
+
+def test_registered_and_params_validated() -> None:
+    policy = registry.create("policy", {"name": "kv_aware", "params": {"cpu_weight": 0.8}}, seed=3)
+    assert isinstance(policy, KvAware) and policy.describe()["cpu_weight"] == 0.8
+    with pytest.raises(registry.PluginError):
+        registry.create("policy", {"name": "kv_aware", "params": {"cpu_weight": 1.5}})
+    with pytest.raises(registry.PluginError):
+        registry.create("policy", {"name": "kv_aware", "params": {"temperature": -1}})
