@@ -10,6 +10,8 @@ All state lives on ``app.state`` (``Gateway``), none in module globals:
 - ``sessions`` (``mesh.sessions.SessionTable``) holds session bindings; the router writes them.
 - ``router`` (``mesh.router.Router``) makes every routing decision; its ``policy`` is swapped on
   reload while load, bindings and index stay.
+- ``http`` (``mesh.upstream.UpstreamPool``) is the one pooled upstream client, created in the
+  lifespan (proxying, health checks, model discovery).
 - ``proxy`` (``mesh.proxy.Proxy``, created in the lifespan with the pooled client) serves the
   data plane at raw ASGI level: ``MeshApp.__call__`` sends the two completion routes straight
   to it, bypassing FastAPI's routing (measured: that layer alone cost ~40% of the rate).
@@ -28,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -38,9 +39,10 @@ from mesh.errors import MeshError, install_handlers
 from mesh.index import PrefixIndex
 from mesh.metrics import CONTENT_TYPE, Metrics
 from mesh.prompt import PromptProcessor
-from mesh.proxy import Proxy, check_bearer, new_client_session
+from mesh.proxy import Proxy, check_bearer
 from mesh.registry import RegistryError, Worker, WorkerRegistry
 from mesh.router import Router
+from mesh.upstream import UpstreamPool
 from policies.base import NoCandidate
 
 log = logging.getLogger("mesh.app")
@@ -62,7 +64,7 @@ class Gateway:
     router: Router
     prompts: PromptProcessor
     proxy: Proxy | None = None
-    http: aiohttp.ClientSession | None = None
+    http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     handle_sighup: bool = False
 
@@ -210,7 +212,7 @@ def create_app(config: MeshConfig | None = None, *, config_path: str | Path | No
 
 
 async def _start(gateway: Gateway) -> None:
-    gateway.http = new_client_session(gateway.config.server.connect_timeout_s)
+    gateway.http = UpstreamPool(connect_timeout_s=gateway.config.server.connect_timeout_s)
     gateway.proxy = Proxy(gateway.http, gateway.registry, gateway.router, gateway.prompts, gateway.metrics)
     await gateway.registry.check_all(gateway.http, gateway.metrics)  # usable at once, not after one interval
     gateway.tasks.append(asyncio.create_task(_housekeeping(gateway)))

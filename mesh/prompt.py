@@ -98,6 +98,7 @@ class PromptProcessor:
         self._tokenizers: dict[str | None, Any] = {}
         self._pools: dict[str, Pool | None] = {}
         self._pools_version = -1
+        self._seeds: dict[tuple[str, str | None], int] = {}
 
     # -- entry point --
     async def process(self, raw: bytes, kind: str, session_header: bytes | None) -> ParsedRequest:
@@ -108,7 +109,7 @@ class PromptProcessor:
         session_id = self.session_id(body, session_header)
         pool = self.pool_for(model)
         salt = body.get("cache_salt")
-        seed = namespace_seed(model, None, salt if isinstance(salt, str) else None)
+        seed = self._seed(model, salt if isinstance(salt, str) else None)
         args = (kind, source, pool, seed, session_id)
         if len(raw) > OFFLOAD_CHARS:
             tokens_text, keys, n_tokens = await asyncio.get_running_loop().run_in_executor(None, self._prepare, *args)
@@ -130,6 +131,14 @@ class PromptProcessor:
             text=tokens_text,
         )
         return ParsedRequest(kind, body, raw, model, stream, info)
+
+    def _seed(self, model: str, salt: str | None) -> int:
+        seed = self._seeds.get((model, salt))
+        if seed is None:
+            if len(self._seeds) > 10_000:
+                self._seeds.clear()
+            seed = self._seeds[(model, salt)] = namespace_seed(model, None, salt)
+        return seed
 
     # -- sessions --
     def session_id(self, body: dict[str, Any], header: bytes | None) -> str | None:

@@ -1,10 +1,9 @@
 """The data-plane proxy: one OpenAI request in, one worker's answer out, at raw ASGI level.
 
-Why raw ASGI and aiohttp (measured, see BENCHMARKS.md): on this 2-core machine a FastAPI route
-plus httpx capped the gateway near 1,500 req/s (httpx's pool even slows down as concurrency
-grows); Starlette's routing and middleware alone cost about 40% of a minimal proxy's rate. The
-hot routes therefore bypass FastAPI (``MeshApp.__call__`` dispatches them here) and use one pooled
-``aiohttp.ClientSession`` (C HTTP parser, TCP_NODELAY, keep-alive).
+Why raw ASGI (measured, see BENCHMARKS.md): on this 2-core machine Starlette's routing and
+middleware alone cost about 40% of a minimal proxy's rate, so the hot routes bypass FastAPI
+(``MeshApp.__call__`` dispatches them here). Upstream requests go through the one pooled
+``mesh.upstream.UpstreamPool`` (why not httpx/aiohttp: see that module).
 
 Invariants:
 - The body is forwarded byte for byte; routing reads a decoded copy.
@@ -29,14 +28,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from yarl import URL
-
 from mesh.errors import MeshError, sse_error_event
 from mesh.metrics import Metrics
 from mesh.prompt import ParsedRequest, PromptProcessor
 from mesh.registry import WorkerRegistry
 from mesh.router import Lease, Router
+from mesh.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout, split_url
 from policies.base import NoCandidate, TargetState
 
 log = logging.getLogger("mesh.proxy")
@@ -55,24 +52,6 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
-
-
-def new_client_session(connect_timeout_s: float) -> aiohttp.ClientSession:
-    """The gateway's one pooled upstream client (also used for health checks)."""
-    connector = aiohttp.TCPConnector(
-        limit=0,  # no pool-wide cap: admission is the router's job
-        limit_per_host=0,
-        ttl_dns_cache=300,
-        keepalive_timeout=4.0,  # below uvicorn's 5 s default, so we close idle sockets first
-        enable_cleanup_closed=False,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        auto_decompress=False,  # bodies pass through unchanged, Content-Encoding included
-        skip_auto_headers=("Accept-Encoding", "User-Agent"),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
-        raise_for_status=False,
-    )
 
 
 class _UpstreamFailed(Exception):
@@ -110,20 +89,20 @@ class _Failure:
 class Proxy:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         registry: WorkerRegistry,
         router: Router,
         prompts: PromptProcessor,
         metrics: Metrics,
     ) -> None:
-        self.session = session
+        self.pool = pool
         self.registry = registry
         self.router = router
         self.prompts = prompts
         self.metrics = metrics
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._timeout_key: tuple[float, float] | None = None
-        self._client_timeout = aiohttp.ClientTimeout()
+        self._urls: dict[tuple[str, str], tuple[str, str, int, bytes]] = {}
+        self._sessions_config: object = None
+        self._session_header_name = b""
         self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
 
@@ -164,7 +143,11 @@ class Proxy:
             self._route_hist[route].observe(time.perf_counter() - start)
 
     def _session_header(self) -> bytes:
-        return self.registry.config.sessions.header.encode()
+        sessions = self.registry.config.sessions
+        if sessions is not self._sessions_config:
+            self._sessions_config = sessions
+            self._session_header_name = sessions.header.encode()
+        return self._session_header_name
 
     def _check_auth(self, headers: list[tuple[bytes, bytes]]) -> None:
         keys = self.registry.config.server.api_keys
@@ -228,28 +211,20 @@ class Proxy:
     def _full_targets(self) -> list[str]:
         return [t.id for t in self.registry.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        server = self.registry.config.server
-        key = (server.request_timeout_s, server.connect_timeout_s)
-        if self._timeout_key != key:
-            self._timeout_key = key
-            self._client_timeout = aiohttp.ClientTimeout(total=key[0], sock_connect=key[1])
-        return self._client_timeout
-
-    def _url(self, target: TargetState, path: str) -> URL:
+    def _url(self, target: TargetState, path: str) -> tuple[str, str, int, bytes]:
         key = (target.url, path)
         url = self._urls.get(key)
         if url is None:
             if len(self._urls) > 4096:
                 self._urls.clear()
-            url = self._urls[key] = URL(target.url + path)
+            url = self._urls[key] = split_url(target.url + path)
         return url
 
     async def _attempt(
         self,
         parsed: ParsedRequest,
         lease: Lease,
-        headers: dict[str, str],
+        headers: list[bytes],
         state: _Exchange,
         route: str,
         start: float,
@@ -258,15 +233,16 @@ class Proxy:
         target = lease.target
         worker = self.registry.worker_of(target.id)
         if worker is not None and (worker.headers or worker.config.dp_size > 1):
-            headers = {**headers, **worker.headers}
+            headers = headers + worker.headers
             if worker.config.dp_size > 1:
-                headers["x-data-parallel-rank"] = str(target.dp_rank)
+                headers.append(b"x-data-parallel-rank: %d\r\n" % target.dp_rank)
         path = "/v1/chat/completions" if parsed.kind == "chat" else "/v1/completions"
-        resp: aiohttp.ClientResponse | None = None
+        timeout = self.registry.config.server.request_timeout_s
+        resp: UpstreamResponse | None = None
         try:
             try:
-                # The client timeout bounds the whole exchange, streaming included.
-                resp = await self.session.post(self._url(target, path), data=parsed.raw, headers=headers, timeout=self._timeout())
+                # The timeout bounds the whole exchange, streaming included.
+                resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
                 if resp.status in RETRY_STATUSES:
                     raise _UpstreamFailed(
                         f"status_{resp.status}",
@@ -277,21 +253,18 @@ class Proxy:
                         worker_fault=resp.status >= 500,
                     )
                 if parsed.stream and resp.status == 200:
-                    first = await resp.content.readany()
+                    first = await resp.read_chunk()
                     if not first:
                         raise _UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
                 else:
                     first = await resp.read()
-            except aiohttp.ClientError as exc:  # connect errors, resets, connect timeouts: retryable
-                kind = "connect" if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError) else "disconnect"
-                raise _UpstreamFailed(kind, f"worker {target.worker} failed: {type(exc).__name__}: {exc}") from exc
-            except TimeoutError:  # the request timeout: the worker is too slow, not broken
+            except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
-                timeout = self.registry.config.server.request_timeout_s
                 raise MeshError(504, f"worker {target.worker} timed out after {timeout:g} s", code="upstream_timeout") from None
-            except OSError as exc:
-                raise _UpstreamFailed("disconnect", f"worker {target.worker} failed: {type(exc).__name__}: {exc}") from exc
+            except UpstreamError as exc:  # connect errors, resets, bad responses: retryable
+                kind = "connect" if isinstance(exc, ConnectError) else "disconnect"
+                raise _UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
             lease.first_token()
             self._ttfb_hist[route].observe(time.perf_counter() - start)
             self.registry.record_success(target.id)
@@ -309,21 +282,21 @@ class Proxy:
             return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers)
         finally:
             if resp is not None:
-                resp.close()  # returns or drops the connection; also aborts an unfinished upstream
+                resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
 
     async def _stream(
-        self, resp: aiohttp.ClientResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
+        self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
     ) -> None:
         await state.start(200, headers)
         await state.chunk(first)
         try:
             while True:
-                data = await resp.content.readany()
+                data = await resp.read_chunk()
                 if not data:
                     break
                 await state.chunk(data)
-        except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
-            what = "timed out" if isinstance(exc, TimeoutError) else f"failed mid-stream: {type(exc).__name__}"
+        except UpstreamError as exc:
+            what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
             self.metrics.stream_errors_total.inc()
             await state.stream_error(f"worker {target.worker} {what}")
@@ -443,20 +416,21 @@ def check_bearer(headers: list[tuple[bytes, bytes]], keys: list[str], what: str)
                         headers={"www-authenticate": "Bearer"})
 
 
-def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> dict[str, str]:
-    """Client headers minus hop-by-hop ones (and Authorization unless configured); rejects CR/LF/NUL."""
-    out: dict[str, str] = {"content-type": "application/json"}
+def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> list[bytes]:
+    """Client headers as request lines, minus hop-by-hop ones (and Authorization unless
+    configured); rejects CR/LF/NUL (header injection)."""
+    out = [b"content-type: application/json\r\n"]
     for key, value in client:
         if key in HOP_BY_HOP or key == b"content-type" or (key == b"authorization" and not forward_authorization):
             continue
         if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(key):
             raise MeshError(400, "header contains a control character", code="invalid_header")
-        out[key.decode("latin-1")] = value.decode("latin-1")
+        out.append(b"%s: %s\r\n" % (key, value))
     return out
 
 
-def _response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in RESPONSE_DROP]
+def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in resp.headers if k not in RESPONSE_DROP]
 
 
 def _backoff(attempt: int, base: float, cap: float) -> float:

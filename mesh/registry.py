@@ -19,11 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import aiohttp
+import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from mesh.config import CircuitBreakerConfig, HealthConfig, MeshConfig, WorkerConfig, check_worker_url
 from mesh.metrics import Metrics
+from mesh.upstream import UpstreamPool
 from policies.base import TargetState, target_id
 
 log = logging.getLogger("mesh.registry")
@@ -92,7 +93,7 @@ class Worker:
     last_error: str | None = None
     last_check: float = 0.0
     discovered_models: frozenset[str] = frozenset()
-    headers: dict[str, str] = field(default_factory=dict)  # sent with every request to it
+    headers: list[bytes] = field(default_factory=list)  # header lines sent with every request to it
 
     @property
     def name(self) -> str:
@@ -149,7 +150,6 @@ class WorkerRegistry:
         self._by_target: dict[str, Worker] = {}
         self._listeners: list[RegistryListener] = []
         self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
         self.any_circuit_open = False
         self.version = 0  # bumped whenever membership or a worker's model list changes
 
@@ -180,7 +180,7 @@ class WorkerRegistry:
             )
             for rank, tid in enumerate(ids)
         ]
-        headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        headers = [f"authorization: Bearer {cfg.api_key}\r\n".encode()] if cfg.api_key else []
         worker = Worker(cfg, targets, CircuitBreaker(self.config.circuit_breaker), source, headers=headers)
         worker.sync()
         self.workers[cfg.name] = worker
@@ -265,9 +265,9 @@ class WorkerRegistry:
         self.any_circuit_open = any(w.breaker.is_open for w in self.workers.values())
 
     # -- active health --
-    async def check(self, worker: Worker, session: aiohttp.ClientSession) -> bool:
+    async def check(self, worker: Worker, pool: UpstreamPool) -> bool:
         cfg = self.config.health
-        ok, error = await _probe(session, worker.url + "/health", worker.headers, cfg.timeout_s)
+        ok, error = await _probe(pool, worker.url + "/health", worker.headers, cfg.timeout_s)
         if worker.name not in self.workers or self.workers[worker.name] is not worker:
             return ok  # removed while the probe ran
         worker.last_check = time.monotonic()
@@ -278,7 +278,7 @@ class WorkerRegistry:
                 worker.healthy = True
                 log.info("worker %s is healthy", worker.name)
             if worker.healthy and worker.config.models is None and (worker.ok_streak == 1 or not worker.discovered_models):
-                found = await discover_models(session, worker, cfg.timeout_s)
+                found = await discover_models(pool, worker, cfg.timeout_s)
                 if found and found != worker.discovered_models:
                     worker.discovered_models = found
                     self.version += 1
@@ -292,9 +292,9 @@ class WorkerRegistry:
         worker.sync()
         return ok
 
-    async def check_all(self, session: aiohttp.ClientSession, metrics: Metrics | None = None) -> None:
+    async def check_all(self, pool: UpstreamPool, metrics: Metrics | None = None) -> None:
         workers = list(self.workers.values())
-        results = await asyncio.gather(*(self.check(w, session) for w in workers))
+        results = await asyncio.gather(*(self.check(w, pool) for w in workers))
         if metrics is not None:
             for w, ok in zip(workers, results, strict=True):
                 metrics.health_checks_total.labels(w.name, "ok" if ok else "fail").inc()
@@ -333,28 +333,25 @@ class WorkerRegistry:
         return [in_flight, prefill, decode, sessions, healthy, circuit, draining]
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout_s: float) -> tuple[bool, str | None]:
+async def _probe(pool: UpstreamPool, url: str, headers: list[bytes], timeout_s: float) -> tuple[bool, str | None]:
     try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            await resp.read()
-            if resp.status == 200:
-                return True, None
-            return False, f"GET /health answered {resp.status}"
+        status, _ = await pool.get(url, headers, timeout_s)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused, timeout, bad response: all mean "not healthy"
-        return False, f"GET /health failed: {type(exc).__name__}: {exc}".rstrip(": ")
+        return False, f"GET /health failed: {exc}"
+    if status == 200:
+        return True, None
+    return False, f"GET /health answered {status}"
 
 
-async def discover_models(session: aiohttp.ClientSession, worker: Worker, timeout_s: float) -> frozenset[str]:
+async def discover_models(pool: UpstreamPool, worker: Worker, timeout_s: float) -> frozenset[str]:
     """Model ids from the worker's ``/v1/models``; empty when it cannot say."""
     try:
-        async with session.get(
-            worker.url + "/v1/models", headers=worker.headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            if resp.status != 200:
-                return frozenset()
-            data = await resp.json(content_type=None)
+        status, body = await pool.get(worker.url + "/v1/models", worker.headers, timeout_s)
+        if status != 200:
+            return frozenset()
+        data = msgspec.json.decode(body)
         return frozenset(m["id"] for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str))
     except asyncio.CancelledError:
         raise

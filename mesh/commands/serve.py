@@ -60,7 +60,7 @@ def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", a
         host=host,
         port=port,
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="httptools" if has("httptools") else "h11",
+        http=_http_protocol() if has("httptools") else "h11",
         lifespan="on",
         access_log=access_log,
         log_level=log_level,
@@ -68,6 +68,36 @@ def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", a
         timeout_keep_alive=75,  # clients and load balancers reuse connections; do not race them
         backlog=4096,
     )
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol, answering unparseable requests in the OpenAI error shape.
+
+    A request the HTTP parser rejects (a header with CR, LF or NUL in it, a broken request line)
+    never reaches the app; uvicorn answers it with plain text. This keeps the shape uniform.
+    """
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+    from mesh.errors import MeshError
+
+    class MeshHttpProtocol(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = MeshError(400, msg, code="invalid_http").to_bytes()
+            content = [STATUS_LINE[400]]
+            for name, value in self.server_state.default_headers:
+                content.extend([name, b": ", value, b"\r\n"])
+            content.extend(
+                [
+                    b"content-type: application/json\r\n",
+                    b"content-length: %d\r\n" % len(body),
+                    b"connection: close\r\n\r\n",
+                    body,
+                ]
+            )
+            self.transport.write(b"".join(content))
+            self.transport.close()
+
+    return MeshHttpProtocol
 
 
 def serve_app(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:

@@ -1,0 +1,199 @@
+"""``mesh up [--workers N] [--port P] [--engine echo|bundled]``: a local cluster on embedded defaults.
+
+Starts N local workers as subprocesses (each in its own process group), waits until each answers
+``/health``, then runs the gateway in this process, prints the URL and a ready-to-paste curl, and
+on Ctrl-C or SIGTERM stops the gateway and then every worker.
+
+- ``echo`` (default): ``python -m mesh.echo_worker`` (no model, instant).
+- ``bundled``: ``mesh worker --preset tiny``, the bundled engine (needs the ``engine`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("up", help="start a local cluster: N workers and the gateway")
+    p.add_argument("--workers", type=int, default=2, help="number of local workers (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--engine", choices=["echo", "bundled"], default="echo")
+    p.add_argument("--policy", default=None, help="routing policy (default: the config default)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def worker_command(engine: str, port: int, name: str) -> list[str]:
+    if engine == "echo":
+        return [sys.executable, "-m", "mesh.echo_worker", "--port", str(port), "--name", name]
+    return [sys.executable, "-m", "mesh", "worker", "--preset", "tiny", "--port", str(port)]
+
+
+def start_workers(engine: str, n: int, log_dir: Path) -> list[tuple[str, int, subprocess.Popen[bytes]]]:
+    out = []
+    for i in range(n):
+        port, name = free_port(), f"worker-{i}"
+        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
+        proc = subprocess.Popen(
+            worker_command(engine, port, name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        out.append((name, port, proc))
+    return out
+
+
+def wait_healthy(workers: list[tuple[str, int, subprocess.Popen[bytes]]], timeout_s: float, log_dir: Path) -> None:
+    from rich.progress import Progress
+
+    pending = {name: (port, proc) for name, port, proc in workers}
+    deadline = time.monotonic() + timeout_s
+    with Progress(transient=True) as progress:
+        task = progress.add_task("starting workers", total=len(workers))
+        while pending:
+            for name, (port, proc) in list(pending.items()):
+                if proc.poll() is not None:
+                    tail = (log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+                if _ok(f"http://127.0.0.1:{port}/health"):
+                    del pending[name]
+                    progress.advance(task)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not healthy after {timeout_s:.0f} s: {sorted(pending)} (logs in {log_dir})")
+            time.sleep(0.1)
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except Exception:  # noqa: BLE001  (not up yet)
+        return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout_s)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from mesh.app import create_app
+    from mesh.commands.serve import uvicorn_config
+    from mesh.config import parse_config
+
+    if args.workers < 1:
+        print("error: --workers must be at least 1", file=sys.stderr)
+        return 2
+    log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
+    workers = start_workers(args.engine, args.workers, log_dir)
+    # SIGTERM behaves like Ctrl-C: unwind through the finally below, which stops the workers.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        try:
+            wait_healthy(workers, READY_TIMEOUT_S[args.engine], log_dir)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        admin_key = secrets.token_urlsafe(16)
+        data: dict[str, Any] = {
+            "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
+            "workers": [{"name": name, "url": f"http://127.0.0.1:{port}"} for name, port, _ in workers],
+        }
+        if args.policy:
+            data["policy"] = args.policy
+        config = parse_config(data, "mesh up")
+        app = create_app(config)
+        server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level))
+
+        async def serve() -> None:
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                await asyncio.to_thread(_banner, args, workers, admin_key, log_dir)
+            await task
+
+        asyncio.run(serve())
+        return 0 if server.started else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for _, _, proc in workers:
+            stop_process(proc)
+        print("mesh up: stopped", file=sys.stderr)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def first_model(port: int) -> str:
+    """The first model id a worker serves (for the banner's curl)."""
+    import json
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as resp:
+            return str(json.load(resp)["data"][0]["id"])
+    except Exception:  # noqa: BLE001
+        return "MODEL"
+
+
+def _banner(args: argparse.Namespace, workers: list[tuple[str, int, Any]], admin_key: str, log_dir: Path) -> None:
+    url = f"http://{args.host}:{args.port}"
+    model = first_model(workers[0][1])
+    print(
+        f"\nMesh is up at {url} with {len(workers)} {args.engine} workers "
+        f"({', '.join(f'{n}:{p}' for n, p, _ in workers)}); worker logs in {log_dir}\n"
+        f"Admin key: {admin_key}\n\n"
+        f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello mesh\"}}]}}'\n\n"
+        f"Metrics: {url}/metrics   Workers: curl -H 'authorization: Bearer {admin_key}' {url}/workers\n"
+        "Press Ctrl-C to stop.\n",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mesh")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["up", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

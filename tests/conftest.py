@@ -1,0 +1,38 @@
+"""Shared fixtures: free ports and real processes that are always torn down."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.procs` under any runner
+
+from tests.procs import ProcessGroup, free_port  # noqa: E402
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[ProcessGroup]:
+    """Processes for one test; all stopped (process group SIGTERM, then SIGKILL) at teardown."""
+    group = ProcessGroup(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessGroup]:
+    """Like ``procs``, shared by the tests of one module."""
+    group = ProcessGroup(tmp_path_factory.mktemp("procs"))
+    try:
+        yield group
+    finally:
+        group.stop_all()

@@ -1,0 +1,133 @@
+"""mesh.config: defaults, YAML loading, errors that name their YAML path, `mesh config validate`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh.config import DEFAULT_POLICY, ConfigError, MeshConfig, load_config, parse_config
+from policies.base import Role
+
+GOOD = """
+server:
+  port: 9000
+  admin_key: secret
+  api_keys: [k1, k2]
+  allowed_worker_hosts: [10.0.0.5, gpu-1]
+workers:
+  - name: gpu-1
+    url: http://gpu-1:8000/
+    role: prefill
+    dp_size: 2
+    block_size: 64
+    kv_events: {endpoint: "tcp://gpu-1:5557", replay_endpoint: "tcp://gpu-1:5558"}
+  - {name: b, url: "http://10.0.0.5:8001", models: [m1], max_in_flight: 8}
+policy: {name: power_of_two, params: {seed: 3}}
+sessions: {header: X-Session-ID, idle_ttl_s: 30}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mesh.yaml"
+    path.write_text(text)
+    return path
+
+
+def errors_of(text: str, tmp_path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    return info.value.errors
+
+
+def test_defaults_need_no_file() -> None:
+    config = load_config(None)
+    assert config == MeshConfig()
+    assert config.policy == DEFAULT_POLICY
+    assert config.workers == []
+    assert config.server.max_body_bytes == 8 * 1024 * 1024
+    assert config.sessions.header == "x-session-id" and config.sessions.body_field == "user"
+    assert config.index.speculative_ttl_s == 2.0
+    assert config.build_policy().name == DEFAULT_POLICY
+
+
+def test_empty_file_means_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == MeshConfig()
+
+
+def test_full_file_is_parsed(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    a, b = config.workers
+    assert a.url == "http://gpu-1:8000"  # trailing slash normalized away
+    assert a.role is Role.PREFILL and a.dp_size == 2 and a.block_size == 64 and a.models is None
+    assert a.kv_events is not None and a.kv_events.replay_endpoint == "tcp://gpu-1:5558"
+    assert b.models == ["m1"] and b.max_in_flight == 8
+    assert config.sessions.header == "x-session-id"  # lower-cased
+    assert config.build_policy().name == "power_of_two"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("workers:\n  - {name: a, url: 'http://h:1', colour: red}\n", "workers[0].colour: Extra inputs are not permitted"),
+        ("server: {port: many}\n", "server.port: Input should be a valid integer"),
+        ("server: {port: 70000}\n", "server.port: Input should be less than or equal to 65535"),
+        ("workers:\n  - {name: a, url: 'http://h:1', role: chef}\n", "workers[0].role: Input should be 'mixed', 'prefill' or 'decode'"),
+        ("workers:\n  - {name: 'bad name', url: 'http://h:1'}\n", "workers[0].name: worker name must be"),
+        ("workers:\n  - {name: a, url: 'h:1'}\n", "workers[0].url: worker url 'h:1' needs a scheme and a host"),
+        ("workers:\n  - {name: a, url: 'http://u:p@h:1'}\n", "workers[0].url: worker url 'http://u:p@h:1' must not carry credentials"),
+        ("workers:\n  - {name: a, url: 'ftp://h:1'}\n", "scheme 'ftp' not in allowed_schemes"),
+        ("retries: {max_attempts: 0}\n", "retries.max_attempts: Input should be greater than or equal to 1"),
+        ("frobnicate: 1\n", "frobnicate: Extra inputs are not permitted"),
+        ("policy: no_such_policy\n", "policy: unknown policy 'no_such_policy'"),
+        ("- a\n- b\n", "(top level): expected a mapping of sections, got list"),
+        ("server: [\n", "invalid YAML"),
+    ],
+)
+def test_errors_name_the_yaml_path(tmp_path: Path, text: str, expected: str) -> None:
+    errors = errors_of(text, tmp_path)
+    assert any(expected in e for e in errors), errors
+
+
+def test_every_error_is_reported(tmp_path: Path) -> None:
+    errors = errors_of("server: {port: x, max_body_bytes: -1}\nhealth: {interval_s: 0}\n", tmp_path)
+    paths = sorted(e.split(":")[0] for e in errors)
+    assert paths == ["health.interval_s", "server.max_body_bytes", "server.port"]
+
+
+def test_duplicate_worker_names_rejected(tmp_path: Path) -> None:
+    errors = errors_of("workers:\n  - {name: a, url: 'http://h:1'}\n  - {name: a, url: 'http://h:2'}\n", tmp_path)
+    assert any("duplicate worker name 'a'" in e for e in errors)
+
+
+def test_host_allowlist_applies_to_static_workers(tmp_path: Path) -> None:
+    text = "server: {allowed_worker_hosts: [good]}\nworkers:\n  - {name: a, url: 'http://evil:1'}\n"
+    assert any("host 'evil' not in allowed_worker_hosts" in e for e in errors_of(text, tmp_path))
+
+
+def test_policy_spec_passes_through_untouched() -> None:
+    spec = {"name": "random", "params": {"seed": 7}}
+    config = parse_config({"policy": spec})
+    assert config.policy == spec
+    assert config.build_policy().name == "random"
+    with pytest.raises(ConfigError, match="policy: .*bad parameters"):
+        parse_config({"policy": {"name": "random", "params": {"nope": 1}}})
+
+
+def run_validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mesh.commands.config", "validate", str(path)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_validate_command_ok_and_errors(tmp_path: Path) -> None:
+    good = run_validate(write(tmp_path, GOOD))
+    assert good.returncode == 0 and good.stdout.startswith("OK:"), good.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: {port: x}\nworkers:\n  - {name: a, url: 'http://h:1', extra: 1}\n")
+    result = run_validate(bad)
+    assert result.returncode == 1
+    assert "2 error(s)" in result.stderr
+    assert "server.port:" in result.stderr and "workers[0].extra:" in result.stderr
