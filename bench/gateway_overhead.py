@@ -9,9 +9,11 @@ response parser) drives, per target:
 
 each for non-streaming and streaming requests, and reports ratios Mesh/sglang-router and the
 gateway's CPU time per request (from /proc). Everything shares the machine's cores, as in
-REFERENCE.md section 4; run it on a quiet machine and expect a few percent of noise.
+REFERENCE.md section 4. Targets are measured in ``--rounds`` interleaved rounds (direct, Mesh,
+sglang-router, then again) and each number is the median over rounds, so a burst of load from
+another process hits one round of every target rather than one target.
 
-    python bench/gateway_overhead.py [--duration 5] [--rate 200] [--concurrency 64] [--json PATH]
+    python bench/gateway_overhead.py [--rounds 3] [--duration 4] [--rate 200] [--concurrency 64] [--json PATH]
 """
 
 from __future__ import annotations
@@ -420,15 +422,16 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per phase")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; numbers are medians over rounds")
     p.add_argument("--rate", type=float, default=200.0, help="open-loop rate for the latency phases")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency for the max-rate phases")
     p.add_argument("--mesh-policy", default="round_robin", help="Mesh policy (sglang-router runs round_robin)")
     p.add_argument("--skip-sglang", action="store_true")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "gateway_overhead.json"))
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.duration <= 0 or args.rate <= 0:
-        p.error("--concurrency, --duration and --rate must be positive")
+    if args.concurrency < 1 or args.duration <= 0 or args.rate <= 0 or args.rounds < 1:
+        p.error("--concurrency, --duration, --rate and --rounds must be positive")
 
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
@@ -453,11 +456,14 @@ def main(argv: list[str] | None = None) -> int:
             if sgl is not None:
                 procs.append(sgl)
                 targets.append(("sglang-router", [sglang_port], sgl.pid))
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in targets}
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("measuring", total=4 * len(targets))
-            for name, ports, pid in targets:
-                progress.update(task, description=f"measuring {name}")
-                results[name] = _run(measure(ports, pid, args, progress, task))
+            task = progress.add_task("measuring", total=4 * len(targets) * args.rounds)
+            for r in range(args.rounds):
+                for name, ports, pid in targets:
+                    progress.update(task, description=f"round {r + 1}/{args.rounds}: {name}")
+                    rounds[name].append(_run(measure(ports, pid, args, progress, task)))
+        results = {name: median_of_rounds(rs) for name, rs in rounds.items()}
     finally:
         for proc in reversed(procs):
             stop(proc)  # type: ignore[arg-type]
@@ -468,6 +474,24 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=2))
     console.print(f"JSON written to {path}")
     return 0
+
+
+def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase and field, the median over rounds (errors and requests are summed)."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    for phase in rounds[0]:
+        merged: dict[str, Any] = {}
+        for key in rounds[0][phase]:
+            values = [r[phase][key] for r in rounds if r[phase][key] is not None]
+            if key in ("requests", "errors"):
+                merged[key] = sum(values)
+            else:
+                merged[key] = round(statistics.median(values), 4) if values else None
+        merged["per_round"] = [{k: r[phase][k] for k in ("rate", "p50_ms", "p99_ms")} for r in rounds]
+        out[phase] = merged
+    return out
 
 
 def build_report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -287,8 +287,12 @@ class Proxy:
     async def _stream(
         self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
     ) -> None:
+        data = first + resp.read_nowait()
         await state.start(200, headers)
-        await state.chunk(first)
+        if resp.at_eof:  # the whole stream is already here: one body write instead of two
+            await state.last(data)
+            return
+        await state.chunk(data)
         try:
             while True:
                 data = await resp.read_chunk()
@@ -324,6 +328,10 @@ class _Exchange:
 
     async def chunk(self, data: bytes) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def last(self, data: bytes) -> None:
+        self.done = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def end(self) -> None:
         self.done = True

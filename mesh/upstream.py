@@ -187,6 +187,24 @@ class UpstreamResponse:
                 raise conn.error
             await conn.wait()
 
+    def read_nowait(self) -> bytes:
+        """The body bytes already received (possibly ``b""``), without waiting."""
+        conn = self._conn
+        if not conn.chunks:
+            return b""
+        data = b"".join(conn.chunks)
+        conn.chunks.clear()
+        conn.buffered = 0
+        if conn.paused and conn.transport is not None:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return data
+
+    @property
+    def at_eof(self) -> bool:
+        """The whole body was received and read."""
+        return self._conn.complete and not self._conn.chunks
+
     async def read(self) -> bytes:
         parts = []
         while True:
