@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import kernels
 from workers.attention.base import AttentionBackend
 
 
@@ -47,11 +48,26 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``; the second is the next residual."""
-        if residual is not None:
-            x = x + residual
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), x
+        if kernels.enabled(x):
+            return kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+        return add_rmsnorm_ref(x, residual, self.weight, self.eps)
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of ``kernels.add_rmsnorm`` (HF's rounding points)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The torch twin of ``kernels.silu_mul``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
@@ -89,6 +105,25 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def split_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of packed ``qkv`` rows, as [T, heads, head_dim] tensors.
+
+        On CUDA the rotation happens in place in ``qkv`` (one kernel) and q, k, v are strided
+        views of it; the backends read views by their strides."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if kernels.enabled(qkv) and kernels.rope_supported(head_dim):
+            kernels.rope_inplace(qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, head_dim)
+            q = qkv[:, :q_size].view(t, num_heads, head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
+            return q, k, v
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self(positions, q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim))
+        return q, k, v.contiguous().view(t, num_kv_heads, head_dim)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -125,11 +160,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.rotary.split_qkv(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self._attend(q, k_cache, v_cache, meta, backend)
@@ -167,5 +198,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if kernels.enabled(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        return self.down_proj(silu_mul_ref(gate_up))

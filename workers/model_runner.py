@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(self.device, config.seed)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_graph_replays = 0
         if self._use_graphs():
             self._capture_graphs()
 
@@ -184,6 +186,13 @@ class ModelRunner:
         self._g_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
         self._g_ctx = torch.ones(top, dtype=torch.int32, device=dev)
         self._g_logits: dict[int, torch.Tensor] = {}
+        # Pinned host staging for the static inputs (ids, positions, slots; context lens; tables).
+        self._g_stage_t = torch.zeros(3, top, dtype=torch.int64, pin_memory=True)
+        self._g_stage_ctx_t = torch.ones(top, dtype=torch.int32, pin_memory=True)
+        self._g_stage_ctx = self._g_stage_ctx_t.numpy()
+        self._g_stage_tables_t = torch.zeros(top, max_blocks, dtype=torch.int32, pin_memory=True)
+        self._g_stage = self._g_stage_t.numpy()
+        self._g_stage_tables = self._g_stage_tables_t.numpy()
         pool = None
         try:
             for b in reversed(sizes):  # largest first: smaller graphs reuse its pool
@@ -207,20 +216,30 @@ class ModelRunner:
     def _replay(self, batch: ScheduledBatch, b: int) -> tuple[torch.Tensor, list[Sequence]]:
         seqs = batch.decodes
         n, bs = len(seqs), self.block_size
-        pos = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         tables = _tables(seqs)
-        rows = np.arange(n)
-        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        ids = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
-        pad = b - n
-        self._g_ids[:b].copy_(_t(np.pad(ids, (0, pad)), self.device))
-        self._g_pos[:b].copy_(_t(np.pad(pos, (0, pad)), self.device))
-        self._g_slots[:b].copy_(_t(np.pad(slots, (0, pad), constant_values=-1), self.device))
-        self._g_ctx[:b].copy_(_t(np.pad(pos + 1, (0, pad), constant_values=1).astype(np.int32), self.device))
-        self._g_tables[:n, : tables.shape[1]].copy_(_t(tables, self.device, torch.int32))
-        if pad:
-            self._g_tables[n:b].zero_()
+        w = tables.shape[1]
+        # Fill the pinned staging rows, then one async copy per static input. The previous step's
+        # copies are complete: its sampled tokens were read back (a sync) before this step began.
+        st = self._g_stage
+        st[0, :n] = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
+        st[1, :n] = pos
+        st[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        ctx = self._g_stage_ctx
+        ctx[:n] = pos + 1
+        ctx[n:b] = 1
+        st[0:2, n:b] = 0
+        st[2, n:b] = -1  # padding rows store nothing
+        self._g_stage_tables[:n, :w] = tables
+        self._g_stage_tables[n:b, :w] = 0
+        stage = self._g_stage_t
+        self._g_ids[:b].copy_(stage[0, :b], non_blocking=True)
+        self._g_pos[:b].copy_(stage[1, :b], non_blocking=True)
+        self._g_slots[:b].copy_(stage[2, :b], non_blocking=True)
+        self._g_ctx[:b].copy_(self._g_stage_ctx_t[:b], non_blocking=True)
+        self._g_tables[:b, :w].copy_(self._g_stage_tables_t[:b, :w], non_blocking=True)
         self.graphs[b].replay()
+        self.num_graph_replays += 1
         return self._g_logits[b][:n], seqs
 
     def _max_model_len(self) -> int:

@@ -1,0 +1,307 @@
+"""End-to-end engine benchmark on a CUDA GPU: decode and prefill throughput against the rooflines.
+
+Measured in one run, on the GPU it runs on:
+* the two ceilings: device-to-device copy bandwidth (bytes read + written, 2 GiB buffers) and the
+  bf16 matmul rate (8192^3 ``torch.matmul`` on random data);
+* decode tokens/s at batch 1..256 (random 512-token prompts, greedy, the Triton backend, CUDA
+  graphs, prefix caching on): the whole ``LLMEngine.step`` (scheduler, inputs, graph replay,
+  sampling, bookkeeping), and the graph replay alone; each against the bandwidth roofline
+  ``bytes / copy ceiling`` with bytes = weights read + K/V read for every context token + K/V
+  written for the new token;
+* prefill tokens/s for one prompt of 1k..32k tokens (chunks of ``--chunk`` tokens), against the
+  matmul ceiling with FLOPs = 2 x linear params x tokens + causal attention (2 x L^2 x heads x
+  head_dim per layer) + the LM head of the last token.
+
+Targets (issue 3): decode at batch 64 >= 50% of the bandwidth roofline; 32k prefill >= 40% of
+the matmul ceiling. Imports torch, numpy, xxhash and the engine only (rich if present):
+
+    python3 bench/engine.py [--presets qwen2-0.5b,llama3-8b] [--json bench/results/engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.sequence import SamplingParams  # noqa: E402
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+PROMPT_LENS = [1024, 2048, 4096, 8192, 16384, 32768]
+
+
+# ---- ceilings ---------------------------------------------------------------------------------------
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict[str, float]:
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src), 20)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    mm_ms = _median_ms(lambda: a @ b, 20)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_gbs": 2 * 2 * n / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
+
+
+# ---- counts -----------------------------------------------------------------------------------------
+
+
+def weight_bytes_read(cfg: ModelConfig, batch: int, itemsize: int) -> int:
+    """Every weight once per step, except the embedding table (only ``batch`` rows) unless tied
+    (then it is the LM head and read whole)."""
+    total = cfg.num_params() * itemsize
+    if not cfg.tie_word_embeddings:
+        total -= cfg.vocab_size * cfg.hidden_size * itemsize
+        total += batch * cfg.hidden_size * itemsize
+    return total
+
+
+def linear_params(cfg: ModelConfig) -> int:
+    h = cfg.hidden_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def prefill_flops(cfg: ModelConfig, n: int) -> float:
+    attention = 2.0 * n * n * cfg.num_heads * cfg.head_dim * cfg.num_layers  # causal: half of 4 L^2 H D
+    return 2.0 * n * linear_params(cfg) + attention + 2.0 * cfg.hidden_size * cfg.vocab_size
+
+
+# ---- decode -----------------------------------------------------------------------------------------
+
+
+def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], context: int,
+                 steps: int, warmup: int) -> list[dict[str, Any]]:
+    cfg = engine.model_config
+    itemsize = engine.runner.kv_cache.element_size()
+    kv_tok = cfg.kv_bytes_per_token(itemsize)
+    rng = random.Random(0)
+    top = max(batches)
+    params = SamplingParams(temperature=0.0, max_tokens=len(batches) * (steps + warmup + 2) + 8, ignore_eos=True)
+    ids = [f"d{i}" for i in range(top)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(cfg.vocab_size) for _ in range(context)], params)
+    while any(s.num_completion_tokens == 0 for s in engine.scheduler.all_seqs()):
+        engine.step()
+    rows = []
+    for b in sorted(batches, reverse=True):
+        for rid in ids[b:]:
+            engine.abort_request(rid)
+        for _ in range(warmup):
+            engine.step()
+        running = engine.scheduler.running
+        if len(running) != b or engine.scheduler.waiting:
+            raise RuntimeError(f"expected {b} running decodes, got {len(running)}")
+        ctx0 = sum(len(s) for s in running)  # context of the first timed step (all tokens incl. new)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - t0) * 1e3 / steps
+        kv_read = (ctx0 * steps + b * steps * (steps - 1) // 2) * kv_tok / steps
+        bytes_step = weight_bytes_read(cfg, b, itemsize) + kv_read + b * kv_tok
+        roof_ms = bytes_step / (ceil["copy_gbs"] * 1e6)
+        fwd_ms = None
+        graph = engine.runner.graphs.get(b)
+        if graph is not None:  # the forward alone: replays of this batch's graph, last inputs
+            fwd_ms = _median_ms(graph.replay, 20)
+        rows.append({
+            "batch": b, "step_ms": step_ms, "tokens_per_s": b * 1e3 / step_ms, "mean_context": kv_read / kv_tok / b,
+            "bytes_per_step": bytes_step, "roofline_ms": roof_ms, "frac_roofline": roof_ms / step_ms,
+            "forward_ms": fwd_ms, "forward_frac_roofline": None if fwd_ms is None else roof_ms / fwd_ms,
+        })
+        print(f"  decode B={b}: {step_ms:.3f} ms/step, {b * 1e3 / step_ms:,.0f} tok/s, "
+              f"{100 * roof_ms / step_ms:.1f}% of roofline (forward alone {fwd_ms if fwd_ms is None else round(fwd_ms, 3)} ms)",
+              flush=True)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return rows
+
+
+# ---- prefill ----------------------------------------------------------------------------------------
+
+
+def _prefill_once(engine: LLMEngine, n: int, rng: random.Random) -> float:
+    prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(n)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.add_request(f"p{rng.random()}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def bench_prefill(engine: LLMEngine, ceil: dict[str, float], lens: list[int], deadline: float) -> list[dict[str, Any]]:
+    rng = random.Random(1)
+    _prefill_once(engine, 1024, rng)  # compile
+    rows = []
+    for n in lens:
+        if time.monotonic() > deadline:
+            print(f"  prefill {n}: skipped (time budget)")
+            continue
+        reps = 3 if n <= 8192 else 1
+        secs = statistics.median(_prefill_once(engine, n, rng) for _ in range(reps))
+        flops = prefill_flops(engine.model_config, n)
+        tflops = flops / secs / 1e12
+        rows.append({"prompt_tokens": n, "seconds": secs, "tokens_per_s": n / secs, "tflops": tflops,
+                     "frac_matmul_peak": tflops / ceil["matmul_tflops"]})
+        print(f"  prefill {n}: {secs * 1e3:.1f} ms, {n / secs:,.0f} tok/s, {tflops:.0f} TFLOP/s, "
+              f"{100 * tflops / ceil['matmul_tflops']:.1f}% of matmul peak", flush=True)
+    return rows
+
+
+# ---- driver -----------------------------------------------------------------------------------------
+
+
+def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], deadline: float) -> dict[str, Any]:
+    cfg = get_preset(name)
+    batches = [b for b in args.batches if b <= args.max_batch]
+    lens = args.prompt_lens
+    steps_total = len(batches) * (args.steps + args.warmup + 2) + 8
+    blocks = max(batches) * -(-(args.context + steps_total + 16) // 16) + -(-(max(lens) + 16) // 16) + 64
+    config = EngineConfig(
+        device="cuda", attention_backend="triton", num_kv_blocks=blocks, max_num_seqs=max(batches),
+        max_num_batched_tokens=args.chunk, max_model_len=max(lens) + 64, cuda_graphs=True, seed=0,
+    )
+    print(f"{name}: {cfg.num_params() / 1e9:.2f}B params, {blocks} KV blocks", flush=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, config)
+    init_s = time.perf_counter() - t0
+    print(f"  init {init_s:.1f} s ({len(engine.runner.graphs)} decode graphs)", flush=True)
+    out: dict[str, Any] = {"params": cfg.num_params(), "num_kv_blocks": blocks, "init_s": init_s,
+                           "chunk": args.chunk, "decode_context": args.context}
+    out["decode"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
+    out["prefill"] = bench_prefill(engine, ceil, lens, deadline)
+    out["engine_stats"] = engine.stats()
+    del engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = Table = None  # noqa: N806
+    ceil = result["ceilings"]
+    for name, res in result["presets"].items():
+        dec = [[str(r["batch"]), f"{r['step_ms']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mean_context']:.0f}",
+                f"{r['bytes_per_step'] / 1e9:.2f}", f"{r['roofline_ms']:.3f}", f"{100 * r['frac_roofline']:.1f}",
+                "-" if r["forward_ms"] is None else f"{r['forward_ms']:.3f}",
+                "-" if r["forward_frac_roofline"] is None else f"{100 * r['forward_frac_roofline']:.1f}"]
+               for r in res["decode"]]
+        pre = [[str(r["prompt_tokens"]), f"{r['seconds'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.0f}",
+                f"{100 * r['frac_matmul_peak']:.1f}"] for r in res["prefill"]]
+        tables = [
+            (f"{name} decode (copy ceiling {ceil['copy_gbs']:.0f} GB/s)",
+             ["batch", "ms/step", "tok/s", "ctx", "GB/step", "roofline ms", "% roofline", "fwd ms", "fwd % roofline"], dec),
+            (f"{name} prefill (bf16 matmul ceiling {ceil['matmul_tflops']:.0f} TFLOP/s)",
+             ["prompt", "ms", "tok/s", "TFLOP/s", "% matmul peak"], pre),
+        ]
+        for title, headers, rows in tables:
+            if Console is not None:
+                t = Table(title=title)
+                for h in headers:
+                    t.add_column(h, justify="right")
+                for r in rows:
+                    t.add_row(*r)
+                Console(width=150).print(t)
+            else:
+                print(title)
+                print(" | ".join(headers))
+                for r in rows:
+                    print(" | ".join(r))
+    for line in result["targets"]:
+        print(line)
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, res in result["presets"].items():
+        d64 = next((r for r in res["decode"] if r["batch"] == 64), None)
+        p32 = next((r for r in res["prefill"] if r["prompt_tokens"] == 32768), None)
+        if d64:
+            ok = "MET" if d64["frac_roofline"] >= 0.5 else "MISSED"
+            lines.append(f"{name}: decode B=64 {100 * d64['frac_roofline']:.1f}% of bandwidth roofline "
+                         f"(target 50%): {ok}; forward alone {100 * (d64['forward_frac_roofline'] or 0):.1f}%")
+        if p32:
+            ok = "MET" if p32["frac_matmul_peak"] >= 0.4 else "MISSED"
+            lines.append(f"{name}: prefill 32k {100 * p32['frac_matmul_peak']:.1f}% of matmul peak (target 40%): {ok}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="qwen2-0.5b,llama3-8b")
+    ap.add_argument("--json", default="bench/results/engine.json")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=BATCHES)
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=PROMPT_LENS)
+    ap.add_argument("--context", type=int, default=512, help="decode prompt length")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip prefill lengths past this")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/engine.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.budget_s
+    import triton
+
+    ceil = measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "ceilings": ceil, "presets": {}, "args": {k: v for k, v in vars(args).items()},
+    }
+    path = Path(os.environ.get("BENCH_JSON") or args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.presets.split(","):
+        try:
+            result["presets"][name] = run_preset(name, args, ceil, deadline)
+        except Exception as exc:  # report what ran; never lose the other preset's numbers
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            result.setdefault("errors", {})[name] = repr(exc)
+        result["targets"] = targets(result)
+        path.write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
