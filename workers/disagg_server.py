@@ -1,0 +1,663 @@
+"""Prefill/decode disaggregation on the worker's HTTP server: an ASGI layer around the worker app
+(``workers.server.create_app``) that leaves every other request untouched.
+
+- Prefill: a completion or chat request whose body carries ``kv_transfer_params:
+  {do_remote_decode: true}`` (vLLM's convention; the gateway sends ``max_tokens: 1``) runs as
+  usual; its prompt blocks are pinned in the step that finishes it, handed to the
+  ``TransferRegistry``, and the answer carries ``kv_transfer_params`` for the decode worker
+  (``remote_host``/``remote_port``, ``transfer_id``, block keys, layout, transport).
+- Decode: a request whose ``kv_transfer_params`` say ``do_remote_prefill: true`` is checked
+  (layout, keys), admitted (bounded pending transfers: count and bytes, else 429 + Retry-After),
+  pulls exactly the blocks its own prefix cache lacks, imports them (prefix cache + KV events),
+  tells the prefill worker it is done, and then runs as an ordinary request whose prompt is
+  cached. Its pins are dropped when the response ends (the sequence holds its own references).
+- ``POST /kv_transfer/pull`` (streamed binary) and a raw TCP port serve the blocks;
+  ``POST /kv_transfer/release`` ends a consumer's (or the gateway's: ``cancel``) interest;
+  ``GET /kv_transfer/status`` and ``/metrics`` (``mesh_worker_kv_transfer_*``) show counters.
+
+Exactly-once: a prefill's pin passes to the registry (``take_export``) or is dropped
+(``drop_export``) on every path; a decode's ``Hold`` and admission ``Ticket`` are released in
+``finally`` blocks. ``leaked_blocks`` on ``/metrics`` re-derives every block's reference count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from mesh.keys import block_keys, namespace_seed
+from workers.engine import EngineDeadError
+from workers.kv_transfer import Faults, Layout, PullRequest, TransferEngine, TransferError, pull_blocks, serve_pull, serve_tcp
+from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
+from workers.transfer_registry import Admission, Ticket, TransferRegistry
+
+log = logging.getLogger(__name__)
+
+ROLES = ("mixed", "prefill", "decode")
+DATA_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+FAULTS_ENV = "MESH_KV_TRANSFER_FAULTS"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    role: str = "mixed"
+    transport: str = "tcp"  # what this worker offers for pulls: tcp (measured faster) or http
+    tcp_port: int = 0  # 0: an ephemeral port, advertised in kv_transfer_params
+    bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # None: the address the prefill request arrived on
+    ttl_s: float = 30.0  # a prefill's blocks are released by then if nobody consumed them
+    consumers: tuple[str, ...] = ("decode",)  # e.g. ("decode", "cpu_save") with CPU offload
+    max_pending: int = 8  # decode: inbound transfers admitted at once
+    max_pending_bytes: int | None = None  # decode: None = half of this worker's KV cache
+    pull_timeout_s: float = 30.0
+    pull_attempts: int = 2  # a corrupt or truncated stream is pulled again (resuming) once
+    chunk_blocks: int = 32
+    retry_after_s: int = 1
+    faults: bool = False  # POST /kv_transfer/faults (tests only)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in ("tcp", "http"):
+            raise ValueError(f"transport must be tcp or http, got {self.transport!r}")
+        if not self.consumers:
+            raise ValueError("at least one transfer consumer is needed")
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Hold:
+    """Decode-side pins of one request (its own cached prefix and what it imported)."""
+
+    engine: TransferEngine
+    block_ids: list[int] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            if self.block_ids:
+                self.engine.submit(self.engine.ops.unpin, tuple(self.block_ids))
+
+
+@dataclass
+class DecodeCounters:
+    requests: int = 0
+    blocks_pulled: int = 0
+    blocks_local: int = 0  # found in this worker's own prefix cache: not pulled
+    bytes_pulled: int = 0
+    pull_retries: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # error code -> count
+
+
+class DisaggService:
+    """The transfer state of one worker process (prefill registry, decode admission, faults)."""
+
+    def __init__(self, engine: TransferEngine, api: WorkerAPI, config: TransferConfig) -> None:
+        self.engine = engine
+        self.api = api
+        self.config = config
+        self.layout = engine.layout
+        self.engine_id = uuid.uuid4().hex
+        self.registry = TransferRegistry(self._unpin, config.ttl_s)
+        kv_bytes = engine.engine.runner.num_blocks * self.layout.block_bytes
+        self.admission = Admission(config.max_pending, config.max_pending_bytes or max(kv_bytes // 2, 1))
+        self.faults = Faults()
+        self.decode = DecodeCounters()
+        self.prefills = 0
+        self.http: Any = None
+        self.tcp: asyncio.AbstractServer | None = None
+        self.tcp_port = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def _unpin(self, block_ids: tuple[int, ...]) -> None:
+        if block_ids:
+            self.engine.submit(self.engine.ops.unpin, block_ids)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import httpx
+
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.pull_timeout_s, connect=5.0))
+        if self.config.transport == "tcp":
+            self.tcp = await serve_tcp(self.engine, self.registry, self.faults, self.config.bind_host,
+                                       self.config.tcp_port, self.config.chunk_blocks)
+            self.tcp_port = int(self.tcp.sockets[0].getsockname()[1])
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def stop(self) -> None:
+        for task in [self._reaper, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        if self.tcp is not None:
+            self.tcp.close()
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def _reap(self) -> None:
+        while True:
+            nxt = self.registry.next_deadline()
+            now = time.monotonic()
+            await asyncio.sleep(min(1.0, max(0.05, (nxt - now) if nxt else 1.0)))
+            self.registry.expire(time.monotonic())
+
+    def _background(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def parse(self, kind: str, body: dict[str, Any]) -> tuple[Any, list[int]]:
+        """The request model and its single prompt's token ids (400 on anything else)."""
+        try:
+            req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            raise APIError(400, f"invalid request: {first.get('msg', exc)}") from exc
+        self.api.check_model(req.model)
+        if kind == "chat":
+            ids = self.api.chat_prompt(req.messages)
+        else:
+            prompts = self.api.completion_prompts(req.prompt)
+            if len(prompts) != 1:
+                raise APIError(400, "disaggregated requests take exactly one prompt", "prompt")
+            ids = prompts[0]
+        return req, ids
+
+    async def prefill(self, kind: str, body: dict[str, Any], scope: Any, receive: Any) -> dict[str, Any]:
+        req, ids = self.parse(kind, body)
+        if getattr(req, "stream", False):
+            raise APIError(400, "a prefill with do_remote_decode must not stream", "stream")
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        params = self.api.params(req, max_tokens if max_tokens is not None else 1, len(ids))
+        self.api.validate(ids, params, "messages" if kind == "chat" else "prompt")
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.engine.expect_export(rid, ids, req.cache_salt)
+        try:
+            text, reason, out = await _watch(receive, self.api.collect(rid, ids, params, req.cache_salt, stops))
+            pinned, _ = self.engine.take_export(rid)  # ownership passes here, no await in between
+        except BaseException:
+            self.engine.drop_export(rid)
+            raise
+        tid: str | None = None
+        keys: tuple[int, ...] = ()
+        if pinned is not None and pinned.block_ids:
+            tid = uuid.uuid4().hex
+            self.registry.add(tid, pinned.block_ids, pinned.keys, self.config.consumers, time.monotonic())
+            keys = pinned.keys
+        self.prefills += 1
+        host = self.config.advertise_host or (scope.get("server") or ("127.0.0.1", 0))[0]
+        kv = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": host,
+            "remote_port": int((scope.get("server") or ("", 0))[1]),
+            "remote_request_id": rid,
+            "remote_block_ids": list(pinned.block_ids) if pinned else [],
+            "remote_block_keys": [f"{k:016x}" for k in keys],
+            "transfer_id": tid,
+            "layout": self.layout.to_dict(),
+            "transport": self.config.transport,
+            "remote_tcp_port": self.tcp_port or None,
+            "expires_in_s": self.config.ttl_s,
+        }
+        created = int(time.time())
+        usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                 "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": self.api.model_name, "choices": [choice],
+                "usage": usage, "kv_transfer_params": kv}
+
+    async def receive_kv(self, kind: str, body: dict[str, Any]) -> Hold:
+        """Decode side: hold (pinned) the whole transferred prefix of this request's prompt,
+        pulling what is not cached here. Raises ``TransferError`` or ``APIError``."""
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise TransferError(400, "kv_params_invalid", "kv_transfer_params must be an object")
+        req, ids = self.parse(kind, body)
+        self.decode.requests += 1
+        remote = Layout.from_dict(params.get("layout"))
+        mismatch = self.layout.mismatch(remote)
+        if mismatch:
+            raise TransferError(409, "kv_layout_mismatch", f"KV layout mismatch with the prefill worker: {mismatch}")
+        try:
+            remote_keys = [int(k, 16) for k in params.get("remote_block_keys") or []]
+        except (TypeError, ValueError) as exc:
+            raise TransferError(400, "kv_params_invalid", f"bad remote_block_keys: {exc}") from exc
+        bs = self.layout.block_size
+        n = len(remote_keys)
+        if n > (len(ids) - 1) // bs:
+            raise TransferError(409, "kv_key_mismatch", f"{n} blocks offered for a {len(ids)}-token prompt")
+        seed = namespace_seed(self.engine.engine.model_name, None, req.cache_salt)
+        tokens = ids[: n * bs]
+        keys = block_keys(tokens, bs, seed)
+        if keys != remote_keys:
+            raise TransferError(409, "kv_key_mismatch", "the prefill worker's block keys differ from this "
+                                "worker's (another model name, tokenizer or cache salt)")
+        blocks = [tokens[i * bs : (i + 1) * bs] for i in range(n)]
+        hold = Hold(self.engine)
+        try:
+            own = await self.engine.call(self.engine.ops.pin_prefix, keys, blocks, seed)
+            hold.block_ids += own.block_ids
+            h = len(own.block_ids)
+            self.decode.blocks_local += h
+            if h < n:
+                await self._pull(params, keys, blocks, seed, h, hold)
+        except BaseException:
+            hold.release()
+            raise
+        if n:
+            self._background(self._release_remote(params, "decode", "ok"))
+        return hold
+
+    async def _pull(self, params: dict[str, Any], keys: list[int], blocks: list[list[int]], seed: int,
+                    h: int, hold: Hold) -> None:
+        n = len(keys)
+        nbytes = (n - h) * self.layout.block_bytes
+        if self.admission.too_large(nbytes):
+            raise TransferError(413, "kv_transfer_too_large",
+                                f"{nbytes} bytes of KV exceed this worker's inbound bound {self.admission.max_bytes}")
+        ticket: Ticket | None = self.admission.try_admit(nbytes)
+        if ticket is None:
+            raise TransferError(429, "kv_admission_full", "too many pending inbound KV transfers; retry later", True)
+        try:
+            done = h
+            for attempt in range(self.config.pull_attempts):
+                try:
+                    async for off, ks, data in pull_blocks(params, done, keys[done:], self.layout, http=self.http,
+                                                           timeout=self.config.pull_timeout_s,
+                                                           chunk_blocks=self.config.chunk_blocks):
+                        first = done
+                        parent = keys[first - 1] if first else None
+                        bids = await self.engine.call(self.engine.ops.import_blocks, ks,
+                                                      blocks[first : first + len(ks)], seed, parent, data)
+                        hold.block_ids += bids
+                        done += len(ks)
+                        self.decode.blocks_pulled += len(ks)
+                        self.decode.bytes_pulled += data.nbytes
+                    return
+                except TransferError as exc:
+                    if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
+                        raise
+                    self.decode.pull_retries += 1
+                    self._count(exc.code)
+                    log.warning("pull of %s failed (%s), resuming at block %d", params.get("transfer_id"), exc, done)
+        finally:
+            ticket.release()
+
+    def _count(self, code: str) -> None:
+        self.decode.failures[code] = self.decode.failures.get(code, 0) + 1
+
+    async def _release_remote(self, params: dict[str, Any], consumer: str, outcome: str) -> None:
+        url = f"http://{params['remote_host']}:{int(params['remote_port'])}/kv_transfer/release"
+        body = {"transfer_id": params.get("transfer_id"), "consumer": consumer, "outcome": outcome}
+        try:
+            await self.http.post(url, json=body, timeout=5.0)
+        except Exception as exc:  # the prefill side's deadline releases it anyway
+            log.warning("release of transfer %s at %s failed: %r", params.get("transfer_id"), url, exc)
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, float]:
+        leak = await self.engine.call(self.engine.ops.leak_check)
+        owned = self.registry.pinned_blocks
+        d = self.decode
+        out: dict[str, float] = {
+            **self.registry.stats(),
+            **self.admission.stats(),
+            "leaked_blocks": leak["leaked_blocks"],
+            "pinned_blocks": leak["pinned_blocks"],
+            "prefills": self.prefills,
+            "decode_requests": d.requests,
+            "decode_blocks_pulled": d.blocks_pulled,
+            "decode_blocks_local": d.blocks_local,
+            "decode_bytes_pulled": d.bytes_pulled,
+            "decode_pull_retries": d.pull_retries,
+            "blocks_imported": self.engine.ops.num_imported,
+            "blocks_import_reused": self.engine.ops.num_import_reused,
+        }
+        out["prefill_owned_blocks"] = owned
+        return out
+
+    def metrics_text(self, stats: dict[str, float]) -> bytes:
+        """Prometheus text: ``mesh_worker_kv_transfer_<name>`` (counters end in ``_total``)."""
+        lines = []
+        for key, value in stats.items():
+            counter = key in _COUNTERS
+            name = f"mesh_worker_kv_transfer_{key}" + ("_total" if counter and not key.endswith("_total") else "")
+            lines += [f"# TYPE {name} {'counter' if counter else 'gauge'}", f"{name} {float(value)}"]
+        lines.append("# TYPE mesh_worker_kv_transfer_decode_failures_total counter")
+        for code, count in sorted(self.decode.failures.items()):
+            lines.append(f'mesh_worker_kv_transfer_decode_failures_total{{code="{code}"}} {float(count)}')
+        return ("\n".join(lines) + "\n").encode()
+
+
+_COUNTERS = frozenset({
+    "transfers_created", "transfer_pinned_blocks_total", "transfers_released_by_consumer",
+    "transfers_released_by_timeout", "transfers_released_by_cancel", "transfer_duplicate_releases",
+    "transfer_late_pulls", "admission_admitted", "admission_refused", "prefills", "decode_requests",
+    "decode_blocks_pulled", "decode_blocks_local", "decode_bytes_pulled", "decode_pull_retries",
+    "blocks_imported", "blocks_import_reused",
+})
+
+
+# ---- the ASGI layer ------------------------------------------------------------------------------
+
+
+async def _watch(receive: Any, work: Awaitable[Any]) -> Any:
+    """Await ``work``; cancel it (aborting what it started) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, None, code), status_code=status, headers=headers)
+
+
+class DisaggApp:
+    """The worker app with disaggregation in front (see the module docstring)."""
+
+    def __init__(self, app: Any, service: DisaggService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "POST" and path in DATA_PATHS:
+            await self._data(scope, receive, send, DATA_PATHS[path])
+        elif path.startswith("/kv_transfer/"):
+            await self._transfer_route(scope, receive, send, path, method)
+        elif path == "/metrics" and method == "GET":
+            await self._metrics(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _lifespan(self, scope: Any, receive: Any, send: Any) -> None:
+        service = self.service
+
+        async def wrapped_send(message: Any) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                await service.start()
+            await send(message)
+
+        async def wrapped_receive() -> Any:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await service.stop()
+            return message
+
+        await self.app(scope, wrapped_receive, wrapped_send)
+
+    async def _data(self, scope: Any, receive: Any, send: Any, kind: str) -> None:
+        raw, more = await _read_body(receive)
+        replay = _replaying(raw, receive)
+        if more or b"kv_transfer_params" not in raw:
+            await self.app(scope, replay, send)
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            await self.app(scope, replay, send)  # the worker answers its own 400
+            return
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict):
+            await self.app(scope, replay, send)
+            return
+        if params.get("do_remote_decode"):
+            response = await self._respond(self.service.prefill(kind, body, scope, receive))
+        elif params.get("do_remote_prefill"):
+            await self._decode(scope, receive, send, kind, body, raw)
+            return
+        else:
+            await self.app(scope, replay, send)
+            return
+        if response is not None:
+            await response(scope, receive, send)
+
+    async def _respond(self, work: Awaitable[dict[str, Any]]) -> Response | None:
+        try:
+            return JSONResponse(await work)
+        except ClientGone:
+            return None
+        except APIError as exc:
+            return _error(exc.status, exc.message, exc.code)
+        except EngineDeadError as exc:
+            return _error(503, str(exc))
+
+    async def _decode(self, scope: Any, receive: Any, send: Any, kind: str, body: dict[str, Any], raw: bytes) -> None:
+        service = self.service
+        try:
+            hold = await _watch(receive, service.receive_kv(kind, body))
+        except ClientGone:
+            return
+        except TransferError as exc:
+            service._count(exc.code)
+            headers = {"retry-after": str(service.config.retry_after_s)} if exc.status in (429, 503) else None
+            await _error(exc.status, exc.message, exc.code, headers)(scope, receive, send)
+            return
+        except APIError as exc:
+            await _error(exc.status, exc.message, exc.code)(scope, receive, send)
+            return
+        except EngineDeadError as exc:
+            await _error(503, str(exc))(scope, receive, send)
+            return
+        try:
+            await self.app(scope, _replaying(raw, receive), send)  # an ordinary, now cached, request
+        finally:
+            hold.release()
+
+    async def _transfer_route(self, scope: Any, receive: Any, send: Any, path: str, method: str) -> None:
+        service = self.service
+        if path == "/kv_transfer/status" and method == "GET":
+            response: Response = JSONResponse({"role": service.config.role, "engine_id": service.engine_id,
+                                               "layout": service.layout.to_dict(), "transport": service.config.transport,
+                                               "tcp_port": service.tcp_port, **(await service.stats())})
+        elif method != "POST":
+            response = _error(405, "method not allowed")
+        else:
+            raw, _ = await _read_body(receive)
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                response = _error(400, "body must be a JSON object")
+            elif path == "/kv_transfer/pull":
+                response = self._pull_response(body)
+            elif path == "/kv_transfer/release":
+                response = self._release(body)
+            elif path == "/kv_transfer/faults" and service.config.faults:
+                for k, v in body.items():
+                    if hasattr(service.faults, k):
+                        setattr(service.faults, k, v)
+                response = JSONResponse({"faults": vars(service.faults)})
+            else:
+                response = _error(404, f"no route {path}")
+        await response(scope, receive, send)
+
+    def _pull_response(self, body: dict[str, Any]) -> Response:
+        service = self.service
+        try:
+            req = PullRequest.parse(body)
+        except TransferError as exc:
+            return _error(exc.status, exc.message, exc.code)
+        mismatch = service.layout.mismatch(req.layout)
+        if mismatch:
+            return _error(409, f"KV layout mismatch: {mismatch}", "kv_layout_mismatch")
+        frames = serve_pull(service.engine, service.registry, req, service.faults, service.config.chunk_blocks)
+        return StreamingResponse(frames, media_type="application/octet-stream")
+
+    def _release(self, body: dict[str, Any]) -> Response:
+        registry = self.service.registry
+        tid = str(body.get("transfer_id"))
+        if body.get("cancel"):
+            released = registry.cancel(tid)
+        else:
+            released = registry.consumer_done(tid, str(body.get("consumer", "decode")), str(body.get("outcome", "ok")))
+        return JSONResponse({"transfer_id": tid, "released": released})
+
+    async def _metrics(self, scope: Any, receive: Any, send: Any) -> None:
+        parts: list[bytes] = []
+        start: dict[str, Any] = {}
+
+        async def capture(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        try:
+            extra = self.service.metrics_text(await self.service.stats())
+        except (EngineDeadError, asyncio.TimeoutError):
+            extra = b""
+        body = b"".join(parts) + extra
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 200), "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Any, limit: int = 64 << 20) -> tuple[bytes, bool]:
+    """The request body (True when it was larger than ``limit`` and only a prefix was read)."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(parts), False
+        chunk = message.get("body", b"")
+        parts.append(chunk)
+        size += len(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts), False
+        if size > limit:
+            return b"".join(parts), True
+
+
+def _replaying(raw: bytes, receive: Any) -> Any:
+    """A ``receive`` that yields the already-read body once, then the client's own messages."""
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+# ---- the worker process -----------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--role", default="mixed", choices=ROLES, help="advertised role (every role can prefill for and decode from others)")
+    g.add_argument("--kv-transfer-transport", default="tcp", choices=["tcp", "http"], help="how this worker serves KV pulls")
+    g.add_argument("--kv-transfer-port", type=int, default=0, help="raw TCP port for KV pulls (0: ephemeral)")
+    g.add_argument("--kv-transfer-host", default=None, help="address advertised to decode workers (default: the one the prefill request came to)")
+    g.add_argument("--kv-transfer-ttl", type=float, default=30.0, help="seconds a finished prefill's blocks stay pinned without a consumer")
+    g.add_argument("--kv-transfer-consumers", default="decode", help="comma-separated consumers that must finish before blocks are freed")
+    g.add_argument("--kv-max-pending", type=int, default=8, help="decode: inbound transfers admitted at once")
+    g.add_argument("--kv-max-pending-bytes", type=int, default=None, help="decode: inbound bytes admitted at once (default: half the KV cache)")
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        role=args.role, transport=args.kv_transfer_transport, tcp_port=args.kv_transfer_port,
+        bind_host=args.host, advertise_host=args.kv_transfer_host, ttl_s=args.kv_transfer_ttl,
+        consumers=tuple(c.strip() for c in args.kv_transfer_consumers.split(",") if c.strip()),
+        max_pending=args.kv_max_pending, max_pending_bytes=args.kv_max_pending_bytes,
+        faults=os.environ.get(FAULTS_ENV) == "1",
+    )
+
+
+def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, dict[str, Any]]:
+    """The worker of ``workers.cli.build`` with a ``TransferEngine`` and the disaggregation layer."""
+    from workers.cli import build
+    from workers.server import create_app
+
+    config = transfer_config(args)
+    base, tokenizer, name, info = build(args)
+    engine = TransferEngine(base.engine)  # base was never started: only its LLMEngine is kept
+    info = {**info, "role": config.role, "kv_transfer": {"transport": config.transport, "layout": engine.layout.to_dict()}}
+    app = create_app(engine, tokenizer, name, info)
+    service = DisaggService(engine, app.state.api, config)
+    return DisaggApp(app, service), service, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workers.disagg_server``: ``mesh worker`` with a role and KV transfer."""
+    import uvicorn
+
+    from workers.cli import _add_arguments
+
+    parser = argparse.ArgumentParser(prog="mesh worker", description=__doc__.splitlines()[0])
+    _add_arguments(parser)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, _, info = build_app(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"mesh worker: {exc}", file=sys.stderr)
+        return 2
+    print(f"mesh worker ({info['role']}): {info['num_kv_blocks']} KV blocks of {info['block_size']} on "
+          f"{info['device']}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,679 @@
+"""KV transfer between bundled workers: a prefill worker's finished KV blocks move to a decode
+worker, which pulls exactly the blocks it does not hold, verifies them and registers them in its
+own prefix cache (its KV events then announce them, so the router's index learns them).
+
+Pieces (one job each):
+- ``Layout``: the fingerprint both sides must share (model, dtype, layers, KV heads, head_dim,
+  block size, page layout). A mismatch is a clean refusal, never a silent garbage import.
+- The wire format (``encode_header`` / ``encode_block`` / ``FrameReader``): a header, then per
+  block ``key u64 | xxh3_64 u64 | payload``, then a trailer with the block count. Identical over
+  HTTP (``POST /kv_transfer/pull``, a streamed binary body) and raw TCP.
+- ``BlockOps``: everything that touches the block manager or the paged cache; **engine thread
+  only** (pin, unpin, gather, import, leak check).
+- ``TransferEngine``: ``AsyncLLMEngine`` plus a queue of calls run on the engine thread, and the
+  prefill-side pin taken in the very step a prefill finishes (before any later step could evict
+  its blocks).
+- ``serve_pull`` (sender) and ``pull_blocks`` (receiver).
+
+Page layout of one block on the wire: ``[num_layers, 2 (K, V), block_size, num_kv_heads,
+head_dim]`` in the model dtype, C order; exactly ``Layout.block_bytes`` bytes.
+
+Ownership: a block pinned here holds one reference in the block manager, counted in
+``BlockOps.pins``; every pin has exactly one owner (a prefill ``Transfer`` in
+``workers.transfer_registry``, or a decode request's ``Hold``) that unpins it exactly once.
+``BlockOps.leak_check`` proves it: every block's reference count must equal the references of
+running sequences plus its pins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import struct
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import xxhash
+
+from mesh.keys import block_keys, namespace_seed
+from workers.block_manager import BlockManager, BlockStored
+from workers.engine import AsyncLLMEngine, EngineDeadError, LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+KV_LAYOUT = "layer,kv,slot,head,dim/v1"
+MAGIC = b"MKV1"
+END = b"MEND"
+_HEAD = struct.Struct("!4sI")  # magic, header length
+_BLOCK = struct.Struct("!QQ")  # key, xxh3_64 of the payload
+_TRAIL = struct.Struct("!4sI")  # END, number of blocks sent
+_REQ = struct.Struct("!I")  # TCP request: length of the JSON request
+MAX_HEADER = 64 << 20
+checksum = xxhash.xxh3_64_intdigest
+
+
+# ---- layout ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_layout: str = KV_LAYOUT
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Layout:
+        if not isinstance(d, dict):
+            raise TransferError(400, "kv_layout_invalid", f"layout must be an object, got {d!r}")
+        try:
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except TypeError as exc:
+            raise TransferError(400, "kv_layout_invalid", f"incomplete layout {d!r}: {exc}") from exc
+
+    def mismatch(self, other: Layout) -> str | None:
+        """None when compatible, else which fields differ (for the refusal message)."""
+        diffs = [f"{k}: {a!r} here vs {b!r} there" for k, a, b in
+                 ((k, getattr(self, k), getattr(other, k)) for k in self.__dataclass_fields__) if a != b]
+        return "; ".join(diffs) or None
+
+
+def layout_of(engine: LLMEngine) -> Layout:
+    mc = engine.model_config
+    return Layout(engine.model_name, mc.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size)
+
+
+class TransferError(Exception):
+    """A transfer that cannot go on: ``status``/``code`` for the HTTP answer, ``retryable``
+    when another attempt (on the same or another pair) may succeed."""
+
+    def __init__(self, status: int, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retryable = status, code, message, retryable
+
+
+# ---- wire format ------------------------------------------------------------------------------
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    body = json.dumps(header, separators=(",", ":")).encode()
+    return _HEAD.pack(MAGIC, len(body)) + body
+
+
+def encode_block(key: int, payload: memoryview | bytes) -> bytes:
+    return _BLOCK.pack(key, checksum(payload)) + bytes(payload)
+
+
+def encode_trailer(count: int) -> bytes:
+    return _TRAIL.pack(END, count)
+
+
+class FrameReader:
+    """Parses one pull response from a byte-chunk stream, verifying as it goes.
+
+    ``blocks()`` yields ``(index, keys, data)`` chunks of at most ``chunk_blocks`` verified
+    blocks (``data``: uint8 ``[n, block_bytes]``). Raises ``TransferError`` (retryable) on a bad
+    magic, a key other than expected, a checksum mismatch, or a stream that ends early.
+    """
+
+    def __init__(self, source: AsyncIterator[bytes], chunk_blocks: int = 32) -> None:
+        self._source = source
+        self._buf = bytearray()
+        self._eof = False
+        self.chunk_blocks = chunk_blocks
+        self.header: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    async def _fill(self, n: int) -> None:
+        while len(self._buf) < n and not self._eof:
+            try:
+                data = await self._source.__anext__()
+            except StopAsyncIteration:
+                self._eof = True
+                break
+            self._buf += data
+            self.bytes_read += len(data)
+        if len(self._buf) < n:
+            raise TransferError(502, "kv_transfer_truncated", f"stream ended early ({self.bytes_read} bytes read)", True)
+
+    async def _take(self, n: int) -> bytes:
+        await self._fill(n)
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def read_header(self) -> dict[str, Any]:
+        magic, length = _HEAD.unpack(await self._take(_HEAD.size))
+        if magic != MAGIC or length > MAX_HEADER:
+            raise TransferError(502, "kv_transfer_corrupt", f"bad stream header (magic {magic!r})", True)
+        try:
+            self.header = json.loads(await self._take(length))
+        except ValueError as exc:
+            raise TransferError(502, "kv_transfer_corrupt", f"bad stream header: {exc}", True) from exc
+        if not isinstance(self.header, dict):
+            raise TransferError(502, "kv_transfer_corrupt", "bad stream header", True)
+        return self.header
+
+    async def blocks(self, expected_keys: Sequence[int], block_bytes: int) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
+        n = len(expected_keys)
+        step = _BLOCK.size + block_bytes
+        i = 0
+        while i < n:
+            k = min(self.chunk_blocks, n - i)
+            raw = await self._take(k * step)
+            data = np.empty((k, block_bytes), dtype=np.uint8)
+            keys = []
+            for j in range(k):
+                off = j * step
+                key, cs = _BLOCK.unpack_from(raw, off)
+                payload = memoryview(raw)[off + _BLOCK.size : off + step]
+                if key != expected_keys[i + j]:
+                    raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: key {key:#x}, expected {expected_keys[i + j]:#x}", True)
+                if checksum(payload) != cs:
+                    raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: checksum mismatch", True)
+                data[j] = np.frombuffer(payload, dtype=np.uint8)
+                keys.append(key)
+            yield i, keys, data
+            i += k
+        end, count = _TRAIL.unpack(await self._take(_TRAIL.size))
+        if end != END or count != n:
+            raise TransferError(502, "kv_transfer_truncated", f"bad trailer ({end!r}, {count} of {n} blocks)", True)
+
+
+# ---- engine-thread block operations -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PinnedPrefix:
+    """Blocks pinned for a transfer: the first ``len(block_ids)`` blocks of a prompt."""
+
+    block_ids: tuple[int, ...]
+    keys: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+
+class BlockOps:
+    """Transfer operations on one engine's block manager and paged cache. **Engine thread
+    only**: the block manager and the cache tensor belong to that thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.bm: BlockManager = engine.block_manager
+        self.layout = layout_of(engine)
+        self.pins: Counter[int] = Counter()  # block id -> references held by transfer pins
+        self.num_imported = 0
+        self.num_import_reused = 0  # blocks already cached when their import arrived
+
+    # -- pins --
+
+    def pin_prefix(self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int) -> PinnedPrefix:
+        """Pin the longest cached prefix of ``keys`` (verified: parent chain and tokens)."""
+        bm, out = self.bm, []
+        parent = seed
+        for key, tokens in zip(keys, token_blocks, strict=True):
+            bid = bm.cached.get(key)
+            if bid is None:
+                break
+            block = bm.blocks[bid]
+            if block.parent_key != parent or block.token_ids != tuple(tokens):
+                break
+            out.append(bid)
+            parent = key
+        for bid in out:
+            self._pin(bid)
+        n = len(out)
+        return PinnedPrefix(tuple(out), tuple(keys[:n]), tuple(tuple(t) for t in token_blocks[:n]))
+
+    def _pin(self, bid: int) -> None:
+        bm = self.bm
+        block = bm.blocks[bid]
+        if block.ref_count == 0:
+            del bm.free[bid]  # revival: content and registration stay
+        block.ref_count += 1
+        self.pins[bid] += 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop one pin per block, tail first (as ``free_seq``: a chain's head is evicted last)."""
+        bm = self.bm
+        for bid in reversed(block_ids):
+            if self.pins[bid] <= 0:
+                raise RuntimeError(f"unpin of block {bid} that holds no pin")
+            self.pins[bid] -= 1
+            if not self.pins[bid]:
+                del self.pins[bid]
+            block = bm.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                bm.free[bid] = None
+                if block.key is None:
+                    bm.free.move_to_end(bid, last=False)
+
+    # -- data --
+
+    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Pages of ``block_ids`` as uint8 ``[n, block_bytes]`` on the host."""
+        kv = self.engine.runner.kv_cache  # [layers, 2, blocks, block_size, heads, dim]
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+        pages = kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+        host = pages.cpu() if pages.device.type != "cpu" else pages
+        return host.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+
+    def _scatter(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        kv = self.engine.runner.kv_cache
+        L, _, _, bs, h, d = kv.shape
+        pages = torch.from_numpy(np.ascontiguousarray(data)).view(kv.dtype).reshape(len(block_ids), L, 2, bs, h, d)
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+        kv.index_copy_(2, idx, pages.permute(1, 2, 0, 3, 4, 5).to(kv.device))
+
+    def import_blocks(
+        self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
+        parent: int | None, data: np.ndarray,
+    ) -> list[int]:
+        """Write verified consecutive blocks of a chain into fresh blocks, register them in the
+        prefix cache and pin them; returns their ids. ``parent`` is the key of the block before
+        the first one (None when the first one starts the chain).
+
+        A key already cached is pinned instead of written (another request brought it first).
+        All checks come before any change: on ``TransferError`` (507 no space, 409 a key cached
+        with other content) nothing was pinned, registered or written.
+        """
+        bm = self.bm
+        plan: list[int | None] = []  # cached block id, or None: import into a fresh block
+        prev = parent if parent is not None else seed
+        need = 0
+        for key, tokens in zip(keys, token_blocks, strict=True):
+            bid = bm.cached.get(key)
+            if bid is not None:
+                block = bm.blocks[bid]
+                if block.parent_key != prev or block.token_ids != tuple(tokens):
+                    raise TransferError(409, "kv_key_conflict", f"block key {key:#x} is cached with other content")
+                need += block.ref_count == 0  # reviving takes it out of the free pool
+            else:
+                need += 1
+            plan.append(bid)
+            prev = key
+        if need > len(bm.free):
+            raise TransferError(507, "kv_no_space", f"{need} free blocks needed, {len(bm.free)} free", True)
+        for bid in plan:  # revive first, so that no fresh allocation below can evict them
+            if bid is not None:
+                self._pin(bid)
+                self.num_import_reused += 1
+        out: list[int] = []
+        fresh_rows: list[int] = []
+        run: list[int] = []  # positions of consecutive newly registered blocks -> one event
+        prev = parent if parent is not None else seed
+        for j, (key, tokens, bid) in enumerate(zip(keys, token_blocks, plan, strict=True)):
+            if bid is None:
+                bid = self._take_fresh()  # ref_count 1: that reference is the pin
+                block = bm.blocks[bid]
+                block.key, block.token_ids, block.parent_key = key, tuple(tokens), prev
+                bm.cached[key] = bid
+                self.pins[bid] += 1
+                fresh_rows.append(j)
+                run.append(j)
+            else:
+                self._emit(keys, token_blocks, parent, run)
+                run = []
+            out.append(bid)
+            prev = key
+        self._emit(keys, token_blocks, parent, run)
+        if fresh_rows:  # same engine-thread call: no step can read them before they are written
+            self._scatter([out[j] for j in fresh_rows], data[fresh_rows])
+        self.num_imported += len(fresh_rows)
+        self._publish()
+        return out
+
+    def _take_fresh(self) -> int:
+        """The front free block (evicting what it cached, as the block manager does)."""
+        return self.bm._take_fresh()  # noqa: SLF001 (the block manager's one eviction path)
+
+    def _emit(self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], parent: int | None,
+              run: list[int]) -> None:
+        if not run:
+            return
+        first = run[0]
+        before = keys[first - 1] if first else parent
+        tokens = [t for j in run for t in token_blocks[j]]
+        self.bm.events.append(BlockStored([keys[j] for j in run], before, tokens, self.layout.block_size))
+
+    def _publish(self) -> None:
+        """Announce the import now (the engine may be idle: no step would drain it soon)."""
+        events = self.bm.drain_events()
+        publisher = self.engine.publisher
+        if events and publisher is not None:
+            publisher.publish(events)
+
+    # -- accounting --
+
+    def leak_check(self) -> dict[str, int]:
+        """References not explained by a running sequence or a pin (must be 0), and pins."""
+        held = Counter(self.pins)
+        for seq in self.engine.scheduler.running:
+            held.update(seq.block_table)
+        leaked = sum(abs(b.ref_count - held.get(b.block_id, 0)) for b in self.bm.blocks)
+        return {"leaked_blocks": leaked, "pinned_blocks": sum(self.pins.values())}
+
+
+# ---- the engine with transfer hooks ------------------------------------------------------------
+
+
+@dataclass
+class _Export:
+    prompt_ids: list[int]
+    seed: int
+    pinned: PinnedPrefix | None = None
+
+
+class TransferEngine(AsyncLLMEngine):
+    """``AsyncLLMEngine`` + calls run on the engine thread + pin-on-finish for prefills.
+
+    ``expect_export(rid, ...)`` before ``generate`` marks a request whose KV will be pulled: in
+    the step that finishes it (on the engine thread, before any later step may evict) its full
+    prompt blocks (all but the block of the last token, which the decode side recomputes) are
+    pinned. ``take_export`` hands the pin to its owner; ``drop_export`` undoes it on any path
+    that will not (cancel, error): exactly one of the two ends every ``expect_export``.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine)
+        self.ops = BlockOps(engine)
+        self.layout = self.ops.layout
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any] | None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _exports between the loop and the engine thread
+        self._exports: dict[str, _Export] = {}
+
+    # -- engine-thread calls --
+
+    async def call(self, fn: Callable[..., T], *args: Any, timeout: float = 60.0) -> T:
+        """Run ``fn(*args)`` on the engine thread between steps; its result or exception."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((fn, args, fut))
+        self._wake.set()
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget on the engine thread (unpins: they cannot fail but by a bug)."""
+        self._calls.put((fn, args, None))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # reported to the caller, never kills the loop
+                if fut is None:
+                    log.exception("engine-thread call %s failed", getattr(fn, "__name__", fn))
+                else:
+                    fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+        super()._drain_inbox()
+
+    # -- prefill-side pin on finish --
+
+    def expect_export(self, request_id: str, prompt_ids: list[int], cache_salt: str | None) -> None:
+        seed = namespace_seed(self.engine.model_name, None, cache_salt)
+        with self._lock:
+            self._exports[request_id] = _Export(list(prompt_ids), seed)
+
+    def take_export(self, request_id: str) -> tuple[PinnedPrefix | None, int]:
+        """The pin of a finished export (None if it did not finish normally) and its seed."""
+        with self._lock:
+            exp = self._exports.pop(request_id, None)
+        if exp is None:
+            return None, 0
+        return exp.pinned, exp.seed
+
+    def drop_export(self, request_id: str) -> None:
+        with self._lock:
+            exp = self._exports.pop(request_id, None)
+        if exp is not None and exp.pinned is not None and exp.pinned.block_ids:
+            self.submit(self.ops.unpin, exp.pinned.block_ids)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        if isinstance(item, RequestOutput) and item.finished and item.finish_reason != "abort":
+            with self._lock:
+                exp = self._exports.get(request_id)
+                if exp is not None and exp.pinned is None:
+                    exp.pinned = self._pin_export(exp)
+        super()._deliver(request_id, item)
+
+    def _pin_export(self, exp: _Export) -> PinnedPrefix:
+        bs = self.layout.block_size
+        n = (len(exp.prompt_ids) - 1) // bs  # the last token's block is recomputed by decode
+        tokens = exp.prompt_ids[: n * bs]
+        keys = block_keys(tokens, bs, exp.seed)
+        blocks = [tokens[i * bs : (i + 1) * bs] for i in range(n)]
+        return self.ops.pin_prefix(keys, blocks, exp.seed)
+
+
+# ---- faults (tests only) ----------------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    """Injected into the next pulls served (enabled by ``MESH_KV_TRANSFER_FAULTS=1`` only)."""
+
+    corrupt: int = 0  # next N pulls: one payload byte flipped
+    truncate: int = 0  # next N pulls: the stream stops after half the blocks
+    delay_s: float = 0.0  # every block: sleep this long first (a slow link)
+    layout_override: dict[str, Any] = field(default_factory=dict)  # header layout fields
+
+
+# ---- sender ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    layout: Layout
+
+    @classmethod
+    def parse(cls, d: Any) -> PullRequest:
+        if not isinstance(d, dict):
+            raise TransferError(400, "kv_pull_invalid", "pull request must be a JSON object")
+        try:
+            tid, first, n = str(d["transfer_id"]), int(d["first_block"]), int(d["num_blocks"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(400, "kv_pull_invalid", f"bad pull request: {exc!r}") from exc
+        if first < 0 or n < 0:
+            raise TransferError(400, "kv_pull_invalid", "first_block and num_blocks must be >= 0")
+        return cls(tid, first, n, Layout.from_dict(d.get("layout")))
+
+
+async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, faults: Faults,
+                     chunk_blocks: int = 32) -> AsyncIterator[bytes]:
+    """The frames of one pull. The read lease is taken and returned inside the generator, so a
+    stream that never starts holds nothing. A transfer released before the read starts yields
+    an error header (a late pull after a cancel or timeout)."""
+    from workers.transfer_registry import TransferGone
+
+    try:
+        t = registry.begin_read(req.transfer_id)
+    except TransferGone:
+        yield encode_header({"error": {"status": 410, "code": "kv_transfer_gone",
+                                       "message": f"transfer {req.transfer_id} was released"}})
+        return
+    corrupt = truncate = False
+    if faults.corrupt:
+        faults.corrupt -= 1
+        corrupt = True
+    if faults.truncate:
+        faults.truncate -= 1
+        truncate = True
+    try:
+        stop = req.first_block + req.num_blocks
+        if stop > t.num_blocks:
+            yield encode_header({"error": {"status": 416, "code": "kv_pull_range",
+                                           "message": f"blocks [{req.first_block}, {stop}) of {t.num_blocks}"}})
+            return
+        layout = {**engine.layout.to_dict(), **faults.layout_override}
+        yield encode_header({"transfer_id": t.transfer_id, "layout": layout, "first_block": req.first_block,
+                             "num_blocks": req.num_blocks, "block_bytes": engine.layout.block_bytes})
+        sent = 0
+        limit = req.num_blocks // 2 if truncate else req.num_blocks
+        for i in range(req.first_block, stop, chunk_blocks):
+            bids = t.block_ids[i : min(i + chunk_blocks, stop)]
+            data = await engine.call(engine.ops.gather, bids)
+            for j in range(len(bids)):
+                if sent >= limit:
+                    return  # truncated: no trailer
+                if faults.delay_s:
+                    await asyncio.sleep(faults.delay_s)
+                payload = data[j]
+                frame = encode_block(t.keys[i + j], memoryview(payload))
+                if corrupt and j == 0:
+                    frame = bytearray(frame)
+                    frame[-1] ^= 0xFF
+                    corrupt = False
+                    frame = bytes(frame)
+                yield frame
+                sent += 1
+        yield encode_trailer(sent)
+    finally:
+        registry.end_read(t)
+
+
+# ---- receiver -------------------------------------------------------------------------------
+
+
+async def _http_source(client: Any, url: str, body: dict[str, Any], timeout: float) -> AsyncIterator[bytes]:
+    import httpx
+
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread())[:2000].decode(errors="replace")
+                raise _remote_error(resp.status_code, text)
+            async for chunk in resp.aiter_raw():
+                yield chunk
+    except httpx.HTTPError as exc:
+        raise TransferError(502, "kv_transfer_failed", f"pull from {url} failed: {exc!r}", True) from exc
+
+
+async def _tcp_source(host: str, port: int, body: dict[str, Any], timeout: float) -> AsyncIterator[bytes]:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 22), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise TransferError(502, "kv_transfer_failed", f"connect to {host}:{port} failed: {exc!r}", True) from exc
+    try:
+        req = json.dumps(body).encode()
+        writer.write(_REQ.pack(len(req)) + req)
+        await writer.drain()
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 20), timeout)
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise TransferError(502, "kv_transfer_failed", f"pull from {host}:{port} failed: {exc!r}", True) from exc
+            if not data:
+                return
+            yield data
+    finally:
+        writer.close()
+
+
+def _remote_error(status: int, text: str) -> TransferError:
+    try:
+        err = json.loads(text)["error"]
+        code, message = str(err.get("code") or "kv_transfer_failed"), str(err.get("message"))
+    except (ValueError, KeyError, TypeError):
+        code, message = "kv_transfer_failed", text
+    return TransferError(status, code, message, retryable=status >= 500 and status != 507)
+
+
+async def pull_blocks(
+    params: dict[str, Any],
+    first_block: int,
+    keys: Sequence[int],
+    layout: Layout,
+    *,
+    http: Any,
+    timeout: float,
+    chunk_blocks: int = 32,
+) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
+    """Verified chunks ``(offset, keys, data)`` of blocks ``first_block..`` of a remote
+    transfer (``params``: the prefill's ``kv_transfer_params``). Raises ``TransferError``."""
+    body = {"transfer_id": params["transfer_id"], "first_block": first_block, "num_blocks": len(keys),
+            "layout": layout.to_dict()}
+    host = str(params["remote_host"])
+    if params.get("transport") == "tcp" and params.get("remote_tcp_port"):
+        source = _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
+    else:
+        source = _http_source(http, f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull", body, timeout)
+    reader = FrameReader(source, chunk_blocks)
+    try:
+        header = await reader.read_header()
+        if "error" in header:
+            err = header["error"]
+            raise TransferError(int(err.get("status", 502)), str(err.get("code")), str(err.get("message")), False)
+        mismatch = layout.mismatch(Layout.from_dict(header.get("layout")))
+        if mismatch:
+            raise TransferError(409, "kv_layout_mismatch", f"KV layout mismatch: {mismatch}")
+        if header.get("block_bytes") != layout.block_bytes or header.get("num_blocks") != len(keys):
+            raise TransferError(502, "kv_transfer_corrupt", "header does not match the pull request", True)
+        async for chunk in reader.blocks(keys, layout.block_bytes):
+            yield chunk
+    finally:
+        await source.aclose()  # type: ignore[attr-defined]
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host: str, port: int,
+                    chunk_blocks: int = 32) -> asyncio.AbstractServer:
+    """The raw TCP pull server: one request (length-prefixed JSON) per connection."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = _REQ.unpack(await reader.readexactly(_REQ.size))
+            if length > MAX_HEADER:
+                return
+            try:
+                req = PullRequest.parse(json.loads(await reader.readexactly(length)))
+            except (TransferError, ValueError) as exc:
+                code = exc.code if isinstance(exc, TransferError) else "kv_pull_invalid"
+                writer.write(encode_header({"error": {"status": 400, "code": code, "message": str(exc)}}))
+                return
+            async for frame in serve_pull(engine, registry, req, faults, chunk_blocks):
+                writer.write(frame)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=1 << 20)
