@@ -5,7 +5,8 @@ Starts N local workers as subprocesses (each in its own process group), waits un
 on Ctrl-C or SIGTERM stops the gateway and then every worker.
 
 - ``echo`` (default): ``python -m mesh.echo_worker`` (no model, instant).
-- ``bundled``: ``mesh worker --preset tiny``, the bundled engine (needs the ``engine`` extra).
+- ``bundled``: ``mesh worker --preset tiny``, the bundled engine (needs the ``engine`` extra), with
+  its KV events published on local ZMQ ports that the gateway config names per worker.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,28 +45,50 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def worker_command(engine: str, port: int, name: str) -> list[str]:
+def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None) -> list[str]:
     if engine == "echo":
         return [sys.executable, "-m", "mesh.echo_worker", "--port", str(port), "--name", name]
-    return [sys.executable, "-m", "mesh", "worker", "--preset", "tiny", "--port", str(port)]
+    cmd = [sys.executable, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    if kv_ports is not None:
+        cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_ports[0]}",
+                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{kv_ports[1]}"]  # fmt: skip
+    return cmd
 
 
-def start_workers(engine: str, n: int, log_dir: Path) -> list[tuple[str, int, subprocess.Popen[bytes]]]:
+@dataclass
+class LocalWorker:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    kv_ports: tuple[int, int] | None = None  # (events, replay) for the bundled engine
+
+    def config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "url": f"http://127.0.0.1:{self.port}"}
+        if self.kv_ports is not None:
+            out["kv_events"] = {
+                "endpoint": f"tcp://127.0.0.1:{self.kv_ports[0]}",
+                "replay_endpoint": f"tcp://127.0.0.1:{self.kv_ports[1]}",
+            }
+        return out
+
+
+def start_workers(engine: str, n: int, log_dir: Path) -> list[LocalWorker]:
     out = []
     for i in range(n):
         port, name = free_port(), f"worker-{i}"
+        kv_ports = (free_port(), free_port()) if engine == "bundled" else None
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
-            worker_command(engine, port, name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            worker_command(engine, port, name, kv_ports), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        out.append((name, port, proc))
+        out.append(LocalWorker(name, port, proc, kv_ports))
     return out
 
 
-def wait_healthy(workers: list[tuple[str, int, subprocess.Popen[bytes]]], timeout_s: float, log_dir: Path) -> None:
+def wait_healthy(workers: list[LocalWorker], timeout_s: float, log_dir: Path) -> None:
     from rich.progress import Progress
 
-    pending = {name: (port, proc) for name, port, proc in workers}
+    pending = {w.name: (w.port, w.proc) for w in workers}
     deadline = time.monotonic() + timeout_s
     with Progress(transient=True) as progress:
         task = progress.add_task("starting workers", total=len(workers))
@@ -131,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         admin_key = secrets.token_urlsafe(16)
         data: dict[str, Any] = {
             "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
-            "workers": [{"name": name, "url": f"http://127.0.0.1:{port}"} for name, port, _ in workers],
+            "workers": [w.config() for w in workers],
         }
         if args.policy:
             data["policy"] = args.policy
@@ -153,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for _, _, proc in workers:
-            stop_process(proc)
+        for w in workers:
+            stop_process(w.proc)
         print("mesh up: stopped", file=sys.stderr)
 
 
@@ -173,12 +197,12 @@ def first_model(port: int) -> str:
         return "MODEL"
 
 
-def _banner(args: argparse.Namespace, workers: list[tuple[str, int, Any]], admin_key: str, log_dir: Path) -> None:
+def _banner(args: argparse.Namespace, workers: list[LocalWorker], admin_key: str, log_dir: Path) -> None:
     url = f"http://{args.host}:{args.port}"
-    model = first_model(workers[0][1])
+    model = first_model(workers[0].port)
     print(
         f"\nMesh is up at {url} with {len(workers)} {args.engine} workers "
-        f"({', '.join(f'{n}:{p}' for n, p, _ in workers)}); worker logs in {log_dir}\n"
+        f"({', '.join(f'{w.name}:{w.port}' for w in workers)}); worker logs in {log_dir}\n"
         f"Admin key: {admin_key}\n\n"
         f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
         f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello mesh\"}}]}}'\n\n"
