@@ -50,7 +50,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import repeat
-from operator import and_, attrgetter, neg
+from operator import and_, neg
 from typing import Any
 
 import numpy as np
@@ -60,31 +60,15 @@ from mesh.keys import block_keys
 from policies.base import Overlap, Tier
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_SPEC = None  # tier marker for speculative stores (internal)
 _FAST_ARRAY = array("I").itemsize == 4
 
-
-class _Node:
-    __slots__ = ("key", "parent", "kids", "g", "c", "s", "ca", "cg", "pend", "stamp")
-
-    def __init__(self, key: int, parent: _Node | None) -> None:
-        self.key = key
-        self.parent = parent  # None: parent unknown (consecutive masks stay 0)
-        self.kids: Any = None  # None | _Node | set[_Node]
-        self.g = 0
-        self.c = 0
-        self.s = 0
-        self.ca = 0
-        self.cg = 0
-        self.pend = 0
-        self.stamp = 0
-
-
-_ROOT = _Node(0, None)
-_ROOT.ca = _ROOT.cg = -1  # every bit: a first block's path is just itself
-_EMPTY = _Node(0, None)  # stands in for a missing key in C-speed scans
-_get_ca = attrgetter("ca")
-_get_cg = attrgetter("cg")
+# Node ids (nids) index parallel arrays, so that the index holds no per-node Python container:
+# the garbage collector never walks millions of nodes (a full collection over 1M list nodes took
+# ~200 ms; over these arrays a few ms). Two nids are reserved:
+EMPTY = 0  # masks all 0: the parent of a node whose parent is unknown, and a missing key in scans
+ROOT = 1  # masks all 1 (-1): the parent of a prompt's first block
+_MANY = -1  # kid[n] when n has several children (they are in ``_kids[n]``); 0 = no child
+_SPEC = "spec"  # the tier of speculative stores (internal)
 
 
 def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int) -> list[int]:
@@ -102,11 +86,10 @@ def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int)
         arr.byteswap()
     data = arr.tobytes()
     step = block_size * 4
-    end = (len(arr) // block_size) * step
     out = []
     append = out.append
     key = parent
-    for off in range(0, end, step):
+    for off in range(0, (len(arr) // block_size) * step, step):
         key = _xxh3(data[off : off + step], key)
         append(key)
     return out
@@ -118,28 +101,44 @@ class PrefixIndex:
             raise ValueError(f"max_keys must be >= 0, got {max_keys}")
         self.max_keys = max_keys  # 0 = unbounded
         self.scrub_budget = scrub_budget  # nodes scrubbed per expire() call
-        self._nodes: dict[int, _Node] = {}
-        self._slot: dict[str, int] = {}  # live target -> slot
+        # nodes: key -> nid, then one array or list per field, indexed by nid
+        self._id: dict[int, int] = {}
+        self._key = array("Q", [0, 0])
+        self._par = array("q", [EMPTY, EMPTY])  # EMPTY: parent unknown; ROOT: first block
+        self._kid = array("q", [0, 0])  # 0: none; > ROOT: the only child; _MANY: see _kids
+        self._kids: dict[int, set[int]] = {}
+        self._stamp = array("q", [0, 0])  # LRU recency (maintained with a budget only)
+        self._g = [0, -1]  # holders on the GPU
+        self._c = [0, -1]  # holders on the CPU
+        self._s = [0, -1]  # speculative holders (count as GPU)
+        self._ca = [0, -1]  # holders of the whole path, any tier
+        self._cg = [0, -1]  # holders of the whole path on the GPU
+        self._pend = [0, 0]  # targets that may hold a child without this node's whole path
+        self._free: list[int] = []
+        self._orphans: set[int] = set()  # placeholders: nodes whose parent is unknown
+        # targets
+        self._slot: dict[str, int] = {}  # live target -> slot (bit)
         self._tids: list[str | None] = []  # slot -> target (None: free or dying)
         self._gen: list[int] = []  # slot -> incarnation, bumped on retirement
-        self._free: list[int] = []  # scrubbed slots, reusable
+        self._slots_free: list[int] = []  # scrubbed slots, reusable
         self._live = 0  # bits of live slots
         self._dying = 0  # bits retired and not yet scrubbed
-        self._scrub: tuple[Any, int] | None = None  # (key iterator, bits being scrubbed)
+        self._scrub: tuple[int, int] | None = None  # (next nid, bits being scrubbed)
+        # engine layer and speculation
         self._emap: dict[str, dict[int, int]] = {}  # target -> engine hash -> key
         self._spec: dict[int, dict[int, float]] = {}  # slot -> key -> speculative deadline
         self._spec_heap: list[tuple[float, int, int, int, Sequence[int]]] = []
         self._spec_seq = 0
-        self._clock = 0  # LRU stamp
-        self._lru: list[tuple[int, int]] = []  # (stamp, key) of leaves, lazily invalidated
+        self._clock = 0
+        self._lru: list[tuple[int, int]] = []  # (stamp, nid) of leaves, lazily invalidated
         self.evicted = 0  # keys evicted by the budget (a counter for metrics)
 
     # ------------------------------------------------------------------ slots
     def _slot_of(self, target: str) -> int:
         slot = self._slot.get(target)
         if slot is None:
-            if self._free:
-                slot = self._free.pop()
+            if self._slots_free:
+                slot = self._slots_free.pop()
                 self._tids[slot] = target
             else:
                 slot = len(self._tids)
@@ -164,7 +163,7 @@ class PrefixIndex:
         if not len(keys):
             return
         slot = self._slot_of(target)
-        self._store_chain(slot, keys, tier, self._parent_node(parent))
+        self._store_chain(slot, keys, tier, self._parent_nid(parent))
         self._after_store()
 
     def remove(self, target: str, keys: Sequence[int], tier: Tier | None = None) -> None:
@@ -196,13 +195,14 @@ class PrefixIndex:
             return
         slot = self._slot_of(target)
         bit = 1 << slot
-        get = self._nodes.get
+        get = self._id.get
+        cg = self._cg
         # blocks already consecutive on the GPU need nothing: skip them with one binary search
-        depth = bisect_right(range(n), 0, key=lambda i: 0 if get(keys[i], _EMPTY).cg & bit else 1)
+        depth = bisect_right(range(n), 0, key=lambda i: 0 if cg[get(keys[i], EMPTY)] & bit else 1)
         if depth >= n:
             return
         tail = keys[depth:]
-        parent = self._nodes[keys[depth - 1]] if depth else _ROOT
+        parent = self._id[keys[depth - 1]] if depth else ROOT
         self._store_chain(slot, tail, _SPEC, parent, spec_deadline=expires_at)
         self._spec_seq += 1
         heappush(self._spec_heap, (expires_at, self._spec_seq, slot, self._gen[slot], tail))
@@ -218,11 +218,16 @@ class PrefixIndex:
             specs = self._spec.get(slot)
             if specs is None or self._gen[slot] != gen:
                 continue
+            bit = 1 << slot
             for key in reversed(keys):
                 if specs.get(key) == deadline:
                     del specs[key]
                     ended += 1
-                    self._clear_bits(slot, key, spec_only=True)
+                    n = self._id.get(key)
+                    if n is not None:
+                        self._s[n] &= ~bit
+                        self._refresh(n, bit)
+                        self._maybe_delete(n)
         if self._dying or self._scrub is not None:
             self._scrub_step(self.scrub_budget)
         return ended
@@ -262,12 +267,12 @@ class PrefixIndex:
                 f"BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}"
             )
         if parent_engine_hash is None:
-            parent_key, parent = seed, _ROOT
+            parent_key, parent = seed, ROOT
         else:
             found = emap.get(parent_engine_hash) if emap else None
             if found is None:
                 return 0
-            parent_key, parent = found, self._parent_node(found)
+            parent_key, parent = found, self._parent_nid(found)
         keys = chain_keys(token_ids, block_size, parent_key)
         slot = self._slot_of(target)
         if emap is None:
@@ -287,14 +292,35 @@ class PrefixIndex:
         if not emap or slot is None:
             return 0
         bit = 1 << slot
+        live = self._live
+        ids, par, kid, free = self._id, self._par, self._kid, self._free
+        g, c, s = self._g, self._c, self._s
         done = 0
-        for h in reversed(engine_hashes):
+        for h in engine_hashes:  # in eviction order: engines free a chain's tail first
             key = emap.get(h)
             if key is None:
                 continue
             done += 1
-            node = self._remove_key(slot, key, tier)
-            if node is None or not ((node.g | node.c) & bit):
+            n = ids.get(key)
+            if n is not None and tier is not Tier.CPU and kid[n] == 0 and not s[n] & bit \
+                    and not ((g[n] & ~bit) | c[n] | s[n]) & live:
+                # the usual case, inlined: a leaf that only this target held goes away
+                del emap[h]
+                del ids[key]
+                p = par[n]
+                if p > ROOT:
+                    if kid[p] == n:
+                        kid[p] = 0
+                        if not ((g[p] | c[p] | s[p]) & live):
+                            self._maybe_delete(p)  # a placeholder left without children
+                    else:
+                        self._del_kid(p, n)
+                elif p == EMPTY:
+                    self._orphans.discard(n)
+                free.append(n)
+                continue
+            n = self._remove_key(slot, key, tier)
+            if n is None or not ((g[n] | c[n]) & bit):
                 del emap[h]
         return done
 
@@ -307,15 +333,16 @@ class PrefixIndex:
         n = len(keys)
         if not n:
             return {}
-        first = self._nodes.get(keys[0])
+        get = self._id.get
+        first = get(keys[0], EMPTY)
         live = self._live
-        if first is None or not (first.ca & live):
+        ca, cg = self._ca, self._cg
+        if not (ca[first] & live):
             return {}
-        get = self._nodes.get
-        total = _depths(keys, n, get, live, first.ca & live, _get_ca)
-        gpu = _depths(keys, n, get, live, first.cg & live, _get_cg) if first.cg & live else []
+        total = _depths(keys, n, get, live, ca[first] & live, ca)
+        gpu = _depths(keys, n, get, live, cg[first] & live, cg) if cg[first] & live else []
         if self.max_keys:
-            self._touch(get(keys[total[-1][0] - 1]))
+            self._touch(get(keys[total[-1][0] - 1], EMPTY))
         out: dict[str, Overlap] = {}
         tids = self._tids
         for depth, mask in total:
@@ -337,20 +364,21 @@ class PrefixIndex:
 
     def holds(self, target: str, key: int) -> Tier | None:
         slot = self._slot.get(target)
-        node = self._nodes.get(key)
-        if slot is None or node is None:
+        n = self._id.get(key)
+        if slot is None or n is None:
             return None
         bit = 1 << slot
-        if (node.g | node.s) & bit:
+        if (self._g[n] | self._s[n]) & bit:
             return Tier.GPU
-        return Tier.CPU if node.c & bit else None
+        return Tier.CPU if self._c[n] & bit else None
 
     def keys_of(self, target: str) -> set[int]:
         slot = self._slot.get(target)
         if slot is None:
             return set()
         bit = 1 << slot
-        return {k for k, x in self._nodes.items() if (x.g | x.c | x.s) & bit}
+        g, c, s = self._g, self._c, self._s
+        return {k for k, n in self._id.items() if (g[n] | c[n] | s[n]) & bit}
 
     def engine_map(self, target: str) -> dict[int, int]:
         """A copy of ``target``'s engine hash -> router key map (tests, debugging)."""
@@ -358,7 +386,7 @@ class PrefixIndex:
 
     def stats(self) -> dict[str, int]:
         return {
-            "keys": len(self._nodes),
+            "keys": len(self._id),
             "targets": len(self._slot),
             "engine_hashes": sum(map(len, self._emap.values())),
             "speculative": sum(map(len, self._spec.values())),
@@ -367,114 +395,285 @@ class PrefixIndex:
         }
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._id)
 
-    # -------------------------------------------------------------- internals
-    def _parent_node(self, parent: int | None) -> _Node:
+    # -------------------------------------------------------------- node storage
+    def _alloc(self, key: int, parent: int, stamp: int) -> int:
+        """A fresh node (masks 0, no child) under ``parent``; links it as a child."""
+        if self._free:
+            n = self._free.pop()
+            self._key[n] = key
+            self._par[n] = parent
+            self._kid[n] = 0
+            self._stamp[n] = stamp
+            self._g[n] = self._c[n] = self._s[n] = self._ca[n] = self._cg[n] = self._pend[n] = 0
+        else:
+            n = len(self._key)
+            self._key.append(key)
+            self._par.append(parent)
+            self._kid.append(0)
+            self._stamp.append(stamp)
+            for field in (self._g, self._c, self._s, self._ca, self._cg, self._pend):
+                field.append(0)
+        self._id[key] = n
+        if parent > ROOT:
+            self._add_kid(parent, n)
+        return n
+
+    def _add_kid(self, parent: int, kid: int) -> None:
+        kids = self._kid[parent]
+        if kids == 0:
+            self._kid[parent] = kid
+        elif kids == _MANY:
+            self._kids[parent].add(kid)
+        else:
+            self._kids[parent] = {kids, kid}
+            self._kid[parent] = _MANY
+
+    def _del_kid(self, parent: int, kid: int) -> None:
+        kids = self._kid[parent]
+        if kids == kid:
+            self._kid[parent] = 0
+        elif kids == _MANY:
+            many = self._kids[parent]
+            many.discard(kid)
+            if len(many) == 1:
+                self._kid[parent] = many.pop()
+                del self._kids[parent]
+
+    def _children(self, n: int) -> list[int]:
+        kids = self._kid[n]
+        if kids == 0:
+            return []
+        return list(self._kids[n]) if kids == _MANY else [kids]
+
+    def _free_node(self, n: int) -> None:
+        """Forget node ``n`` (a leaf): unlink it from its parent, recycle its nid."""
+        del self._id[self._key[n]]
+        parent = self._par[n]
+        if parent > ROOT:
+            self._del_kid(parent, n)
+        elif parent == EMPTY:
+            self._orphans.discard(n)
+        self._free.append(n)  # its fields are all rewritten when the nid is reused
+
+    def _parent_nid(self, parent: int | None) -> int:
         """The node of key ``parent`` (ROOT for None), a holder-less placeholder if unknown."""
         if parent is None:
-            return _ROOT
-        node = self._nodes.get(parent)
-        if node is None:
-            node = self._nodes[parent] = _Node(parent, None)
-        return node
+            return ROOT
+        n = self._id.get(parent)
+        if n is None:
+            n = self._alloc(parent, EMPTY, self._clock)
+            self._orphans.add(n)
+        return n
 
+    # -------------------------------------------------------------- the store path
     def _store_chain(
         self,
         slot: int,
         keys: Sequence[int],
-        tier: Tier | None,
-        parent: _Node,
+        tier: Tier | str,
+        parent: int,
         spec_deadline: float | None = None,
     ) -> None:
+        """The hot path of every store: one pass down the chain, parent before child."""
         bit = 1 << slot
-        nodes = self._nodes
-        get = nodes.get
-        gpu = tier is Tier.GPU
+        get = self._id.get
         spec = tier is _SPEC
+        gpuish = spec or tier is Tier.GPU
+        field = self._s if spec else self._g if gpuish else self._c
+        s = self._s
         specs = self._spec.get(slot)
         if spec and specs is None:
             specs = self._spec[slot] = {}
         self._clock += 1
         stamp = self._clock
+        par, kid, stamp_a = self._par, self._kid, self._stamp
+        g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
-        for key in keys:
-            x = get(key)
+        i = 0
+        n = len(keys)
+        while i < n:
+            x = get(keys[i])
             if x is None:
-                # a new leaf: its masks follow from the parent's alone
-                x = _Node(key, p)
-                nodes[key] = x
-                if p is not _ROOT:
-                    _add_kid(p, x)
-                if spec:
-                    x.s = bit
-                elif gpu:
-                    x.g = bit
-                else:
-                    x.c = bit
-                if p.ca & bit:
-                    x.ca = bit
-                    if (spec or gpu) and p.cg & bit:
-                        x.cg = bit
-                    elif spec or gpu:
-                        p.pend |= bit
-                else:
-                    p.pend |= bit
-            else:
-                if x.parent is None and x is not p and p is not None:
+                rest = keys[i:] if i else keys
+                # the usual case: the rest is new (only a placeholder can lie below a new block)
+                if not self._orphans or not any(map(get, rest)):
+                    self._new_chain(bit, rest, field, gpuish, p, stamp)
+                    break
+                self._new_chain(bit, rest[:1], field, gpuish, p, stamp)  # a placeholder lies below
+                x = self._id[keys[i]]
+            else:  # a block already indexed (for someone): add this holder
+                if par[x] == EMPTY and x != p:
                     self._relink(x, p)
-                if spec:
-                    x.s |= bit
-                else:
-                    if x.s & bit and specs is not None:  # the engine confirms a speculation
-                        x.s ^= bit
-                        specs.pop(key, None)
-                    if gpu:
-                        x.g |= bit
-                    else:
-                        x.c |= bit
-                _refresh(x, bit)
-            x.stamp = stamp
+                if not spec and s[x] & bit:  # the engine confirms a speculation
+                    s[x] ^= bit
+                    if specs is not None:
+                        specs.pop(keys[i], None)
+                field[x] |= bit
+                # _refresh(x, bit), inlined for the one bit that changed
+                pp = par[x]
+                new_a = ca[pp] & bit
+                new_g = cg[pp] & bit if (g[x] | s[x]) & bit else 0
+                old_a = ca[x] & bit
+                old_g = cg[x] & bit
+                if new_a != old_a or new_g != old_g:
+                    ca[x] ^= old_a ^ new_a
+                    cg[x] ^= old_g ^ new_g
+                    if kid[x]:
+                        self._descend(x, (old_a & ~new_a) | (old_g & ~new_g), ((new_a & ~old_a) | (new_g & ~old_g)))
+                if (not new_a or ((g[x] | s[x]) & bit and not new_g)) and pp > ROOT:
+                    pend[pp] |= bit
+                stamp_a[x] = stamp
             p = x
+            i += 1
         if spec:
             specs.update(dict.fromkeys(keys, spec_deadline))  # type: ignore[union-attr]
-        if self.max_keys and p.kids is None:
-            heappush(self._lru, (stamp, p.key))
+        if self.max_keys:
+            last = get(keys[-1])
+            if last is not None and self._kid[last] == 0:
+                heappush(self._lru, (stamp, last))
 
-    def _relink(self, node: _Node, parent: _Node) -> None:
+    def _new_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> None:
+        """Blocks new to the index, under node ``p``: every one gets the same masks (each is
+        consecutive exactly when ``p`` is), so they are written in one tight pass: recycled nids
+        one by one, then fresh nids by C-speed ``extend``s."""
+        ca_v = bit if self._ca[p] & bit else 0
+        cg_v = bit if gpuish and self._cg[p] & bit else 0
+        waiting = bit if not ca_v or (gpuish and not cg_v) else 0
+        if waiting and p > ROOT:
+            self._pend[p] |= waiting
+        g, c, s, ca, cg, pend = self._g, self._c, self._s, self._ca, self._cg, self._pend
+        gv, cv, sv = (bit if field is g else 0), (bit if field is c else 0), (bit if field is s else 0)
+        key_a, par, kid, stamp_a, ids, free = self._key, self._par, self._kid, self._stamp, self._id, self._free
+        m = len(keys)
+        k = min(m, len(free))
+        for key in keys[:k] if k < m else keys:
+            x = free.pop()
+            key_a[x] = key
+            par[x] = p
+            kid[x] = 0
+            stamp_a[x] = stamp
+            g[x], c[x], s[x], ca[x], cg[x], pend[x] = gv, cv, sv, ca_v, cg_v, waiting
+            ids[key] = x
+            if p > ROOT:
+                if kid[p] == 0:
+                    kid[p] = x
+                else:
+                    self._add_kid(p, x)
+            p = x
+        if k < m:
+            rest = m - k
+            n0 = len(key_a)
+            key_a.extend(keys[k:])
+            par.append(p)
+            par.extend(range(n0, n0 + rest - 1))
+            kid.extend(range(n0 + 1, n0 + rest))
+            kid.append(0)
+            stamp_a.extend(repeat(stamp, rest))
+            g.extend(repeat(gv, rest))
+            c.extend(repeat(cv, rest))
+            s.extend(repeat(sv, rest))
+            ca.extend(repeat(ca_v, rest))
+            cg.extend(repeat(cg_v, rest))
+            pend.extend(repeat(waiting, rest))
+            ids.update(zip(keys[k:], range(n0, n0 + rest)))
+            if p > ROOT:
+                if kid[p] == 0:
+                    kid[p] = n0
+                else:
+                    self._add_kid(p, n0)
+            p = n0 + rest - 1
+        pend[p] = 0  # the last new block has no child yet
+
+    def _refresh(self, x: int, m: int) -> None:
+        """Recompute the consecutive masks for the bits of ``m`` at node ``x`` and below it.
+
+        Descends into children only for bits that changed: lost bits always (children may hold
+        them), gained bits only where ``pend`` says a child may be waiting for them. Allocates
+        nothing unless it must descend (the common case: a leaf, or an unchanged node).
+        """
+        par, g, c, s, ca, cg, pend = self._par, self._g, self._c, self._s, self._ca, self._cg, self._pend
+        stack: list[tuple[int, int]] | None = None
+        while True:
+            p = par[x]
+            gs = g[x] | s[x]
+            held = gs | c[x]
+            new_a = held & ca[p] & m
+            new_g = gs & cg[p] & m
+            waiting = ((held & ~new_a) | (gs & ~new_g)) & m
+            if waiting and p > ROOT:
+                pend[p] |= waiting
+            old_a = ca[x] & m
+            old_g = cg[x] & m
+            if new_a != old_a or new_g != old_g:
+                ca[x] ^= old_a ^ new_a
+                cg[x] ^= old_g ^ new_g
+                if self._kid[x]:
+                    down = self._down(x, (old_a & ~new_a) | (old_g & ~new_g), (new_a & ~old_a) | (new_g & ~old_g))
+                    if down:
+                        if stack is None:
+                            stack = []
+                        stack.extend(zip(self._children(x), repeat(down)))
+            if not stack:
+                return
+            x, m = stack.pop()
+
+    def _down(self, x: int, lost: int, gained: int) -> int:
+        """Bits to recompute in ``x``'s children after its consecutive masks lost ``lost`` and
+        gained ``gained``: every lost bit, and the gained bits a child may be waiting for."""
+        pend = self._pend
+        gained &= pend[x]
+        down = lost | gained
+        if down:
+            pend[x] = (pend[x] & ~gained) | lost
+        return down
+
+    def _descend(self, x: int, lost: int, gained: int) -> None:
+        down = self._down(x, lost, gained)
+        if down:
+            for child in self._children(x):
+                self._refresh(child, down)
+
+    def _relink(self, n: int, parent: int) -> None:
         """Give a placeholder (parent unknown) its parent, then fix every holder's masks."""
-        node.parent = parent
-        if parent is not _ROOT:
-            _add_kid(parent, node)
-        held = node.g | node.c | node.s
+        self._par[n] = parent
+        self._orphans.discard(n)
+        if parent > ROOT:
+            self._add_kid(parent, n)
+        held = self._g[n] | self._c[n] | self._s[n]
         if held:
-            _refresh(node, held)
+            self._refresh(n, held)
 
-    def _remove_key(self, slot: int, key: int, tier: Tier | None) -> _Node | None:
-        node = self._nodes.get(key)
-        if node is None:
+    # ------------------------------------------------------------ the remove path
+    def _remove_key(self, slot: int, key: int, tier: Tier | None) -> int | None:
+        n = self._id.get(key)
+        if n is None:
             return None
         bit = 1 << slot
-        if tier is None or tier is Tier.GPU:
-            if node.s & bit:
+        if tier is not Tier.CPU:  # GPU or every tier
+            if self._s[n] & bit:
                 specs = self._spec.get(slot)
                 if specs is not None:
                     specs.pop(key, None)
-            node.g &= ~bit
-            node.s &= ~bit
-        if tier is None or tier is Tier.CPU:
-            node.c &= ~bit
-        _refresh(node, bit)
-        self._maybe_delete(node)
-        return node
-
-    def _clear_bits(self, slot: int, key: int, spec_only: bool) -> None:
-        node = self._nodes.get(key)
-        if node is None:
-            return
-        node.s &= ~(1 << slot)
-        _refresh(node, 1 << slot)
-        self._maybe_delete(node)
+                self._s[n] &= ~bit
+            self._g[n] &= ~bit
+        if tier is not Tier.GPU:  # CPU or every tier
+            self._c[n] &= ~bit
+        if self._kid[n]:
+            self._refresh(n, bit)
+            return n
+        held = self._g[n] | self._c[n] | self._s[n]
+        if not (held & self._live):  # the usual case: a leaf nobody holds any more
+            self._maybe_delete(n)
+            return n
+        pp = self._par[n]  # a leaf still held: its masks follow from the parent's alone
+        ca, cg = self._ca, self._cg
+        ca[n] = (ca[n] & ~bit) | (ca[pp] & bit if held & bit else 0)
+        cg[n] = (cg[n] & ~bit) | (cg[pp] & bit if (self._g[n] | self._s[n]) & bit else 0)
+        if held & bit and pp > ROOT and (not ca[n] & bit or ((self._g[n] | self._s[n]) & bit and not cg[n] & bit)):
+            self._pend[pp] |= bit
+        return n
 
     def _tier_update(
         self, target: str, emap: dict[int, int] | None, hashes: Sequence[int], tier: Tier
@@ -483,168 +682,93 @@ class PrefixIndex:
         if not emap or slot is None:
             return 0
         bit = 1 << slot
+        field = self._g if tier is Tier.GPU else self._c
         done = 0
         for h in hashes:
             key = emap.get(h)
-            node = self._nodes.get(key) if key is not None else None
-            if node is None:
+            n = self._id.get(key) if key is not None else None
+            if n is None:
                 continue
-            if tier is Tier.GPU:
-                node.g |= bit
-            else:
-                node.c |= bit
-            _refresh(node, bit)
+            field[n] |= bit
+            self._refresh(n, bit)
             done += 1
         return done
 
-    def _maybe_delete(self, node: _Node) -> None:
-        """Delete ``node`` and then each ancestor left without live holder and child."""
+    def _maybe_delete(self, n: int) -> None:
+        """Delete node ``n`` and then each ancestor left without live holder and child."""
         live = self._live
-        nodes = self._nodes
-        while node is not _ROOT and node.kids is None and not ((node.g | node.c | node.s) & live):
-            if nodes.get(node.key) is node:
-                del nodes[node.key]
-            parent = node.parent
-            if parent is None or parent is _ROOT:
+        g, c, s = self._g, self._c, self._s
+        while n > ROOT and self._kid[n] == 0 and not ((g[n] | c[n] | s[n]) & live):
+            parent = self._par[n]
+            stamp = self._stamp[n]
+            self._free_node(n)
+            if parent <= ROOT:
                 return
-            _del_kid(parent, node)
-            if parent.kids is None and self.max_keys:
-                parent.stamp = max(parent.stamp, node.stamp)
-                heappush(self._lru, (parent.stamp, parent.key))
-            node = parent
+            if self._kid[parent] == 0 and self.max_keys:
+                self._stamp[parent] = max(self._stamp[parent], stamp)
+                heappush(self._lru, (self._stamp[parent], parent))
+            n = parent
 
-    def _touch(self, node: _Node | None) -> None:
-        if node is None:
+    # ------------------------------------------------------------------ budget
+    def _touch(self, n: int) -> None:
+        if n <= ROOT:
             return
         self._clock += 1
-        node.stamp = self._clock
-        if node.kids is None:
-            heappush(self._lru, (node.stamp, node.key))
+        self._stamp[n] = self._clock
+        if self._kid[n] == 0:
+            heappush(self._lru, (self._clock, n))
 
     def _after_store(self) -> None:
-        if self.max_keys and len(self._nodes) > self.max_keys:
+        if self.max_keys and len(self._id) > self.max_keys:
             self._evict()
 
     def _evict(self) -> None:
-        nodes = self._nodes
         heap = self._lru
-        if len(heap) > 2 * len(nodes) + 1024:  # drop stale entries now and then
-            heap[:] = [(x.stamp, k) for k, x in nodes.items() if x.kids is None]
+        if len(heap) > 2 * len(self._id) + 1024:  # drop stale entries now and then
+            heap[:] = [(self._stamp[n], n) for n in self._id.values() if self._kid[n] == 0]
             heapify(heap)
-        while len(nodes) > self.max_keys and heap:
-            stamp, key = heappop(heap)
-            node = nodes.get(key)
-            if node is None or node.stamp != stamp or node.kids is not None:
+        while len(self._id) > self.max_keys and heap:
+            stamp, n = heappop(heap)
+            if self._stamp[n] != stamp or self._kid[n] != 0 or self._id.get(self._key[n]) != n:
                 continue  # stale entry
-            self._drop(node)
+            self._drop(n)
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, n: int) -> None:
         """Evict a leaf for every holder (its parent becomes a leaf with the leaf's recency)."""
-        del self._nodes[node.key]
+        parent = self._par[n]
+        stamp = self._stamp[n]
+        self._free_node(n)
         self.evicted += 1
-        parent = node.parent
-        if parent is None or parent is _ROOT:
+        if parent <= ROOT or self._kid[parent] != 0:
             return
-        _del_kid(parent, node)
-        if parent.kids is None:
-            if not ((parent.g | parent.c | parent.s) & self._live):
-                self._drop(parent)
-                return
-            parent.stamp = max(parent.stamp, node.stamp)
-            heappush(self._lru, (parent.stamp, parent.key))
+        if not ((self._g[parent] | self._c[parent] | self._s[parent]) & self._live):
+            self._drop(parent)
+            return
+        self._stamp[parent] = max(self._stamp[parent], stamp)
+        heappush(self._lru, (self._stamp[parent], parent))
 
+    # ------------------------------------------------------------------ scrubbing
     def _scrub_step(self, budget: int) -> None:
         if self._scrub is None:
             if not self._dying:
                 return
-            self._scrub = (iter(list(self._nodes)), self._dying)
-        keys, bits = self._scrub
+            self._scrub = (ROOT + 1, self._dying)
+        start, bits = self._scrub
         keep = ~bits
-        nodes = self._nodes
-        for key in keys:
-            node = nodes.get(key)
-            if node is not None:
-                node.g &= keep
-                node.c &= keep
-                node.s &= keep
-                node.ca &= keep
-                node.cg &= keep
-                node.pend &= keep
-                if node.kids is None and not (node.g | node.c | node.s):
-                    self._maybe_delete(node)
-            budget -= 1
-            if budget <= 0:
-                return
+        end = min(len(self._key), start + budget)
+        for field in (self._g, self._c, self._s, self._ca, self._cg, self._pend):
+            field[start:end] = [v & keep for v in field[start:end]]
+        g, c, s, kid, key, ids = self._g, self._c, self._s, self._kid, self._key, self._id
+        for n in range(start, end):
+            if not (g[n] | c[n] | s[n]) and kid[n] == 0 and ids.get(key[n]) == n:
+                self._maybe_delete(n)
+        if end < len(self._key):
+            self._scrub = (end, bits)
+            return
         # a full pass is done: these slots hold no stale bit anywhere, reuse them
         self._scrub = None
         self._dying &= ~bits
-        self._free.extend(_bits(bits))
-
-
-# ---------------------------------------------------------------- tree helpers
-def _add_kid(parent: _Node, kid: _Node) -> None:
-    kids = parent.kids
-    if kids is None:
-        parent.kids = kid
-    elif type(kids) is set:
-        kids.add(kid)
-    else:
-        parent.kids = {kids, kid}
-
-
-def _del_kid(parent: _Node, kid: _Node) -> None:
-    kids = parent.kids
-    if kids is kid:
-        parent.kids = None
-    elif type(kids) is set:
-        kids.discard(kid)
-        if len(kids) == 1:
-            parent.kids = next(iter(kids))
-        elif not kids:
-            parent.kids = None
-
-
-def _refresh(node: _Node, mask: int) -> None:
-    """Recompute the consecutive masks for the bits of ``mask`` at ``node`` and below it.
-
-    Descends into children only for bits that changed: lost bits always (children may hold
-    them), gained bits only where ``pend`` says a child may be waiting for them.
-    """
-    stack = [(node, mask)]
-    pop = stack.pop
-    while stack:
-        x, m = pop()
-        p = x.parent
-        if p is None:
-            pa = pg = 0
-        else:
-            pa, pg = p.ca, p.cg
-        held = x.g | x.c | x.s
-        gs = x.g | x.s
-        new_a = held & pa & m
-        new_g = gs & pg & m
-        old_a = x.ca & m
-        old_g = x.cg & m
-        waiting = ((held & ~new_a) | (gs & ~new_g)) & m
-        if waiting and p is not None:
-            p.pend |= waiting
-        if new_a == old_a and new_g == old_g:
-            continue
-        x.ca ^= old_a ^ new_a
-        x.cg ^= old_g ^ new_g
-        kids = x.kids
-        if kids is None:
-            continue
-        lost = (old_a & ~new_a) | (old_g & ~new_g)
-        gained = ((new_a & ~old_a) | (new_g & ~old_g)) & x.pend
-        down = lost | gained
-        if not down:
-            continue
-        x.pend = (x.pend & ~gained) | lost
-        if type(kids) is set:
-            stack.extend(zip(kids, repeat(down)))
-        else:
-            stack.append((kids, down))
+        self._slots_free.extend(_bits(bits))
 
 
 def _bits(mask: int) -> list[int]:
@@ -663,7 +787,7 @@ def _bits(mask: int) -> list[int]:
 
 
 def _depths(
-    keys: Sequence[int], n: int, get: Any, live: int, first: int, attr: Any
+    keys: Sequence[int], n: int, get: Any, live: int, first: int, masks: list[int]
 ) -> list[tuple[int, int]]:
     """Change points of a consecutive mask along ``keys``: ``[(depth, bits), ...]`` where the
     targets of ``bits`` hold exactly ``depth`` leading blocks. The mask (live bits) never grows
@@ -675,12 +799,11 @@ def _depths(
     budget = max(8, n >> 5)  # bisect probes cost ~log2(n) Python calls; a scan ~n C steps
 
     def val(i: int) -> int:
-        x = get(keys[i])
-        return -(attr(x) & live) if x is not None else 0
+        return -(masks[get(keys[i], EMPTY)] & live)
 
     while cur:
         if budget == 0:
-            return out + _depths_linear(keys, n, get, live, cur, pos, attr)
+            return out + _depths_linear(keys, n, get, live, cur, pos, masks)
         budget -= 1
         j = bisect_right(range(n), -cur, lo=pos + 1, key=val)
         if j >= n:
@@ -694,9 +817,10 @@ def _depths(
 
 
 def _depths_linear(
-    keys: Sequence[int], n: int, get: Any, live: int, cur: int, pos: int, attr: Any
+    keys: Sequence[int], n: int, get: Any, live: int, cur: int, pos: int, masks: list[int]
 ) -> list[tuple[int, int]]:
-    vals = list(map(neg, map(and_, map(attr, map(get, keys[pos:], repeat(_EMPTY))), repeat(live))))
+    nids = map(get, keys[pos:], repeat(EMPTY))
+    vals = list(map(neg, map(and_, map(masks.__getitem__, nids), repeat(live))))
     out = []
     i = 0
     m = len(vals)
