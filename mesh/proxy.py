@@ -209,6 +209,8 @@ class Proxy:
         return lease
 
     def _full_targets(self) -> list[str]:
+        if not self.registry.admission_limited:
+            return []
         return [t.id for t in self.registry.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
 
     def _url(self, target: TargetState, path: str) -> tuple[str, str, int, bytes]:
@@ -249,7 +251,7 @@ class Proxy:
                         f"worker {target.worker} answered {resp.status}",
                         status=resp.status,
                         body=await resp.read(),
-                        headers=_response_headers(resp),
+                        headers=[*_response_headers(resp), (b"x-mesh-worker", target.id.encode())],
                         worker_fault=resp.status >= 500,
                     )
                 if parsed.stream and resp.status == 200:
@@ -346,6 +348,8 @@ class _Exchange:
         await self.send({"type": "http.response.body", "body": body})
 
     async def error(self, exc: MeshError) -> None:
+        if self.done:
+            return  # the response is complete; nothing more can be said
         if self.started:
             await self.stream_error(exc.message)
             return

@@ -152,6 +152,7 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self.any_circuit_open = False
         self.version = 0  # bumped whenever membership or a worker's model list changes
+        self.admission_limited = False  # some target has a max_in_flight
 
     # -- membership --
     def add_listener(self, listener: RegistryListener) -> None:
@@ -188,6 +189,7 @@ class WorkerRegistry:
             self.targets[t.id] = t
             self._by_target[t.id] = worker
         self.version += 1
+        self.admission_limited = any(t.max_in_flight for t in self.targets.values())
         for listener in self._listeners:
             listener.on_worker_added(worker)
         return worker
@@ -200,6 +202,7 @@ class WorkerRegistry:
             self.targets.pop(t.id, None)
             self._by_target.pop(t.id, None)
         self.version += 1
+        self.admission_limited = any(t.max_in_flight for t in self.targets.values())
         for listener in self._listeners:
             listener.on_worker_removed(worker)
         return worker

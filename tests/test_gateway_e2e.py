@@ -97,6 +97,8 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         "crashy": ["--model", "crashy", "--crash-after-tokens", "2"],
         "slow": ["--model", "slow", "--first-token-delay-s", "2"],
         "drip": ["--model", "drip", "--token-delay-s", "0.1"],
+        "flaky": ["--model", "pair", "--fail-rate", "1"],
+        "steady": ["--model", "pair"],
     }
     echo = start_echo_workers(module_procs, specs)
     config = write_config(module_procs.log_dir / "mesh.yaml", {n: echo[n].url for n in WORKERS})
@@ -258,6 +260,23 @@ def test_no_healthy_worker_is_503(cluster: Cluster) -> None:
         assert out.status_code == 503 and out.json()["error"]["code"] == "no_healthy_worker"
     finally:
         cluster.http.delete("/workers/ghost", headers=ADMIN)
+
+
+def test_worker_500_is_retried_elsewhere_and_opens_its_circuit(cluster: Cluster) -> None:
+    assert cluster.add("flaky", models=["pair"]).status_code == 201
+    assert cluster.add("steady", models=["pair"]).status_code == 201
+    try:
+        before = cluster.metric('mesh_retries_total{reason="status_500"}')
+        body = {"model": "pair", "prompt": "p q"}
+        results = [cluster.http.post("/v1/completions", json=body) for _ in range(6)]
+        assert all(r.status_code == 200 and r.headers["x-mesh-worker"] == "steady" for r in results)
+        assert cluster.metric('mesh_retries_total{reason="status_500"}') >= before + 1
+        workers = cluster.workers()
+        assert workers["flaky"]["circuit"] == "open" and "500" in workers["flaky"]["last_error"]
+        assert workers["steady"]["circuit"] == "closed"
+    finally:
+        cluster.http.delete("/workers/flaky", headers=ADMIN)
+        cluster.http.delete("/workers/steady", headers=ADMIN)
 
 
 def raw_request(port: int, body: dict[str, Any]) -> socket.socket:
