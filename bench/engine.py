@@ -101,8 +101,29 @@ def prefill_flops(cfg: ModelConfig, n: int) -> float:
 # ---- decode -----------------------------------------------------------------------------------------
 
 
+def kernel_profile(replay: Any, reps: int = 5) -> dict[str, Any]:
+    """Kernels of one graph replay (torch profiler): count, total and the top names by time."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {}
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                replay()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        total_us = sum(e.device_time_total for e in events) / reps
+        count = sum(e.count for e in events) / reps
+        top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+        return {"kernels_per_step": count, "kernel_us_per_step": total_us,
+                "top": [{"name": e.key[:80], "count": e.count / reps, "us": e.device_time_total / reps} for e in top]}
+    except Exception as exc:  # the profiler is a diagnostic: never fail the benchmark on it
+        return {"error": repr(exc)}
+
+
 def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], context: int,
-                 steps: int, warmup: int) -> list[dict[str, Any]]:
+                 steps: int, warmup: int, profile_batch: int = 64) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     cfg = engine.model_config
     itemsize = engine.runner.kv_cache.element_size()
     kv_tok = cfg.kv_bytes_per_token(itemsize)
@@ -115,6 +136,7 @@ def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], 
     while any(s.num_completion_tokens == 0 for s in engine.scheduler.all_seqs()):
         engine.step()
     rows = []
+    profile: dict[str, Any] = {}
     for b in sorted(batches, reverse=True):
         for rid in ids[b:]:
             engine.abort_request(rid)
@@ -136,6 +158,8 @@ def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], 
         graph = engine.runner.graphs.get(b)
         if graph is not None:  # the forward alone: replays of this batch's graph, last inputs
             fwd_ms = _median_ms(graph.replay, 20)
+        if b == profile_batch and graph is not None:
+            profile = kernel_profile(graph.replay)
         rows.append({
             "batch": b, "step_ms": step_ms, "tokens_per_s": b * 1e3 / step_ms, "mean_context": kv_read / kv_tok / b,
             "bytes_per_step": bytes_step, "roofline_ms": roof_ms, "frac_roofline": roof_ms / step_ms,
@@ -147,7 +171,7 @@ def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], 
     for rid in ids:
         engine.abort_request(rid)
     engine.step()
-    return rows
+    return rows, profile
 
 
 # ---- prefill ----------------------------------------------------------------------------------------
@@ -202,7 +226,11 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     print(f"  init {init_s:.1f} s ({len(engine.runner.graphs)} decode graphs)", flush=True)
     out: dict[str, Any] = {"params": cfg.num_params(), "num_kv_blocks": blocks, "init_s": init_s,
                            "chunk": args.chunk, "decode_context": args.context}
-    out["decode"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
+    out["decode"], out["decode_profile"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
+    prof = out["decode_profile"]
+    if prof.get("top"):
+        print(f"  decode B=64 graph: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernel time; top: "
+              + ", ".join(f"{t['name'][:40]} {t['us']:.0f}us x{t['count']:.0f}" for t in prof["top"][:5]), flush=True)
     out["prefill"] = bench_prefill(engine, ceil, lens, deadline)
     out["engine_stats"] = engine.stats()
     del engine

@@ -76,7 +76,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "qwen2-0.5b": ModelConfig(
         name="qwen2-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=131072,
         rope_theta=1_000_000.0, qkv_bias=True, tie_word_embeddings=True,
     ),
     "llama3-1b": ModelConfig(

@@ -15,8 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mesh.keys import namespace_seed
 from workers.block_manager import BlockManager
@@ -24,13 +23,12 @@ from workers.config import EngineConfig, ModelConfig
 from workers.model import CausalLM
 from workers.model_runner import ModelRunner
 from workers.scheduler import Scheduler
-from workers.sequence import SamplingParams, Sequence
+from workers.sequence import SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):  # immutable, and cheap to build for every sequence every step
     request_id: str
     new_token_ids: list[int]
     finished: bool
@@ -145,9 +143,13 @@ class LLMEngine:
             sampled = self.runner.run(batch)
             advanced = self.scheduler.postprocess(batch, sampled, self.eos_token_id, self.max_model_len)
             self.num_generated_tokens += len(advanced)
-            for seq in advanced:
-                outputs.append(self._output(seq, [seq.token_ids[-1]]))
-                if seq.is_finished:
+            for seq in advanced:  # positional and inline: this runs per sequence per step
+                finished = seq.status is SequenceStatus.FINISHED
+                outputs.append(RequestOutput(
+                    seq.request_id, [seq.token_ids[-1]], finished, seq.finish_reason, seq.num_prompt_tokens,
+                    seq.num_cached_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
+                ))
+                if finished:
                     self.requests.pop(seq.request_id, None)
             self.num_steps += 1
         elif self.scheduler.waiting and not self.scheduler.running:

@@ -217,8 +217,10 @@ class ModelRunner:
         seqs = batch.decodes
         n, bs = len(seqs), self.block_size
         pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        tables = _tables(seqs)
-        w = tables.shape[1]
+        w = max(len(s.block_table) for s in seqs)
+        tables = self._g_stage_tables
+        for i, s in enumerate(seqs):  # rows past a table's end are never read (context bound)
+            tables[i, : len(s.block_table)] = s.block_table
         # Fill the pinned staging rows, then one async copy per static input. The previous step's
         # copies are complete: its sampled tokens were read back (a sync) before this step began.
         st = self._g_stage
@@ -230,8 +232,7 @@ class ModelRunner:
         ctx[n:b] = 1
         st[0:2, n:b] = 0
         st[2, n:b] = -1  # padding rows store nothing
-        self._g_stage_tables[:n, :w] = tables
-        self._g_stage_tables[n:b, :w] = 0
+        tables[n:b, :w] = 0
         stage = self._g_stage_t
         self._g_ids[:b].copy_(stage[0, :b], non_blocking=True)
         self._g_pos[:b].copy_(stage[1, :b], non_blocking=True)

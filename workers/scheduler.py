@@ -81,17 +81,25 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         preemptions_before = self.stats.preemptions
         scheduled: set[int] = set()
-        # Decodes first (one token each), then unfinished prefills; stable in admission order.
-        order = sorted(self.running, key=lambda s: len(s) - s.num_computed_tokens > 1)
+        chunk, bs = self.config.prefill_chunk, self.block_manager.block_size
+        # Decodes first (one token each), then unfinished prefills; each in admission order.
+        # (This loop runs for every sequence every step: it stays free of needless calls.)
+        decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        order = decodes if len(decodes) == len(self.running) else decodes + [
+            s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
         for seq in order:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(len(seq) - seq.num_computed_tokens, self.config.prefill_chunk, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + n, scheduled):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, chunk, budget)
+            end = seq.num_computed_tokens + n
+            if end > len(seq.block_table) * bs and not self._reserve(seq, end, scheduled):
                 continue
-            self._add_to_batch(batch, seq, n)
+            if n == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
         return budget, self.stats.preemptions > preemptions_before
@@ -157,12 +165,16 @@ class Scheduler:
         ``sampled`` maps seq_id -> token for the sequences whose last token was computed this
         step. Returns the sequences that got a token (finished ones are freed and removed).
         """
-        bm = self.block_manager
+        bm, stats, bs = self.block_manager, self.stats, self.block_manager.block_size
         advanced: list[Sequence] = []
         for seq, n in batch.items():
-            self._count_computed(seq, n)
-            seq.num_computed_tokens += n
-            bm.commit(seq)
+            start = seq.num_computed_tokens
+            prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
+            stats.prefill_computed_tokens += prompt
+            stats.decode_computed_tokens += n - prompt
+            seq.num_computed_tokens = start + n
+            if (start + n) // bs > seq.num_committed_blocks:  # a block was completed
+                bm.commit(seq)
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue
@@ -173,12 +185,6 @@ class Scheduler:
                 self.finish(seq, reason)
         return advanced
 
-    def _count_computed(self, seq: Sequence, n: int) -> None:
-        start = seq.num_computed_tokens
-        prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
-        self.stats.prefill_computed_tokens += prompt
-        self.stats.decode_computed_tokens += n - prompt
-
     @staticmethod
     def _finish_reason(seq: Sequence, token: int, eos: int | None, max_model_len: int) -> str | None:
         p = seq.params
@@ -186,7 +192,8 @@ class Scheduler:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or len(seq) >= max_model_len:
+        n = len(seq.token_ids)
+        if n - seq.num_prompt_tokens >= p.max_tokens or n >= max_model_len:
             return "length"
         return None
 
