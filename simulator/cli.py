@@ -1,0 +1,208 @@
+"""``mesh simulate`` and ``mesh calibrate``: the simulator's command line.
+
+``mesh simulate TRACE [TRACE ...] --workers N --policy NAME_OR_YAML [--policy ...]`` replays the
+traces (format detected per file) once per policy on a fresh simulated cluster and prints a
+table; ``--json`` and ``--html`` write the full report. A YAML policy file is a file whose
+``policy:`` key holds a policy spec (a name, or ``{name, params}``), as in ``mesh.yaml``.
+
+``mesh calibrate --url URL [--out profile.yaml]`` measures a running OpenAI-compatible endpoint
+and writes a timing profile for ``mesh simulate --profile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    sim = subparsers.add_parser(
+        "simulate",
+        help="replay request traces on a simulated cluster with the production policies",
+        description=__doc__.split("\n\n")[1],
+    )
+    sim.add_argument("traces", nargs="+", metavar="TRACE", help="trace files or directories (format auto-detected)")
+    sim.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    sim.add_argument("--policy", action="append", metavar="NAME_OR_YAML",
+                     help="built-in policy name, module:Class, or a YAML file with a 'policy:' key; repeat to compare")
+    sim.add_argument("--profile", default=None, metavar="FILE_OR_NAME",
+                     help="timing profile: YAML/JSON file or built-in name (h200-8b, dynamo-mocker, unit)")
+    sim.add_argument("--json", dest="json_out", metavar="OUT", help="write the report as JSON")
+    sim.add_argument("--html", dest="html_out", metavar="OUT", help="write a self-contained HTML report")
+    sim.add_argument("--max-sessions", type=int, metavar="N", help="replay only the first N sessions")
+    sim.add_argument("--max-requests", type=int, metavar="N", help="replay only the first N requests")
+    sim.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                     help="multiply arrival and think times (0.5 = twice the request rate)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices")
+    sim.add_argument("--block-size", type=int, metavar="TOKENS", help="simulation block size (default: the trace's)")
+    sim.add_argument("--trace-block-size", type=int, metavar="TOKENS", help="tokens per trace block id (override)")
+    sim.add_argument("--kv-blocks", type=int, metavar="N", help="override the profile's GPU KV blocks per worker")
+    sim.add_argument("--cpu-blocks", type=int, metavar="N", help="override the profile's CPU-tier blocks per worker")
+    sim.add_argument("--event-lag-ms", type=float, metavar="MS", help="override the KV event lag")
+    sim.add_argument("--prefill-workers", type=int, default=0, metavar="P",
+                     help="give the first P workers the prefill role and the rest the decode role")
+    sim.add_argument("--speculative-ttl", type=float, default=2.0, metavar="S",
+                     help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
+    sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    sim.set_defaults(func=run_simulate)
+
+    cal = subparsers.add_parser(
+        "calibrate",
+        help="measure prefill/decode timing of a running OpenAI-compatible endpoint into a profile",
+        description="Measures TTFT over prompt lengths and cached contexts, and inter-token latency over "
+                    "batch sizes and contexts, from any OpenAI-compatible endpoint with streaming, and fits "
+                    "a simulator timing profile.",
+    )
+    cal.add_argument("--url", required=True, help="base URL of the endpoint (e.g. http://127.0.0.1:8000)")
+    cal.add_argument("--out", default="profile.yaml", help="profile file to write (default profile.yaml)")
+    cal.add_argument("--model", help="model name (default: the first of /v1/models)")
+    cal.add_argument("--api-key", help="bearer token, if the endpoint needs one")
+    cal.add_argument("--base", default="h200-8b", help="built-in profile whose capacity fields are kept")
+    cal.add_argument("--kv-blocks", type=int, help="GPU KV capacity in blocks to record")
+    cal.add_argument("--block-size", type=int, help="the engine's block size to record")
+    cal.add_argument("--max-prompt", type=int, default=8192, help="longest prompt to measure, in tokens")
+    cal.add_argument("--max-batch", type=int, default=32, help="largest decode batch to measure")
+    cal.add_argument("--repeats", type=int, default=3, help="measurements per point (median kept)")
+    cal.add_argument("--quick", action="store_true", help="few, small points (smoke test)")
+    cal.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    cal.set_defaults(func=run_calibrate)
+
+
+def _fail(cmd: str, message: str) -> int:
+    print(f"mesh {cmd}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _load_policy_arg(arg: str) -> tuple[str, Any]:
+    """(label, spec) for a --policy value: a YAML file with 'policy:' or a policy name."""
+    path = Path(arg)
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        import yaml
+
+        from policies.registry import PluginError
+
+        if not path.is_file():
+            raise PluginError(f"{arg}: no such policy file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise PluginError(f"{arg}: not a readable YAML file: {exc}") from None
+        if not isinstance(data, dict) or "policy" not in data:
+            raise PluginError(f"{arg}: a policy file needs a top-level 'policy:' key with a policy spec")
+        return path.stem, data["policy"]
+    return arg, arg
+
+
+def default_policy() -> str:
+    from policies.registry import names
+
+    known = names("policy")
+    for name in ("kv_aware", "session_sticky", "cache_aware"):
+        if name in known:
+            return name
+    return "least_load"
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from policies.registry import PluginError
+    from simulator.engine import SimConfig, SimulationError, Simulator
+    from simulator.profile import ProfileError, load_profile
+    from simulator.report import render_table, summarize, write_html, write_json
+    from simulator.traces import LoadOptions, TraceError, load_traces
+    from simulator.worker_model import CapacityError
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    try:
+        if args.workers < 1:
+            raise SimulationError(f"--workers must be >= 1, got {args.workers}")
+        policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
+        labels = _unique([label for label, _ in policies])
+        overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
+        profile = load_profile(args.profile, **overrides)
+        trace = load_traces(args.traces, LoadOptions(
+            block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
+            max_sessions=args.max_sessions, max_requests=args.max_requests,
+        ))
+        for w in trace.warnings:
+            console.print(f"[yellow]warning:[/] {w}")
+        config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
+                           prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
+                           speculative_ttl_s=args.speculative_ttl)
+        results = {}
+        for label, (_, spec) in zip(labels, policies):
+            results[label] = _run_one(trace, spec, config, label, console, args.quiet)
+    except (TraceError, ProfileError, PluginError, SimulationError, CapacityError) as exc:
+        return _fail("simulate", str(exc))
+    except OSError as exc:
+        return _fail("simulate", f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
+    summaries = {label: summarize(r) for label, r in results.items()}
+    payload = {
+        "mesh_simulate": 1,
+        "trace": {
+            "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
+            "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,
+            "time_scale": args.time_scale,
+        },
+        "workers": args.workers,
+        "prefill_workers": args.prefill_workers,
+        "profile": profile.to_dict(),
+        "seed": args.seed,
+        "policies": summaries,
+        "wall_s": time.perf_counter() - started,
+    }
+    if not args.quiet:
+        out = Console()
+        if not out.is_terminal:
+            out = Console(width=200)
+        render_table(summaries, out, title=f"mesh simulate: {len(trace.requests):,} requests, "
+                                                  f"{args.workers} workers, profile {profile.name}")
+        if profile.estimate:
+            console.print(f"[dim]profile {profile.name} is an estimate (not calibrated)[/]")
+    try:
+        if args.json_out:
+            write_json(args.json_out, payload)
+        if args.html_out:
+            write_html(args.html_out, payload, results)
+    except OSError as exc:
+        return _fail("simulate", f"cannot write report: {exc}")
+    return 0
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return out
+
+
+def _run_one(trace: Any, spec: Any, config: Any, label: str, console: Any, quiet: bool) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from simulator.engine import Simulator
+
+    if quiet:
+        return Simulator(trace, spec, config).run()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(f"simulating {label}", total=len(trace.requests))
+        sim = Simulator(trace, spec, config, progress=lambda done: progress.update(task, completed=done))
+        return sim.run()
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from simulator.calibrate import CalibrationError, calibrate
+
+    try:
+        calibrate(args)
+    except CalibrationError as exc:
+        return _fail("calibrate", str(exc))
+    return 0

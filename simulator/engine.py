@@ -1,0 +1,341 @@
+"""The event loop: replays a trace on simulated workers through the gateway's own Router.
+
+One ``Simulator`` runs one policy over one trace. It owns the cluster state that the gateway's
+registry owns live (``TargetState``s), a ``mesh.index.PrefixIndex`` fed only by the workers' KV
+events, session bindings (``mesh.sessions.SessionTable``), and a ``mesh.router.Router`` built on
+the policy: every arrival calls ``router.route(request, now)``, the first token calls
+``lease.first_token()`` and completion ``lease.finish(now)``, exactly as the proxy does.
+
+Time is simulated and only moves to the next event (heap ordered by time, then kind, then a
+sequence number, so runs are deterministic): a request's release, a worker's segment end (see
+``worker_model``), or a prefill/decode KV transfer arriving. Idle periods cost nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mesh.index import PrefixIndex
+from mesh.router import Router
+from policies import create_policy
+from policies.base import NoCandidate, RequestInfo, Role, TargetState, Tier
+from simulator.profile import Profile
+from simulator.traces import DONE, START, Trace
+from simulator.worker_model import (
+    OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, SimRequest, WorkerModel,
+)
+
+try:  # session bindings (mesh.sessions); without it the Router runs with sessions=None
+    from mesh.sessions import SessionTable
+except ImportError:  # pragma: no cover - present in this repository
+    SessionTable = None  # type: ignore[assignment,misc]
+
+_STEP, _RELEASE, _TRANSFER = 0, 1, 2
+
+
+class SimulationError(RuntimeError):
+    """A simulation that cannot run as configured (message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int
+    profile: Profile
+    seed: int = 0
+    model: str = "sim-model"
+    prefill_workers: int = 0  # PD: the first P workers take the prefill role, the rest decode
+    session_ttl_s: float = 600.0
+    max_bound_sessions: int = 1_000_000
+    speculative_ttl_s: float = 2.0
+    sample_every: int = 1  # record queue length every N arrivals
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Raw outcome of one run; ``simulator.report`` turns it into metrics."""
+
+    policy: str
+    policy_spec: Any
+    workers: list[str]
+    block_size: int
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    hit: np.ndarray
+    cpu_hit: np.ndarray
+    worker: np.ndarray  # index of the worker that prefilled it (-1 = rejected)
+    preemptions: int
+    rejected: int
+    session_moves: int
+    router_session_moves: int
+    busy_s: list[float]
+    steps: list[int]
+    queue_t: np.ndarray
+    queue_len: np.ndarray
+    running: np.ndarray
+    wall_s: float
+    sessions_enabled: bool
+    notes: list[str] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self,
+        trace: Trace,
+        policy_spec: Any,
+        config: SimConfig,
+        *,
+        progress: Callable[[int], None] | None = None,
+        recorder: Any | None = None,
+    ) -> None:
+        if config.workers < 1:
+            raise SimulationError(f"--workers must be >= 1, got {config.workers}")
+        if not 0 <= config.prefill_workers < config.workers or (config.prefill_workers and config.workers < 2):
+            raise SimulationError("--prefill-workers must leave at least one decode worker")
+        self.trace = trace
+        self.config = config
+        self.profile = config.profile
+        self.policy = create_policy(policy_spec, seed=config.seed)
+        self.policy_spec = policy_spec
+        self.bs = trace.block_size
+        self.index = PrefixIndex()
+        self.sessions = SessionTable(config.session_ttl_s, config.max_bound_sessions) if SessionTable else None
+        self.targets: dict[str, TargetState] = {}
+        self.workers: list[WorkerModel] = []
+        for i in range(config.workers):
+            role = Role.MIXED
+            if config.prefill_workers:
+                role = Role.PREFILL if i < config.prefill_workers else Role.DECODE
+            state = TargetState(id=f"w{i}", worker=f"w{i}", role=role, block_size=self.bs,
+                                models=frozenset({config.model}))
+            self.targets[state.id] = state
+            self.workers.append(WorkerModel(i, state, self.profile, self.bs, self))
+        self.by_id = {w.id: w for w in self.workers}
+        self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
+                             speculative_ttl_s=config.speculative_ttl_s)
+        self._expire = getattr(self.index, "expire", None)
+        self.progress = progress
+        self.recorder = recorder  # tests: sees every route call and KV event, in order
+        # event loop state
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self.seq = itertools.count()
+        self.lag = self.profile.event_lag_ms / 1e3
+        self.events: deque[tuple[float, int, str, list[int], int | None]] = deque()
+        self.queued = 0
+        self.preemptions = 0
+        self.in_flight = 0
+        self.done = 0
+        self.rejected = 0
+        self.session_moves = 0
+        self.last_target: dict[str, str] = {}
+        n = len(trace.requests)
+        self.reqs: list[SimRequest | None] = [None] * n
+        self.succ: list[list[tuple[int, int, float]]] = [[] for _ in range(n)]
+        self.remaining = [0] * n
+        self.release_at = [0.0] * n
+        self.q_t: list[float] = []
+        self.q_len: list[int] = []
+        self.q_run: list[int] = []
+
+    # ------------------------------------------------------------------ worker callbacks
+    def schedule(self, worker: WorkerModel, t: float) -> None:
+        heapq.heappush(self.heap, (t, _STEP, next(self.seq), worker, worker.version))
+
+    def emit(self, t: float, op: int, target: str, keys: list[int], parent: int | None) -> None:
+        if self.lag:
+            self.events.append((t + self.lag, op, target, keys, parent))
+        else:
+            self._apply(t, op, target, keys, parent)
+
+    def _apply(self, t: float, op: int, target: str, keys: list[int], parent: int | None) -> None:
+        """Feed one KV event to the index, as the gateway's event subscriber does."""
+        if self.recorder is not None:
+            self.recorder.event(t, op, target, keys, parent)
+        index = self.index
+        if op == OP_STORE:
+            index.store(target, keys, parent=parent)
+        elif op == OP_REMOVE:
+            index.remove(target, keys, Tier.GPU)
+        elif op == OP_OFFLOAD:
+            # every key still has its node (it was on the GPU until now): store the CPU tier
+            # first, then drop the GPU tier, so the nodes never vanish in between
+            index.store(target, keys, Tier.CPU)
+            index.remove(target, keys, Tier.GPU)
+        elif op == OP_RELOAD:
+            index.store(target, keys, parent=parent)
+            index.remove(target, keys, Tier.CPU)
+        elif op == OP_DROP_CPU:
+            index.remove(target, keys, Tier.CPU)
+
+    def _drain(self, now: float) -> None:
+        events = self.events
+        while events and events[0][0] <= now:
+            self._apply(*events.popleft())
+
+    def first_token(self, req: SimRequest, t: float) -> None:
+        if req.lease is not None:
+            req.lease.first_token()
+            if self.recorder is not None:
+                self.recorder.first_token(t, req.idx)
+
+    def finished(self, req: SimRequest, t: float) -> None:
+        if req.lease is not None:
+            req.lease.finish(t)
+            if self.recorder is not None:
+                self.recorder.finish(t, req.idx)
+        self.in_flight -= 1
+        self.done += 1
+        if self.progress is not None and self.done % 256 == 0:
+            self.progress(self.done)
+        for j, trig, delay in self.succ[req.idx]:
+            if trig == DONE:
+                self._fire(j, t + delay)
+
+    def handoff(self, req: SimRequest, t: float) -> None:
+        pd = self.profile.pd
+        dur = (pd.transfer_base_ms + pd.transfer_ms_per_block * req.nfull) / 1e3
+        heapq.heappush(self.heap, (t + dur, _TRANSFER, next(self.seq), req, 0))
+
+    # ------------------------------------------------------------------ releases
+    def _fire(self, j: int, when: float) -> None:
+        if when > self.release_at[j]:
+            self.release_at[j] = when
+        self.remaining[j] -= 1
+        if self.remaining[j] == 0:
+            heapq.heappush(self.heap, (self.release_at[j], _RELEASE, next(self.seq), j, 0))
+
+    def _arrive(self, i: int, t: float) -> None:
+        tr = self.trace.requests[i]
+        if self.lag:
+            self._drain(t)
+        if self._expire is not None:
+            self._expire(t)
+        keys = tr.keys.tolist()
+        info = RequestInfo(model=self.config.model, block_keys=keys, block_size=self.bs,
+                           prompt_tokens=tr.prompt_tokens, max_tokens=tr.output_tokens,
+                           session_id=tr.session, request_id=str(i))
+        try:
+            decision, lease = self.router.route(info, t)
+        except NoCandidate:
+            self.rejected += 1
+            req = SimRequest(i, tr.session, tr.prompt_tokens, tr.output_tokens, keys, t, None, -1)
+            self.reqs[i] = req
+            self._started(i, t)
+            self.in_flight += 1
+            req.finish_t = t
+            self.finished(req, t)
+            return
+        if self.recorder is not None:
+            self.recorder.route(t, info, decision)
+        w = self.by_id[decision.target]  # type: ignore[index]
+        req = SimRequest(i, tr.session, tr.prompt_tokens, tr.output_tokens, keys, t, lease, w.index)
+        if decision.decode_target is not None and decision.decode_target in self.by_id:
+            dw = self.by_id[decision.decode_target]
+            if dw is not w:
+                req.decode_to = dw.index
+        self.reqs[i] = req
+        self.in_flight += 1
+        if tr.session is not None:
+            last = self.last_target.get(tr.session)
+            if last is not None and last != w.id:
+                self.session_moves += 1
+            self.last_target[tr.session] = w.id
+        self._started(i, t)
+        if self.config.sample_every and i % self.config.sample_every == 0:
+            self.q_t.append(t)
+            self.q_len.append(self.queued)
+            self.q_run.append(self.in_flight)
+        w.enqueue(req, t)
+
+    def _started(self, i: int, t: float) -> None:
+        for j, trig, delay in self.succ[i]:
+            if trig == START:
+                self._fire(j, t + delay)
+
+    def _transfer(self, req: SimRequest, t: float) -> None:
+        req.transferred = True
+        req.worker = req.decode_to
+        self.workers[req.decode_to].enqueue(req, t)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        heap = self.heap
+        for tr in self.trace.requests:
+            if tr.deps:
+                self.remaining[tr.idx] = len(tr.deps)
+                for p, trig, delay in tr.deps:
+                    self.succ[p].append((tr.idx, trig, delay))
+            else:
+                heap.append((tr.arrival or 0.0, _RELEASE, next(self.seq), tr.idx, 0))
+        heapq.heapify(heap)
+        pop = heapq.heappop
+        arrive, transfer = self._arrive, self._transfer
+        while heap:
+            t, kind, _, obj, ver = pop(heap)
+            if kind == _STEP:
+                if ver == obj.version:
+                    obj.complete(t)
+            elif kind == _RELEASE:
+                arrive(obj, t)
+            else:
+                transfer(obj, t)
+        if self.lag:
+            self._drain(float("inf"))
+        wall = time.perf_counter() - started
+        if self.progress is not None:
+            self.progress(self.done)
+        unfinished = [r for r in self.reqs if r is None or r.finish_t < 0]
+        if unfinished:
+            raise SimulationError(f"{len(unfinished)} requests never finished (dependency cycle in the trace?)")
+        return self._result(wall)
+
+    def _result(self, wall: float) -> RunResult:
+        reqs: list[SimRequest] = self.reqs  # type: ignore[assignment]
+
+        def arr(attr: str, dtype: Any = np.float64) -> np.ndarray:
+            return np.fromiter((getattr(r, attr) for r in reqs), dtype=dtype, count=len(reqs))
+
+        notes = []
+        if self.sessions is None:
+            notes.append("mesh.sessions not available: routed with sessions=None")
+        return RunResult(
+            policy=getattr(self.policy, "name", str(self.policy_spec)),
+            policy_spec=self.policy_spec,
+            workers=[w.id for w in self.workers],
+            block_size=self.bs,
+            arrival=arr("arrival"),
+            first_token=arr("first_t"),
+            finish=arr("finish_t"),
+            prompt=arr("n", np.int64),
+            output=arr("out", np.int64),
+            hit=np.maximum(arr("hit_tokens", np.int64), 0),
+            cpu_hit=arr("cpu_tokens", np.int64),
+            worker=arr("worker", np.int64),
+            preemptions=self.preemptions,
+            rejected=self.rejected,
+            session_moves=self.session_moves,
+            router_session_moves=self.router.session_moves,
+            busy_s=[w.busy_s for w in self.workers],
+            steps=[w.steps for w in self.workers],
+            queue_t=np.asarray(self.q_t),
+            queue_len=np.asarray(self.q_len),
+            running=np.asarray(self.q_run),
+            wall_s=wall,
+            sessions_enabled=self.sessions is not None,
+            notes=notes,
+        )
+
+
+def simulate(trace: Trace, policy_spec: Any, config: SimConfig, **kw: Any) -> RunResult:
+    return Simulator(trace, policy_spec, config, **kw).run()

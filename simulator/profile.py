@@ -1,0 +1,290 @@
+"""Timing profile of one worker: how long a forward step takes, and how much KV it holds.
+
+A step of continuous batching runs some prefill chunks and one decode token for every running
+sequence. Its time is the sum of the parts present in it (all in milliseconds):
+
+- prefill part (only when the step prefills tokens), for chunks ``n_i`` on cached contexts
+  ``c_i`` (tokens already in KV before the chunk), ``N = sum(n_i)``::
+
+      prefill.base_ms + prefill.per_token_ms * N + prefill.per_token2_ms * N**2
+      + prefill.per_token_ctx_ms * sum(n_i * c_i)
+
+  (linear compute, quadratic attention within the batch, attention over cached context);
+- decode part (only when sequences decode), for ``B`` sequences holding ``C`` KV tokens::
+
+      decode.base_ms + decode.per_seq_ms * B + decode.per_ctx_token_ms * C
+      + decode.per_ctx_token2_ms * C**2
+
+- CPU-tier reloads: ``cpu.load_ms_per_block`` per block restored in the step.
+
+A prefill/decode pair moves a prompt's KV in ``pd.transfer_base_ms + pd.transfer_ms_per_block *
+blocks``. KV events reach the router's index ``event_lag_ms`` after the engine emits them.
+
+Profiles are YAML or JSON files with these keys (any omitted key keeps the built-in default's
+value), or the name of a built-in profile. ``estimate: true`` marks numbers not yet measured on
+the hardware they name (``mesh calibrate`` writes ``estimate: false``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ProfileError(ValueError):
+    """A profile file or name that cannot be used (message names the file and the key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiming:
+    base_ms: float = 0.0
+    per_token_ms: float = 0.0
+    per_token2_ms: float = 0.0
+    per_token_ctx_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiming:
+    base_ms: float = 0.0
+    per_seq_ms: float = 0.0
+    per_ctx_token_ms: float = 0.0
+    per_ctx_token2_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTier:
+    blocks: int = 0  # 0 = no CPU offload tier
+    load_ms_per_block: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PdTransfer:
+    transfer_base_ms: float = 0.0
+    transfer_ms_per_block: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str = "custom"
+    description: str = ""
+    estimate: bool = True
+    block_size: int = 16  # the engine's block size: kv_blocks are counted in these
+    kv_blocks: int = 0  # GPU KV capacity in blocks; 0 = unbounded
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192  # token budget of one step (chunked prefill)
+    event_lag_ms: float = 0.0
+    prefill: PrefillTiming = field(default_factory=PrefillTiming)
+    decode: DecodeTiming = field(default_factory=DecodeTiming)
+    cpu: CpuTier = field(default_factory=CpuTier)
+    pd: PdTransfer = field(default_factory=PdTransfer)
+
+    @property
+    def kv_tokens(self) -> int:
+        """GPU KV capacity in tokens (0 = unbounded)."""
+        return self.kv_blocks * self.block_size
+
+    def blocks_at(self, block_size: int) -> int:
+        """GPU capacity in blocks of another size (0 = unbounded); at least one block."""
+        if self.kv_blocks == 0:
+            return 0
+        return max(1, self.kv_tokens // block_size)
+
+    def cpu_blocks_at(self, block_size: int) -> int:
+        if self.cpu.blocks == 0:
+            return 0
+        return max(1, self.cpu.blocks * self.block_size // block_size)
+
+    def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One step prefilling one chunk alone (the oracle tests' formula)."""
+        p = self.prefill
+        n = new_tokens
+        return p.base_ms + p.per_token_ms * n + p.per_token2_ms * n * n + p.per_token_ctx_ms * n * cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_SECTIONS = {"prefill": PrefillTiming, "decode": DecodeTiming, "cpu": CpuTier, "pd": PdTransfer}
+_INT_KEYS = {"block_size", "kv_blocks", "max_num_seqs", "max_batched_tokens", "blocks"}
+
+BUILTIN: dict[str, Profile] = {
+    # Llama-3-8B-class on one H200 (bf16): an ESTIMATE from first principles until `mesh
+    # calibrate` measures it. Prefill ~30k tok/s (16 GFLOP/token at ~50% of ~990 TFLOPS);
+    # attention ~1e-6 ms per (new token x context token); decode memory-bound: 16 GB of weights
+    # at 4.8 TB/s ~3.3 ms/step, 128 KiB of KV per context token (GQA 8x128, 32 layers);
+    # ~110 GB free for KV = ~840k tokens; CPU reload over PCIe ~50 GB/s.
+    "h200-8b": Profile(
+        name="h200-8b",
+        description="Llama-3-8B-class model on one H200 (estimate, not calibrated)",
+        estimate=True,
+        block_size=16,
+        kv_blocks=52_000,
+        max_num_seqs=256,
+        max_batched_tokens=8192,
+        event_lag_ms=0.0,
+        prefill=PrefillTiming(base_ms=4.0, per_token_ms=0.033, per_token2_ms=5e-7, per_token_ctx_ms=1e-6),
+        decode=DecodeTiming(base_ms=3.5, per_seq_ms=0.02, per_ctx_token_ms=2.7e-5),
+        cpu=CpuTier(blocks=0, load_ms_per_block=0.042),
+        pd=PdTransfer(transfer_base_ms=1.0, transfer_ms_per_block=0.01),
+    ),
+    # Dynamo's offline mocker defaults (ai-dynamo-runtime 1.6: vLLM scheduler, 16384 blocks of
+    # 64 tokens, 8192-token budget, 256 sequences, polynomial timing: prefill in the step's new
+    # tokens 4.209989e-07*t^2 + 1.518344e-02*t + 16.50142 ms; decode in the active KV fraction
+    # u = C / capacity: -25.74*u^2 + 54.01*u + 5.74 ms). Used by bench/simulate.py so that both
+    # simulators model the same hardware.
+    "dynamo-mocker": Profile(
+        name="dynamo-mocker",
+        description="Dynamo mocker's default timing model and capacity (for side-by-side replays)",
+        estimate=True,
+        block_size=64,
+        kv_blocks=16_384,
+        max_num_seqs=256,
+        max_batched_tokens=8192,
+        prefill=PrefillTiming(base_ms=16.50142, per_token_ms=1.518344e-02, per_token2_ms=4.209989e-07),
+        decode=DecodeTiming(
+            base_ms=5.74,
+            per_ctx_token_ms=54.01 / (16_384 * 64),
+            per_ctx_token2_ms=-25.74 / (16_384 * 64) ** 2,
+        ),
+    ),
+    # Timing-free capacity-free profile for reuse studies: every step takes 1 ms.
+    "unit": Profile(
+        name="unit",
+        description="1 ms per step, unbounded KV: for prefix-reuse studies and tests",
+        estimate=True,
+        block_size=16,
+        kv_blocks=0,
+        prefill=PrefillTiming(base_ms=1.0),
+        decode=DecodeTiming(base_ms=1.0),
+    ),
+}
+
+DEFAULT_PROFILE = "h200-8b"
+
+
+def load_profile(spec: str | Path | None, **overrides: Any) -> Profile:
+    """A built-in profile by name, or a YAML/JSON file (keys override ``base`` or h200-8b)."""
+    if spec is None:
+        spec = DEFAULT_PROFILE
+    text = str(spec)
+    if text in BUILTIN and not Path(text).is_file():
+        profile = BUILTIN[text]
+    else:
+        profile = _from_file(Path(text))
+    return with_overrides(profile, **overrides) if overrides else profile
+
+
+def with_overrides(profile: Profile, **overrides: Any) -> Profile:
+    """A copy with top-level keys or ``section.key`` (dotted) keys replaced; None values skipped."""
+    data = profile.to_dict()
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, sub = key.partition(".")
+        if sub:
+            data.setdefault(section, {})[sub] = value
+        else:
+            data[key] = value
+    return from_dict(data, source="overrides")
+
+
+def from_dict(data: dict[str, Any], *, source: str = "profile") -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a profile must be a mapping, got {type(data).__name__}")
+    base_name = data.get("base", DEFAULT_PROFILE)
+    if base_name not in BUILTIN:
+        raise ProfileError(f"{source}: unknown base profile {base_name!r} (built-in: {', '.join(BUILTIN)})")
+    base = BUILTIN[base_name]
+    top: dict[str, Any] = {}
+    known = {f.name for f in fields(Profile)}
+    for key, value in data.items():
+        if key == "base":
+            continue
+        if key not in known:
+            raise ProfileError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        if key in _SECTIONS:
+            top[key] = _section(source, key, value, getattr(base, key))
+        else:
+            top[key] = _scalar(source, key, value, getattr(base, key))
+    profile = replace(base, **top)
+    _validate(source, profile)
+    return profile
+
+
+def _section(source: str, name: str, value: Any, base: Any) -> Any:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{source}: {name} must be a mapping, got {value!r}")
+    known = {f.name for f in fields(_SECTIONS[name])}
+    out = {}
+    for key, v in value.items():
+        if key not in known:
+            raise ProfileError(f"{source}: unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+        out[key] = _scalar(source, f"{name}.{key}", v, getattr(base, key))
+    return replace(base, **out)
+
+
+def _scalar(source: str, key: str, value: Any, default: Any) -> Any:
+    leaf = key.rpartition(".")[2]
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ProfileError(f"{source}: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ProfileError(f"{source}: {key} must be a string, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProfileError(f"{source}: {key} must be a finite number, got {value!r}")
+    if leaf in _INT_KEYS:
+        if int(value) != value or value < 0:
+            raise ProfileError(f"{source}: {key} must be a non-negative integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _validate(source: str, p: Profile) -> None:
+    if p.block_size < 1:
+        raise ProfileError(f"{source}: block_size must be >= 1")
+    if p.max_num_seqs < 1 or p.max_batched_tokens < 1:
+        raise ProfileError(f"{source}: max_num_seqs and max_batched_tokens must be >= 1")
+    for key in ("event_lag_ms",):
+        if getattr(p, key) < 0:
+            raise ProfileError(f"{source}: {key} must be >= 0")
+    if p.prefill.base_ms + p.prefill.per_token_ms <= 0 and p.prefill.per_token2_ms <= 0:
+        raise ProfileError(f"{source}: prefill timing is all zero: simulated time would not advance")
+    if p.decode.base_ms + p.decode.per_seq_ms <= 0:
+        raise ProfileError(f"{source}: decode.base_ms + decode.per_seq_ms must be > 0")
+    if p.cpu.load_ms_per_block < 0 or p.pd.transfer_ms_per_block < 0 or p.pd.transfer_base_ms < 0:
+        raise ProfileError(f"{source}: transfer costs must be >= 0")
+
+
+def _from_file(path: Path) -> Profile:
+    if not path.exists():
+        known = ", ".join(BUILTIN)
+        raise ProfileError(f"{path}: no such profile file (built-in profiles: {known})")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    if data is None:
+        raise ProfileError(f"{path}: empty profile")
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+        data = data["profile"]
+    return from_dict(data, source=str(path))
+
+
+def dump_profile(profile: Profile, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    """Write a profile as YAML (``extra`` keys, e.g. calibration data, go under ``calibration``)."""
+    data: dict[str, Any] = {"profile": profile.to_dict()}
+    if extra:
+        data["calibration"] = extra
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
