@@ -64,7 +64,7 @@ class TransferConfig:
     max_pending_bytes: int | None = None  # decode: None = half of this worker's KV cache
     pull_timeout_s: float = 30.0
     pull_attempts: int = 2  # a corrupt or truncated stream is pulled again (resuming) once
-    chunk_blocks: int = 32
+    chunk_bytes: int = 8 << 20  # pages per engine-thread gather/import call (bounded buffers)
     retry_after_s: int = 1
     faults: bool = False  # POST /kv_transfer/faults (tests only)
 
@@ -139,7 +139,7 @@ class DisaggService:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.pull_timeout_s, connect=5.0))
         if self.config.transport == "tcp":
             self.tcp = await serve_tcp(self.engine, self.registry, self.faults, self.config.bind_host,
-                                       self.config.tcp_port, self.config.chunk_blocks)
+                                       self.config.tcp_port, self.config.chunk_bytes)
             self.tcp_port = int(self.tcp.sockets[0].getsockname()[1])
         self._reaper = asyncio.create_task(self._reap())
 
@@ -294,7 +294,7 @@ class DisaggService:
                 try:
                     async for off, ks, data in pull_blocks(params, done, keys[done:], self.layout, http=self.http,
                                                            timeout=self.config.pull_timeout_s,
-                                                           chunk_blocks=self.config.chunk_blocks):
+                                                           chunk_bytes=self.config.chunk_bytes):
                         first = done
                         parent = keys[first - 1] if first else None
                         bids = await self.engine.call(self.engine.ops.import_blocks, ks,
@@ -534,7 +534,7 @@ class DisaggApp:
         mismatch = service.layout.mismatch(req.layout)
         if mismatch:
             return _error(409, f"KV layout mismatch: {mismatch}", "kv_layout_mismatch")
-        frames = serve_pull(service.engine, service.registry, req, service.faults, service.config.chunk_blocks)
+        frames = serve_pull(service.engine, service.registry, req, service.faults, service.config.chunk_bytes)
         return StreamingResponse(frames, media_type="application/octet-stream")
 
     def _release(self, body: dict[str, Any]) -> Response:

@@ -34,7 +34,7 @@ import logging
 import queue
 import struct
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -123,8 +123,9 @@ def encode_header(header: dict[str, Any]) -> bytes:
     return _HEAD.pack(MAGIC, len(body)) + body
 
 
-def encode_block(key: int, payload: memoryview | bytes) -> bytes:
-    return _BLOCK.pack(key, checksum(payload)) + bytes(payload)
+def block_head(key: int, payload: Any) -> bytes:
+    """The 16 bytes before a block's payload on the wire: its key and the payload's xxh3."""
+    return _BLOCK.pack(key, checksum(payload))
 
 
 def encode_trailer(count: int) -> bytes:
@@ -134,36 +135,52 @@ def encode_trailer(count: int) -> bytes:
 class FrameReader:
     """Parses one pull response from a byte-chunk stream, verifying as it goes.
 
-    ``blocks()`` yields ``(index, keys, data)`` chunks of at most ``chunk_blocks`` verified
-    blocks (``data``: uint8 ``[n, block_bytes]``). Raises ``TransferError`` (retryable) on a bad
+    ``blocks()`` yields ``(offset, keys, data)`` chunks of verified blocks (``data``: uint8
+    ``[n, block_bytes]``, at most ``chunk_bytes`` per chunk). Each payload byte is copied once,
+    from the network chunk into ``data`` (on small hosts, large fresh allocations page-fault at a
+    fraction of copy speed: chunks stay bounded). Raises ``TransferError`` (retryable) on a bad
     magic, a key other than expected, a checksum mismatch, or a stream that ends early.
     """
 
-    def __init__(self, source: AsyncIterator[bytes], chunk_blocks: int = 32) -> None:
+    def __init__(self, source: AsyncIterator[bytes], chunk_bytes: int = 8 << 20) -> None:
         self._source = source
-        self._buf = bytearray()
-        self._eof = False
-        self.chunk_blocks = chunk_blocks
+        self._chunks: deque[memoryview] = deque()
+        self._avail = 0
+        self.chunk_bytes = chunk_bytes
         self.header: dict[str, Any] = {}
         self.bytes_read = 0
 
-    async def _fill(self, n: int) -> None:
-        while len(self._buf) < n and not self._eof:
+    async def _need(self, n: int) -> None:
+        while self._avail < n:
             try:
                 data = await self._source.__anext__()
             except StopAsyncIteration:
-                self._eof = True
-                break
-            self._buf += data
-            self.bytes_read += len(data)
-        if len(self._buf) < n:
-            raise TransferError(502, "kv_transfer_truncated", f"stream ended early ({self.bytes_read} bytes read)", True)
+                raise TransferError(502, "kv_transfer_truncated",
+                                    f"stream ended early ({self.bytes_read} bytes read)", True) from None
+            if data:
+                self._chunks.append(memoryview(data))
+                self._avail += len(data)
+                self.bytes_read += len(data)
+
+    def _copy_into(self, dst: memoryview) -> None:
+        """Move ``len(dst)`` buffered bytes into ``dst`` (call ``_need`` first)."""
+        pos, n = 0, len(dst)
+        while pos < n:
+            head = self._chunks[0]
+            k = min(len(head), n - pos)
+            dst[pos : pos + k] = head[:k]
+            pos += k
+            if k == len(head):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = head[k:]
+        self._avail -= n
 
     async def _take(self, n: int) -> bytes:
-        await self._fill(n)
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
+        await self._need(n)
+        out = bytearray(n)
+        self._copy_into(memoryview(out))
+        return bytes(out)
 
     async def read_header(self) -> dict[str, Any]:
         magic, length = _HEAD.unpack(await self._take(_HEAD.size))
@@ -179,24 +196,20 @@ class FrameReader:
 
     async def blocks(self, expected_keys: Sequence[int], block_bytes: int) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
         n = len(expected_keys)
-        step = _BLOCK.size + block_bytes
+        per_chunk = max(1, self.chunk_bytes // block_bytes)
         i = 0
         while i < n:
-            k = min(self.chunk_blocks, n - i)
-            raw = await self._take(k * step)
+            k = min(per_chunk, n - i)
             data = np.empty((k, block_bytes), dtype=np.uint8)
-            keys = []
             for j in range(k):
-                off = j * step
-                key, cs = _BLOCK.unpack_from(raw, off)
-                payload = memoryview(raw)[off + _BLOCK.size : off + step]
+                key, cs = _BLOCK.unpack(await self._take(_BLOCK.size))
                 if key != expected_keys[i + j]:
                     raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: key {key:#x}, expected {expected_keys[i + j]:#x}", True)
-                if checksum(payload) != cs:
+                await self._need(block_bytes)
+                self._copy_into(memoryview(data[j]))
+                if checksum(data[j]) != cs:
                     raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: checksum mismatch", True)
-                data[j] = np.frombuffer(payload, dtype=np.uint8)
-                keys.append(key)
-            yield i, keys, data
+            yield i, list(expected_keys[i : i + k]), data
             i += k
         end, count = _TRAIL.unpack(await self._take(_TRAIL.size))
         if end != END or count != n:
@@ -514,10 +527,13 @@ class PullRequest:
 
 
 async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, faults: Faults,
-                     chunk_blocks: int = 32) -> AsyncIterator[bytes]:
-    """The frames of one pull. The read lease is taken and returned inside the generator, so a
-    stream that never starts holds nothing. A transfer released before the read starts yields
-    an error header (a late pull after a cancel or timeout)."""
+                     chunk_bytes: int = 8 << 20) -> AsyncIterator[Any]:
+    """The frames of one pull (bytes-like items: per block its 16-byte head, then its payload).
+
+    The read lease is taken and returned inside the generator, so a stream that never starts
+    holds nothing. A transfer released before the read starts yields an error header (a late
+    pull after a cancel or timeout).
+    """
     from workers.transfer_registry import TransferGone
 
     try:
@@ -526,13 +542,9 @@ async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, fa
         yield encode_header({"error": {"status": 410, "code": "kv_transfer_gone",
                                        "message": f"transfer {req.transfer_id} was released"}})
         return
-    corrupt = truncate = False
-    if faults.corrupt:
-        faults.corrupt -= 1
-        corrupt = True
-    if faults.truncate:
-        faults.truncate -= 1
-        truncate = True
+    corrupt, truncate = faults.corrupt > 0, faults.truncate > 0
+    faults.corrupt -= corrupt
+    faults.truncate -= truncate
     try:
         stop = req.first_block + req.num_blocks
         if stop > t.num_blocks:
@@ -542,24 +554,25 @@ async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, fa
         layout = {**engine.layout.to_dict(), **faults.layout_override}
         yield encode_header({"transfer_id": t.transfer_id, "layout": layout, "first_block": req.first_block,
                              "num_blocks": req.num_blocks, "block_bytes": engine.layout.block_bytes})
-        sent = 0
         limit = req.num_blocks // 2 if truncate else req.num_blocks
-        for i in range(req.first_block, stop, chunk_blocks):
-            bids = t.block_ids[i : min(i + chunk_blocks, stop)]
+        per_chunk = max(1, chunk_bytes // engine.layout.block_bytes)
+        sent = 0
+        for i in range(req.first_block, stop, per_chunk):
+            bids = t.block_ids[i : min(i + per_chunk, stop)]
             data = await engine.call(engine.ops.gather, bids)
             for j in range(len(bids)):
                 if sent >= limit:
                     return  # truncated: no trailer
                 if faults.delay_s:
                     await asyncio.sleep(faults.delay_s)
-                payload = data[j]
-                frame = encode_block(t.keys[i + j], memoryview(payload))
-                if corrupt and j == 0:
-                    frame = bytearray(frame)
-                    frame[-1] ^= 0xFF
+                payload: Any = data[j]
+                head = block_head(t.keys[i + j], payload)
+                if corrupt:
+                    payload = bytearray(payload.tobytes())
+                    payload[len(payload) // 2] ^= 0xFF
                     corrupt = False
-                    frame = bytes(frame)
-                yield frame
+                yield head
+                yield memoryview(payload)
                 sent += 1
         yield encode_trailer(sent)
     finally:
@@ -621,7 +634,7 @@ async def pull_blocks(
     *,
     http: Any,
     timeout: float,
-    chunk_blocks: int = 32,
+    chunk_bytes: int = 8 << 20,
 ) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
     """Verified chunks ``(offset, keys, data)`` of blocks ``first_block..`` of a remote
     transfer (``params``: the prefill's ``kv_transfer_params``). Raises ``TransferError``."""
@@ -632,7 +645,7 @@ async def pull_blocks(
         source = _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
     else:
         source = _http_source(http, f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull", body, timeout)
-    reader = FrameReader(source, chunk_blocks)
+    reader = FrameReader(source, chunk_bytes)
     try:
         header = await reader.read_header()
         if "error" in header:
@@ -654,7 +667,7 @@ def _host_for_url(host: str) -> str:
 
 
 async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host: str, port: int,
-                    chunk_blocks: int = 32) -> asyncio.AbstractServer:
+                    chunk_bytes: int = 8 << 20) -> asyncio.AbstractServer:
     """The raw TCP pull server: one request (length-prefixed JSON) per connection."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -668,9 +681,11 @@ async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host:
                 code = exc.code if isinstance(exc, TransferError) else "kv_pull_invalid"
                 writer.write(encode_header({"error": {"status": 400, "code": code, "message": str(exc)}}))
                 return
-            async for frame in serve_pull(engine, registry, req, faults, chunk_blocks):
+            async for frame in serve_pull(engine, registry, req, faults, chunk_bytes):
                 writer.write(frame)
-                await writer.drain()
+                if writer.transport.get_write_buffer_size() > chunk_bytes:
+                    await writer.drain()
+            await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -1,0 +1,459 @@
+"""The gateway's relay for a disaggregated request: prefill on one worker, decode on another,
+one ordinary OpenAI response (streaming or not) to the client.
+
+Flow (vLLM's ``kv_transfer_params`` convention, so it drives vLLM P/D deployments as well as the
+bundled workers):
+
+1. The decision names a pair: ``Decision.target`` (prefill) and ``Decision.decode_target``.
+2. Prefill: the client's body with ``max_tokens: 1`` (and ``max_completion_tokens`` when given),
+   ``stream: false``, no ``stream_options``/``min_tokens``, and ``kv_transfer_params:
+   {do_remote_decode: true, ...}``. Its answer carries the ``kv_transfer_params`` the decode
+   worker needs (where to pull from, which blocks).
+3. Decode: the client's own body plus those ``kv_transfer_params``; its answer is the client's.
+   Both requests carry the same ``X-Request-Id``.
+
+Failures before the first byte reached the client are retried:
+- the prefill fails (connect error, 5xx, 429): another pair, that prefill worker excluded;
+- the decode worker refuses admission (429, or 503 with a ``kv_*`` code): another decode worker;
+  when every decode worker is full the request waits in a bounded queue (``DecodeQueue``: at most
+  ``max_waiting`` requests, each at most ``queue_wait_s``) and tries again;
+- the decode worker dies or cannot take the blocks (connect error, 5xx, 409 layout/key mismatch,
+  413/507): another decode worker, with the same prefill (its blocks stay pinned there);
+- the transfer itself fails (``kv_transfer_failed``/``_corrupt``/``_truncated``/``_gone``: the
+  prefill side is at fault): a new pair, that prefill worker excluded.
+A 4xx that is the client's fault is answered as is.
+
+Exactly once: every lease is finished exactly once (``try/finally``, ``RelayResponse.aclose``);
+a transfer the relay gives up on (a new pair, an error answer, a client that went away) is
+cancelled at its prefill worker (``POST /kv_transfer/release {cancel: true}``, best effort: the
+prefill worker's deadline releases it otherwise). A decode worker that imported the blocks
+releases them itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+
+from mesh.router import Lease, Router
+from policies.base import Decision, NoCandidate, Overlap, RequestInfo
+
+log = logging.getLogger("mesh.disagg")
+
+HOP_BY_HOP = frozenset(
+    "connection keep-alive proxy-authenticate proxy-authorization te trailer transfer-encoding upgrade host "
+    "content-length content-encoding".split()
+)
+ADMISSION_CODES = frozenset({"kv_admission_full", "kv_no_space"})
+PREFILL_SIDE_CODES = frozenset({"kv_transfer_failed", "kv_transfer_corrupt", "kv_transfer_truncated", "kv_transfer_gone"})
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    max_pairs: int = 3  # prefill attempts, each on another prefill worker
+    max_decode_attempts: int = 4  # decode attempts per prefill (a full queue's retries not counted)
+    queue_wait_s: float = 10.0  # longest a request waits for decode headroom
+    retry_after_cap_s: float = 1.0  # longest single wait, whatever Retry-After says
+    timeout_s: float = 600.0  # each upstream request, streaming included
+    connect_timeout_s: float = 5.0
+
+
+class DecodeQueue:
+    """Requests waiting for decode headroom: bounded in number; each wait is bounded in time."""
+
+    def __init__(self, max_waiting: int = 64) -> None:
+        self.max_waiting = max_waiting
+        self.waiting = 0
+        self.peak = 0
+        self.waits = 0  # waits that happened
+        self.rejected = 0  # requests turned away because the queue was full
+
+    async def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds`` holding a queue slot; False at once when the queue is full."""
+        if self.waiting >= self.max_waiting:
+            self.rejected += 1
+            return False
+        self.waiting += 1
+        self.peak = max(self.peak, self.waiting)
+        self.waits += 1
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.waiting -= 1
+        return True
+
+
+@dataclass
+class RelayStats:
+    requests: int = 0
+    prefill_failures: int = 0
+    decode_refusals: int = 0  # admission refusals (429/503 kv_*)
+    decode_failures: int = 0  # decode worker died or could not take the blocks
+    transfer_failures: int = 0  # the pull failed on the prefill side: new pair
+    cancels_sent: int = 0
+    fallbacks: int = 0  # prefill answered without kv_transfer_params: decode computed it all
+
+
+class RelayError(Exception):
+    """No pair could serve the request; answer ``status``/``body`` (OpenAI error shape)."""
+
+    def __init__(self, status: int, message: str, code: str, body: bytes | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+        self.headers = dict(headers or {})
+        self.body = body or json.dumps({"error": {"message": message, "type": _error_type(status),
+                                                  "param": None, "code": code}}).encode()
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "service_unavailable_error" if status == 503 else "server_error"
+
+
+class _Retry(Exception):
+    def __init__(self, message: str, status: int = 502, body: bytes | None = None, code: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status, self.body, self.code = status, body, code
+
+
+class _NewPair(_Retry):
+    """The transfer failed on the prefill side: another pair, that prefill excluded."""
+
+
+@dataclass
+class RelayResponse:
+    """The decode worker's answer, first bytes already read; stream it, then ``aclose``."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    first: bytes
+    stream: bool
+    prefill: str
+    decode: str
+    kv_transfer_params: dict[str, Any] | None
+    prefill_usage: dict[str, Any] | None  # the prefill answer's usage (its own prefix-cache hits)
+    _resp: httpx.Response
+    _lease: Lease
+    _now: Callable[[], float]
+    _closed: bool = field(default=False)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The whole body: the first bytes, then the rest (an SSE error event if it breaks)."""
+        yield self.first
+        if not self.stream:
+            return
+        try:
+            async for chunk in self._resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            log.warning("decode stream from %s broke: %r", self.decode, exc)
+            err = {"error": {"message": f"worker {self.decode} failed mid-stream", "type": "server_error",
+                             "param": None, "code": "upstream_error"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+
+    async def aclose(self) -> None:
+        """Close the upstream and finish the decode lease; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._resp.aclose()
+        finally:
+            self._lease.finish(self._now())
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        out.pop(key, None)
+    out["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return out
+
+
+def decode_body(body: Mapping[str, Any], kv: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(body)
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+def _forward_headers(headers: Iterable[tuple[str, str]] | None, request_id: str) -> dict[str, str]:
+    out = {k: v for k, v in (headers or ()) if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id"}
+    out["x-request-id"] = request_id
+    out["content-type"] = "application/json"
+    return out
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        err = json.loads(body).get("error")
+        return str(err.get("code")) if isinstance(err, dict) and err.get("code") else None
+    except (ValueError, AttributeError):
+        return None
+
+
+def _retry_after(resp: httpx.Response, cap: float) -> float:
+    try:
+        return max(0.01, min(cap, float(resp.headers.get("retry-after", "0.1"))))
+    except ValueError:
+        return min(cap, 0.1)
+
+
+class _Relay:
+    """One request's relay; all state of its attempts lives here."""
+
+    def __init__(self, client: httpx.AsyncClient, router: Router, info: RequestInfo, body: dict[str, Any],
+                 path: str, headers: dict[str, str], config: RelayConfig, queue: DecodeQueue,
+                 stats: RelayStats, now: Callable[[], float]) -> None:
+        self.client, self.router, self.info, self.body = client, router, info, body
+        self.path, self.headers, self.config, self.queue, self.stats, self.now = path, headers, config, queue, stats, now
+        self.stream = bool(body.get("stream"))
+        self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self.bad_prefill: list[str] = []
+        self.bad_decode: list[str] = []  # failed: excluded for the whole request
+        self.full_decode: list[str] = []  # refused admission: excluded until the next wait
+        self.prefill_usage: dict[str, Any] | None = None
+
+    def url(self, target_id: str) -> str:
+        return self.router.targets[target_id].url.rstrip("/") + self.path
+
+    def decide(self, exclude: list[str]) -> Decision:
+        return self.router.decide(self.info, self.now(), exclude=exclude)
+
+    async def run(self, decision: Decision) -> RelayResponse:
+        last: _Retry | None = None
+        for _ in range(self.config.max_pairs):
+            prefill_id = decision.target
+            if decision.decode_target is None or prefill_id is None:
+                if last is None:
+                    raise RelayError(503, f"no prefill/decode pair ({decision.reason})", "no_decode_worker")
+                break
+            try:
+                kv, self.prefill_usage = await self.prefill(prefill_id)
+            except _Retry as exc:
+                self.stats.prefill_failures += 1
+                last = exc
+                self.bad_prefill.append(prefill_id)
+            else:
+                try:
+                    return await self.decode(prefill_id, kv, decision.decode_target)
+                except _NewPair as exc:
+                    self.stats.transfer_failures += 1
+                    last = exc
+                    self.bad_prefill.append(prefill_id)
+                    self.cancel(prefill_id, kv)
+                except BaseException:
+                    self.cancel(prefill_id, kv)
+                    raise
+            try:
+                decision = self.decide(self.bad_prefill + self.bad_decode)
+            except NoCandidate:
+                break
+        if last is not None and last.body is not None and 400 <= last.status < 600:
+            raise RelayError(last.status, str(last), last.code, last.body)
+        raise RelayError(502, f"disaggregated request failed: {last}", "upstream_error")
+
+    # -- prefill --
+
+    async def prefill(self, target_id: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The prefill answer's ``kv_transfer_params`` (None: an engine without a KV connector,
+        the decode side computes everything) and ``usage``."""
+        lease = self.router.commit(replace(self.info, session_id=None), Decision(target_id, "prefill"), self.now())
+        try:
+            resp = await self.client.post(self.url(target_id), json=prefill_body(self.body), headers=self.headers,
+                                          timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise _Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
+        finally:
+            lease.finish(self.now())
+        if resp.status_code != 200:
+            if resp.status_code in (429,) or resp.status_code >= 500:
+                raise _Retry(f"prefill worker {target_id} answered {resp.status_code}", resp.status_code, resp.content)
+            raise RelayError(resp.status_code, "prefill refused the request", _error_code(resp.content) or "invalid_request",
+                             resp.content)
+        try:
+            answer = resp.json()
+            kv, usage = answer.get("kv_transfer_params"), answer.get("usage")
+        except (ValueError, AttributeError) as exc:
+            raise _Retry(f"prefill worker {target_id} answered invalid JSON") from exc
+        if not isinstance(kv, dict):
+            self.stats.fallbacks += 1
+            kv = None
+        return kv, usage if isinstance(usage, dict) else None
+
+    # -- decode --
+
+    async def decode(self, prefill_id: str, kv: dict[str, Any] | None, first_choice: str) -> RelayResponse:
+        body = decode_body(self.body, kv)
+        choice: str | None = first_choice
+        deadline = self.now() + self.config.queue_wait_s
+        attempts = 0
+        last: _Retry | None = None
+        while attempts < self.config.max_decode_attempts:
+            if choice is None:
+                choice = self.next_decode(prefill_id)
+            if choice is None:  # every decode worker is full (or failed): wait for headroom
+                if not self.full_decode:
+                    break
+                delay = min(self.config.retry_after_cap_s, deadline - self.now())
+                if delay <= 0 or not await self.queue.wait(delay):
+                    raise RelayError(429, "every decode worker is at its admission limit", "over_capacity",
+                                     headers={"retry-after": "1"})
+                self.full_decode.clear()
+                continue
+            decode_id, choice = choice, None
+            try:
+                return await self.try_decode(prefill_id, decode_id, kv, body)
+            except _Full:
+                self.stats.decode_refusals += 1
+                self.full_decode.append(decode_id)
+            except _NewPair:
+                raise
+            except _Retry as exc:
+                self.stats.decode_failures += 1
+                attempts += 1
+                last = exc
+                self.bad_decode.append(decode_id)
+        if last is not None:
+            raise last
+        raise RelayError(503, "no decode worker can take the request", "no_decode_worker")
+
+    def next_decode(self, prefill_id: str) -> str | None:
+        """Another decode worker: the policy's decode profile alone when it has one (the prefill
+        is done, so prefill availability must not matter), else a whole decision's decode side."""
+        exclude = self.bad_decode + self.full_decode
+        now = self.now()
+        profiles = getattr(self.router.policy, "pd", None)
+        try:
+            if profiles is not None:
+                return str(profiles[1].run(self.info, self.router.view(now, exclude)).target)
+            return self.decide(exclude).decode_target
+        except NoCandidate:
+            return None
+
+    async def try_decode(self, prefill_id: str, decode_id: str, kv: dict[str, Any] | None,
+                         body: dict[str, Any]) -> RelayResponse:
+        blocks = len(kv.get("remote_block_keys") or kv.get("remote_block_ids") or []) if kv else 0
+        lease = self.router.commit(self.info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
+        resp: httpx.Response | None = None
+        handed_over = False
+        try:
+            request = self.client.build_request("POST", self.url(decode_id), json=body, headers=self.headers,
+                                                timeout=self.timeout)
+            try:
+                resp = await self.client.send(request, stream=True)
+                if resp.status_code != 200:
+                    content = await resp.aread()
+                    self.classify(resp, content, decode_id)
+                first = await _first_bytes(resp) if self.stream else await resp.aread()
+            except httpx.HTTPError as exc:
+                raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
+            if self.stream and not first:
+                raise _Retry(f"decode worker {decode_id} closed the stream before any data")
+            lease.first_token()
+            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
+            headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
+            out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
+                                self.prefill_usage, resp, lease, self.now)
+            handed_over = True  # the response and the lease belong to the RelayResponse now
+            return out
+        finally:
+            if not handed_over:
+                lease.finish(self.now())
+                if resp is not None:
+                    await resp.aclose()
+
+    def classify(self, resp: httpx.Response, content: bytes, decode_id: str) -> None:
+        """Raise what a non-200 decode answer means for the relay."""
+        status, code = resp.status_code, _error_code(content)
+        message = f"decode worker {decode_id} answered {status} ({code})"
+        if status == 429 or (status == 503 and code in ADMISSION_CODES) or code in ADMISSION_CODES:
+            raise _Full(message, status, content, code or "over_capacity")
+        if code in PREFILL_SIDE_CODES:
+            raise _NewPair(message, status, content, code or "kv_transfer_failed")
+        if status >= 500 or status in (409, 413):
+            raise _Retry(message, status, content, code or "upstream_error")
+        raise RelayError(status, message, code or "invalid_request", content)
+
+    # -- cleanup --
+
+    def cancel(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
+        """Tell the prefill worker nobody will pull this transfer (best effort, background)."""
+        if not kv or not kv.get("transfer_id") or prefill_id not in self.router.targets:
+            return
+        url = self.router.targets[prefill_id].url.rstrip("/") + "/kv_transfer/release"
+        self.stats.cancels_sent += 1
+
+        async def send() -> None:
+            with contextlib.suppress(Exception):
+                await self.client.post(url, json={"transfer_id": kv["transfer_id"], "cancel": True}, timeout=5.0)
+
+        task = asyncio.get_running_loop().create_task(send())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+class _Full(_Retry):
+    """The decode worker refused admission (retryable: another worker, or later)."""
+
+
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # cancel requests in flight (kept referenced)
+
+
+async def _first_bytes(resp: httpx.Response) -> bytes:
+    async for chunk in resp.aiter_raw():
+        if chunk:
+            return chunk
+    return b""
+
+
+async def relay_disaggregated(
+    client: httpx.AsyncClient,
+    router: Router,
+    request_info: RequestInfo,
+    body: bytes | Mapping[str, Any],
+    decision: Decision,
+    *,
+    path: str = "/v1/completions",
+    headers: Iterable[tuple[str, str]] | None = None,
+    config: RelayConfig | None = None,
+    queue: DecodeQueue | None = None,
+    stats: RelayStats | None = None,
+    now: Callable[[], float] = time.monotonic,
+    request_id: str | None = None,
+) -> RelayResponse:
+    """Serve one request through a (prefill, decode) pair; see the module docstring.
+
+    ``decision`` comes from ``router.decide`` (it commits nothing); the relay commits a lease per
+    attempt. Returns once the decode worker's first bytes are in (every retry happens before):
+    stream ``RelayResponse.body()`` to the client and call ``aclose()`` in a ``finally``.
+    Raises ``RelayError`` (status, OpenAI-shaped body, headers) when no pair could serve it.
+    """
+    data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
+    if not isinstance(data, dict):
+        raise RelayError(400, "request body must be a JSON object", "invalid_request")
+    rid = request_id or f"mesh-{uuid.uuid4().hex}"
+    stats = stats if stats is not None else RelayStats()
+    stats.requests += 1
+    relay = _Relay(client, router, request_info, data, path, _forward_headers(headers, rid), config or RelayConfig(),
+                   queue if queue is not None else DecodeQueue(), stats, now)
+    return await relay.run(decision)
