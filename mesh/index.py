@@ -129,6 +129,7 @@ class PrefixIndex:
         self._spec: dict[int, dict[int, float]] = {}  # slot -> key -> speculative deadline
         self._spec_heap: list[tuple[float, int, int, int, Sequence[int]]] = []
         self._spec_seq = 0
+        self._names_cache: dict[int, tuple[str, ...]] = {}
         self._clock = 0
         self._lru: list[tuple[int, int]] = []  # (stamp, nid) of leaves, lazily invalidated
         self.evicted = 0  # keys evicted by the budget (a counter for metrics)
@@ -146,6 +147,7 @@ class PrefixIndex:
                 self._gen.append(0)
             self._slot[target] = slot
             self._live |= 1 << slot
+            self._names_cache.clear()
         return slot
 
     def targets(self) -> list[str]:
@@ -186,6 +188,7 @@ class PrefixIndex:
         self._dying |= bit
         self._tids[slot] = None
         self._gen[slot] += 1
+        self._names_cache.clear()
 
     def store_speculative(self, target: str, keys: Sequence[int], expires_at: float) -> None:
         """Count ``keys`` (a chain from a prompt's first block) as held on the GPU by ``target``
@@ -340,27 +343,47 @@ class PrefixIndex:
         if not (ca[first] & live):
             return {}
         total = _depths(keys, n, get, live, ca[first] & live, ca)
-        gpu = _depths(keys, n, get, live, cg[first] & live, cg) if cg[first] & live else []
         if self.max_keys:
             self._touch(get(keys[total[-1][0] - 1], EMPTY))
-        out: dict[str, Overlap] = {}
-        tids = self._tids
+        # a target whose whole prefix is on the GPU is in CG at its last block; only when some
+        # target is not (a CPU-tier block in its prefix) does the GPU depth need its own search
+        gpu: list[tuple[int, int]] | None = None
+        for depth, mask in total:
+            if cg[get(keys[depth - 1], EMPTY)] & mask != mask:
+                gpu = _depths(keys, n, get, live, cg[first] & live, cg) if cg[first] & live else []
+                break
+        names = self._names
+        if gpu is None:  # the usual case
+            if len(total) == 1:
+                return dict.fromkeys(names(total[0][1]), Overlap(total[0][0], 0))
+            out: dict[str, Overlap] = {}
+            for depth, mask in total:
+                out.update(dict.fromkeys(names(mask), Overlap(depth, 0)))
+            return out
+        out = {}
         for depth, mask in total:
             rest = mask
             for gdepth, gmask in gpu:
                 both = rest & gmask
                 if both:
-                    ov = Overlap(gdepth, depth - gdepth)
-                    for slot in _bits(both):
-                        out[tids[slot]] = ov  # type: ignore[index]
+                    out.update(dict.fromkeys(names(both), Overlap(gdepth, depth - gdepth)))
                     rest ^= both
                     if not rest:
                         break
             if rest:
-                ov = Overlap(0, depth)
-                for slot in _bits(rest):
-                    out[tids[slot]] = ov  # type: ignore[index]
+                out.update(dict.fromkeys(names(rest), Overlap(0, depth)))
         return out
+
+    def _names(self, mask: int) -> tuple[str, ...]:
+        """The targets of the live bits of ``mask``. Holder sets recur from query to query (the
+        holders of a system prompt), so they are cached until a slot changes hands."""
+        names = self._names_cache.get(mask)
+        if names is None:
+            if len(self._names_cache) >= 4096:
+                self._names_cache.clear()
+            tids = self._tids
+            names = self._names_cache[mask] = tuple([tids[i] for i in _bits(mask)])  # type: ignore[misc]
+        return names
 
     def holds(self, target: str, key: int) -> Tier | None:
         slot = self._slot.get(target)
@@ -771,19 +794,20 @@ class PrefixIndex:
         self._slots_free.extend(_bits(bits))
 
 
+# the set bits of every byte value, for _bits
+_BYTE_BITS = [tuple(j for j in range(8) if v >> j & 1) for v in range(256)]
+
+
 def _bits(mask: int) -> list[int]:
     """Indices of the set bits of a non-negative ``mask``."""
     if mask & (mask - 1) == 0:
         return [mask.bit_length() - 1] if mask else []
-    if mask.bit_count() > 24:
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
+    if mask < 1 << 64:
+        return [j for j in _BYTE_BITS[mask & 0xFF]] + [
+            (i << 3) + j for i in range(1, (mask.bit_length() + 7) >> 3) for j in _BYTE_BITS[mask >> (i << 3) & 0xFF]
+        ]
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
 
 def _depths(

@@ -19,6 +19,7 @@ costs ``c`` min-max normalized to [0, 1] (Dynamo's sampling). Targets at their a
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from typing import Any
@@ -38,13 +39,16 @@ def _param(name: str, value: Any, lo: float) -> float:
 @register("policy", "kv_aware")
 class KvAware(Policy):
     """Params: ``prefill_load_scale`` (1.0), ``cpu_weight`` (0.75, Dynamo's host-tier credit),
-    ``temperature`` (0: argmin; > 0: softmax sampling), ``seed``."""
+    ``temperature`` (0: argmin; > 0: softmax sampling), ``explain_top`` (32: the cheapest targets
+    whose terms ``Decision.scores`` and ``Decision.overlaps`` list, the pick always among them),
+    ``seed``."""
 
     def __init__(
         self,
         prefill_load_scale: float = 1.0,
         cpu_weight: float = 0.75,
         temperature: float = 0.0,
+        explain_top: int = 32,
         seed: int | None = None,
     ) -> None:
         self.prefill_load_scale = _param("prefill_load_scale", prefill_load_scale, 0.0)
@@ -52,35 +56,39 @@ class KvAware(Policy):
         if self.cpu_weight > 1.0:
             raise ValueError(f"cpu_weight must be <= 1 (a CPU hit never beats a GPU hit), got {cpu_weight}")
         self.temperature = _param("temperature", temperature, 0.0)
+        self.explain_top = int(_param("explain_top", explain_top, 1))
         self._rng = random.Random(seed)
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
-        found = cluster.available(request)
-        if not found:
-            raise NoCandidate(f"no healthy worker serves model {request.model!r}")
-        roomy = [t for t in found if not t.max_in_flight or t.in_flight < t.max_in_flight]
-        found = roomy or found
-        overlaps = cluster.overlaps(request) if request.block_keys else {}
+        get = (cluster.overlaps(request) if request.block_keys else {}).get
         bs = max(request.block_size, 1)
         prompt = request.prompt_tokens / bs
+        scale, cpu_weight, model = self.prefill_load_scale, self.cpu_weight, request.model
         costs: dict[str, float] = {}
-        scores: dict[str, dict[str, float]] = {}
-        used: dict[str, Overlap] = {}
-        for t in found:
-            ov = overlaps.get(t.id, NO_OVERLAP) if t.index_healthy else NO_OVERLAP
-            queued, decode, cost = self._cost(t, ov, prompt, bs)
-            costs[t.id] = cost
-            scores[t.id] = {
-                "cost": cost,
-                "gpu_overlap": float(ov.gpu_blocks),
-                "cpu_overlap": float(ov.cpu_blocks),
-                "queued_prefill_blocks": queued,
-                "decode_blocks": decode,
-                "index_healthy": 1.0 if t.index_healthy else 0.0,
-            }
-            if ov.blocks:
-                used[t.id] = ov
+        found: list[TargetState] = []
+        full: list[str] = []
+        # one lean pass (1,024 targets stay well under a millisecond); the candidates are those
+        # of ClusterView.available(request): available and serving the model
+        for t in cluster.targets:
+            if not t.available or (t.models and model not in t.models):
+                continue
+            found.append(t)
+            tbs = t.block_size or bs
+            ov = get(t.id) if t.index_healthy else None
+            new = t.prefill_tokens / tbs + prompt
+            if ov is not None:
+                new -= ov.gpu_blocks + cpu_weight * ov.cpu_blocks
+            costs[t.id] = (scale * new if new > 0 else 0.0) + t.decode_tokens / tbs
+            if t.max_in_flight and t.in_flight >= t.max_in_flight:
+                full.append(t.id)
+        if not costs:
+            raise NoCandidate(f"no healthy worker serves model {model!r}")
+        if full and len(full) < len(costs):  # at their admission ceiling while others have room
+            for tid in full:
+                del costs[tid]
+            found = [t for t in found if t.id in costs]
         pick, how = self._pick(costs)
+        scores, used = self._explain(found, costs, pick, get, bs)
         best = used.get(pick, NO_OVERLAP)
         reason = (
             f"kv_aware: {how} cost {costs[pick]:.1f} blocks; cached {best.gpu_blocks} GPU + "
@@ -88,13 +96,29 @@ class KvAware(Policy):
         )
         return Decision(pick, reason, scores, used)
 
-    def _cost(self, t: TargetState, ov: Overlap, prompt: float, bs: int) -> tuple[float, float, float]:
-        """``(queued prefill blocks, decode blocks, cost)`` of sending the request to ``t``."""
-        tbs = max(t.block_size or bs, 1)
-        queued = t.prefill_tokens / tbs
-        decode = t.decode_tokens / tbs
-        new = max(queued + prompt - ov.gpu_blocks - self.cpu_weight * ov.cpu_blocks, 0.0)
-        return queued, decode, self.prefill_load_scale * new + decode
+    def _explain(self, found: list[TargetState], costs: dict[str, float], pick: str, get: Any,
+                 bs: int) -> tuple[dict[str, dict[str, float]], dict[str, Overlap]]:
+        """Per-target terms for the ``explain_top`` cheapest targets (and the pick)."""
+        chosen = found
+        if len(found) > self.explain_top:
+            keep = set(heapq.nsmallest(self.explain_top, costs, key=costs.__getitem__)) | {pick}
+            chosen = [t for t in found if t.id in keep]
+        scores: dict[str, dict[str, float]] = {}
+        used: dict[str, Overlap] = {}
+        for t in chosen:
+            tbs = t.block_size or bs
+            ov = (get(t.id) if t.index_healthy else None) or NO_OVERLAP
+            scores[t.id] = {
+                "cost": costs[t.id],
+                "gpu_overlap": float(ov.gpu_blocks),
+                "cpu_overlap": float(ov.cpu_blocks),
+                "queued_prefill_blocks": t.prefill_tokens / tbs,
+                "decode_blocks": t.decode_tokens / tbs,
+                "index_healthy": 1.0 if t.index_healthy else 0.0,
+            }
+            if ov.blocks:
+                used[t.id] = ov
+        return scores, used
 
     def _pick(self, costs: dict[str, float]) -> tuple[str, str]:
         lo = min(costs.values())
@@ -106,7 +130,8 @@ class KvAware(Policy):
             span = hi - lo
             weights = [math.exp(-(costs[i] - lo) / span / self.temperature) for i in ids]
             return self._rng.choices(ids, weights)[0], f"sampled (T={self.temperature})"
-        ties = [tid for tid, c in costs.items() if c - lo <= _TIE * max(1.0, abs(lo))]
+        cut = lo + _TIE * max(1.0, abs(lo))
+        ties = [tid for tid, c in costs.items() if c <= cut]
         return self._rng.choice(ties), "lowest"
 
     def describe(self) -> dict[str, Any]:
@@ -115,5 +140,6 @@ class KvAware(Policy):
             "prefill_load_scale": self.prefill_load_scale,
             "cpu_weight": self.cpu_weight,
             "temperature": self.temperature,
+            "explain_top": self.explain_top,
         }
 

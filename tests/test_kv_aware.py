@@ -115,3 +115,14 @@ def test_registered_and_params_validated() -> None:
         registry.create("policy", {"name": "kv_aware", "params": {"cpu_weight": 1.5}})
     with pytest.raises(registry.PluginError):
         registry.create("policy", {"name": "kv_aware", "params": {"temperature": -1}})
+
+
+def test_explanation_is_limited_to_the_cheapest_targets_and_the_pick() -> None:
+    index = PrefixIndex()
+    index.store("t39", KEYS)
+    targets = [TargetState(f"t{i}", f"t{i}", decode_tokens=16 * i) for i in range(39)]
+    targets.append(TargetState("t39", "t39"))
+    d = KvAware(explain_top=5, seed=0).decide(request(), view(targets, index))
+    assert d.target == "t39"
+    assert set(d.scores) == {"t0", "t1", "t2", "t3", "t39"}
+    assert d.overlaps == {"t39": Overlap(10, 0)}
