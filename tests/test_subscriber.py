@@ -445,7 +445,7 @@ async def test_garbage_truncated_oversized_and_unknown_frames_are_counted() -> N
     sub = make_sub(index, max_frame_bytes=4096, unhealthy_after_bad_frames=3,
                    on_health=lambda t, ok: flips.append((t, ok)))
     try:
-        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL))
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await subscribed(sub, target, pub, rng)
         engine = ToyEngine(rng)
         prompts = [p for c in sessions(rng, 1, 4) for p in c]
@@ -463,13 +463,19 @@ async def test_garbage_truncated_oversized_and_unknown_frames_are_counted() -> N
         assert h.decode_errors == 2 and h.resets == {"undecodable": 2, "oversized": 1}
         assert (target, False) in flips  # five bad frames in a row made it unhealthy
         assert index.keys_of(target) == set()
-        # unknown events are skipped, then the stream is healthy and useful again
+        # unknown events, a token count off the block size and a foreign block size are skipped;
+        # then the stream is healthy and useful again
         engine = ToyEngine(rng)
-        events = [("Heartbeat",), *engine.serve(prompts[2])]
-        pub.publish(encode_events(events, "array", "array3", "uint", rng))
+        odd = ["BlockStored", [11], None, [1, 2, 3, 4, 5], BS, None, "GPU"]
+        foreign = ["BlockStored", [12], None, [1, 2, 3, 4, 5, 6, 7, 8], 8, None, "GPU"]
+        payload = msgspec.msgpack.decode(encode_events([("Heartbeat",), *engine.serve(prompts[2])], "array", "array3",
+                                                       "uint", rng))
+        payload[1] += [odd, foreign]
+        pub.publish(msgspec.msgpack.encode(payload))
         await caught_up(sub, target, pub)
         assert sub.healthy(target) and flips[-1] == (target, True)
-        assert sub.health()[target].events.get("unknown") == 1
+        events = sub.health()[target].events
+        assert events.get("unknown") == 1 and events.get("invalid") == 1 and events.get("block_size_mismatch") == 1
         check_index(index, target, engine, prompts[2:3])
     finally:
         await sub.stop()
@@ -523,6 +529,24 @@ async def test_metrics_are_exported_on_the_given_registry_and_stop_is_clean() ->
     await sub.stop()  # idempotent
     assert b"mesh_kv_events" not in generate_latest(registry)
     pub.close()
+
+
+async def test_a_stream_silent_past_stale_after_is_unhealthy() -> None:
+    rng = random.Random(8)
+    pub = Publisher()
+    now = [0.0]
+    sub = make_sub(PrefixIndex(), stale_after_s=5.0, clock=lambda: now[0])
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL))
+        await subscribed(sub, target, pub, rng)
+        await caught_up(sub, target, pub)
+        now[0] = 4.0
+        assert sub.healthy(target)
+        now[0] = 60.0
+        assert not sub.healthy(target)
+    finally:
+        await sub.stop()
+        pub.close()
 
 
 def test_rank_endpoints_follow_vllms_port_offset() -> None:
