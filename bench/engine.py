@@ -16,6 +16,7 @@ Targets (issue 3): decode at batch 64 >= 50% of the bandwidth roofline; 32k pref
 the matmul ceiling. Imports torch, numpy, xxhash and the engine only (rich if present):
 
     python3 bench/engine.py [--presets qwen2-0.5b,llama3-8b] [--json bench/results/engine.json]
+    python bench/engine.py --device cpu        # the tiny preset on CPU (fp32 ceilings)
 """
 
 from __future__ import annotations
@@ -45,7 +46,19 @@ PROMPT_LENS = [1024, 2048, 4096, 8192, 16384, 32768]
 # ---- ceilings ---------------------------------------------------------------------------------------
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _median_ms(fn: Any, reps: int) -> float:
+    if not torch.cuda.is_available():  # CPU: the host clock is the device clock
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,20 +70,24 @@ def _median_ms(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_ceilings() -> dict[str, float]:
+def measure_ceilings(device: str) -> dict[str, float]:
+    if device == "cpu":  # fp32, sizes a laptop holds: 512 MiB copy, 2048^3 matmul
+        src = torch.randn(1 << 27)
+        dst = torch.empty_like(src)
+        copy_ms = _median_ms(lambda: dst.copy_(src), 5)
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        mm_ms = _median_ms(lambda: a @ b, 5)
+        return {"copy_gbs": 2 * 4 * (1 << 27) / copy_ms / 1e6, "matmul_tflops": 2 * 2048**3 / mm_ms / 1e9}
     n = 1 << 30  # 2 GiB of bf16 per buffer
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     dst.copy_(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), 20)
-    del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     mm_ms = _median_ms(lambda: a @ b, 20)
-    del a, b
-    torch.cuda.empty_cache()
     return {"copy_gbs": 2 * 2 * n / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
 
 
@@ -146,7 +163,7 @@ def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], 
         if len(running) != b or engine.scheduler.waiting:
             raise RuntimeError(f"expected {b} running decodes, got {len(running)}")
         ctx0 = sum(len(s) for s in running)  # context of the first timed step (all tokens incl. new)
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -179,7 +196,7 @@ def bench_decode(engine: LLMEngine, ceil: dict[str, float], batches: list[int], 
 
 def _prefill_once(engine: LLMEngine, n: int, rng: random.Random) -> float:
     prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(n)]
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     engine.add_request(f"p{rng.random()}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     while engine.has_unfinished():
@@ -216,7 +233,8 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     steps_total = len(batches) * (args.steps + args.warmup + 2) + 8
     blocks = max(batches) * -(-(args.context + steps_total + 16) // 16) + -(-(max(lens) + 16) // 16) + 64
     config = EngineConfig(
-        device="cuda", attention_backend="triton", num_kv_blocks=blocks, max_num_seqs=max(batches),
+        device=args.device, attention_backend="triton" if args.device == "cuda" else "torch",
+        num_kv_blocks=blocks, max_num_seqs=max(batches),
         max_num_batched_tokens=args.chunk, max_model_len=max(lens) + 64, cuda_graphs=True, seed=0,
     )
     print(f"{name}: {cfg.num_params() / 1e9:.2f}B params, {blocks} KV blocks", flush=True)
@@ -234,7 +252,8 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     out["prefill"] = bench_prefill(engine, ceil, lens, deadline)
     out["engine_stats"] = engine.stats()
     del engine
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -256,7 +275,7 @@ def print_tables(result: dict[str, Any]) -> None:
         tables = [
             (f"{name} decode (copy ceiling {ceil['copy_gbs']:.0f} GB/s)",
              ["batch", "ms/step", "tok/s", "ctx", "GB/step", "roofline ms", "% roofline", "fwd ms", "fwd % roofline"], dec),
-            (f"{name} prefill (bf16 matmul ceiling {ceil['matmul_tflops']:.0f} TFLOP/s)",
+            (f"{name} prefill (matmul ceiling {ceil['matmul_tflops']:.2f} TFLOP/s)",
              ["prompt", "ms", "tok/s", "TFLOP/s", "% matmul peak"], pre),
         ]
         for title, headers, rows in tables:
@@ -277,45 +296,64 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 def targets(result: dict[str, Any]) -> list[str]:
-    lines = []
+    """The issue's targets, for GPU runs (a CPU run has none)."""
+    lines: list[str] = []
+    if str(result.get("device", "")).startswith("cpu"):
+        return lines
     for name, res in result["presets"].items():
         d64 = next((r for r in res["decode"] if r["batch"] == 64), None)
         p32 = next((r for r in res["prefill"] if r["prompt_tokens"] == 32768), None)
         if d64:
             ok = "MET" if d64["frac_roofline"] >= 0.5 else "MISSED"
             lines.append(f"{name}: decode B=64 {100 * d64['frac_roofline']:.1f}% of bandwidth roofline "
-                         f"(target 50%): {ok}; forward alone {100 * (d64['forward_frac_roofline'] or 0):.1f}%")
+                         f"(target 50%): {ok}; forward alone "
+                         + ("-" if d64["forward_frac_roofline"] is None else f"{100 * d64['forward_frac_roofline']:.1f}%"))
         if p32:
             ok = "MET" if p32["frac_matmul_peak"] >= 0.4 else "MISSED"
             lines.append(f"{name}: prefill 32k {100 * p32['frac_matmul_peak']:.1f}% of matmul peak (target 40%): {ok}")
     return lines
 
 
+CPU_DEFAULTS = {"presets": "tiny", "batches": [1, 4, 16, 64], "prompt_lens": [256, 1024, 4096], "context": 128,
+                "steps": 16, "chunk": 4096}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="qwen2-0.5b,llama3-8b")
-    ap.add_argument("--json", default="bench/results/engine.json")
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=BATCHES)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the tiny preset on the torch backend, with CPU ceilings (fp32 copy, matmul)")
+    ap.add_argument("--presets", default=None, help="default qwen2-0.5b,llama3-8b (cuda), tiny (cpu)")
+    ap.add_argument("--json", default=None, help="default bench/results/engine.json (cuda), engine-cpu.json (cpu)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=PROMPT_LENS)
-    ap.add_argument("--context", type=int, default=512, help="decode prompt length")
-    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--context", type=int, default=None, help="decode prompt length (default 512; cpu 128)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size (default 32)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (prefill chunk; default 16384)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip prefill lengths past this")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/engine.py needs a CUDA GPU", file=sys.stderr)
+    gpu_defaults = {"presets": "qwen2-0.5b,llama3-8b", "batches": BATCHES, "prompt_lens": PROMPT_LENS,
+                    "context": 512, "steps": 32, "chunk": 16384}
+    for key, value in (CPU_DEFAULTS if args.device == "cpu" else gpu_defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.json is None:
+        args.json = "bench/results/engine-cpu.json" if args.device == "cpu" else "bench/results/engine.json"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/engine.py --device cuda needs a CUDA GPU (try --device cpu)", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
-    import triton
-
-    ceil = measure_ceilings()
-    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    ceil = measure_ceilings(args.device)
+    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, matmul {ceil['matmul_tflops']:.2f} TFLOP/s", flush=True)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "ceilings": ceil, "presets": {}, "args": {k: v for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "ceilings": ceil, "presets": {}, "args": dict(vars(args)),
     }
+    if args.device == "cuda":
+        import triton
+
+        result["triton"] = triton.__version__
     path = Path(os.environ.get("BENCH_JSON") or args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     for name in args.presets.split(","):

@@ -109,6 +109,7 @@ def test_multi_turn_reuses_every_full_block_including_generated(model: torch.nn.
     rng = random.Random(3)
     history = [rng.randrange(256) for _ in range(70)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    previous_len = 0
     for turn in range(3):
         engine.add_request(f"t{turn}", history, params)
         out, cached = [], None

@@ -258,7 +258,7 @@ class BlockManager:
     # ---- integrity --------------------------------------------------------------------------
 
     def check(self, seqs: Iterable[Sequence] | None = None) -> None:
-        """Raise AssertionError-free RuntimeError on any broken invariant (tests call this)."""
+        """Raise RuntimeError naming every broken invariant (tests call this after operations)."""
         errors: list[str] = []
         for block in self.blocks:
             in_free = block.block_id in self.free
