@@ -40,12 +40,16 @@ def _worker_command() -> list[str]:
         return [sys.executable, "-m", "workers.cli"]
 
 
+REPLAY_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def worker() -> Iterator[str]:
     port = _free_port()
     cmd = _worker_command() + [
         "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_BLOCKS),
         "--cpu-threads", "1", "--log-level", "warning",
+        "--kv-events-endpoint", f"tcp://*:{_free_port()}", "--kv-events-replay-endpoint", f"tcp://*:{REPLAY_PORT}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -194,3 +198,37 @@ def test_client_disconnect_frees_blocks(worker: str) -> None:
     m = _wait_idle(worker)
     assert m["mesh_worker_kv_blocks_used"] == 0 and m["mesh_worker_num_requests_running"] == 0
     assert m["mesh_worker_generation_tokens_total"] - start < 1500
+
+
+def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
+    import msgspec
+    import zmq
+
+    from mesh.keys import block_keys, namespace_seed
+
+    prompt = f"events {uuid.uuid4().hex} " + "x" * 40  # 88 bytes: 5 full blocks
+    _client(worker).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    tokens = list(prompt.encode())
+    keys = block_keys(tokens, 16, namespace_seed(MODEL))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{REPLAY_PORT}")
+    stored: list[int] = []
+    try:
+        for _ in range(50):  # the publisher thread may be a moment behind the response
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                assert dealer.poll(5000)
+                _, _topic, seq, payload = dealer.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    break
+                for ev in msgspec.msgpack.decode(payload)[1]:
+                    if ev["type"] == "BlockStored":
+                        stored += ev["block_hashes"]
+            if set(keys) <= set(stored):
+                break
+            time.sleep(0.1)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert set(keys) <= set(stored)  # the engine's hashes are the router's keys of the prompt

@@ -230,7 +230,11 @@ class LLMEngine:
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop died; no request can be served (HTTP 503)."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request when it arrived (HTTP 400)."""
 
 
 class AsyncLLMEngine:
@@ -328,7 +332,7 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(rid, ids, params, salt)
                 except ValueError as exc:
-                    self._deliver(rid, exc)
+                    self._deliver(rid, RequestRejected(str(exc)))
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
             elif cmd[0] == "reset":

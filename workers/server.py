@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh.tokenizer import ChatTemplateError
-from workers.engine import AsyncLLMEngine, EngineDeadError, RequestOutput
+from workers.engine import AsyncLLMEngine, EngineDeadError, RequestOutput, RequestRejected
 from workers.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(503, str(exc), code="engine_dead")
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_: Request, exc: RequestRejected) -> JSONResponse:
+        return _error_response(400, str(exc))
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:
@@ -434,8 +442,8 @@ def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int]
                     yield chunk(choice(c.text, None))
                 if c.finish_reason is not None:
                     yield chunk(choice(None if chat else "", c.finish_reason))
-        except EngineDeadError as exc:
-            yield _sse(error_body(503, str(exc)))
+        except (EngineDeadError, RequestRejected) as exc:  # headers are sent: report in the stream
+            yield _sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
             return
         if include_usage and last is not None:
             yield chunk(None, _usage([last]))
