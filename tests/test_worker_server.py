@@ -232,3 +232,18 @@ def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
         dealer.close(linger=0)
         ctx.term()
     assert set(keys) <= set(stored)  # the engine's hashes are the router's keys of the prompt
+
+
+def test_stop_strings_cut_the_text_even_across_chunks() -> None:
+    from workers.server import StopText
+
+    text = StopText(["END", "\n\n"])
+    out = []
+    for piece in ["Hello E", "N", "D tail"]:
+        delta, stopped = text.push(piece)
+        out.append(delta)
+        if stopped:
+            break
+    assert "".join(out) == "Hello " and stopped  # "E" was held back until "END" was decided
+    plain = StopText([])
+    assert plain.push("abc") == ("abc", False) and plain.flush() == ""
