@@ -397,15 +397,41 @@ def start_sglang(worker_ports: list[int], port: int, tmp: Path) -> subprocess.Po
 # -- driver ----------------------------------------------------------------------------------
 
 
-async def measure(ports: list[int], pid: int | None, args: argparse.Namespace, progress: Any, task: Any) -> dict[str, Any]:
+def latency_buckets(metrics_url: str) -> dict[float, float]:
+    """Mesh's own ``mesh_request_latency_seconds`` buckets (chat route): le -> cumulative count."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("mesh_request_latency_seconds_bucket{") and 'route="chat"' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def internal_shares(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """Share of requests whose time inside Mesh (first body byte in to last byte out) was under 1 / 2.5 ms."""
+    total = after.get(float("inf"), 0) - before.get(float("inf"), 0)
+    if total <= 0:
+        return {}
+    share = lambda le: round(100 * (after.get(le, 0) - before.get(le, 0)) / total, 2)  # noqa: E731
+    return {"inside_mesh_under_1ms_pct": share(0.001), "inside_mesh_under_2_5ms_pct": share(0.0025)}
+
+
+async def measure(
+    ports: list[int], pid: int | None, args: argparse.Namespace, progress: Any, task: Any, metrics_url: str | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # warm up: connections, pools, caches
     await closed_loop(ports, False, 8, 0.5)
     await closed_loop(ports, True, 8, 0.5)
     for stream in (False, True):
         kind = "stream" if stream else "json"
+        before = latency_buckets(metrics_url) if metrics_url and not stream else None
         r = await open_loop(ports, stream, args.rate, args.duration)
         out[f"latency_{kind}"] = r.summary()
+        if before is not None and metrics_url:
+            out[f"latency_{kind}"].update(internal_shares(before, latency_buckets(metrics_url)))
         progress.advance(task)
         c0 = cpu_seconds(pid) if pid else 0.0
         r = await closed_loop(ports, stream, args.concurrency, args.duration)
@@ -462,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for name, ports, pid in targets:
                     progress.update(task, description=f"round {r + 1}/{args.rounds}: {name}")
-                    rounds[name].append(_run(measure(ports, pid, args, progress, task)))
+                    metrics_url = f"http://127.0.0.1:{ports[0]}/metrics" if name == "mesh" else None
+                    rounds[name].append(_run(measure(ports, pid, args, progress, task, metrics_url)))
         results = {name: median_of_rounds(rs) for name, rs in rounds.items()}
     finally:
         for proc in reversed(procs):
@@ -543,6 +570,12 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     console.print(table)
     for key, value in report["ratios"].items():
         console.print(f"{key}: {value}")
+    inside = report["results"].get("mesh", {}).get("latency_json", {})
+    if "inside_mesh_under_1ms_pct" in inside:
+        console.print(
+            f"mesh at {report['config']['rate']:g} req/s: {inside['inside_mesh_under_1ms_pct']}% of requests spent < 1 ms "
+            f"inside the gateway, {inside['inside_mesh_under_2_5ms_pct']}% < 2.5 ms (its own histogram)"
+        )
     console.print(f"load average during run: {report['machine']['load_avg']}")
 
 

@@ -33,7 +33,6 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from mesh.config import ConfigError, MeshConfig, WorkerConfig, load_config
 from mesh.errors import MeshError, install_handlers
@@ -129,13 +128,61 @@ async def _serve_data(gateway: Gateway, scope: Any, receive: Any, send: Any, rou
     await proxy.handle(scope, receive, send, route[0], route[1])
 
 
-def _data_endpoint(route: tuple[str, str]) -> Any:
-    """The same handler as a plain ASGI endpoint (used when the fast path is bypassed)."""
+class _ProxyResponse(Response):
+    """Hands the untouched ASGI exchange to the proxy (the request body is still unread)."""
 
-    async def endpoint(scope: Any, receive: Any, send: Any) -> None:
-        await _serve_data(scope["app"].state.gateway, scope, receive, send, route)
+    def __init__(self, gateway: Gateway, route: tuple[str, str]) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.route = route
 
-    return endpoint
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await _serve_data(self.gateway, scope, receive, send, self.route)
+
+
+_BODY_SCHEMA = {
+    "chat": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string"},
+            "messages": {"type": "array", "items": {"type": "object"}},
+            "stream": {"type": "boolean"},
+            "max_tokens": {"type": "integer"},
+            "user": {"type": "string"},
+        },
+    },
+    "completion": {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+            "stream": {"type": "boolean"},
+            "max_tokens": {"type": "integer"},
+            "user": {"type": "string"},
+        },
+    },
+}
+
+
+def _add_data_routes(app: FastAPI, gateway: Gateway) -> None:
+    """Documented in the OpenAPI schema; ``MeshApp.__call__`` serves them before FastAPI routing."""
+    def endpoint_for(route: tuple[str, str]) -> Any:
+        async def endpoint() -> Response:
+            return _ProxyResponse(gateway, route)
+
+        return endpoint
+
+    for path, route in DATA_ROUTES.items():
+        app.add_api_route(
+            path,
+            endpoint_for(route),
+            methods=["POST"],
+            tags=["openai"],
+            summary=f"OpenAI {route[0]} completion, proxied to the chosen worker (streaming or not)",
+            openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _BODY_SCHEMA[route[0]]}}}},
+        )
 
 
 def _load_sessions(config: MeshConfig) -> Any:
@@ -206,8 +253,7 @@ def create_app(config: MeshConfig | None = None, *, config_path: str | Path | No
     app = MeshApp(title="Mesh", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = gateway
     install_handlers(app)
-    for path, route in DATA_ROUTES.items():
-        app.router.routes.append(Route(path, _data_endpoint(route), methods=["POST"]))
+    _add_data_routes(app, gateway)
     _add_routes(app, gateway)
     return app
 
