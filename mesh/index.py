@@ -593,19 +593,24 @@ class PrefixIndex:
         if k < m:
             rest = m - k
             n0 = len(key_a)
-            key_a.extend(keys[k:])
+            tail = keys[k:]
+            key_a.fromlist(tail if type(tail) is list else [int(x) for x in tail])
             par.append(p)
-            par.extend(range(n0, n0 + rest - 1))
-            kid.extend(range(n0 + 1, n0 + rest))
+            if rest > 16:  # array.extend(range) converts item by item: numpy builds the bytes
+                par.frombytes(np.arange(n0, n0 + rest - 1, dtype=np.int64).tobytes())
+                kid.frombytes(np.arange(n0 + 1, n0 + rest, dtype=np.int64).tobytes())
+            else:
+                par.fromlist(list(range(n0, n0 + rest - 1)))
+                kid.fromlist(list(range(n0 + 1, n0 + rest)))
             kid.append(0)
-            stamp_a.extend(repeat(stamp, rest))
+            stamp_a.fromlist([stamp] * rest)
             g.extend(repeat(gv, rest))
             c.extend(repeat(cv, rest))
             s.extend(repeat(sv, rest))
             ca.extend(repeat(ca_v, rest))
             cg.extend(repeat(cg_v, rest))
             pend.extend(repeat(waiting, rest))
-            ids.update(zip(keys[k:], range(n0, n0 + rest)))
+            ids.update(zip(tail, range(n0, n0 + rest)))
             if p > ROOT:
                 if kid[p] == 0:
                     kid[p] = n0
