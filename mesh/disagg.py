@@ -146,6 +146,7 @@ class RelayResponse:
     kv_transfer_params: dict[str, Any] | None
     prefill_usage: dict[str, Any] | None  # the prefill answer's usage (its own prefix-cache hits)
     _resp: httpx.Response
+    _chunks: AsyncIterator[bytes] | None  # the rest of a streamed body (one iterator: httpx allows one)
     _lease: Lease
     _now: Callable[[], float]
     _closed: bool = field(default=False)
@@ -153,10 +154,10 @@ class RelayResponse:
     async def body(self) -> AsyncIterator[bytes]:
         """The whole body: the first bytes, then the rest (an SSE error event if it breaks)."""
         yield self.first
-        if not self.stream:
+        if self._chunks is None:
             return
         try:
-            async for chunk in self._resp.aiter_raw():
+            async for chunk in self._chunks:
                 yield chunk
         except httpx.HTTPError as exc:
             log.warning("decode stream from %s broke: %r", self.decode, exc)
@@ -260,9 +261,12 @@ class _Relay:
                     self.stats.transfer_failures += 1
                     last = exc
                     self.bad_prefill.append(prefill_id)
-                    self.cancel(prefill_id, kv)
+                    await self.cancel(prefill_id, kv)
+                except asyncio.CancelledError:  # the client went away: do not wait on anything
+                    self.cancel_later(prefill_id, kv)
+                    raise
                 except BaseException:
-                    self.cancel(prefill_id, kv)
+                    await self.cancel(prefill_id, kv)
                     raise
             try:
                 decision = self.decide(self.bad_prefill + self.bad_decode)
@@ -333,8 +337,8 @@ class _Relay:
                 attempts += 1
                 last = exc
                 self.bad_decode.append(decode_id)
-        if last is not None:
-            raise last
+        if last is not None:  # every decode worker failed: answer the last one's error
+            raise RelayError(last.status, f"no decode worker could take the request: {last}", last.code, last.body)
         raise RelayError(503, "no decode worker can take the request", "no_decode_worker")
 
     def next_decode(self, prefill_id: str) -> str | None:
@@ -364,7 +368,8 @@ class _Relay:
                 if resp.status_code != 200:
                     content = await resp.aread()
                     self.classify(resp, content, decode_id)
-                first = await _first_bytes(resp) if self.stream else await resp.aread()
+                chunks = resp.aiter_raw() if self.stream else None
+                first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
             except httpx.HTTPError as exc:
                 raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
             if self.stream and not first:
@@ -373,7 +378,7 @@ class _Relay:
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
             headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
             out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
-                                self.prefill_usage, resp, lease, self.now)
+                                self.prefill_usage, resp, chunks, lease, self.now)
             handed_over = True  # the response and the lease belong to the RelayResponse now
             return out
         finally:
@@ -396,18 +401,25 @@ class _Relay:
 
     # -- cleanup --
 
-    def cancel(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
-        """Tell the prefill worker nobody will pull this transfer (best effort, background)."""
+    def _release_url(self, prefill_id: str, kv: dict[str, Any] | None) -> str | None:
         if not kv or not kv.get("transfer_id") or prefill_id not in self.router.targets:
+            return None  # not a bundled worker's transfer (vLLM's connectors time out by themselves)
+        return self.router.targets[prefill_id].url.rstrip("/") + "/kv_transfer/release"
+
+    async def cancel(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
+        """Tell the prefill worker nobody will pull this transfer (best effort: its deadline
+        releases it otherwise). Its own client: the caller's may be closing."""
+        url = self._release_url(prefill_id, kv)
+        if url is None:
             return
-        url = self.router.targets[prefill_id].url.rstrip("/") + "/kv_transfer/release"
         self.stats.cancels_sent += 1
+        with contextlib.suppress(Exception):
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                await client.post(url, json={"transfer_id": kv["transfer_id"], "cancel": True})  # type: ignore[index]
 
-        async def send() -> None:
-            with contextlib.suppress(Exception):
-                await self.client.post(url, json={"transfer_id": kv["transfer_id"], "cancel": True}, timeout=5.0)
-
-        task = asyncio.get_running_loop().create_task(send())
+    def cancel_later(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
+        """``cancel`` in the background (the request itself is being cancelled)."""
+        task = asyncio.get_running_loop().create_task(self.cancel(prefill_id, kv))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
 
@@ -419,8 +431,8 @@ class _Full(_Retry):
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # cancel requests in flight (kept referenced)
 
 
-async def _first_bytes(resp: httpx.Response) -> bytes:
-    async for chunk in resp.aiter_raw():
+async def _first_bytes(chunks: AsyncIterator[bytes]) -> bytes:
+    async for chunk in chunks:  # not closed on return: the caller goes on with the same iterator
         if chunk:
             return chunk
     return b""

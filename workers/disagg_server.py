@@ -502,6 +502,8 @@ class DisaggApp:
             response: Response = JSONResponse({"role": service.config.role, "engine_id": service.engine_id,
                                                "layout": service.layout.to_dict(), "transport": service.config.transport,
                                                "tcp_port": service.tcp_port, **(await service.stats())})
+        elif path == "/kv_transfer/transfers" and method == "GET":
+            response = JSONResponse({"transfers": service.registry.describe(time.monotonic())})
         elif method != "POST":
             response = _error(405, "method not allowed")
         else:

@@ -183,6 +183,12 @@ class TransferRegistry:
     def pinned_blocks(self) -> int:
         return sum(t.num_blocks for t in self._live.values())
 
+    def describe(self, now: float) -> list[dict[str, object]]:
+        """The live transfers (debugging and tests)."""
+        return [{"transfer_id": t.transfer_id, "num_blocks": t.num_blocks, "pending": sorted(t.pending),
+                 "readers": t.readers, "released_by": t.released_by.value if t.released_by else None,
+                 "expires_in_s": round(t.deadline - now, 3)} for t in self._live.values()]
+
     def stats(self) -> dict[str, float]:
         c = self.counters
         return {

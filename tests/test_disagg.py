@@ -1,0 +1,293 @@
+"""Prefill -> decode disaggregation end to end on loopback: real worker processes
+(``workers.disagg_server``, tiny preset, CPU), the gateway relay (``mesh.disagg``) and a
+``Router`` with a prefill/decode pipeline, driven from the test process.
+
+Every test ends with no leaked, pinned or in-use block, no live transfer and no pending
+admission on any live worker (``/metrics``), and with every router lease settled.
+The multi-node variant (workers in network namespaces) is ``test_disagg_netns.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats
+from policies.base import Decision
+from tests.disagg_cluster import (
+    Cluster,
+    assert_leases_settled,
+    assert_no_leaks,
+    astatus,
+    completion,
+    direct,
+    prompt_tokens,
+    relay,
+    request_info,
+    set_faults,
+    status,
+    wait_for,
+)
+from tests.procs import ProcessGroup, kill_process
+
+CHAT_PATH = "/v1/chat/completions"
+POOL = ["p0", "p1", "d0", "d1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(module_procs: ProcessGroup) -> Cluster:
+    c = Cluster(module_procs)
+    c.start("p0", "prefill")
+    c.start("p1", "prefill")
+    c.start("d0", "decode", "--kv-max-pending", "1")
+    c.start("d1", "decode", "--kv-max-pending", "1")
+    c.start("dx", "decode", "--dtype", "bfloat16")  # another KV layout
+    c.start("pc", "prefill", "--kv-transfer-consumers", "decode,cpu_save", "--kv-transfer-ttl", "3")
+    c.start("m", "mixed")
+    c.wait()
+    return c
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(cluster: Cluster) -> Iterator[None]:
+    yield
+    for w in cluster.alive():
+        set_faults(w.url, corrupt=0, truncate=0, delay_s=0.0, layout_override={})
+    assert_no_leaks(cluster.alive())
+
+
+def _pair(prefill: str, decode: str) -> Decision:
+    return Decision(prefill, "test pair", decode_target=decode)
+
+
+async def test_disaggregated_greedy_output_equals_one_mixed_worker(cluster: Cluster) -> None:
+    router = cluster.router(POOL)
+    m = cluster.workers["m"].url
+    prompt = prompt_tokens(200, seed=1)
+    for stream in (False, True):
+        body = completion(prompt, 24, stream)
+        ref, _ = direct(m, body)
+        got = await relay(router, body)
+        assert got.status == 200 and got.text == ref
+        assert got.prefill in ("p0", "p1") and got.decode in ("d0", "d1")
+        assert got.usage is not None and got.usage["completion_tokens"] == 24
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about foxes. " * 12}],
+            "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    for stream in (False, True):
+        body = {**chat, "stream": stream}
+        ref, _ = direct(m, body, CHAT_PATH)
+        got = await relay(router, body, path=CHAT_PATH, info=request_info([1] * 260, 20))
+        assert got.text == ref
+    assert_leases_settled(router)
+
+
+async def test_prefix_hits_on_the_prefill_and_the_decode_side(cluster: Cluster) -> None:
+    router = cluster.router(POOL)
+    m, d0 = cluster.workers["m"].url, cluster.workers["d0"].url
+    first = prompt_tokens(320, seed=2)
+    second = first + prompt_tokens(64, seed=3)  # the next turn of the same conversation
+    a = await relay(router, completion(first, 12), decision=_pair("p0", "d0"))
+    assert a.text == direct(m, completion(first, 12))[0]
+    before = status(d0)
+    b = await relay(router, completion(second, 12), decision=_pair("p0", "d0"))
+    after = status(d0)
+    assert b.text == direct(m, completion(second, 12))[0]
+    assert b.prefill_usage is not None and b.prefill_usage["prompt_tokens_details"]["cached_tokens"] >= 304
+    blocks = (len(second) - 1) // 16  # what the prefill offers
+    local = after["decode_blocks_local"] - before["decode_blocks_local"]
+    pulled = after["decode_blocks_pulled"] - before["decode_blocks_pulled"]
+    assert local >= 19 and local + pulled == blocks and pulled <= 5  # only the new blocks crossed
+    assert b.usage is not None and b.usage["prompt_tokens_details"]["cached_tokens"] == blocks * 16
+    assert_leases_settled(router)
+
+
+async def test_a_corrupted_block_is_detected_and_pulled_again(cluster: Cluster) -> None:
+    router = cluster.router(POOL)
+    p0, d0 = cluster.workers["p0"].url, cluster.workers["d0"].url
+    prompt = prompt_tokens(150, seed=4)
+    set_faults(p0, corrupt=1)
+    before = status(d0)
+    got = await relay(router, completion(prompt, 12), decision=_pair("p0", "d0"))
+    assert got.text == direct(cluster.workers["m"].url, completion(prompt, 12))[0]
+    assert got.prefill == "p0" and got.decode == "d0"
+    assert status(d0)["decode_pull_retries"] == before["decode_pull_retries"] + 1
+    assert "kv_transfer_corrupt" in httpx.get(f"{d0}/metrics").text
+
+
+async def test_a_transfer_truncated_every_time_moves_to_another_pair(cluster: Cluster) -> None:
+    router = cluster.router(POOL)
+    p0 = cluster.workers["p0"].url
+    prompt = prompt_tokens(150, seed=5)
+    set_faults(p0, truncate=10)
+    cancels = status(p0)["transfers_released_by_cancel"]
+    stats = RelayStats()
+    got = await relay(router, completion(prompt, 12), decision=_pair("p0", "d0"), stats=stats)
+    assert got.text == direct(cluster.workers["m"].url, completion(prompt, 12))[0]
+    assert got.prefill == "p1" and stats.transfer_failures == 1
+    await wait_for(lambda: status(p0)["transfers_released_by_cancel"] == cancels + 1, what="p0 cancel")
+    assert_leases_settled(router)
+
+
+async def test_layout_mismatch_is_refused_cleanly_and_the_relay_moves_on(cluster: Cluster) -> None:
+    p0, dx = cluster.workers["p0"].url, cluster.workers["dx"].url
+    body = completion(prompt_tokens(100, seed=6), 8)
+    pre = httpx.post(f"{p0}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    refused = httpx.post(f"{dx}/v1/completions", json={**body, "kv_transfer_params": pre["kv_transfer_params"]})
+    assert refused.status_code == 409
+    err = refused.json()["error"]
+    assert err["code"] == "kv_layout_mismatch" and "dtype" in err["message"]
+    httpx.post(f"{p0}/kv_transfer/release", json={"transfer_id": pre["kv_transfer_params"]["transfer_id"], "cancel": True})
+    router = cluster.router(POOL + ["dx"])
+    stats = RelayStats()
+    got = await relay(router, body, decision=_pair("p0", "dx"), stats=stats)
+    assert got.decode in ("d0", "d1") and stats.decode_failures == 1
+    assert got.text == direct(cluster.workers["m"].url, body)[0]
+    assert_leases_settled(router)
+
+
+async def test_a_transfer_arriving_after_cancel_fails_cleanly(cluster: Cluster) -> None:
+    p0, d0 = cluster.workers["p0"].url, cluster.workers["d0"].url
+    body = completion(prompt_tokens(120, seed=7), 8)
+    pre = httpx.post(f"{p0}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    kv = pre["kv_transfer_params"]
+    assert httpx.post(f"{p0}/kv_transfer/release", json={"transfer_id": kv["transfer_id"], "cancel": True}).json()["released"]
+    late = httpx.post(f"{d0}/v1/completions", json={**body, "kv_transfer_params": kv})
+    assert late.status_code == 410 and late.json()["error"]["code"] == "kv_transfer_gone"
+    assert status(p0)["transfer_late_pulls"] >= 1
+
+
+async def test_client_cancel_mid_transfer_releases_both_sides(cluster: Cluster) -> None:
+    router = cluster.router(POOL)
+    p0, d0 = cluster.workers["p0"].url, cluster.workers["d0"].url
+    set_faults(p0, delay_s=0.1)  # ~30 blocks: a 3 s pull
+    before = status(p0)
+    task = asyncio.create_task(relay(router, completion(prompt_tokens(500, seed=8), 8), decision=_pair("p0", "d0")))
+    deadline = time.monotonic() + 30
+    while (await astatus(d0))["admission_pending"] != 1:
+        assert time.monotonic() < deadline and not task.done(), "the decode worker never started pulling"
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if (await astatus(p0))["transfers_released_by_cancel"] == before["transfers_released_by_cancel"] + 1:
+            break
+        await asyncio.sleep(0.05)
+    assert (await astatus(p0))["transfers_released_by_cancel"] == before["transfers_released_by_cancel"] + 1
+    assert_leases_settled(router)
+
+
+async def test_prefill_worker_dies_mid_transfer(cluster: Cluster) -> None:
+    victim = cluster.start("pv", "prefill")
+    cluster.wait()
+    d0 = cluster.workers["d0"].url
+    set_faults(victim.url, delay_s=0.1)
+    router = cluster.router(POOL + ["pv"])
+    prompt = prompt_tokens(500, seed=9)
+    task = asyncio.create_task(relay(router, completion(prompt, 10), decision=_pair("pv", "d0")))
+    deadline = time.monotonic() + 30
+    while (await astatus(d0))["admission_pending"] != 1:  # d0 is pulling from the victim
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.05)
+    kill_process(victim.proc)
+    got = await task
+    assert got.prefill in ("p0", "p1") and got.text == direct(cluster.workers["m"].url, completion(prompt, 10))[0]
+    assert_leases_settled(router)
+
+
+async def test_decode_worker_dies_after_admission(cluster: Cluster) -> None:
+    victim = cluster.start("dv", "decode")
+    cluster.wait()
+    p0 = cluster.workers["p0"].url
+    set_faults(p0, delay_s=0.1)
+    router = cluster.router(POOL + ["dv"])
+    prompt = prompt_tokens(500, seed=10)
+    before = status(p0)
+    task = asyncio.create_task(relay(router, completion(prompt, 10), decision=_pair("p0", "dv")))
+    deadline = time.monotonic() + 30
+    while (await astatus(victim.url))["admission_pending"] != 1:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.05)
+    kill_process(victim.proc)
+    set_faults(p0, delay_s=0.0)
+    got = await task
+    assert got.prefill == "p0" and got.decode in ("d0", "d1")  # the same pinned blocks, another decode
+    assert got.text == direct(cluster.workers["m"].url, completion(prompt, 10))[0]
+    after = status(p0)
+    assert after["transfers_released_by_consumer"] == before["transfers_released_by_consumer"] + 1
+    assert_leases_settled(router)
+
+
+async def test_blocks_stay_pinned_until_every_consumer_is_done(cluster: Cluster) -> None:
+    """The multi-connector rule: with consumers ``decode,cpu_save`` the decode pull alone does not
+    free the prefill's blocks; the second consumer's release does, exactly once."""
+    pc = cluster.workers["pc"].url
+    router = cluster.router(["pc", "d0", "d1"])
+    body = completion(prompt_tokens(150, seed=11), 8)
+    got = await relay(router, body, decision=_pair("pc", "d0"))
+    assert got.text == direct(cluster.workers["m"].url, body)[0]
+    await asyncio.sleep(0.3)  # the decode worker's release has landed
+    s = status(pc)
+    assert s["transfers_active"] == 1 and s["pinned_blocks"] == 9
+    tid = got_transfer_id(got.raw, pc)
+    r = httpx.post(f"{pc}/kv_transfer/release", json={"transfer_id": tid, "consumer": "cpu_save"}).json()
+    assert r["released"]
+    again = httpx.post(f"{pc}/kv_transfer/release", json={"transfer_id": tid, "consumer": "cpu_save"}).json()
+    assert not again["released"]
+    s = status(pc)
+    assert s["transfers_active"] == 0 and s["transfer_duplicate_releases"] >= 1
+    assert_leases_settled(router)
+
+
+def got_transfer_id(_: bytes, url: str) -> str:
+    """The one live transfer's id on a prefill worker (from its status, tests only)."""
+    live = httpx.get(f"{url}/kv_transfer/transfers").json()["transfers"]
+    assert len(live) == 1
+    return str(live[0]["transfer_id"])
+
+
+async def test_an_unconsumed_transfer_is_released_at_its_deadline(cluster: Cluster) -> None:
+    pc = cluster.workers["pc"].url
+    body = completion(prompt_tokens(100, seed=12), 4)
+    before = status(pc)
+    httpx.post(f"{pc}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status(pc)["transfers_active"] == 1
+    await wait_for(lambda: status(pc)["transfers_released_by_timeout"] == before["transfers_released_by_timeout"] + 1,
+                   timeout_s=10, what="the 3 s deadline")
+
+
+async def test_a_burst_beyond_decode_headroom_is_absorbed(cluster: Cluster) -> None:
+    """Two decode workers admit one pending transfer each; eight requests at once are spread and
+    queued, never admitted beyond the bound, and all complete with the right tokens."""
+    router = cluster.router(POOL)
+    for p in ("p0", "p1"):
+        set_faults(cluster.workers[p].url, delay_s=0.02)  # ~0.4 s per pull: the burst overlaps
+    d = [cluster.workers[n].url for n in ("d0", "d1")]
+    refused_before = sum(status(u)["admission_refused"] for u in d)
+    prompts = [prompt_tokens(330, seed=100 + i) for i in range(8)]
+    refs = [direct(cluster.workers["m"].url, completion(p, 6))[0] for p in prompts]
+    queue, stats = DecodeQueue(max_waiting=16), RelayStats()
+    config = RelayConfig(queue_wait_s=60, retry_after_cap_s=0.2)
+    answers = await asyncio.gather(*(relay(router, completion(p, 6), queue=queue, stats=stats, config=config)
+                                     for p in prompts))
+    assert [a.text for a in answers] == refs
+    after = [status(u) for u in d]
+    assert all(s["admission_peak_pending"] <= 1 for s in after)  # never beyond the bound
+    assert sum(s["admission_refused"] for s in after) > refused_before  # the burst exceeded headroom
+    assert stats.decode_refusals > 0 and (queue.waits > 0 or {a.decode for a in answers} == {"d0", "d1"})
+    assert queue.waiting == 0
+    assert_leases_settled(router)
+
+
+async def test_no_pair_answers_an_error_not_a_hang(cluster: Cluster) -> None:
+    router = cluster.router(["p0", "dx"])  # the only decode worker cannot take this layout
+    body = completion(prompt_tokens(100, seed=13), 4)
+    with pytest.raises(RelayError) as err:
+        await relay(router, body, decision=_pair("p0", "dx"))
+    assert err.value.status in (409, 502, 503)
+    assert_leases_settled(router)
+
