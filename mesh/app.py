@@ -300,6 +300,7 @@ async def _housekeeping(gateway: Gateway) -> None:
         try:
             if gateway.http is not None:
                 await gateway.registry.check_all(gateway.http, gateway.metrics)
+                gateway.http.prune()
             if gateway.sessions is not None and hasattr(gateway.sessions, "expire"):
                 gateway.sessions.expire(time.monotonic())
         except asyncio.CancelledError:

@@ -337,6 +337,26 @@ class UpstreamPool:
         if conn.transport is not None and not conn.closed:
             conn.transport.close()  # an unfinished response: the worker sees the disconnect
 
+    def prune(self) -> int:
+        """Close idle connections past ``IDLE_TIMEOUT_S`` (or already closed); returns how many."""
+        now = time.monotonic()
+        dropped = 0
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if not c.closed and now - c.idle_since < IDLE_TIMEOUT_S]
+            for conn in idle:
+                if conn not in keep and conn.transport is not None:
+                    conn.transport.close()
+                    dropped += 1
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return dropped
+
+    @property
+    def idle_connections(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
     async def close(self) -> None:
         self._closed = True
         for idle in self._idle.values():

@@ -86,6 +86,18 @@ async def test_keep_alive_reuses_one_connection(pool: UpstreamPool) -> None:
         assert first.endswith(b'content-length: 7\r\n\r\n{"q":1}')
 
 
+async def test_prune_closes_expired_idle_connections(pool: UpstreamPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mesh.upstream
+
+    server, url, srv = await serve(lambda n, req, w: w.write(ok(b"{}")))
+    async with srv:
+        await pool.get(url + "/a")
+        assert pool.idle_connections == 1 and pool.prune() == 0
+        monkeypatch.setattr(mesh.upstream, "IDLE_TIMEOUT_S", 0.0)
+        assert pool.prune() == 1 and pool.idle_connections == 0
+        await asyncio.wait_for(server.disconnects.wait(), 2)
+
+
 async def test_chunked_body_is_read_in_pieces(pool: UpstreamPool) -> None:
     async def script(n: int, req: bytes, w: asyncio.StreamWriter) -> None:
         w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
