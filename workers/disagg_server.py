@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 import uuid
@@ -39,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from mesh.keys import block_keys, namespace_seed
+from workers.disagg_config import TransferConfig, transfer_config
 from workers.engine import EngineDeadError
 from workers.kv_transfer import Faults, Layout, PullRequest, TransferEngine, TransferError, pull_blocks, serve_pull, serve_tcp
 from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
@@ -46,35 +46,7 @@ from workers.transfer_registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
 
-ROLES = ("mixed", "prefill", "decode")
 DATA_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-FAULTS_ENV = "MESH_KV_TRANSFER_FAULTS"
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    role: str = "mixed"
-    transport: str = "tcp"  # what this worker offers for pulls: tcp (measured faster) or http
-    tcp_port: int = 0  # 0: an ephemeral port, advertised in kv_transfer_params
-    bind_host: str = "127.0.0.1"
-    advertise_host: str | None = None  # None: the address the prefill request arrived on
-    ttl_s: float = 30.0  # a prefill's blocks are released by then if nobody consumed them
-    consumers: tuple[str, ...] = ("decode",)  # e.g. ("decode", "cpu_save") with CPU offload
-    max_pending: int = 8  # decode: inbound transfers admitted at once
-    max_pending_bytes: int | None = None  # decode: None = half of this worker's KV cache
-    pull_timeout_s: float = 30.0
-    pull_attempts: int = 2  # a corrupt or truncated stream is pulled again (resuming) once
-    chunk_bytes: int = 8 << 20  # pages per engine-thread gather/import call (bounded buffers)
-    retry_after_s: int = 1
-    faults: bool = False  # POST /kv_transfer/faults (tests only)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.transport not in ("tcp", "http"):
-            raise ValueError(f"transport must be tcp or http, got {self.transport!r}")
-        if not self.consumers:
-            raise ValueError("at least one transfer consumer is needed")
 
 
 class ClientGone(Exception):
@@ -603,30 +575,9 @@ def _replaying(raw: bytes, receive: Any) -> Any:
 # ---- the worker process -----------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--role", default="mixed", choices=ROLES, help="advertised role (every role can prefill for and decode from others)")
-    g.add_argument("--kv-transfer-transport", default="tcp", choices=["tcp", "http"], help="how this worker serves KV pulls")
-    g.add_argument("--kv-transfer-port", type=int, default=0, help="raw TCP port for KV pulls (0: ephemeral)")
-    g.add_argument("--kv-transfer-host", default=None, help="address advertised to decode workers (default: the one the prefill request came to)")
-    g.add_argument("--kv-transfer-ttl", type=float, default=30.0, help="seconds a finished prefill's blocks stay pinned without a consumer")
-    g.add_argument("--kv-transfer-consumers", default="decode", help="comma-separated consumers that must finish before blocks are freed")
-    g.add_argument("--kv-max-pending", type=int, default=8, help="decode: inbound transfers admitted at once")
-    g.add_argument("--kv-max-pending-bytes", type=int, default=None, help="decode: inbound bytes admitted at once (default: half the KV cache)")
-
-
-def transfer_config(args: argparse.Namespace) -> TransferConfig:
-    return TransferConfig(
-        role=args.role, transport=args.kv_transfer_transport, tcp_port=args.kv_transfer_port,
-        bind_host=args.host, advertise_host=args.kv_transfer_host, ttl_s=args.kv_transfer_ttl,
-        consumers=tuple(c.strip() for c in args.kv_transfer_consumers.split(",") if c.strip()),
-        max_pending=args.kv_max_pending, max_pending_bytes=args.kv_max_pending_bytes,
-        faults=os.environ.get(FAULTS_ENV) == "1",
-    )
-
-
-def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, dict[str, Any]]:
-    """The worker of ``workers.cli.build`` with a ``TransferEngine`` and the disaggregation layer."""
+def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[str, Any]]:
+    """The worker of ``workers.cli.build`` with a ``TransferEngine`` and the disaggregation layer:
+    the ASGI app to serve, its transfer service, the served model name and the /health info."""
     from workers.cli import build
     from workers.server import create_app
 
@@ -636,7 +587,7 @@ def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, dict[str, A
     info = {**info, "role": config.role, "kv_transfer": {"transport": config.transport, "layout": engine.layout.to_dict()}}
     app = create_app(engine, tokenizer, name, info)
     service = DisaggService(engine, app.state.api, config)
-    return DisaggApp(app, service), service, info
+    return DisaggApp(app, service), service, name, info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -644,14 +595,16 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from workers.cli import _add_arguments
+    from workers.disagg_config import add_arguments
 
     parser = argparse.ArgumentParser(prog="mesh worker", description=__doc__.splitlines()[0])
     _add_arguments(parser)
-    add_arguments(parser)
+    if not any(a.dest == "role" for a in parser._actions):  # noqa: SLF001 (until workers.cli adds them)
+        add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app, _, info = build_app(args)
+        app, _, _, info = build_app(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mesh worker: {exc}", file=sys.stderr)
         return 2
