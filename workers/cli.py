@@ -11,6 +11,8 @@ import logging
 import sys
 from typing import Any
 
+from workers.disagg_config import add_arguments as add_disagg_arguments
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -48,6 +50,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR", help="ZMQ ROUTER address, e.g. tcp://*:5558")
     p.add_argument("--kv-events-topic", default="")
     p.add_argument("--log-level", default="info")
+    add_disagg_arguments(p)  # --role, --kv-transfer-*, --kv-max-pending* (workers.disagg_config)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
@@ -94,17 +97,16 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from workers.server import create_app
+    from workers.disagg_server import build_app  # build() + KV transfer and the --role layer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine, tokenizer, name, info = build(args)
+        app, _, name, info = build_app(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mesh worker: {exc}", file=sys.stderr)
         return 2
-    app = create_app(engine, tokenizer, name, info)
     print(
-        f"mesh worker: {name} on {info['device']} ({info['attention_backend']} attention), "
+        f"mesh worker ({info['role']}): {name} on {info['device']} ({info['attention_backend']} attention), "
         f"{info['num_kv_blocks']} KV blocks of {info['block_size']}, http://{args.host}:{args.port}",
         file=sys.stderr, flush=True,
     )
