@@ -1,0 +1,151 @@
+"""Prefill -> decode KV transfer on CUDA: the blocks a prefill engine computed on the GPU are
+gathered to the host, framed and verified exactly as on the wire (``FrameReader``: keys, xxh3),
+imported into a second engine's paged cache on the GPU (the second GPU when there are two), and
+the second engine decodes greedily.
+
+- tiny preset, float32: the disaggregated output equals one mixed engine's, token for token, with
+  and without prefix hits on the decode side;
+- llama3-1b shape (random weights), bfloat16, Triton attention + CUDA graphs: the imported pages
+  are bit-identical to the source pages, and the decode equals the prefill engine's own
+  prefix-hit continuation (the same numbers, computed on another engine and GPU).
+- When fastapi/uvicorn/httpx are installed: two ``mesh worker`` processes on the GPU(s) and the
+  gateway relay, greedy-equal to a mixed worker.
+
+Imports only torch, numpy, xxhash and the engine for the first two (no zmq, msgspec, fastapi).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from mesh.keys import block_keys, namespace_seed  # noqa: E402
+from workers.config import EngineConfig, get_preset  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.kv_transfer import BlockOps, Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
+from workers.sequence import SamplingParams  # noqa: E402
+from workers.transfer_registry import TransferRegistry  # noqa: E402
+
+BS = 16
+DEVICES = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
+
+
+class _Direct:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.ops = BlockOps(engine)
+        self.layout = self.ops.layout
+
+    async def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        return fn(*args)
+
+
+def _engine(preset: str, device: str, dtype: str | None = None, blocks: int = 2048) -> LLMEngine:
+    mc = get_preset(preset, **({"dtype": dtype} if dtype else {}))
+    return LLMEngine(mc, EngineConfig(num_kv_blocks=blocks, device=device, max_num_batched_tokens=4096))
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, min(vocab, 250)) for _ in range(n)]
+
+
+def _transfer(src_engine: LLMEngine, dst_engine: LLMEngine, prompt: list[int], model: str) -> tuple[BlockOps, list[int]]:
+    """Prefill on ``src``, move the prompt's full blocks (all but the last token's) through the
+    wire format into ``dst``; returns the decode side's ``BlockOps`` and its pinned block ids."""
+    src, dst = _Direct(src_engine), BlockOps(dst_engine)
+    seed = namespace_seed(model)
+    n = (len(prompt) - 1) // BS
+    keys = block_keys(prompt[: n * BS], BS, seed)
+    blocks = [prompt[i * BS : (i + 1) * BS] for i in range(n)]
+    src_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    pinned = src.ops.pin_prefix(keys, blocks, seed)
+    assert len(pinned.block_ids) == n
+    reg = TransferRegistry(src.ops.unpin, ttl_s=60)
+    reg.add("t", pinned.block_ids, pinned.keys, ["decode"], now=0.0)
+    own = dst.pin_prefix(keys, blocks, seed)
+    h = len(own.block_ids)
+    held = list(own.block_ids)
+
+    async def pull() -> None:
+        req = PullRequest("t", h, n - h, src.layout)
+
+        async def frames() -> AsyncIterator[bytes]:
+            async for item in serve_pull(src, reg, req, Faults()):
+                yield bytes(item)
+
+        reader = FrameReader(frames())
+        await reader.read_header()
+        async for off, ks, data in reader.blocks(keys[h:], src.layout.block_bytes):
+            i = h + off
+            held.extend(dst.import_blocks(ks, blocks[i : i + len(ks)], seed, keys[i - 1] if i else None, data))
+
+    asyncio.run(pull())
+    if n > h:  # bit-identical pages on the destination
+        a = src_engine.runner.kv_cache[:, :, list(pinned.block_ids[h:])].cpu()
+        b = dst_engine.runner.kv_cache[:, :, held[h:]].cpu()
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    reg.consumer_done("t", "decode")
+    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    return dst, held
+
+
+@pytest.mark.parametrize("decode_prefix_tokens", [0, 300])
+def test_tiny_fp32_disaggregated_equals_mixed(decode_prefix_tokens: int) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompt = _prompt(700, seed=decode_prefix_tokens, vocab=512)
+    mixed = _engine("tiny", DEVICES[0])
+    ref = mixed.generate([prompt], greedy)[0]
+    prefill, decode = _engine("tiny", DEVICES[0]), _engine("tiny", DEVICES[1])
+    if decode_prefix_tokens:
+        decode.generate([prompt[:decode_prefix_tokens]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    ops, held = _transfer(prefill, decode, prompt, "tiny")
+    out = decode.generate([prompt], greedy)[0]
+    assert out == ref
+    ops.unpin(held)
+    assert ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert decode.block_manager.num_used_blocks == 0
+    decode.block_manager.check()
+
+
+def test_llama_shape_bf16_transfer_is_exact_on_the_gpu() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompt = _prompt(3000, seed=7, vocab=128256)
+    prefill, decode = _engine("llama3-1b", DEVICES[0], blocks=1024), _engine("llama3-1b", DEVICES[1], blocks=1024)
+    ops, held = _transfer(prefill, decode, prompt, "llama3-1b")
+    out = decode.generate([prompt], greedy)[0]
+    ops.unpin(held)
+    # The prefill engine's own continuation from the same cached prefix: the same computation.
+    same = prefill.generate([prompt], greedy)[0]
+    assert prefill.scheduler.stats.prompt_hit_tokens >= (len(prompt) - 1) // BS * BS
+    assert out == same
+    assert decode.runner.backend.name == "triton"
+
+
+def test_worker_processes_on_the_gpu_relay_greedy_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from tests.disagg_cluster import Cluster, completion, direct, prompt_tokens, relay
+    from tests.procs import ProcessGroup
+
+    group = ProcessGroup(tmp_path)
+    try:
+        c = Cluster(group)
+        c.start("p0", "prefill", "--device", DEVICES[0], "--gpu-memory-utilization", "0.3", faults=False)
+        c.start("d0", "decode", "--device", DEVICES[1], "--gpu-memory-utilization", "0.3", faults=False)
+        c.start("m", "mixed", "--device", DEVICES[0], "--gpu-memory-utilization", "0.3", faults=False)
+        c.wait()
+        router = c.router()
+        for seed in (1, 2):
+            body = completion(prompt_tokens(1500, seed=seed), 32, stream=bool(seed % 2))
+            got = asyncio.run(relay(router, body))
+            assert got.text == direct(c.workers["m"].url, body)[0]
+    finally:
+        group.stop_all()
