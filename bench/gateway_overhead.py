@@ -410,12 +410,13 @@ def latency_buckets(metrics_url: str) -> dict[float, float]:
 
 
 def internal_shares(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
-    """Share of requests whose time inside Mesh (first body byte in to last byte out) was under 1 / 2.5 ms."""
+    """Share of requests whose time inside Mesh (request in to last byte out, the worker's own time
+    included) was under 1 / 2 ms."""
     total = after.get(float("inf"), 0) - before.get(float("inf"), 0)
     if total <= 0:
         return {}
     share = lambda le: round(100 * (after.get(le, 0) - before.get(le, 0)) / total, 2)  # noqa: E731
-    return {"inside_mesh_under_1ms_pct": share(0.001), "inside_mesh_under_2_5ms_pct": share(0.0025)}
+    return {"inside_mesh_under_1ms_pct": share(0.001), "inside_mesh_under_2ms_pct": share(0.002)}
 
 
 async def measure(
@@ -574,7 +575,7 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     if "inside_mesh_under_1ms_pct" in inside:
         console.print(
             f"mesh at {report['config']['rate']:g} req/s: {inside['inside_mesh_under_1ms_pct']}% of requests spent < 1 ms "
-            f"inside the gateway, {inside['inside_mesh_under_2_5ms_pct']}% < 2.5 ms (its own histogram)"
+            f"inside the gateway, {inside['inside_mesh_under_2ms_pct']}% < 2 ms (its own histogram, worker time included)"
         )
     console.print(f"load average during run: {report['machine']['load_avg']}")
 
