@@ -429,11 +429,17 @@ def check_bearer(headers: list[tuple[bytes, bytes]], keys: list[str], what: str)
 
 
 def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> list[bytes]:
-    """Client headers as request lines, minus hop-by-hop ones (and Authorization unless
-    configured); rejects CR/LF/NUL (header injection)."""
+    """Client headers as request lines, minus hop-by-hop ones (RFC 9110: the fixed set and any
+    named in ``Connection``) and Authorization unless configured; rejects CR/LF/NUL (injection)."""
     out = [b"content-type: application/json\r\n"]
+    named: frozenset[bytes] = frozenset()
+    for key, value in client:
+        if key == b"connection":
+            named = named | {t.strip().lower() for t in value.split(b",")}
     for key, value in client:
         if key in HOP_BY_HOP or key == b"content-type" or (key == b"authorization" and not forward_authorization):
+            continue
+        if named and key in named:
             continue
         if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(key):
             raise MeshError(400, "header contains a control character", code="invalid_header")

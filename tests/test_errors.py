@@ -32,3 +32,4 @@ def test_sse_error_event_then_done() -> None:
     events = [line[6:] for line in raw.split("\n\n") if line]
     assert json.loads(events[0])["error"]["message"] == "worker w1 failed mid-stream"
     assert events[1] == "[DONE]" and raw.endswith("\n\n")
+

@@ -1,0 +1,36 @@
+"""mesh.proxy helpers: header hygiene, bearer checks (the proxy itself runs in the e2e tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh.errors import MeshError
+from mesh.proxy import check_bearer, upstream_headers
+
+
+def test_upstream_headers_hygiene() -> None:
+    client = [
+        (b"host", b"gw"), (b"connection", b"keep-alive, x-private"), (b"x-private", b"1"), (b"te", b"trailers"),
+        (b"authorization", b"Bearer client-key"), (b"content-length", b"5"), (b"x-session-id", b"s1"),
+        (b"content-type", b"text/plain"),
+    ]  # fmt: skip
+    lines = upstream_headers(client, forward_authorization=False)
+    assert lines == [b"content-type: application/json\r\n", b"x-session-id: s1\r\n"]
+    assert b"authorization: Bearer client-key\r\n" in upstream_headers(client, forward_authorization=True)
+    with pytest.raises(MeshError) as info:
+        upstream_headers([(b"x-a", b"v\r\nx-injected: 1")], forward_authorization=False)
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [(b"Bearer k2", True), (b"bearer k1", True), (b"Bearer k3", False), (b"k1", False), (b"Bearer ", False), (None, False)],
+)
+def test_check_bearer(value: bytes | None, ok: bool) -> None:
+    headers = [] if value is None else [(b"authorization", value)]
+    if ok:
+        check_bearer(headers, ["k1", "k2"], "API key")
+        return
+    with pytest.raises(MeshError) as info:
+        check_bearer(headers, ["k1", "k2"], "API key")
+    assert info.value.status == 401 and info.value.headers == {"www-authenticate": "Bearer"}
