@@ -36,6 +36,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--engine", choices=["echo", "bundled"], default="echo")
     p.add_argument("--policy", default=None, help="routing policy (default: the config default)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
+    p.add_argument("--decode", type=int, default=0, help="disaggregated: M decode workers (bundled engine)")
     p.set_defaults(func=run)
 
 
@@ -45,10 +47,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None) -> list[str]:
+# ``mesh up --prefill N --decode M``: prefill and decode profiles (examples/pipeline_pd.yaml).
+PD_POLICY: dict[str, Any] = {"name": "pipeline", "params": {"profiles": {
+    "prefill": {"scorers": [{"name": "prefix", "weight": 2}, {"name": "prefill_load", "weight": 1}]},
+    "decode": {"filters": ["healthy", "model_match", "admission_headroom"],
+               "scorers": [{"name": "load", "weight": 1}, {"name": "kv_utilization", "weight": 1}]},
+}}}
+
+
+def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None, role: str = "mixed") -> list[str]:
     if engine == "echo":
         return [sys.executable, "-m", "mesh.echo_worker", "--port", str(port), "--name", name]
     cmd = [sys.executable, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    if role != "mixed":
+        cmd += ["--role", role]
     if kv_ports is not None:
         cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_ports[0]}",
                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{kv_ports[1]}"]  # fmt: skip
@@ -61,9 +73,12 @@ class LocalWorker:
     port: int
     proc: subprocess.Popen[bytes]
     kv_ports: tuple[int, int] | None = None  # (events, replay) for the bundled engine
+    role: str = "mixed"
 
     def config(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "url": f"http://127.0.0.1:{self.port}"}
+        if self.role != "mixed":
+            out["role"] = self.role
         if self.kv_ports is not None:
             out["kv_events"] = {
                 "endpoint": f"tcp://127.0.0.1:{self.kv_ports[0]}",
@@ -72,16 +87,16 @@ class LocalWorker:
         return out
 
 
-def start_workers(engine: str, n: int, log_dir: Path) -> list[LocalWorker]:
+def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None) -> list[LocalWorker]:
     out = []
-    for i in range(n):
-        port, name = free_port(), f"worker-{i}"
+    for i, role in enumerate(roles or ["mixed"] * n):
+        port, name = free_port(), f"worker-{i}" if role == "mixed" else f"{role}-{i}"
         kv_ports = (free_port(), free_port()) if engine == "bundled" else None
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
-            worker_command(engine, port, name, kv_ports), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        out.append(LocalWorker(name, port, proc, kv_ports))
+        out.append(LocalWorker(name, port, proc, kv_ports, role))
     return out
 
 
@@ -139,11 +154,17 @@ def run(args: argparse.Namespace) -> int:
     from mesh.commands.serve import uvicorn_config
     from mesh.config import parse_config
 
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    if roles and (args.prefill < 1 or args.decode < 1):
+        print("error: a disaggregated cluster needs --prefill >= 1 and --decode >= 1", file=sys.stderr)
+        return 2
+    if roles:
+        args.engine = "bundled"  # only the bundled engine transfers KV
     if args.workers < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
-    workers = start_workers(args.engine, args.workers, log_dir)
+    workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None)
     # SIGTERM behaves like Ctrl-C: unwind through the finally below, which stops the workers.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -159,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.policy:
             data["policy"] = args.policy
+        elif roles:
+            data["policy"] = PD_POLICY
         config = parse_config(data, "mesh up")
         app = create_app(config)
         server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level))
