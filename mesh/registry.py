@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from mesh.config import CircuitBreakerConfig, HealthConfig, MeshConfig, WorkerConfig, check_worker_url
+from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, check_worker_url
 from mesh.metrics import Metrics
 from mesh.upstream import UpstreamPool
 from policies.base import TargetState, target_id
