@@ -26,7 +26,7 @@ import importlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,10 @@ class Gateway:
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     handle_sighup: bool = False
+    # Run in the lifespan, on the event loop, after the pool exists and the first health round
+    # (start KV event subscribers here), and before it closes, in reverse order.
+    on_start: list[Callable[[Gateway], Awaitable[None]]] = field(default_factory=list)
+    on_stop: list[Callable[[Gateway], Awaitable[None]]] = field(default_factory=list)
 
     def reload(self) -> dict[str, Any]:
         """Re-read the config file and apply it; a broken file keeps the old config (raises)."""
@@ -262,6 +266,8 @@ async def _start(gateway: Gateway) -> None:
     gateway.http = UpstreamPool(connect_timeout_s=gateway.config.server.connect_timeout_s)
     gateway.proxy = Proxy(gateway.http, gateway.registry, gateway.router, gateway.prompts, gateway.metrics)
     await gateway.registry.check_all(gateway.http, gateway.metrics)  # usable at once, not after one interval
+    for hook in gateway.on_start:
+        await hook(gateway)
     gateway.tasks.append(asyncio.create_task(_housekeeping(gateway)))
     # Everything allocated so far lives as long as the app: keep it out of the cyclic GC's scans,
     # so that full collections stay short on the request path.
@@ -274,6 +280,11 @@ async def _start(gateway: Gateway) -> None:
 
 
 async def _stop(gateway: Gateway) -> None:
+    for hook in reversed(gateway.on_stop):
+        try:
+            await hook(gateway)
+        except Exception:  # one failing hook must not keep the others from running
+            log.exception("shutdown hook failed")
     for task in gateway.tasks:
         task.cancel()
     for task in gateway.tasks:

@@ -1,0 +1,58 @@
+"""mesh.app in-process: lifespan hooks, state on app.state, OpenAPI, the FastAPI fallback path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from mesh.app import Gateway, create_app
+from mesh.config import parse_config
+from mesh.index import PrefixIndex
+
+
+async def test_lifespan_runs_hooks_with_the_pool_open() -> None:
+    app = create_app(parse_config({}))
+    gateway: Gateway = app.state.gateway
+    seen: list[tuple[str, bool]] = []
+
+    async def start(gw: Gateway) -> None:
+        seen.append(("start", gw.http is not None and gw.proxy is not None))
+
+    async def stop(gw: Gateway) -> None:
+        seen.append(("stop", gw.http is not None))
+
+    gateway.on_start.append(start)
+    gateway.on_stop.append(stop)
+    async with app.router.lifespan_context(app):
+        assert len(gateway.tasks) == 1  # housekeeping (health checks, session expiry)
+    assert seen == [("start", True), ("stop", True)]
+    assert gateway.http is None and gateway.proxy is None and not gateway.tasks
+
+
+def test_router_shares_the_registry_targets_and_the_index() -> None:
+    app = create_app(parse_config({"workers": [{"name": "w", "url": "http://h:1", "dp_size": 2}]}))
+    gateway: Gateway = app.state.gateway
+    assert gateway.router.targets is gateway.registry.targets
+    assert sorted(gateway.router.targets) == ["w@0", "w@1"]
+    assert isinstance(gateway.index, PrefixIndex) and gateway.router.index is gateway.index
+    assert gateway.router.sessions is gateway.sessions
+
+
+def test_openapi_documents_the_completion_routes() -> None:
+    paths = create_app(parse_config({})).openapi()["paths"]
+    body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["model", "messages"]
+    assert "/v1/completions" in paths and "/debug/route" in paths and "/workers/{name}/drain" in paths
+
+
+async def test_fastapi_fallback_reaches_the_proxy() -> None:
+    app = create_app(parse_config({}))
+
+    async def plain_fastapi(scope: Any, receive: Any, send: Any) -> None:  # skips MeshApp's fast path
+        await FastAPI.__call__(app, scope, receive, send)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain_fastapi), base_url="http://t") as client:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "not_ready"  # no lifespan ran
