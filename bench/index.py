@@ -16,7 +16,8 @@ Both indices get the same events:
 - Dynamo: ``RadixTree.apply_event`` with the event already serialized to its JSON and the local
   block hashes already computed (``compute_block_hash_for_seq``): its timed apply excludes both.
 
-Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
+Dynamo is also fed from the token ids (``dynamo from tokens``: local hashes, its JSON, apply), the
+way Mesh is fed. Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
 and 2,048 blocks taken from indexed sessions; every query's overlaps must be identical (asserted).
 Memory per indexed block: tracemalloc for Mesh (a fresh index replaying the stream), RSS growth
 of a fresh subprocess for Dynamo. Decision: tokens (a Python list) -> keys -> ``kv_aware`` on a
@@ -434,43 +435,60 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/index.json")
     args = ap.parse_args()
     os.environ.setdefault("RUST_LOG", "error")
-    console = Console()
+    console = Console(width=200)
     rows = []
     started = time.time()
+    load_at_start = list(os.getloadavg())
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index", total=len(args.sizes))
         for w in args.sizes:
             rows.append(run_size(w, args.events, args.queries, args.decisions, args.repeats, progress, task))
             progress.advance(task)
-    t = Table(title="Prefix index: Mesh vs Dynamo RadixTree (same events; overlaps cross-checked on every query)")
-    for col in ("workers", "blocks/s mesh", "dynamo", "ratio", "512 p50/p99 mesh (us)", "dynamo", "ratio p50",
-                "2048 p50/p99 mesh", "dynamo", "ratio p50", "B/entry mesh", "dynamo", "decide 8k p50/p99", "32k"):
+    t = Table(title="Event apply and memory: Mesh PrefixIndex vs Dynamo RadixTree (same events)")
+    for col in ("workers", "event blocks", "mesh blocks/s", "dynamo (pre-hashed)", "mesh/dynamo",
+                "dynamo from tokens", "mesh/that", "mesh hashing share", "B/entry mesh", "B/entry dynamo"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["workers"]), f"{r['event_blocks']:,}",
+            f"{r['ours_apply_blocks_per_s'] / 1e6:.2f}M", f"{r['dynamo_apply_blocks_per_s'] / 1e6:.2f}M",
+            ratio(r["ours_apply_blocks_per_s"], r["dynamo_apply_blocks_per_s"]),
+            f"{r['dynamo_from_tokens_blocks_per_s'] / 1e6:.2f}M",
+            ratio(r["ours_apply_blocks_per_s"], r["dynamo_from_tokens_blocks_per_s"]),
+            f"{r['ours_key_hashing_share']:.0%}",
+            f"{r['ours_bytes_per_entry']:.0f}",
+            "-" if r["dynamo_bytes_per_entry"] is None else f"{r['dynamo_bytes_per_entry']:.0f}",
+        )
+    console.print(t)
+    t = Table(title="Match latency (us, p50/p99; overlaps cross-checked on every query) and full decision")
+    for col in ("workers", "targets hit", "512: mesh", "dynamo", "speed-up", "2048: mesh", "dynamo", "speed-up",
+                "decide 8k: mesh", "dyn lookup", "decide 32k: mesh", "dyn lookup"):
         t.add_column(col, justify="right")
     for r in rows:
         m5, m2 = r.get("match_512", {}), r.get("match_2048", {})
         d8, d32 = r.get("decision_8192", {}), r.get("decision_32768", {})
         t.add_row(
-            str(r["workers"]),
-            f"{r['ours_apply_blocks_per_s'] / 1e6:.2f}M", f"{r['dynamo_apply_blocks_per_s'] / 1e6:.2f}M",
-            ratio(r["ours_apply_blocks_per_s"], r["dynamo_apply_blocks_per_s"]),
-            f"{m5.get('ours_p50_us', 0):.1f}/{m5.get('ours_p99_us', 0):.1f}",
-            f"{m5.get('dynamo_p50_us', 0):.1f}/{m5.get('dynamo_p99_us', 0):.1f}",
+            str(r["workers"]), f"{(m2 or m5).get('mean_targets_matched', 0):.0f}",
+            f"{m5.get('ours_p50_us', 0):.0f}/{m5.get('ours_p99_us', 0):.0f}",
+            f"{m5.get('dynamo_p50_us', 0):.0f}/{m5.get('dynamo_p99_us', 0):.0f}",
             ratio(m5.get("dynamo_p50_us"), m5.get("ours_p50_us")),
-            f"{m2.get('ours_p50_us', 0):.1f}/{m2.get('ours_p99_us', 0):.1f}",
-            f"{m2.get('dynamo_p50_us', 0):.1f}/{m2.get('dynamo_p99_us', 0):.1f}",
+            f"{m2.get('ours_p50_us', 0):.0f}/{m2.get('ours_p99_us', 0):.0f}",
+            f"{m2.get('dynamo_p50_us', 0):.0f}/{m2.get('dynamo_p99_us', 0):.0f}",
             ratio(m2.get("dynamo_p50_us"), m2.get("ours_p50_us")),
-            f"{r['ours_bytes_per_entry']:.0f}",
-            "-" if r["dynamo_bytes_per_entry"] is None else f"{r['dynamo_bytes_per_entry']:.0f}",
             f"{d8.get('ours_p50_us', 0):.0f}/{d8.get('ours_p99_us', 0):.0f}",
+            f"{d8.get('dynamo_lookup_p50_us', 0):.0f}",
             f"{d32.get('ours_p50_us', 0):.0f}/{d32.get('ours_p99_us', 0):.0f}",
+            f"{d32.get('dynamo_lookup_p50_us', 0):.0f}",
         )
     console.print(t)
-    console.print("ratios: apply = mesh/dynamo (higher is better for mesh); match = dynamo/mesh (speed-up of mesh). "
-                  "decide = tokens -> keys -> kv_aware decision (us); Dynamo's lookup alone is in the JSON.")
+    console.print("decide = tokens (a Python list) -> keys -> kv_aware over every worker; its parts (keys, match, "
+                  "policy) are in the JSON. dyn lookup = tokens -> compute_block_hash_for_seq -> find_matches.")
     meta = {
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "block_size": BS, "system_prompts": SYSTEMS, "system_blocks": SYSTEM_BLOCKS, "removal_share": REMOVAL_SHARE,
         "events_per_size": args.events, "wall_s": round(time.time() - started, 1),
+        "load_average_at_start": load_at_start, "load_average_at_end": list(os.getloadavg()),
+        "note": "apply is best of --repeats runs; latencies are interleaved Mesh/Dynamo per query",
         "dynamo": _dynamo_version(),
     }
     path = Path(args.json)

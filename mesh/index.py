@@ -344,18 +344,26 @@ class PrefixIndex:
         get = self._id.get
         first = get(keys[0], EMPTY)
         live = self._live
-        ca, cg = self._ca, self._cg
+        if self._scrub is None:
+            ca, cg = self._ca, self._cg
+        else:  # a scrub pass clears parents before children: compare live bits only
+            ca = [v & live for v in map(self._ca.__getitem__, map(get, keys, repeat(EMPTY)))]
+            cg = [v & live for v in map(self._cg.__getitem__, map(get, keys, repeat(EMPTY)))]
+            get = _position(keys).get
+            first = 0
         if not (ca[first] & live):
             return {}
-        total = _depths(keys, n, get, live, ca[first] & live, ca)
+        total = _live_groups(_depths(keys, n, get, ca[first], ca), live)
+        if not total:
+            return {}
         if self.max_keys:
-            self._touch(get(keys[total[-1][0] - 1], EMPTY))
+            self._touch(self._id.get(keys[total[-1][0] - 1], EMPTY))
         # a target whose whole prefix is on the GPU is in CG at its last block; only when some
         # target is not (a CPU-tier block in its prefix) does the GPU depth need its own search
         gpu: list[tuple[int, int]] | None = None
         for depth, mask in total:
             if cg[get(keys[depth - 1], EMPTY)] & mask != mask:
-                gpu = _depths(keys, n, get, live, cg[first] & live, cg) if cg[first] & live else []
+                gpu = _live_groups(_depths(keys, n, get, cg[first], cg), live) if cg[first] & live else []
                 break
         names = self._names
         if gpu is None:  # the usual case
@@ -804,6 +812,17 @@ class PrefixIndex:
         self._slots_free.extend(_bits(bits))
 
 
+def _live_groups(groups: list[tuple[int, int]], live: int) -> list[tuple[int, int]]:
+    return [(d, m & live) for d, m in groups if m & live]
+
+
+class _position(dict):  # type: ignore[type-arg]
+    """Stands in for the key -> nid lookup over masks already gathered per position."""
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        super().__init__((k, i) for i, k in enumerate(keys))
+
+
 # the set bits of every byte value, for _bits
 _BYTE_BITS = [tuple(j for j in range(8) if v >> j & 1) for v in range(256)]
 
@@ -820,41 +839,44 @@ def _bits(mask: int) -> list[int]:
     return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
 
-def _depths(
-    keys: Sequence[int], n: int, get: Any, live: int, first: int, masks: list[int]
-) -> list[tuple[int, int]]:
+def _depths(keys: Sequence[int], n: int, get: Any, first: int, masks: list[int]) -> list[tuple[int, int]]:
     """Change points of a consecutive mask along ``keys``: ``[(depth, bits), ...]`` where the
-    targets of ``bits`` hold exactly ``depth`` leading blocks. The mask (live bits) never grows
-    along the chain, so as an integer it never increases: each change point is one binary
-    search; with many distinct depths a C-speed linear pass takes over."""
+    targets of ``bits`` hold exactly ``depth`` leading blocks (``bits`` may include retired
+    slots: the caller masks them out).
+
+    Along the chain the mask only loses bits, so the positions where it still equals its value
+    at ``pos`` form a prefix: each change point is one binary search on equality (no big-int
+    arithmetic per probe). With many distinct depths a C-speed linear pass takes over.
+    """
     out: list[tuple[int, int]] = []
     cur = first
     pos = 0
-    budget = max(8, n >> 5)  # bisect probes cost ~log2(n) Python calls; a scan ~n C steps
-
-    def val(i: int) -> int:
-        return -(masks[get(keys[i], EMPTY)] & live)
-
+    budget = max(8, n >> 5)  # a search costs ~log2(n) Python steps; the scan ~n C steps
     while cur:
         if budget == 0:
-            return out + _depths_linear(keys, n, get, live, cur, pos, masks)
+            return out + _depths_linear(keys, n, get, cur, pos, masks)
         budget -= 1
-        j = bisect_right(range(n), -cur, lo=pos + 1, key=val)
-        if j >= n:
+        lo, hi = pos + 1, n
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if masks[get(keys[mid], EMPTY)] == cur:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= n:
             out.append((n, cur))
             return out
-        nxt = -val(j)
-        out.append((j, cur & ~nxt))
+        nxt = masks[get(keys[lo], EMPTY)]
+        out.append((lo, cur & ~nxt))
         cur = nxt
-        pos = j
+        pos = lo
     return out
 
 
 def _depths_linear(
-    keys: Sequence[int], n: int, get: Any, live: int, cur: int, pos: int, masks: list[int]
+    keys: Sequence[int], n: int, get: Any, cur: int, pos: int, masks: list[int]
 ) -> list[tuple[int, int]]:
-    nids = map(get, keys[pos:], repeat(EMPTY))
-    vals = list(map(neg, map(and_, map(masks.__getitem__, nids), repeat(live))))
+    vals = list(map(neg, map(masks.__getitem__, map(get, keys[pos:], repeat(EMPTY)))))
     out = []
     i = 0
     m = len(vals)
