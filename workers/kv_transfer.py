@@ -132,40 +132,27 @@ def encode_trailer(count: int) -> bytes:
     return _TRAIL.pack(END, count)
 
 
-class FrameReader:
-    """Parses one pull response from a byte-chunk stream, verifying as it goes.
+class ChunkSource:
+    """A byte stream from an async iterator of chunks (HTTP bodies): ``readinto`` copies from
+    the received chunks into the caller's buffer."""
 
-    ``blocks()`` yields ``(offset, keys, data)`` chunks of verified blocks (``data``: uint8
-    ``[n, block_bytes]``, at most ``chunk_bytes`` per chunk). Each payload byte is copied once,
-    from the network chunk into ``data`` (on small hosts, large fresh allocations page-fault at a
-    fraction of copy speed: chunks stay bounded). Raises ``TransferError`` (retryable) on a bad
-    magic, a key other than expected, a checksum mismatch, or a stream that ends early.
-    """
-
-    def __init__(self, source: AsyncIterator[bytes], chunk_bytes: int = 8 << 20) -> None:
-        self._source = source
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._iter = chunks
         self._chunks: deque[memoryview] = deque()
-        self._avail = 0
-        self.chunk_bytes = chunk_bytes
-        self.header: dict[str, Any] = {}
         self.bytes_read = 0
 
-    async def _need(self, n: int) -> None:
-        while self._avail < n:
-            try:
-                data = await self._source.__anext__()
-            except StopAsyncIteration:
-                raise TransferError(502, "kv_transfer_truncated",
-                                    f"stream ended early ({self.bytes_read} bytes read)", True) from None
-            if data:
-                self._chunks.append(memoryview(data))
-                self._avail += len(data)
-                self.bytes_read += len(data)
-
-    def _copy_into(self, dst: memoryview) -> None:
-        """Move ``len(dst)`` buffered bytes into ``dst`` (call ``_need`` first)."""
+    async def readinto(self, dst: memoryview) -> None:
         pos, n = 0, len(dst)
         while pos < n:
+            if not self._chunks:
+                try:
+                    data = await self._iter.__anext__()
+                except StopAsyncIteration:
+                    raise _truncated(self.bytes_read) from None
+                if data:
+                    self._chunks.append(memoryview(data))
+                    self.bytes_read += len(data)
+                continue
             head = self._chunks[0]
             k = min(len(head), n - pos)
             dst[pos : pos + k] = head[:k]
@@ -174,12 +161,137 @@ class FrameReader:
                 self._chunks.popleft()
             else:
                 self._chunks[0] = head[k:]
-        self._avail -= n
+
+    async def aclose(self) -> None:
+        await self._iter.aclose()  # type: ignore[attr-defined]
+
+
+def _truncated(nbytes: int) -> TransferError:
+    return TransferError(502, "kv_transfer_truncated", f"stream ended early ({nbytes} bytes read)", True)
+
+
+class TcpSource(asyncio.BufferedProtocol):
+    """A TCP byte stream whose ``readinto`` has the kernel write straight into the caller's
+    buffer (``BufferedProtocol``): one copy per byte on receive, none in user space. Bytes that
+    arrive while no read is pending wait in a small spill queue (reading pauses past 1 MiB)."""
+
+    SPILL_LIMIT = 1 << 20
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.transport: asyncio.Transport | None = None
+        self._target: memoryview | None = None
+        self._pos = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._spill = bytearray(1 << 16)
+        self._pending: deque[memoryview] = deque()
+        self._pending_bytes = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self.bytes_read = 0
+
+    # -- protocol callbacks (event loop) --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        if self._target is not None:
+            return self._target[self._pos :]
+        return self._spill
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        if self._target is not None:
+            self._pos += nbytes
+            if self._pos == len(self._target):
+                self._target = None
+                self._wake()
+            return
+        self._pending.append(memoryview(bytes(self._spill[:nbytes])))
+        self._pending_bytes += nbytes
+        if self._pending_bytes > self.SPILL_LIMIT and self.transport is not None:
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- reader side --
+
+    async def readinto(self, dst: memoryview) -> None:
+        pos = self._drain_pending(dst)
+        if pos == len(dst):
+            return
+        if self._eof:
+            raise self._failure()
+        self._target, self._pos = dst, pos
+        self._waiter = asyncio.get_running_loop().create_future()
+        if self.transport is not None:
+            self.transport.resume_reading()
+        try:
+            await asyncio.wait_for(self._waiter, self.timeout)
+        except asyncio.TimeoutError as exc:
+            raise TransferError(502, "kv_transfer_failed", f"no data for {self.timeout} s", True) from exc
+        finally:
+            filled = self._target is None
+            self._target = None
+        if not filled:
+            raise self._failure()
+
+    def _drain_pending(self, dst: memoryview) -> int:
+        pos = 0
+        while self._pending and pos < len(dst):
+            head = self._pending[0]
+            k = min(len(head), len(dst) - pos)
+            dst[pos : pos + k] = head[:k]
+            pos += k
+            self._pending_bytes -= k
+            if k == len(head):
+                self._pending.popleft()
+            else:
+                self._pending[0] = head[k:]
+        return pos
+
+    def _failure(self) -> TransferError:
+        if self._error is not None:
+            return TransferError(502, "kv_transfer_failed", f"connection lost: {self._error!r}", True)
+        return _truncated(self.bytes_read)
+
+    async def aclose(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FrameReader:
+    """Parses one pull response, verifying as it goes.
+
+    ``source``: an object with ``async readinto(memoryview)`` (``TcpSource``, ``ChunkSource``)
+    or an async iterator of byte chunks. ``blocks()`` yields ``(offset, keys, data)`` chunks of
+    verified blocks (``data``: uint8 ``[n, block_bytes]``, at most ``chunk_bytes`` per chunk:
+    on small hosts large fresh allocations page-fault at a fraction of copy speed). Payloads are
+    read straight into ``data``. Raises ``TransferError`` (retryable) on a bad magic, a key other
+    than expected, a checksum mismatch, or a stream that ends early.
+    """
+
+    def __init__(self, source: Any, chunk_bytes: int = 8 << 20) -> None:
+        self.source = source if hasattr(source, "readinto") else ChunkSource(source)
+        self.chunk_bytes = chunk_bytes
+        self.header: dict[str, Any] = {}
 
     async def _take(self, n: int) -> bytes:
-        await self._need(n)
         out = bytearray(n)
-        self._copy_into(memoryview(out))
+        await self.source.readinto(memoryview(out))
         return bytes(out)
 
     async def read_header(self) -> dict[str, Any]:
@@ -205,8 +317,7 @@ class FrameReader:
                 key, cs = _BLOCK.unpack(await self._take(_BLOCK.size))
                 if key != expected_keys[i + j]:
                     raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: key {key:#x}, expected {expected_keys[i + j]:#x}", True)
-                await self._need(block_bytes)
-                self._copy_into(memoryview(data[j]))
+                await self.source.readinto(memoryview(data[j]))
                 if checksum(data[j]) != cs:
                     raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: checksum mismatch", True)
             yield i, list(expected_keys[i : i + k]), data
@@ -596,25 +707,19 @@ async def _http_source(client: Any, url: str, body: dict[str, Any], timeout: flo
         raise TransferError(502, "kv_transfer_failed", f"pull from {url} failed: {exc!r}", True) from exc
 
 
-async def _tcp_source(host: str, port: int, body: dict[str, Any], timeout: float) -> AsyncIterator[bytes]:
+async def _tcp_source(host: str, port: int, body: dict[str, Any], timeout: float) -> TcpSource:
+    """Connect and send the pull request; the response is read through the returned source."""
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 22), timeout)
+        _, source = await asyncio.wait_for(
+            loop.create_connection(lambda: TcpSource(timeout), host, port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         raise TransferError(502, "kv_transfer_failed", f"connect to {host}:{port} failed: {exc!r}", True) from exc
-    try:
-        req = json.dumps(body).encode()
-        writer.write(_REQ.pack(len(req)) + req)
-        await writer.drain()
-        while True:
-            try:
-                data = await asyncio.wait_for(reader.read(1 << 20), timeout)
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise TransferError(502, "kv_transfer_failed", f"pull from {host}:{port} failed: {exc!r}", True) from exc
-            if not data:
-                return
-            yield data
-    finally:
-        writer.close()
+    req = json.dumps(body).encode()
+    if source.transport is None:  # connection_made runs before create_connection returns
+        raise TransferError(502, "kv_transfer_failed", f"connect to {host}:{port}: no transport", True)
+    source.transport.write(_REQ.pack(len(req)) + req)
+    return source
 
 
 def _remote_error(status: int, text: str) -> TransferError:
@@ -641,10 +746,12 @@ async def pull_blocks(
     body = {"transfer_id": params["transfer_id"], "first_block": first_block, "num_blocks": len(keys),
             "layout": layout.to_dict()}
     host = str(params["remote_host"])
+    source: Any
     if params.get("transport") == "tcp" and params.get("remote_tcp_port"):
-        source = _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
+        source = await _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
     else:
-        source = _http_source(http, f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull", body, timeout)
+        url = f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull"
+        source = ChunkSource(_http_source(http, url, body, timeout))
     reader = FrameReader(source, chunk_bytes)
     try:
         header = await reader.read_header()
@@ -659,11 +766,23 @@ async def pull_blocks(
         async for chunk in reader.blocks(keys, layout.block_bytes):
             yield chunk
     finally:
-        await source.aclose()  # type: ignore[attr-defined]
+        await source.aclose()
 
 
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+_SLICE = 256 << 10
+
+
+async def _send(writer: asyncio.StreamWriter, data: memoryview) -> None:
+    """Write in slices, draining whenever the transport had to buffer: on Python 3.11 a large
+    transport buffer is shifted (``del buf[:n]``) on every send, quadratic in its size."""
+    for i in range(0, len(data), _SLICE):
+        writer.write(data[i : i + _SLICE])
+        if writer.transport.get_write_buffer_size():
+            await writer.drain()
 
 
 async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host: str, port: int,
@@ -682,9 +801,7 @@ async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host:
                 writer.write(encode_header({"error": {"status": 400, "code": code, "message": str(exc)}}))
                 return
             async for frame in serve_pull(engine, registry, req, faults, chunk_bytes):
-                writer.write(frame)
-                if writer.transport.get_write_buffer_size() > chunk_bytes:
-                    await writer.drain()
+                await _send(writer, memoryview(frame).cast("B"))
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
