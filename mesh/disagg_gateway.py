@@ -1,0 +1,107 @@
+"""Disaggregated serving in the gateway: a ``Proxy`` that sends a request whose decision names a
+(prefill, decode) pair through ``mesh.disagg.relay_disaggregated``, and every other request down
+the ordinary proxy path.
+
+Installed as a lifespan hook (``gateway.on_start``), so the gateway's own modules stay unchanged:
+
+    gateway = app.state.gateway
+    gateway.on_start.append(mesh.disagg_gateway.install)
+    gateway.on_stop.append(mesh.disagg_gateway.uninstall)
+
+Cost for policies without prefill/decode profiles: one attribute check per request. With
+profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
+pipeline's mixed-role fallback) goes down the ordinary path, which decides again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
+from mesh.errors import MeshError
+from mesh.prompt import ParsedRequest
+from mesh.proxy import HOP_BY_HOP, Proxy, _Exchange
+from policies.base import NoCandidate
+
+log = logging.getLogger("mesh.disagg_gateway")
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class DisaggProxy(Proxy):
+    """``Proxy`` plus the relay for prefill/decode pairs. ``http`` is the relay's client."""
+
+    def __init__(self, *args: Any, http: httpx.AsyncClient, queue: DecodeQueue | None = None,
+                 config: RelayConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.http = http
+        self.decode_queue = queue or DecodeQueue()
+        self.relay_config = config or RelayConfig()
+        self.relay_stats = RelayStats()
+
+    async def _forward(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange,
+                       route: str, start: float) -> None:
+        if getattr(self.router.policy, "pd", None) is None:  # no prefill/decode profiles
+            await super()._forward(parsed, client_headers, state, route, start)
+            return
+        now = time.monotonic()
+        self.registry.tick(now)
+        try:
+            decision = self.router.decide(parsed.info, now)
+        except NoCandidate:
+            decision = None
+        if decision is None or decision.decode_target is None:
+            await super()._forward(parsed, client_headers, state, route, start)
+            return
+        await self._relay(parsed, client_headers, state, route, start, decision)
+
+    async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange,
+                     route: str, start: float, decision: Any) -> None:
+        forward = self.registry.config.server.forward_authorization
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers
+                   if k not in HOP_BY_HOP and (forward or k != b"authorization")]
+        try:
+            resp = await relay_disaggregated(
+                self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
+                config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats,
+            )
+        except RelayError as exc:
+            out = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+            await state.respond(exc.status, out, exc.body)
+            return
+        try:
+            self._ttfb_hist[route].observe(time.perf_counter() - start)
+            out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
+            if not resp.stream:
+                await state.respond(resp.status, out, resp.first)
+                return
+            await state.start(resp.status, out)
+            async for chunk in resp.body():
+                await state.chunk(chunk)
+            await state.end()
+        finally:
+            await resp.aclose()
+
+
+async def install(gateway: Any) -> None:
+    """Lifespan hook: swap the gateway's proxy for a ``DisaggProxy`` (same pool, registry,
+    router, prompts and metrics) with its own pooled httpx client for the relay."""
+    old = gateway.proxy
+    if old is None:
+        raise MeshError(500, "the gateway has no proxy yet: install after it is created")
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(gateway.config.server.request_timeout_s,
+                                                                   connect=gateway.config.server.connect_timeout_s))
+    gateway.proxy = DisaggProxy(old.pool, old.registry, old.router, old.prompts, old.metrics, http=http,
+                                config=RelayConfig(timeout_s=gateway.config.server.request_timeout_s,
+                                                   connect_timeout_s=gateway.config.server.connect_timeout_s))
+
+
+async def uninstall(gateway: Any) -> None:
+    """Lifespan hook (``on_stop``): close the relay's client."""
+    proxy = gateway.proxy
+    if isinstance(proxy, DisaggProxy):
+        await proxy.http.aclose()

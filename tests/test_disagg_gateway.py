@@ -1,0 +1,77 @@
+"""``mesh.disagg_gateway``: the gateway app (``mesh.app.create_app``, in process) with the
+disaggregation hook serves requests through a (prefill, decode) pair of real worker processes,
+answering one ordinary OpenAI response; without prefill/decode profiles it proxies as usual."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from mesh import disagg_gateway
+from mesh.app import create_app
+from mesh.config import parse_config
+from tests.disagg_cluster import PD_POLICY, Cluster, assert_no_leaks, completion, direct, parse_answer, prompt_tokens, status
+from tests.procs import ProcessGroup
+
+
+@pytest.fixture(scope="module")
+def cluster(module_procs: ProcessGroup) -> Cluster:
+    c = Cluster(module_procs)
+    c.start("p0", "prefill")
+    c.start("d0", "decode")
+    c.start("m", "mixed")
+    c.wait()
+    return c
+
+
+def _config(cluster: Cluster, policy: Any) -> Any:
+    workers = [{"name": n, "url": cluster.workers[n].url, "role": cluster.workers[n].role.value} for n in ("p0", "d0")]
+    return parse_config({"workers": workers, "policy": policy, "health": {"interval_s": 60}})
+
+
+@contextlib.asynccontextmanager
+async def _gateway(cluster: Cluster, policy: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(_config(cluster, policy))
+    gateway = app.state.gateway
+    gateway.on_start.append(disagg_gateway.install)
+    gateway.on_stop.append(disagg_gateway.uninstall)
+    async with app.router.lifespan_context(app):
+        assert isinstance(gateway.proxy, disagg_gateway.DisaggProxy)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh", timeout=120) as client:
+            yield client
+
+
+async def test_the_gateway_serves_through_a_prefill_decode_pair(cluster: Cluster) -> None:
+    m = cluster.workers["m"].url
+    before = status(cluster.workers["d0"].url)
+    async with _gateway(cluster, PD_POLICY) as client:
+        for stream in (False, True):
+            body = completion(prompt_tokens(300, seed=50 + stream), 16, stream)
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200
+            assert resp.headers["x-mesh-worker"] == "d0" and resp.headers["x-mesh-prefill-worker"] == "p0"
+            assert parse_answer(resp.content, stream, "/v1/completions")[0] == direct(m, body)[0]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Why is the sky blue? " * 10}],
+                "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+        resp = await client.post("/v1/chat/completions", json=chat)
+        path = "/v1/chat/completions"
+        assert parse_answer(resp.content, True, path)[0] == direct(m, chat, path)[0]
+        route = (await client.post("/debug/route", json=completion(prompt_tokens(300, seed=50), 4))).json()
+        assert route["decision"]["target"] == "p0" and route["decision"]["decode_target"] == "d0"
+    after = status(cluster.workers["d0"].url)
+    assert after["decode_requests"] - before["decode_requests"] == 3 and after["decode_blocks_pulled"] > before["decode_blocks_pulled"]
+    assert_no_leaks(cluster.alive())
+
+
+async def test_without_profiles_the_gateway_proxies_as_usual(cluster: Cluster) -> None:
+    before = status(cluster.workers["d0"].url)["decode_requests"]
+    async with _gateway(cluster, "least_load") as client:
+        body = completion(prompt_tokens(100, seed=60), 8)
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and "x-mesh-prefill-worker" not in resp.headers
+    assert status(cluster.workers["d0"].url)["decode_requests"] == before
+    assert_no_leaks(cluster.alive())
