@@ -230,10 +230,10 @@ async def test_blocks_stay_pinned_until_every_consumer_is_done(cluster: Cluster)
     body = completion(prompt_tokens(150, seed=11), 8)
     got = await relay(router, body, decision=_pair("pc", "d0"))
     assert got.text == direct(cluster.workers["m"].url, body)[0]
-    await asyncio.sleep(0.3)  # the decode worker's release has landed
+    await wait_for(lambda: _live(pc) and _live(pc)[0]["pending"] == ["cpu_save"], what="the decode's release")
     s = status(pc)
-    assert s["transfers_active"] == 1 and s["pinned_blocks"] == 9
-    tid = got_transfer_id(got.raw, pc)
+    assert s["transfers_active"] == 1 and s["pinned_blocks"] == 9  # decode done, cpu_save not yet
+    tid = str(_live(pc)[0]["transfer_id"])
     r = httpx.post(f"{pc}/kv_transfer/release", json={"transfer_id": tid, "consumer": "cpu_save"}).json()
     assert r["released"]
     again = httpx.post(f"{pc}/kv_transfer/release", json={"transfer_id": tid, "consumer": "cpu_save"}).json()
@@ -243,11 +243,9 @@ async def test_blocks_stay_pinned_until_every_consumer_is_done(cluster: Cluster)
     assert_leases_settled(router)
 
 
-def got_transfer_id(_: bytes, url: str) -> str:
-    """The one live transfer's id on a prefill worker (from its status, tests only)."""
-    live = httpx.get(f"{url}/kv_transfer/transfers").json()["transfers"]
-    assert len(live) == 1
-    return str(live[0]["transfer_id"])
+def _live(url: str) -> list[dict[str, object]]:
+    """A prefill worker's live transfers (``GET /kv_transfer/transfers``)."""
+    return list(httpx.get(f"{url}/kv_transfer/transfers").json()["transfers"])
 
 
 async def test_an_unconsumed_transfer_is_released_at_its_deadline(cluster: Cluster) -> None:
