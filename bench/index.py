@@ -393,6 +393,8 @@ def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int,
         keys_s = min(keys_s, keys_only(stream))
     rng = random.Random(workers)
     progress.update(task, description=f"{workers} workers: matching (cross-checked)")
+    gc.collect()
+    gc.freeze()  # the stream's millions of objects: keep collections (for both sides) off them
     row: dict[str, Any] = {
         "workers": workers, "events": len(stream.ours), "removal_events": sum(e[0] == "R" for e in stream.ours),
         "event_blocks": stream.blocks, "indexed_entries": stream.entries, "indexed_unique_blocks": stream.unique,
@@ -409,6 +411,7 @@ def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int,
     progress.update(task, description=f"{workers} workers: decisions")
     for toks in (8192, 32768):
         row[f"decision_{toks}"] = decision_latency(index, tree, stream, toks, reps, rng)
+    gc.unfreeze()
     progress.update(task, description=f"{workers} workers: memory")
     mem = memory_ours(stream, tids)
     dmem = memory_dynamo(stream)

@@ -54,7 +54,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush
-from itertools import repeat
+from itertools import chain, repeat
 from operator import and_, neg
 from typing import Any
 
@@ -134,7 +134,7 @@ class PrefixIndex:
         self._spec: dict[int, dict[int, float]] = {}  # slot -> key -> speculative deadline
         self._spec_heap: list[tuple[float, int, int, int, Sequence[int]]] = []
         self._spec_seq = 0
-        self._names_cache: dict[int, tuple[str, ...]] = {}
+        self._names_cache: dict[Any, tuple[str, ...]] = {}  # mask or (word, bits) -> targets
         self._clock = 0
         self._lru: list[tuple[int, int]] = []  # (stamp, nid) of leaves, lazily invalidated
         self.evicted = 0  # keys evicted by the budget (a counter for metrics)
@@ -366,36 +366,59 @@ class PrefixIndex:
                 gpu = _live_groups(_depths(keys, n, get, cg[first], cg), live) if cg[first] & live else []
                 break
         names = self._names
-        if gpu is None:  # the usual case
-            if len(total) == 1:
-                return dict.fromkeys(names(total[0][1]), Overlap(total[0][0], 0))
-            out: dict[str, Overlap] = {}
-            for depth, mask in total:
+        if gpu is None:  # the usual case: every target's prefix is on the GPU
+            # all holders of the first block (the same set for every prompt that starts alike,
+            # so its names are cached) at the shallowest depth, then the deeper groups on top
+            out = dict.fromkeys(names(ca[first] & live), Overlap(total[0][0], 0))
+            for depth, mask in total[1:]:
                 out.update(dict.fromkeys(names(mask), Overlap(depth, 0)))
             return out
-        out = {}
+        groups: list[tuple[int, Overlap]] = []  # (targets, their overlap)
         for depth, mask in total:
             rest = mask
             for gdepth, gmask in gpu:
                 both = rest & gmask
                 if both:
-                    out.update(dict.fromkeys(names(both), Overlap(gdepth, depth - gdepth)))
+                    groups.append((both, Overlap(gdepth, depth - gdepth)))
                     rest ^= both
                     if not rest:
                         break
             if rest:
-                out.update(dict.fromkeys(names(rest), Overlap(0, depth)))
+                groups.append((rest, Overlap(0, depth)))
+        if len(groups) == 1:
+            return dict.fromkeys(names(groups[0][0]), groups[0][1])
+        groups.sort(key=lambda g: -g[0].bit_count())  # copy the largest group only once
+        out = dict.fromkeys(names(groups[0][0]), groups[0][1])
+        for mask, ov in groups[1:]:
+            out.update(dict.fromkeys(names(mask), ov))
         return out
 
     def _names(self, mask: int) -> tuple[str, ...]:
-        """The targets of the live bits of ``mask``. Holder sets recur from query to query (the
-        holders of a system prompt), so they are cached until a slot changes hands."""
-        names = self._names_cache.get(mask)
+        """The targets of the bits of ``mask``. Holder sets recur from query to query (the
+        holders of a system prompt), and so do their 64-bit words when the sets differ a little:
+        both are cached until a slot changes hands."""
+        cache = self._names_cache
+        names = cache.get(mask)
         if names is None:
-            if len(self._names_cache) >= 4096:
-                self._names_cache.clear()
+            if len(cache) >= 8192:
+                cache.clear()
+            if mask >> 64 == 0:
+                names = self._word_names(0, mask)
+            else:
+                words = array("Q")
+                words.frombytes(mask.to_bytes(((mask.bit_length() + 63) >> 6) << 3, "little"))
+                word_names = self._word_names
+                names = tuple(chain.from_iterable([word_names(i, w) for i, w in enumerate(words) if w]))
+            cache[mask] = names
+        return names
+
+    def _word_names(self, word: int, bits: int) -> tuple[str, ...]:
+        key = -((bits << 16) | word) - 1  # negative: never a mask
+        names = self._names_cache.get(key)
+        if names is None:
             tids = self._tids
-            names = self._names_cache[mask] = tuple([tids[i] for i in _bits(mask)])  # type: ignore[misc]
+            base = word << 6
+            names = self._names_cache[key] = tuple([tids[base + i] for i in _bits(bits)])  # type: ignore[misc]
         return names
 
     def holds(self, target: str, key: int) -> Tier | None:
