@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mesh import disagg_gateway
 from mesh.config import ConfigError, MeshConfig, WorkerConfig, load_config
 from mesh.errors import MeshError, install_handlers
 from mesh.index import PrefixIndex
@@ -227,6 +228,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         registry.add(worker, source="config")
     metrics.add_collector(registry.metric_families)
     metrics.add_collector(lambda: _router_families(gateway))
+    disagg_gateway.attach(gateway)  # prefill/decode pairs through the relay when the config has roles
     return gateway
 
 
