@@ -3,10 +3,8 @@
 the ordinary proxy path.
 
 Installed as a lifespan hook (``gateway.on_start``), so the gateway's own modules stay unchanged:
-
-    gateway = app.state.gateway
-    gateway.on_start.append(mesh.disagg_gateway.install)
-    gateway.on_stop.append(mesh.disagg_gateway.uninstall)
+``attach(gateway)`` registers ``install``/``uninstall`` when the config has workers with roles or
+a policy with profiles.
 
 Cost for policies without prefill/decode profiles: one attribute check per request. With
 profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
@@ -86,12 +84,30 @@ class DisaggProxy(Proxy):
             await resp.aclose()
 
 
+def wanted(config: Any) -> bool:
+    """A config that can form prefill/decode pairs: a worker with a role, or policy profiles."""
+    roles = any(getattr(w.role, "value", w.role) != "mixed" for w in config.workers)
+    policy = config.policy
+    profiles = isinstance(policy, dict) and isinstance(policy.get("params"), dict) and "profiles" in policy["params"]
+    return roles or profiles
+
+
+def attach(gateway: Any) -> None:
+    """Register ``install``/``uninstall`` on the gateway's lifespan when its config wants pairs
+    (workers added later through the admin API do not change that: restart to enable it)."""
+    if wanted(gateway.config):
+        gateway.on_start.append(install)
+        gateway.on_stop.append(uninstall)
+
+
 async def install(gateway: Any) -> None:
     """Lifespan hook: swap the gateway's proxy for a ``DisaggProxy`` (same pool, registry,
     router, prompts and metrics) with its own pooled httpx client for the relay."""
     old = gateway.proxy
     if old is None:
         raise MeshError(500, "the gateway has no proxy yet: install after it is created")
+    if isinstance(old, DisaggProxy):
+        return
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(gateway.config.server.request_timeout_s,
                                                                    connect=gateway.config.server.connect_timeout_s))

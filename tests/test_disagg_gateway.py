@@ -1,5 +1,5 @@
-"""``mesh.disagg_gateway``: the gateway app (``mesh.app.create_app``, in process) with the
-disaggregation hook serves requests through a (prefill, decode) pair of real worker processes,
+"""``mesh.disagg_gateway``: the gateway app (``mesh.app.create_app``, in process; a config with
+worker roles attaches the disaggregation hook) serves requests through a (prefill, decode) pair of real worker processes,
 answering one ordinary OpenAI response; without prefill/decode profiles it proxies as usual."""
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ def _config(cluster: Cluster, policy: Any) -> Any:
 
 @contextlib.asynccontextmanager
 async def _gateway(cluster: Cluster, policy: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(_config(cluster, policy))
+    app = create_app(_config(cluster, policy))  # workers with roles: build_gateway attaches the relay
     gateway = app.state.gateway
-    gateway.on_start.append(disagg_gateway.install)
-    gateway.on_stop.append(disagg_gateway.uninstall)
     async with app.router.lifespan_context(app):
         assert isinstance(gateway.proxy, disagg_gateway.DisaggProxy)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh", timeout=120) as client:
