@@ -5,6 +5,7 @@ answering one ordinary OpenAI response; without prefill/decode profiles it proxi
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from mesh import disagg_gateway
 from mesh.app import create_app
 from mesh.config import parse_config
 from tests.disagg_cluster import PD_POLICY, Cluster, assert_no_leaks, completion, direct, parse_answer, prompt_tokens, status
-from tests.procs import ProcessGroup
+from tests.procs import ProcessGroup, free_port, wait_http
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,17 @@ async def test_without_profiles_the_gateway_proxies_as_usual(cluster: Cluster) -
         assert resp.status_code == 200 and "x-mesh-prefill-worker" not in resp.headers
     assert status(cluster.workers["d0"].url)["decode_requests"] == before
     assert_no_leaks(cluster.alive())
+
+
+def test_mesh_up_with_prefill_and_decode_workers_serves_disaggregated(procs: ProcessGroup) -> None:
+    """``mesh up --prefill 1 --decode 1``: bundled workers with roles behind the gateway; a
+    request is prefilled on one and decoded on the other, the decode side importing the prompt."""
+    port = free_port()
+    up = procs.start([sys.executable, "-m", "mesh.commands.up", "--prefill", "1", "--decode", "1", "--port", str(port)],
+                     name="up", port=port)
+    wait_http(f"http://127.0.0.1:{port}/ready", proc=up, timeout_s=120)
+    body = completion(prompt_tokens(200, seed=70), 8)
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200
+    assert resp.headers["x-mesh-prefill-worker"].startswith("prefill-") and resp.headers["x-mesh-worker"].startswith("decode-")
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192  # 12 blocks came over
