@@ -135,6 +135,8 @@ class PrefixIndex:
         self._spec_heap: list[tuple[float, int, int, int, Sequence[int]]] = []
         self._spec_seq = 0
         self._names_cache: dict[Any, tuple[str, ...]] = {}  # mask or (word, bits) -> targets
+        self._hints_ca: dict[int, int] = {}  # match's search hints (verified before use)
+        self._hints_cg: dict[int, int] = {}
         self._clock = 0
         self._lru: list[tuple[int, int]] = []  # (stamp, nid) of leaves, lazily invalidated
         self.evicted = 0  # keys evicted by the budget (a counter for metrics)
@@ -353,7 +355,7 @@ class PrefixIndex:
             first = 0
         if not (ca[first] & live):
             return {}
-        total = _live_groups(_depths(keys, n, get, ca[first], ca), live)
+        total = _live_groups(_depths(keys, n, get, ca[first], ca, self._hints_ca), live)
         if not total:
             return {}
         if self.max_keys:
@@ -363,7 +365,7 @@ class PrefixIndex:
         gpu: list[tuple[int, int]] | None = None
         for depth, mask in total:
             if cg[get(keys[depth - 1], EMPTY)] & mask != mask:
-                gpu = _live_groups(_depths(keys, n, get, cg[first], cg), live) if cg[first] & live else []
+                gpu = _live_groups(_depths(keys, n, get, cg[first], cg, self._hints_cg), live) if cg[first] & live else []
                 break
         names = self._names
         if gpu is None:  # the usual case: every target's prefix is on the GPU
@@ -862,14 +864,19 @@ def _bits(mask: int) -> list[int]:
     return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
 
-def _depths(keys: Sequence[int], n: int, get: Any, first: int, masks: list[int]) -> list[tuple[int, int]]:
+def _depths(
+    keys: Sequence[int], n: int, get: Any, first: int, masks: list[int], hints: dict[int, int]
+) -> list[tuple[int, int]]:
     """Change points of a consecutive mask along ``keys``: ``[(depth, bits), ...]`` where the
     targets of ``bits`` hold exactly ``depth`` leading blocks (``bits`` may include retired
     slots: the caller masks them out).
 
     Along the chain the mask only loses bits, so the positions where it still equals its value
     at ``pos`` form a prefix: each change point is one binary search on equality (no big-int
-    arithmetic per probe). With many distinct depths a C-speed linear pass takes over.
+    arithmetic per probe). ``hints`` remembers, per key where a run of equal masks starts, where
+    that run ended last time (the end of a shared system prompt, of a session's last turn): two
+    probes confirm it, else the search runs. With many distinct depths a C-speed linear pass
+    takes over.
     """
     out: list[tuple[int, int]] = []
     cur = first
@@ -879,13 +886,23 @@ def _depths(keys: Sequence[int], n: int, get: Any, first: int, masks: list[int])
         if budget == 0:
             return out + _depths_linear(keys, n, get, cur, pos, masks)
         budget -= 1
-        lo, hi = pos + 1, n
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if masks[get(keys[mid], EMPTY)] == cur:
-                lo = mid + 1
-            else:
-                hi = mid
+        start = keys[pos]
+        end = hints.get(start, 0)
+        if pos < end < n and masks[get(keys[end - 1], EMPTY)] == cur and masks[get(keys[end], EMPTY)] != cur:
+            lo = end
+        elif end >= n and masks[get(keys[n - 1], EMPTY)] == cur:
+            lo = n
+        else:
+            lo, hi = pos + 1, n
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if masks[get(keys[mid], EMPTY)] == cur:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if len(hints) >= 65536:
+                hints.clear()
+            hints[start] = lo
         if lo >= n:
             out.append((n, cur))
             return out
