@@ -38,7 +38,9 @@ try:  # session bindings (mesh.sessions); without it the Router runs with sessio
 except ImportError:  # pragma: no cover - present in this repository
     SessionTable = None  # type: ignore[assignment,misc]
 
-_STEP, _RELEASE, _TRANSFER = 0, 1, 2
+# Event kinds, in their order at equal times: segment ends, releases, KV transfers, then the
+# wake-ups of idle workers (so requests released at one instant share the first step).
+_STEP, _RELEASE, _TRANSFER, _WAKE = 0, 1, 2, 3
 
 
 class SimulationError(RuntimeError):
@@ -148,8 +150,8 @@ class Simulator:
         self.q_run: list[int] = []
 
     # ------------------------------------------------------------------ worker callbacks
-    def schedule(self, worker: WorkerModel, t: float) -> None:
-        heapq.heappush(self.heap, (t, _STEP, next(self.seq), worker, worker.version))
+    def schedule(self, worker: WorkerModel, t: float, wake: bool = False) -> None:
+        heapq.heappush(self.heap, (t, _WAKE if wake else _STEP, next(self.seq), worker, worker.version))
 
     def emit(self, t: float, op: int, target: str, keys: list[int], parent: int | None) -> None:
         if self.lag:
@@ -283,11 +285,11 @@ class Simulator:
         arrive, transfer = self._arrive, self._transfer
         while heap:
             t, kind, _, obj, ver = pop(heap)
-            if kind == _STEP:
+            if kind == _RELEASE:
+                arrive(obj, t)
+            elif kind != _TRANSFER:
                 if ver == obj.version:
                     obj.complete(t)
-            elif kind == _RELEASE:
-                arrive(obj, t)
             else:
                 transfer(obj, t)
         if self.lag:

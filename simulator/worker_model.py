@@ -184,7 +184,14 @@ class WorkerModel:
         self.waiting.append(req)
         self.sim.queued += 1
         if not self.busy:
-            self.plan(t)
+            # wake after every release of this instant: simultaneous arrivals share a step
+            self.busy = True
+            self.seg_start = self.seg_end = t
+            self.seg_k = 0
+            self.seg_mixed = False
+            self.seg_chunks = []
+            self.version += 1
+            self.sim.schedule(self, t, wake=True)
         elif len(self.waiting) == 1 and not self.seg_mixed and self.seg_k > 1:
             self.interrupt(t)  # (behind a blocked head it could not start any sooner)
 
@@ -381,19 +388,23 @@ class WorkerModel:
         bs = self.bs
         return sum(_blocks(r.n + r.g + k, bs) - _blocks(r.n + r.g, bs) for r in self.decoding)
 
-    def _reserve_growth(self, k: int, t: float) -> int:
-        """Reserve decode growth for up to ``k`` steps; the steps it could reserve (may be 0)."""
+    def _reserve(self, k: int, t: float) -> int:
+        """Reserve decode growth for as many of ``k`` steps as fit (evicting as needed).
+
+        Replaces the current reservation; returns the steps reserved (0: not even one)."""
+        self.private -= self.seg_reserved
+        self.seg_reserved = 0
         if not self.capacity or not self.decoding:
             return k
         need = self._growth(k)
-        free = self._free()
-        if need > free:
-            free += self.evict(need - free, t)
-        if need > free:
-            lo, hi = 0, k  # growth(lo) <= free < growth(hi)
+        room = self._free()
+        if need > room:
+            room += self.evict(need - room, t)
+        if need > room:
+            lo, hi = 0, k  # growth(lo) <= room < growth(hi)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if self._growth(mid) <= free:
+                if self._growth(mid) <= room:
                     lo = mid
                 else:
                     hi = mid
@@ -404,74 +415,93 @@ class WorkerModel:
         return k
 
     def _preempt(self, t: float) -> None:
-        """Recompute the newest decoding request later (vLLM's LIFO preemption)."""
-        victim = max(self.decoding, key=lambda r: r.seq)
-        self.decoding.remove(victim)
-        self.ctx_tokens -= victim.n + victim.g
+        """Recompute the newest running request later (vLLM's LIFO preemption)."""
+        running = self.prefilling + self.decoding
+        victim = max(running, key=lambda r: r.seq)
+        if len(running) == 1:
+            raise CapacityError(
+                f"request {victim.idx} ({victim.n} prompt + {victim.out} output tokens) outgrows the KV "
+                f"capacity of worker {self.id} ({self.capacity} blocks of {self.bs}) while running alone"
+            )
+        if victim in self.decoding:
+            self.decoding.remove(victim)
+            self.ctx_tokens -= victim.n + victim.g
+            victim.target = victim.n + victim.g
+        else:
+            self.prefilling.remove(victim)
         self._release(victim)
         victim.registered = 0
         victim.computed = 0
-        victim.target = victim.n + victim.g
         victim.transferred = False
         victim.preemptions += 1
         self.waiting.appendleft(victim)
         self.sim.queued += 1
         self.sim.preemptions += 1
 
-    def plan(self, t: float) -> None:
-        """Choose and schedule the next segment starting at ``t`` (or go idle)."""
-        while True:
-            budget = self.profile.max_batched_tokens - len(self.decoding)
-            chunks: list[tuple[SimRequest, int]] = []
-            ctx_work = 0
-            for r in self.prefilling:
-                if budget <= 0:
-                    break
-                take = min(r.target - r.computed, budget)
-                chunks.append((r, take))
-                ctx_work += take * r.computed
-                budget -= take
-            cpu_blocks = 0
-            max_seqs = self.profile.max_num_seqs
-            while self.waiting and budget > 0 and len(self.prefilling) + len(self.decoding) < max_seqs:
-                if self.blocked_at == self.releases:
-                    break  # the head did not fit and nothing was freed since
-                req = self.waiting[0]
-                ok, c = self._admit(req, t)
-                if not ok:
-                    self.blocked_at = self.releases
-                    break
-                self.waiting.popleft()
-                self.sim.queued -= 1
-                cpu_blocks += c
-                if req.transferred:  # PD import: straight to decoding
-                    req.computed = req.n
-                    self._register(req, t)
-                    self._join_decode(req, t)
-                    continue
-                self.prefilling.append(req)
-                take = min(req.target - req.computed, budget)
-                chunks.append((req, take))
-                ctx_work += take * req.computed
-                budget -= take
-            if chunks or self.decoding:
+    def _admit_waiting(self, budget: int, t: float, chunks: list[tuple[SimRequest, int]]) -> tuple[int, int, int]:
+        """Admit waiting requests FCFS into the step; (budget left, context work, CPU blocks)."""
+        ctx_work = cpu_blocks = 0
+        max_seqs = self.profile.max_num_seqs
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.prefilling) + len(self.decoding) < max_seqs:
+            if self.blocked_at == self.releases:
+                break  # the head did not fit and nothing was freed since
+            req = waiting[0]
+            ok, c = self._admit(req, t)
+            if not ok:
+                self.blocked_at = self.releases
                 break
-            if self.waiting and not self.prefilling and not self.decoding:
+            waiting.popleft()
+            self.sim.queued -= 1
+            cpu_blocks += c
+            if req.transferred:  # PD import: straight to decoding
+                req.computed = req.n
+                self._register(req, t)
+                self._join_decode(req, t)
+                continue
+            self.prefilling.append(req)
+            take = min(req.target - req.computed, budget)
+            chunks.append((req, take))
+            ctx_work += take * req.computed
+            budget -= take
+        return budget, ctx_work, cpu_blocks
+
+    def plan(self, t: float) -> None:
+        """Choose and schedule the next segment starting at ``t`` (or go idle).
+
+        As vLLM: running decodes get their next token's blocks first (preempting the newest
+        running request while they cannot), then running prefills take the budget, then
+        waiting requests are admitted, unless this step preempted."""
+        preempted = False
+        while self.decoding and not self._reserve(1, t):
+            self._preempt(t)
+            preempted = True
+        budget = self.profile.max_batched_tokens - len(self.decoding)
+        chunks: list[tuple[SimRequest, int]] = []
+        ctx_work = cpu_blocks = 0
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(r.target - r.computed, budget)
+            chunks.append((r, take))
+            ctx_work += take * r.computed
+            budget -= take
+        if not preempted or not (chunks or self.decoding):
+            budget, work, cpu_blocks = self._admit_waiting(budget, t, chunks)
+            ctx_work += work
+        if not chunks and not self.decoding:
+            if self.waiting:
                 head = self.waiting[0]
                 raise CapacityError(
                     f"worker {self.id} cannot admit request {head.idx} with nothing running: "
                     "KV capacity too small for it"
                 )
+            self.private -= self.seg_reserved
+            self.seg_reserved = 0
             self.busy = False
             self._update_usage()
             return
         if chunks:
-            k = self._reserve_growth(1, t)
-            if k == 0:
-                self._preempt(t)
-                self.private -= self.seg_reserved
-                self.seg_reserved = 0
-                return self.plan(t)
             n_tok = sum(take for _, take in chunks)
             base, per_tok, per_tok2, per_ctx = self._p
             dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work
@@ -483,12 +513,8 @@ class WorkerModel:
             self.seg_k = 1
         else:
             k = min(r.out - r.g for r in self.decoding)
-            k = self._reserve_growth(k, t)
-            if k == 0:
-                self.private -= self.seg_reserved
-                self.seg_reserved = 0
-                self._preempt(t)
-                return self.plan(t)
+            if k > 1:
+                k = max(1, self._reserve(k, t))  # one step always fits: it was reserved above
             dur = self.decode_span(k, len(self.decoding), self.ctx_tokens)
             self.seg_chunks = []
             self.seg_mixed = False
