@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
+from time import monotonic
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 
 from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from mesh.router import Router
+from mesh.sessions import SessionTable
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 
@@ -229,3 +232,19 @@ async def test_a_cancelled_request_settles_its_leases() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
     assert all((t.in_flight, t.prefill_tokens, t.decode_tokens) == (0, 0, 0) for t in router.targets.values())
+
+
+async def test_a_session_is_bound_to_its_decode_worker_not_the_prefill() -> None:
+    """Decode-side session affinity: the binding follows the worker that holds the conversation's
+    KV after the transfer (the decode worker); the prefill lease never moves it."""
+    w = Workers()
+    w.on("p0", vllm_prefill())
+    w.on("d0", decode_ok())
+    sessions = SessionTable(idle_ttl_s=60)
+    router = Router(create_policy(POLICY), _router("p0", "d0").targets, sessions=sessions)
+    info = replace(INFO, session_id="s1")
+    async with w.client() as client:
+        for _ in range(2):
+            resp = await relay_disaggregated(client, router, info, BODY, Decision("p0", "t", decode_target="d0"))
+            await resp.aclose()
+    assert sessions.bound_target("s1", monotonic()) == "d0" and router.session_moves == 0
