@@ -50,7 +50,7 @@ class Worker:
 
 
 def worker_command(port: int, role: str, host: str = "127.0.0.1", *extra: str) -> list[str]:
-    return [sys.executable, "-m", "workers.disagg_server", "--preset", MODEL, "--host", host, "--port", str(port),
+    return [sys.executable, "-m", "workers.cli", "--preset", MODEL, "--host", host, "--port", str(port),
             "--num-kv-blocks", "256", "--cpu-threads", "1", "--log-level", "warning", "--role", role, *extra]
 
 

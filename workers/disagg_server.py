@@ -591,27 +591,10 @@ def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.disagg_server``: ``mesh worker`` with a role and KV transfer."""
-    import uvicorn
+    """``python -m workers.disagg_server`` is ``mesh worker`` (``workers.cli``)."""
+    from workers.cli import main as worker_main
 
-    from workers.cli import _add_arguments
-    from workers.disagg_config import add_arguments
-
-    parser = argparse.ArgumentParser(prog="mesh worker", description=__doc__.splitlines()[0])
-    _add_arguments(parser)
-    if not any(a.dest == "role" for a in parser._actions):  # noqa: SLF001 (until workers.cli adds them)
-        add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        app, _, _, info = build_app(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"mesh worker: {exc}", file=sys.stderr)
-        return 2
-    print(f"mesh worker ({info['role']}): {info['num_kv_blocks']} KV blocks of {info['block_size']} on "
-          f"{info['device']}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return 0
+    return worker_main(argv)
 
 
 if __name__ == "__main__":
