@@ -7,6 +7,9 @@ All state lives on ``app.state`` (``Gateway``), none in module globals:
   subscribers there: ``app.state.gateway.registry.add_listener(...)``).
 - ``index`` (``mesh.index.PrefixIndex``) is handed to the ``Router``; KV event subscribers write
   into it. A removed worker's entries are cleared by the ``_Housekeeper`` listener.
+- ``ingest`` (``mesh.kv_ingest.KvIngest``) owns the one ``KvEventSubscriber``: a registry
+  listener and lifespan hook that subscribes every worker with ``kv_events`` (static or added at
+  runtime), copies stream health into ``TargetState.index_healthy`` and ends speculative entries.
 - ``sessions`` (``mesh.sessions.SessionTable``) holds session bindings; the router writes them.
 - ``router`` (``mesh.router.Router``) makes every routing decision; its ``policy`` is swapped on
   reload while load, bindings and index stay.
@@ -34,7 +37,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mesh import disagg_gateway
+from mesh import disagg_gateway, kv_ingest
 from mesh.config import ConfigError, MeshConfig, WorkerConfig, load_config
 from mesh.errors import MeshError, install_handlers
 from mesh.index import PrefixIndex
@@ -65,6 +68,7 @@ class Gateway:
     router: Router
     prompts: PromptProcessor
     proxy: Proxy | None = None
+    ingest: Any = None  # mesh.kv_ingest.KvIngest
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     handle_sighup: bool = False
@@ -224,6 +228,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         prompts=PromptProcessor(registry),
     )
     registry.add_listener(_Housekeeper(gateway))
+    gateway.ingest = kv_ingest.attach(gateway)  # before the static workers: it hears them too
     for worker in config.workers:
         registry.add(worker, source="config")
     metrics.add_collector(registry.metric_families)
@@ -237,8 +242,17 @@ def _router_families(gateway: Gateway) -> list[Any]:
 
     moves = CounterMetricFamily("mesh_session_moves", "Sessions re-bound to another target", value=gateway.router.session_moves)
     out = [moves]
-    if gateway.sessions is not None and hasattr(gateway.sessions, "__len__"):
-        out.append(GaugeMetricFamily("mesh_sessions", "Live session bindings", value=len(gateway.sessions)))
+    sessions = gateway.sessions
+    if sessions is not None and hasattr(sessions, "__len__"):
+        # Bindings still held (an idle one leaves at the next expiry pass: every decision and every
+        # housekeeping round); mesh_sessions is the older name of the same gauge.
+        live = len(sessions)
+        out.append(GaugeMetricFamily("mesh_sessions_live", "Session bindings held", value=live))
+        out.append(GaugeMetricFamily("mesh_sessions", "Session bindings held (alias of mesh_sessions_live)", value=live))
+    for name, doc in (("created", "Sessions bound for the first time"), ("expired", "Bindings dropped after their idle time"),
+                      ("evicted", "Bindings evicted beyond sessions.max_sessions")):
+        if hasattr(sessions, name):
+            out.append(CounterMetricFamily(f"mesh_session_{name}", doc, value=getattr(sessions, name)))
     return out
 
 
@@ -372,7 +386,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         except NoCandidate as exc:
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         info = parsed.info
-        return {
+        out = {
             "decision": decision.explain(),
             "policy": gateway.router.policy.describe(),
             "request": {
@@ -385,7 +399,12 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
                 "max_tokens": info.max_tokens,
                 "session_id": info.session_id,
             },
+            "session": _session_state(gateway, info.session_id, now),
         }
+        inner = _inner_decision(gateway, info, decision, now)
+        if inner is not None:
+            out["inner_decision"] = inner
+        return out
 
     @app.get("/workers", tags=["admin"], dependencies=[Depends(admin_auth)])
     async def list_workers() -> dict[str, Any]:
@@ -410,6 +429,32 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/admin/reload", tags=["admin"], dependencies=[Depends(admin_auth)])
     async def reload() -> dict[str, Any]:
         return gateway.reload()
+
+
+def _session_state(gateway: Gateway, session_id: str | None, now: float) -> dict[str, Any]:
+    """The request's binding as the router sees it now (an idle-expired one is ``None``)."""
+    sessions = gateway.sessions
+    if sessions is None:
+        return {"enabled": False}
+    bound = sessions.bound_target(session_id, now) if session_id else None
+    return {
+        "enabled": True,
+        "bound_target": bound,
+        "idle_ttl_s": getattr(sessions, "idle_ttl_s", None),
+        "live_sessions": len(sessions) if hasattr(sessions, "__len__") else None,
+    }
+
+
+def _inner_decision(gateway: Gateway, info: Any, decision: Any, now: float) -> dict[str, Any] | None:
+    """For a wrapper policy whose decision skipped its inner policy (a session kept on its bound
+    target), the inner policy's dry run: every candidate's overlap and cost, for debugging only."""
+    inner = getattr(gateway.router.policy, "inner", None)
+    if inner is None or not hasattr(inner, "decide") or not decision.scores or any(len(s) > 1 for s in decision.scores.values()):
+        return None
+    try:
+        return inner.decide(info, gateway.router.view(now)).explain()  # type: ignore[no-any-return]
+    except NoCandidate:
+        return None
 
 
 def _registry_call(fn: Any, *args: Any) -> Any:

@@ -131,7 +131,11 @@ class IndexConfig(_Model):
     speculative_ttl_s: float = Field(2.0, ge=0)
 
 
-DEFAULT_POLICY = "least_load"
+# DESIGN.md "Defaults": precise KV-aware routing, with session affinity whenever a session id is
+# present. ``session_sticky`` without params wraps ``kv_aware`` (its default inner policy): a
+# request with a session id returns to its bound target while that is healthy and under the load
+# ceiling, and every other request (no session id, new or moving session) is decided by kv_aware.
+DEFAULT_POLICY = "session_sticky"
 
 
 class MeshConfig(_Model):

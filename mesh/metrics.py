@@ -63,6 +63,15 @@ class Metrics:
             "mesh_health_checks_total", "Worker health checks, by worker and result", ["worker", "result"]
         )
         self.config_reloads_total = self.counter("mesh_config_reloads_total", "Config reloads", ["result"])
+        # Prefix reuse, predicted by the router (its decision's overlap on the chosen target, in
+        # tokens) vs reported by the worker (usage.prompt_tokens_details.cached_tokens); both are
+        # counted only for answers that report it, so their ratio shows index drift.
+        self.prefix_predicted_tokens_total = self.counter(
+            "mesh_prefix_predicted_tokens_total", "Cached prompt tokens the router predicted, by target", ["target"]
+        )
+        self.prefix_reported_tokens_total = self.counter(
+            "mesh_prefix_reported_tokens_total", "Cached prompt tokens the workers reported, by target", ["target"]
+        )
         self._children: dict[tuple[str, int], Counter] = {}
 
     # -- registration helpers for other modules --

@@ -14,6 +14,11 @@ Invariants:
   event and ``[DONE]``.
 - A client disconnect cancels the upstream request: a watcher task reads the ASGI ``receive``
   channel and cancels the handler, whose ``finally`` blocks close the upstream response.
+- Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
+  cached tokens, from the decision's overlap on the chosen target) and the worker's
+  ``usage.prompt_tokens_details.cached_tokens``. Only the end of the answer is searched (a JSON
+  body's tail; a stream's last chunks, where the usage chunk comes before ``[DONE]``): no chunk is
+  parsed on the way through.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
 
 
@@ -105,6 +111,7 @@ class Proxy:
         self._session_header_name = b""
         self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
+        self._prefix_children: dict[str, tuple[Any, Any]] = {}  # target -> (predicted, reported)
 
     # -- ASGI entry --
     async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str, route: str) -> None:
@@ -273,9 +280,12 @@ class Proxy:
             out = _response_headers(resp)
             out.append((b"x-mesh-worker", target.id.encode()))
             if parsed.stream and resp.status == 200:
-                await self._stream(resp, first, out, state, target)
+                tail = await self._stream(resp, first, out, state, target)
             else:
                 await state.respond(resp.status, out, first)
+                tail = first
+            if tail and resp.status == 200:
+                self._count_prefix(lease, tail)
             return None
         except _UpstreamFailed as exc:
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
@@ -288,26 +298,53 @@ class Proxy:
 
     async def _stream(
         self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
-    ) -> None:
+    ) -> bytes:
+        """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke."""
         data = first + resp.read_nowait()
         await state.start(200, headers)
         if resp.at_eof:  # the whole stream is already here: one body write instead of two
             await state.last(data)
-            return
+            return data
         await state.chunk(data)
+        # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
+        # [DONE] end the stream, however the reads split them.
+        c4 = c3 = c2 = b""
+        c1 = data
         try:
             while True:
                 data = await resp.read_chunk()
                 if not data:
                     break
+                c4, c3, c2, c1 = c3, c2, c1, data
                 await state.chunk(data)
         except UpstreamError as exc:
             what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
             self.metrics.stream_errors_total.inc()
             await state.stream_error(f"worker {target.worker} {what}")
-            return
+            return b""
         await state.end()
+        return b"".join((c4, c3, c2, c1))
+
+    def _count_prefix(self, lease: Lease, tail: bytes) -> None:
+        """Predicted vs reported cached tokens of one answered request (when the answer says)."""
+        at = tail.rfind(b'"cached_tokens"')
+        if at < 0:
+            return
+        found = _CACHED_TOKENS.match(tail, at)
+        if found is None:
+            return
+        tid = lease.target.id
+        pair = self._prefix_children.get(tid)
+        if pair is None:
+            if len(self._prefix_children) > 4096:
+                self._prefix_children.clear()
+            m = self.metrics
+            pair = self._prefix_children[tid] = (
+                m.prefix_predicted_tokens_total.labels(tid), m.prefix_reported_tokens_total.labels(tid)
+            )
+        pair[0].inc(lease.prompt_tokens - lease.uncached_tokens)
+        pair[1].inc(int(found.group(1)))
 
 
 class _Exchange:

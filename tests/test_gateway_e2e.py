@@ -386,7 +386,8 @@ def test_killed_worker_requests_are_retried_elsewhere(procs: ProcessGroup) -> No
 
 def test_mesh_up_serves_and_stops_cleanly(procs: ProcessGroup) -> None:
     port = free_port()
-    up = procs.start([PYTHON, "-m", "mesh.commands.up", "--workers", "2", "--port", str(port)], name="up", port=port)
+    up = procs.start([PYTHON, "-m", "mesh.commands.up", "--engine", "echo", "--workers", "2", "--port", str(port)],
+                     name="up", port=port)
     wait_http(f"http://127.0.0.1:{port}/ready", proc=up, timeout_s=90)
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=30)
     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "hello mesh gateway"

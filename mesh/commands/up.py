@@ -4,14 +4,17 @@ Starts N local workers as subprocesses (each in its own process group), waits un
 ``/health``, then runs the gateway in this process, prints the URL and a ready-to-paste curl, and
 on Ctrl-C or SIGTERM stops the gateway and then every worker.
 
-- ``echo`` (default): ``python -m mesh.echo_worker`` (no model, instant).
-- ``bundled``: ``mesh worker --preset tiny``, the bundled engine (needs the ``engine`` extra), with
-  its KV events published on local ZMQ ports that the gateway config names per worker.
+- ``bundled`` (default): ``mesh worker --preset tiny`` (random weights, CPU, no download), the
+  bundled engine (needs the ``engine`` extra, i.e. torch), with its KV events published on local
+  ZMQ ports that the gateway config names per worker, so the default policy (session-sticky over
+  precise KV-aware routing) routes on the engines' real caches.
+- ``echo``: ``python -m mesh.echo_worker`` (no model, instant, no KV events).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import secrets
 import signal
@@ -33,7 +36,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=2, help="number of local workers (default 2)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--engine", choices=["echo", "bundled"], default="echo")
+    p.add_argument("--engine", choices=["echo", "bundled"], default="bundled",
+                   help="bundled: the tiny engine on CPU with KV events (default); echo: instant echo workers")
     p.add_argument("--policy", default=None, help="routing policy (default: the config default)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
@@ -163,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
+    if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
+        print("error: the bundled engine needs torch: pip install -e '.[engine]' (or run `mesh up --engine echo`)",
+              file=sys.stderr)
+        return 2
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
     workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None)
     # SIGTERM behaves like Ctrl-C: unwind through the finally below, which stops the workers.
@@ -227,8 +235,10 @@ def _banner(args: argparse.Namespace, workers: list[LocalWorker], admin_key: str
         f"\nMesh is up at {url} with {len(workers)} {args.engine} workers "
         f"({', '.join(f'{w.name}:{w.port}' for w in workers)}); worker logs in {log_dir}\n"
         f"Admin key: {admin_key}\n\n"
-        f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello mesh\"}}]}}'\n\n"
+        f"  curl {url}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-id: demo' \\\n"
+        f"    -d '{{\"model\": \"{model}\", \"max_tokens\": 16, "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"hello mesh\"}}]}}'\n\n"
+        f"Why that worker: the same body to {url}/debug/route (per-worker prefix overlap and cost)\n"
         f"Metrics: {url}/metrics   Workers: curl -H 'authorization: Bearer {admin_key}' {url}/workers\n"
         "Press Ctrl-C to stop.\n",
         flush=True,
