@@ -7,6 +7,19 @@ Ownership and lifecycle of one block:
     free + cached --hit--> used + cached            (revival: never passes through _take_fresh)
     free + cached --_take_fresh--> used, no content (eviction: the ONLY place, emits BlockRemoved)
 
+With a CPU offload tier (``num_cpu_blocks`` > 0, ``workers.cpu_block_pool``):
+
+    eviction of a cached block --> its pages are saved to a CPU slot first (unless the CPU pool
+        already holds its key): a ``Swap(out=True)`` queued in ``swaps``, a CPU BlockStored
+        emitted before the GPU BlockRemoved (so a subscriber never loses the block in between)
+    prefix match --> each block from the GPU cache, else from the CPU pool (verified tokens);
+        a CPU hit takes a fresh GPU block, is registered in the GPU prefix cache at once (the
+        next turn hits on the GPU) and queues a ``Swap(out=False)``; its CPU copy stays
+
+Swaps are page copies in queue order; the engine runs them (``take_swaps``) after scheduling and
+before the forward pass, so a save reads a page before anything overwrites it and a restored
+page is in place before anything reads it. Between engine steps no swap is pending.
+
 Invariants (``check()``):
 - a block is in the free pool iff its ref count is 0;
 - ``cached[key] == block_id`` iff ``blocks[block_id].key == key``; a cached block holds exactly
@@ -24,22 +37,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mesh.keys import block_keys
+from workers.cpu_block_pool import CpuBlockPool
 from workers.sequence import Sequence
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[int]  # empty for a CPU store: a tier update of blocks known by hash (vLLM's shape)
     block_size: int
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,14 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class Swap(NamedTuple):
+    """One queued page copy between the GPU cache and the CPU pool."""
+
+    out: bool  # True: GPU -> CPU (save before eviction); False: CPU -> GPU (restore)
+    gpu_block: int
+    cpu_slot: int
 
 
 class Block:
@@ -65,9 +93,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if num_cpu_blocks < 0:
+            raise ValueError("num_cpu_blocks must be >= 0")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -76,6 +107,10 @@ class BlockManager:
         self.events: list[KVEvent] = []  # since the last drain_events()
         self.num_revived = 0
         self.num_evicted = 0
+        self.cpu = CpuBlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
+        self.swaps: list[Swap] = []  # queued page copies, in order (run by the engine)
+        self.num_saved = 0  # blocks copied GPU -> CPU
+        self.num_restored = 0  # blocks copied CPU -> GPU (CPU prefix hits)
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -98,7 +133,17 @@ class BlockManager:
     # ---- prefix lookup --------------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of ``seq``, verified token by token; pure.
+        """GPU blocks holding the leading part of ``seq``'s cached prefix (before any CPU hit)."""
+        hits: list[int] = []
+        for bid, _ in self._match(seq):
+            if bid < 0:
+                break
+            hits.append(bid)
+        return hits
+
+    def _match(self, seq: Sequence) -> list[tuple[int, int]]:
+        """``seq``'s cached prefix, verified token by token; pure. One ``(block id, key)`` per
+        block: the GPU block holding it, or -1 when only the CPU pool does (a restore).
 
         The block holding the last token is never matched: at least one token must be computed,
         so that the step produces logits (and never writes into a shared block).
@@ -106,44 +151,83 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         limit = (len(seq) - 1) // self.block_size
-        hits: list[int] = []
+        hits: list[tuple[int, int]] = []
         parent = seq.key_seed
+        cpu = self.cpu
         for i, key in enumerate(seq.keys_upto(limit)):
+            tokens = tuple(seq.block_tokens(i))
             bid = self.cached.get(key)
-            if bid is None:
+            if bid is not None:
+                block = self.blocks[bid]
+                # The key names the whole chain; compare what it stands for anyway.
+                if block.parent_key != parent or block.token_ids != tokens:
+                    break
+            elif cpu is None or cpu.lookup(key, parent, tokens) is None:
                 break
-            block = self.blocks[bid]
-            # The key names the whole chain; compare what it stands for anyway.
-            if block.parent_key != parent or block.token_ids != tuple(seq.block_tokens(i)):
-                break
-            hits.append(bid)
+            hits.append((-1 if bid is None else bid, key))
             parent = key
         return hits
+
+    def _blocks_needed(self, seq: Sequence, hits: list[tuple[int, int]]) -> int:
+        """Free blocks that allocating ``seq`` takes: revived GPU hits, restores, the rest."""
+        revived = sum(1 for b, _ in hits if b >= 0 and self.blocks[b].ref_count == 0)
+        return revived + seq.num_blocks - sum(1 for b, _ in hits if b >= 0)
 
     # ---- allocation -----------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self.match_prefix(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return revived + seq.num_blocks - len(hits) <= len(self.free)
+        return self._blocks_needed(seq, self._match(seq)) <= len(self.free)
 
     def allocate(self, seq: Sequence) -> int:
-        """Give a waiting ``seq`` blocks for all its tokens, reusing its cached prefix.
+        """Give a waiting ``seq`` blocks for all its tokens, reusing its cached prefix (GPU hits
+        revived, CPU hits restored into fresh blocks).
 
         Sets ``num_computed_tokens`` to the hit length and returns it. Call ``can_allocate`` first.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
-        hits = self.match_prefix(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if revived + seq.num_blocks - len(hits) > len(self.free):
+        hits = self._match(seq)
+        if self._blocks_needed(seq, hits) > len(self.free):
             raise RuntimeError("allocate without capacity (call can_allocate first)")
-        for bid in hits:  # revive before taking fresh blocks, so a hit is never evicted here
-            self._ref(bid)
-        seq.block_table = hits + [self._take_fresh() for _ in range(seq.num_blocks - len(hits))]
+        for bid, _ in hits:  # revive before taking fresh blocks, so a hit is never evicted here
+            if bid >= 0:
+                self._ref(bid)
+        table = self._restore(seq, hits, self.cpu) if self.cpu is not None else [b for b, _ in hits]
+        seq.block_table = table + [self._take_fresh() for _ in range(seq.num_blocks - len(table))]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
         return seq.num_computed_tokens
+
+    def _restore(self, seq: Sequence, hits: list[tuple[int, int]], cpu: CpuBlockPool) -> list[int]:
+        """Block ids of the hits, CPU hits restored into fresh GPU blocks: registered in the GPU
+        prefix cache now (announced as GPU BlockStored), pages copied by the queued swaps.
+
+        The CPU hits stay pinned until their swap is queued: a save triggered by one of these
+        fresh allocations may evict from the CPU pool, but never a block still to be restored
+        (a later save into the same slot is queued after the restore, so it reads first).
+        """
+        cpu.pinned |= {k for b, k in hits if b < 0}
+        table: list[int] = []
+        run: list[int] = []  # consecutive restored positions -> one BlockStored
+        keys = [k for _, k in hits]
+        for i, (bid, key) in enumerate(hits):
+            if bid < 0:
+                bid = self._take_fresh()
+                cb = cpu.blocks[key]
+                block = self.blocks[bid]
+                block.key, block.parent_key, block.token_ids = key, cb.parent_key, cb.token_ids
+                self.cached[key] = bid
+                self.swaps.append(Swap(False, bid, cb.slot))
+                cpu.pinned.discard(key)
+                cpu.touch(key)
+                self.num_restored += 1
+                run.append(i)
+            elif run:
+                self._emit_stored(seq, keys, run[0], run)
+                run = []
+            table.append(bid)
+        self._emit_stored(seq, keys, run[0] if run else 0, run)
+        return table
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` can hold ``num_tokens`` tokens in total."""
@@ -170,12 +254,53 @@ class BlockManager:
         bid, _ = self.free.popitem(last=False)
         block = self.blocks[bid]
         if block.key is not None:
+            if self.cpu is not None:
+                self._save(block, self.cpu)
             del self.cached[block.key]
             self.events.append(BlockRemoved([block.key]))
             self.num_evicted += 1
         block.clear()
         block.ref_count = 1
         return bid
+
+    def _save(self, block: Block, cpu: CpuBlockPool) -> bool:
+        """Queue the copy of cached ``block``'s pages into the CPU pool (nothing to copy when the
+        pool holds its key already: refreshed in the LRU). False when the pool has no room."""
+        key, parent, tokens = block.key, block.parent_key, block.token_ids
+        if key is None or parent is None or tokens is None:
+            return False
+        if key in cpu:
+            cpu.touch(key)
+            return True
+        got = cpu.store(key, parent, tokens)
+        if got is None:
+            return False
+        slot, evicted = got
+        if evicted is not None:
+            self.events.append(BlockRemoved([evicted], MEDIUM_CPU))
+        self.swaps.append(Swap(True, block.block_id, slot))
+        self.events.append(BlockStored([key], None, [], self.block_size, MEDIUM_CPU))
+        self.num_saved += 1
+        return True
+
+    def offload(self, block_ids: Iterable[int], keys: Iterable[int]) -> int:
+        """Save cached blocks to the CPU pool now, whether in use or not (a prefill's transferred
+        prefix: the ``cpu_save`` consumer). A block no longer holding the expected key is skipped.
+        Returns the number of blocks that are in the CPU pool afterwards. Run ``take_swaps``
+        before anything writes these blocks."""
+        if self.cpu is None:
+            return 0
+        done = 0
+        for bid, key in zip(block_ids, keys, strict=True):
+            block = self.blocks[bid]
+            if block.key == key and self._save(block, self.cpu):
+                done += 1
+        return done
+
+    def take_swaps(self) -> list[Swap]:
+        """The queued page copies, in order; the caller runs them all before the next forward pass."""
+        swaps, self.swaps = self.swaps, []
+        return swaps
 
     # ---- commit: computed full blocks become cached ----------------------------------------
 
@@ -239,12 +364,15 @@ class BlockManager:
         seq.num_committed_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; only when no block is in use. Emits AllBlocksCleared."""
-        if self.num_used_blocks:
+        """Forget every cached block, on the GPU and in the CPU pool; only when no block is in use
+        and no swap is queued. Emits AllBlocksCleared (which covers both tiers)."""
+        if self.num_used_blocks or self.swaps:
             return False
         for block in self.blocks:
             block.clear()
         self.cached.clear()
+        if self.cpu is not None:
+            self.cpu.clear()
         self.events.append(AllBlocksCleared())
         return True
 
@@ -273,8 +401,22 @@ class BlockManager:
                 errors.append(f"cached[{key}] -> block {bid} whose key is {self.blocks[bid].key}")
         if seqs is not None:
             errors += self._check_refs(list(seqs))
+        if self.cpu is not None:
+            errors += self.cpu.check() + self._check_tiers(self.cpu)
         if errors:
             raise RuntimeError("block manager corrupt: " + "; ".join(errors[:10]))
+
+    def _check_tiers(self, cpu: CpuBlockPool) -> list[str]:
+        """A key cached on both tiers stands for the same tokens; queued swaps name real blocks."""
+        errors = []
+        for key, bid in self.cached.items():
+            cb = cpu.blocks.get(key)
+            if cb is not None and (cb.token_ids != self.blocks[bid].token_ids or cb.parent_key != self.blocks[bid].parent_key):
+                errors.append(f"key {key:#x} holds other tokens on the CPU than in GPU block {bid}")
+        for sw in self.swaps:
+            if not (0 <= sw.gpu_block < len(self.blocks) and 0 <= sw.cpu_slot < cpu.num_blocks):
+                errors.append(f"swap {sw} out of range")
+        return errors
 
     def _check_cached_block(self, block: Block) -> list[str]:
         if block.token_ids is None or len(block.token_ids) != self.block_size or block.parent_key is None:

@@ -43,6 +43,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="most new tokens of one request per step")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
+                   help="CPU offload tier: N blocks of host memory (pinned on CUDA) that keep evicted prefix blocks for restore; 0: off")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -73,6 +75,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill_size=args.chunked_prefill_size,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        cpu_offload_blocks=args.cpu_offload_blocks,
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
         cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
@@ -88,6 +91,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         "device": str(engine.runner.device),
         "attention_backend": engine.runner.backend.name,
         "prefix_caching": config.enable_prefix_caching,
+        "cpu_offload_blocks": config.cpu_offload_blocks,
         "kv_events_endpoint": config.kv_events_endpoint,
         "kv_events_replay_endpoint": config.kv_events_replay_endpoint,
     }

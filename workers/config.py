@@ -169,6 +169,9 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # most new tokens of one sequence per step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # CPU offload tier (``workers.kv_offload``): blocks of host memory (pinned on CUDA) that keep
+    # evicted prefix blocks for restore instead of recompute; 0: off.
+    cpu_offload_blocks: int = 0
     device: str = "auto"  # auto | cpu | cuda[:N]
     attention_backend: str = "auto"  # auto | torch | triton
     cpu_threads: int | None = None  # None: half the cores (a shared box must not oversubscribe)
@@ -189,6 +192,8 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if self.cpu_offload_blocks < 0:
+            raise ValueError("cpu_offload_blocks must be >= 0 (0: no CPU offload tier)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

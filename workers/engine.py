@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from mesh.keys import namespace_seed
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig, ModelConfig
+from workers.kv_offload import CpuKVCache
 from workers.model import CausalLM
 from workers.model_runner import ModelRunner
 from workers.scheduler import Scheduler
@@ -54,7 +55,9 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         self.eos_token_id = model_config.eos_token_id if model_config.eos_token_id is not None else eos_token_id
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_cpu_blocks=config.cpu_offload_blocks)
+        self.cpu_cache = CpuKVCache(self.runner.kv_cache, config.cpu_offload_blocks) if config.cpu_offload_blocks else None
         self.scheduler = Scheduler(config, self.block_manager)
         self.model_name = config.served_model_name or model_config.name
         self._seeds: dict[str | None, int] = {None: namespace_seed(self.model_name)}
@@ -139,6 +142,7 @@ class LLMEngine:
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
+        self.run_swaps()  # saves read pages before this step overwrites them; restores land before it reads
         if batch:
             sampled = self.runner.run(batch)
             advanced = self.scheduler.postprocess(batch, sampled, self.eos_token_id, self.max_model_len)
@@ -159,6 +163,16 @@ class LLMEngine:
             self.abort_request(seq.request_id)
         self._publish()
         return outputs
+
+    def run_swaps(self, sync: bool = False) -> int:
+        """Run the page copies the block manager queued (CPU offload); call before anything
+        writes or reads the GPU pages after an allocation. ``sync``: wait until they are done."""
+        swaps = self.block_manager.take_swaps()
+        if swaps and self.cpu_cache is not None:
+            self.cpu_cache.run(swaps)
+        if sync and self.cpu_cache is not None:
+            self.cpu_cache.synchronize()
+        return len(swaps)
 
     def _publish(self) -> None:
         events = self.block_manager.drain_events()
@@ -218,9 +232,21 @@ class LLMEngine:
             "preemptions": st.preemptions,
             "blocks_evicted": bm.num_evicted,
             "blocks_revived": bm.num_revived,
+            **self._offload_stats(),
             "steps": self.num_steps,
             "kv_events_published": pub.num_published if pub else 0,
             "kv_events_dropped": pub.num_dropped if pub else 0,
+        }
+
+    def _offload_stats(self) -> dict[str, float]:
+        bm, cpu = self.block_manager, self.block_manager.cpu
+        return {
+            "cpu_kv_blocks_total": cpu.num_blocks if cpu else 0,
+            "cpu_kv_blocks_cached": len(cpu) if cpu else 0,
+            "cpu_prefix_cache_hits": bm.num_restored * self.config.block_size,  # tokens, every admission
+            "cpu_blocks_restored": bm.num_restored,
+            "cpu_blocks_saved": bm.num_saved,
+            "cpu_blocks_evicted": cpu.num_evicted if cpu else 0,
         }
 
     def close(self) -> None:

@@ -2,7 +2,9 @@
 
 - Live stream (PUB): multipart ``[topic, seq (8 bytes big-endian), payload]``, payload =
   msgpack ``[ts, events, data_parallel_rank]``; each event a map with a ``"type"`` key, as
-  current vLLM encodes it (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+  current vLLM encodes it (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). ``medium``
+  is ``"GPU"``, or ``"CPU"`` for the offload tier, whose stores carry no tokens (vLLM's
+  offloading connector's shape: a tier update of blocks already announced on the GPU).
 - Replay (ROUTER): a request ``[b"", start_seq (8 bytes)]`` is answered with
   ``[b"", topic, seq, payload]`` for every kept batch with ``seq >= start_seq``, then
   ``[b"", topic, -1 (8 bytes, signed), b""]``.
@@ -22,12 +24,13 @@ import time
 from collections import deque
 from typing import Any
 
-from workers.block_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from workers.block_manager import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "KVEventPublisher", "encode_event"]
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MEDIUM_GPU = "GPU"
 
 
 def encode_event(event: KVEvent) -> dict[str, Any]:
@@ -40,11 +43,11 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
             "token_ids": event.token_ids,
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": MEDIUM_GPU,
+            "medium": event.medium,
             "lora_name": None,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": MEDIUM_GPU}
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")

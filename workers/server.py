@@ -461,6 +461,8 @@ _GAUGES = {
     "kv_blocks_total": "KV blocks in the cache",
     "kv_blocks_used": "KV blocks held by requests",
     "kv_blocks_cached": "KV blocks registered in the prefix cache (used or free)",
+    "cpu_kv_blocks_total": "Blocks of the CPU offload tier (0: off)",
+    "cpu_kv_blocks_cached": "KV blocks held in the CPU offload tier",
 }
 _COUNTERS = {
     "prompt_tokens": "Prompt tokens of admitted requests",
@@ -471,6 +473,10 @@ _COUNTERS = {
     "generation_tokens": "Tokens generated",
     "preemptions": "Requests preempted under KV pressure",
     "blocks_evicted": "Cached KV blocks evicted to make room",
+    "cpu_prefix_cache_hits": "Tokens found in the CPU offload tier (part of prefix_cache_hits)",
+    "cpu_blocks_restored": "KV blocks copied back from the CPU tier to the GPU (CPU hits)",
+    "cpu_blocks_saved": "KV blocks copied from the GPU to the CPU tier (on eviction or a cpu_save)",
+    "cpu_blocks_evicted": "KV blocks dropped from the CPU tier to make room",
     "kv_events_published": "KV event batches published",
     "kv_events_dropped": "KV event batches dropped (publisher queue full)",
 }
