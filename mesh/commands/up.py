@@ -66,7 +66,9 @@ def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] 
     if role != "mixed":
         cmd += ["--role", role]
     if kv_ports is not None:
-        cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{kv_ports[0]}",
+        # vLLM's convention (workers.kv_events): the publisher binds a wildcard address and
+        # connects to any other; the gateway's subscriber connects to 127.0.0.1.
+        cmd += ["--kv-events-endpoint", f"tcp://*:{kv_ports[0]}",
                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{kv_ports[1]}"]  # fmt: skip
     return cmd
 
