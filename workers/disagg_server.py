@@ -88,6 +88,11 @@ class DisaggService:
         self.layout = engine.layout
         self.engine_id = uuid.uuid4().hex
         self.registry = TransferRegistry(self._unpin, config.ttl_s)
+        # With a CPU offload tier the multi-connector rule is real: a prefill's transferred blocks
+        # are also saved to the CPU tier, and freed only when the decode pull AND that save are done.
+        self.cpu_offload = engine.engine.block_manager.cpu is not None
+        self.consumers = tuple(dict.fromkeys(config.consumers + (("cpu_save",) if self.cpu_offload else ())))
+        self.cpu_saves: dict[str, int] = {"ok": 0, "partial": 0, "failed": 0}
         kv_bytes = engine.engine.runner.num_blocks * self.layout.block_bytes
         self.admission = Admission(config.max_pending, config.max_pending_bytes or max(kv_bytes // 2, 1))
         self.faults = Faults()
@@ -175,8 +180,10 @@ class DisaggService:
         keys: tuple[int, ...] = ()
         if pinned is not None and pinned.block_ids:
             tid = uuid.uuid4().hex
-            self.registry.add(tid, pinned.block_ids, pinned.keys, self.config.consumers, time.monotonic())
+            self.registry.add(tid, pinned.block_ids, pinned.keys, self.consumers, time.monotonic())
             keys = pinned.keys
+            if self.cpu_offload:
+                self._start_cpu_save(tid, pinned.block_ids, pinned.keys)
         self.prefills += 1
         host = self.config.advertise_host or (scope.get("server") or ("127.0.0.1", 0))[0]
         kv = {
@@ -207,6 +214,37 @@ class DisaggService:
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": self.api.model_name, "choices": [choice],
                 "usage": usage, "kv_transfer_params": kv}
+
+    def _start_cpu_save(self, tid: str, block_ids: tuple[int, ...], keys: tuple[int, ...]) -> None:
+        """The ``cpu_save`` consumer: queued on the engine thread now (so it runs before any
+        later unpin of these blocks, which goes through the same FIFO), reported to the registry
+        on this loop when the copies are done, whatever the outcome (exactly once per transfer:
+        a report after a cancel or the deadline counts as a duplicate)."""
+        loop = asyncio.get_running_loop()
+
+        def save() -> None:  # engine thread
+            try:  # "partial": the CPU tier had no room for some (every block pinned by restores)
+                outcome = "ok" if self.engine.ops.save_to_cpu(block_ids, keys) == len(block_ids) else "partial"
+            except Exception:  # the transfer must still be released
+                log.exception("CPU save of transfer %s failed", tid)
+                outcome = "failed"
+            try:
+                loop.call_soon_threadsafe(self._report_cpu_save, loop, tid, outcome)
+            except RuntimeError:  # the loop is closed: the process is going away
+                pass
+
+        self.engine.submit(save)
+
+    def _report_cpu_save(self, loop: asyncio.AbstractEventLoop, tid: str, outcome: str) -> None:
+        delay = self.faults.cpu_save_delay_s
+        if delay > 0:
+            loop.call_later(delay, self._cpu_saved, tid, outcome)
+        else:
+            self._cpu_saved(tid, outcome)
+
+    def _cpu_saved(self, tid: str, outcome: str) -> None:
+        self.cpu_saves[outcome] += 1
+        self.registry.consumer_done(tid, "cpu_save", outcome)
 
     async def receive_kv(self, kind: str, body: dict[str, Any]) -> Hold:
         """Decode side: hold (pinned) the whole transferred prefix of this request's prompt,
@@ -315,6 +353,9 @@ class DisaggService:
             "decode_pull_retries": d.pull_retries,
             "blocks_imported": self.engine.ops.num_imported,
             "blocks_import_reused": self.engine.ops.num_import_reused,
+            "cpu_saves_ok": self.cpu_saves["ok"],
+            "cpu_saves_partial": self.cpu_saves["partial"],
+            "cpu_saves_failed": self.cpu_saves["failed"],
         }
         out["prefill_owned_blocks"] = owned
         return out
@@ -337,7 +378,7 @@ _COUNTERS = frozenset({
     "transfers_released_by_timeout", "transfers_released_by_cancel", "transfer_duplicate_releases",
     "transfer_late_pulls", "admission_admitted", "admission_refused", "prefills", "decode_requests",
     "decode_blocks_pulled", "decode_blocks_local", "decode_bytes_pulled", "decode_pull_retries",
-    "blocks_imported", "blocks_import_reused",
+    "blocks_imported", "blocks_import_reused", "cpu_saves_ok", "cpu_saves_partial", "cpu_saves_failed",
 })
 
 
@@ -473,7 +514,8 @@ class DisaggApp:
         if path == "/kv_transfer/status" and method == "GET":
             response: Response = JSONResponse({"role": service.config.role, "engine_id": service.engine_id,
                                                "layout": service.layout.to_dict(), "transport": service.config.transport,
-                                               "tcp_port": service.tcp_port, **(await service.stats())})
+                                               "tcp_port": service.tcp_port, "consumers": list(service.consumers),
+                                               **(await service.stats())})
         elif path == "/kv_transfer/transfers" and method == "GET":
             response = JSONResponse({"transfers": service.registry.describe(time.monotonic())})
         elif method != "POST":

@@ -464,6 +464,7 @@ class BlockOps:
             out.append(bid)
             prev = key
         self._emit(keys, token_blocks, parent, run)
+        self.engine.run_swaps()  # CPU offload: evicted pages are saved before the scatter overwrites them
         if fresh_rows:  # same engine-thread call: no step can read them before they are written
             self._scatter([out[j] for j in fresh_rows], data[fresh_rows])
         self.num_imported += len(fresh_rows)
@@ -489,6 +490,15 @@ class BlockOps:
         publisher = self.engine.publisher
         if events and publisher is not None:
             publisher.publish(events)
+
+    def save_to_cpu(self, block_ids: Sequence[int], keys: Sequence[int]) -> int:
+        """The ``cpu_save`` consumer of a prefill's transfer: copy its pinned blocks into the CPU
+        offload tier and wait for the copies (then the transfer may free the GPU blocks). A block
+        that no longer holds its key is skipped. Returns how many blocks are in the CPU tier."""
+        done = self.bm.offload(block_ids, keys)
+        self.engine.run_swaps(sync=True)
+        self._publish()
+        return done
 
     # -- accounting --
 
@@ -612,6 +622,7 @@ class Faults:
     truncate: int = 0  # next N pulls: the stream stops after half the blocks
     delay_s: float = 0.0  # every block: sleep this long first (a slow link)
     layout_override: dict[str, Any] = field(default_factory=dict)  # header layout fields
+    cpu_save_delay_s: float = 0.0  # the cpu_save consumer reports this much later (decode done first)
 
 
 # ---- sender ---------------------------------------------------------------------------------------
