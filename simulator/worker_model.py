@@ -2,24 +2,23 @@
 
 Ownership and invariants:
 
-- ``free`` + ``pin`` (GPU) and ``cpu`` (offload tier) are the worker's *true* prefix cache,
-  keyed by router block keys; a key there is one computed, hashable prompt block. The router's
+- ``cache`` (GPU) and ``cpu`` (offload tier) are the worker's *true* prefix cache, keyed by
+  router block keys; a key there is one computed, hashable prompt block. The router's
   ``PrefixIndex`` only learns of them through the KV events the worker emits (``emit``), which
   the engine may delay by the profile's event lag.
-- ``pin`` maps each block that running requests use to how many use it; ``free`` holds the
-  unreferenced cached blocks (key -> the release that freed it) and ``segments`` their order:
-  one list per release, oldest release first, each in eviction order. Together they are
+- ``cache[key] > 0`` is how many running requests use the block (it is pinned); ``<= 0`` means
+  unreferenced, ``-cache[key]`` naming the release that freed it. ``segments`` orders the free
+  blocks: one list per release, oldest release first, each in eviction order. Together they are
   exactly vLLM's free-block queue: eviction takes ``segments``' front, skipping entries that a
-  later hit or release made stale (``free[key]`` no longer names that release), and never
-  touches a block in use. Every running request pins a prefix of
-  its own chain (``keys[:registered]``), so pin counts never increase along a chain: a prompt's
-  cached prefix is a pinned run followed by an unpinned run, and the blocks a release unpins are
-  a suffix of its chain. They go back to the queue tail first, so a prompt's tail is evicted
-  before its head.
-- Capacity: ``len(free) + len(pin) + private <= capacity`` where ``private`` counts blocks held
-  outside the cache (prompt blocks not yet computed, partial tails, generated tokens, and the
-  decode growth reserved for the current segment). ``capacity == 0`` means unbounded: nothing
-  is pinned or evicted and every cached key stays in ``free``.
+  later hit or release made stale (``cache[key]`` no longer names that release), and never
+  touches a block in use. Every running request pins a prefix of its own chain
+  (``keys[:registered]``), so pin counts never increase along a chain: a prompt's cached prefix
+  is a pinned run followed by a free run, and the blocks a release frees are a suffix of its
+  chain. They join the queue tail first, so a prompt's tail is evicted before its head.
+- Capacity: ``len(cache) + private <= capacity`` where ``private`` counts blocks held outside
+  the cache (prompt blocks not yet computed, partial tails, generated tokens, and the decode
+  growth reserved for the current segment). ``capacity == 0`` means unbounded: nothing is
+  pinned or evicted (every value stays 0).
 - Scheduling follows vLLM v1: every step decodes one token for each decoding sequence, then
   spends the rest of the token budget on prefill chunks, first of running prefills, then of
   waiting requests admitted in FCFS order (a blocked head blocks the queue). A request's blocks
@@ -38,6 +37,8 @@ from collections.abc import Callable
 from bisect import bisect_left
 from itertools import compress, count, repeat
 from operator import add, not_, sub
+
+_NOT_POSITIVE = (0).__ge__  # v <= 0: a free block
 from typing import Any
 
 from mesh.router import Lease
@@ -116,11 +117,11 @@ class WorkerModel:
         cpu_blocks = profile.cpu_blocks_at(block_size)
         self.cpu: OrderedDict[int, None] | None = OrderedDict() if cpu_blocks else None
         self.cpu_capacity = cpu_blocks
-        self.free: dict[int, int] = {}  # cached, unreferenced: key -> release stamp
+        self.cache: dict[int, int] = {}  # key -> users (> 0), or -(release stamp) when free
+        self.n_free = 0  # cached blocks no running request uses
         self.segments: deque[tuple[int, list[int]]] = deque()  # (stamp, keys) oldest first
         self.seg_pos = 0  # next entry to look at in segments[0]
         self.stamp = 0
-        self.pin: dict[int, int] = {}  # cached, referenced: key -> running requests using it
         self.private = 0
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
@@ -212,28 +213,29 @@ class WorkerModel:
     # ------------------------------------------------------------------ KV cache
     @property
     def cached_blocks(self) -> int:
-        return len(self.free) + len(self.pin)
+        return len(self.cache)
 
     def evict(self, m: int, t: float) -> int:
         """Evict up to ``m`` unreferenced blocks, least recently released first."""
-        free = self.free
-        m = min(m, len(free))
+        m = min(m, self.n_free)
         if m <= 0:
             return 0
-        get = free.get
+        cache = self.cache
+        get = cache.get
         segments = self.segments
         out: list[int] = []
         while len(out) < m:
-            stamp, seg = segments[0]
+            tag, seg = segments[0]
             pos = self.seg_pos
             chunk = seg[pos : pos + m - len(out)]
-            out.extend([k for k in chunk if get(k) == stamp])
+            out.extend([k for k in chunk if get(k) == tag])
             pos += len(chunk)
             if pos >= len(seg):
                 segments.popleft()
                 pos = 0
             self.seg_pos = pos
-        deque(map(free.__delitem__, out), 0)
+        deque(map(cache.__delitem__, out), 0)
+        self.n_free -= m
         out.reverse()  # heads first: the index removes leaf first (it walks the list backwards)
         if self.cpu is None:
             self.emit(t, OP_REMOVE, self.id, out, None)
@@ -254,53 +256,52 @@ class WorkerModel:
             self.emit(t, OP_DROP_CPU, self.id, gone, None)
 
     def _free(self) -> int:
-        return self.capacity - len(self.free) - len(self.pin) - self.private
+        return self.capacity - len(self.cache) - self.private
 
     def _hits(self, keys: list[int], limit: int) -> tuple[int, int]:
         """(pinned run, whole cached prefix) of ``keys[:limit]``, counted at C speed."""
         if limit <= 0:
             return 0, 0
-        hp = 0
-        pin = self.pin
-        if pin:
-            hp = next(compress(count(), map(not_, map(pin.__contains__, keys[:limit]))), limit)
-        if hp >= limit:
-            return hp, hp
-        free = self.free
-        hl = next(compress(count(), map(not_, map(free.__contains__, keys[hp:limit]))), limit - hp)
-        return hp, hp + hl
+        cache = self.cache
+        h = next(compress(count(), map(not_, map(cache.__contains__, keys[:limit]))), limit)
+        if not h or not self.capacity:
+            return 0, h
+        hp = next(compress(count(), map(_NOT_POSITIVE, map(cache.__getitem__, keys[:h]))), h)
+        return hp, h
 
     def _pin(self, keys: list[int], hp: int, h: int) -> None:
         """Reference the cached blocks ``keys[:h]`` (``keys[:hp]`` already referenced)."""
-        pin = self.pin
+        cache = self.cache
         if hp:
             ks = keys[:hp]
-            pin.update(zip(ks, map(add, map(pin.__getitem__, ks), repeat(1))))
+            cache.update(zip(ks, map(add, map(cache.__getitem__, ks), repeat(1))))
         if h > hp:
-            ks = keys[hp:h]
-            deque(map(self.free.__delitem__, ks), 0)  # their queue entries go stale
-            pin.update(dict.fromkeys(ks, 1))
+            cache.update(dict.fromkeys(keys[hp:h], 1))  # their queue entries go stale
+            self.n_free -= h - hp
 
     def _unpin(self, keys: list[int], n: int) -> None:
-        """Drop one reference from ``keys[:n]``; blocks left unreferenced go to the LRU tail."""
+        """Drop one reference from ``keys[:n]``; blocks left unreferenced join the queue tail."""
         if n <= 0:
             return
-        pin = self.pin
+        cache = self.cache
         ks = keys[:n]
         # counts never increase along a chain: the blocks this release frees are a suffix
-        s = bisect_left(range(n), True, key=lambda i: pin[ks[i]] == 1)
+        s = bisect_left(range(n), True, key=lambda i: cache[ks[i]] == 1)
         if s:
             head = ks[:s]
-            pin.update(zip(head, map(sub, map(pin.__getitem__, head), repeat(1))))
-        tail = ks[s:]
-        deque(map(pin.__delitem__, tail), 0)
-        self._push_free(tail[::-1])
+            cache.update(zip(head, map(sub, map(cache.__getitem__, head), repeat(1))))
+        if s < n:
+            tail = ks[s:]
+            tail.reverse()  # the chain's end is evicted first
+            self._push_free(tail)
 
     def _push_free(self, keys: list[int]) -> None:
         """Queue unreferenced blocks at the tail, ``keys[0]`` to be evicted first."""
         self.stamp += 1
-        self.free.update(zip(keys, repeat(self.stamp)))
-        self.segments.append((self.stamp, keys))
+        tag = -self.stamp
+        self.cache.update(zip(keys, repeat(tag)))
+        self.segments.append((tag, keys))
+        self.n_free += len(keys)
 
     def _release(self, req: SimRequest) -> None:
         """Give back a request's blocks: private ones freed, cached ones unreferenced."""
@@ -342,7 +343,7 @@ class WorkerModel:
                     cpu.update(dict.fromkeys(loaded))  # type: ignore[union-attr]
                 return False, 0
             if c:
-                self.pin.update(dict.fromkeys(loaded, 1))
+                self.cache.update(dict.fromkeys(loaded, 1))
                 self.emit(t, OP_RELOAD, self.id, loaded, keys[h - 1] if h else None)
         req.registered = h + c
         req.own = need - c
@@ -365,19 +366,20 @@ class WorkerModel:
         if upto <= reg:
             return
         new = req.keys[reg:upto]
-        if self.capacity:
-            pin, free = self.pin, self.free
-            if pin.keys().isdisjoint(new) and free.keys().isdisjoint(new):
-                pin.update(dict.fromkeys(new, 1))
-            else:
-                for key in new:
-                    if key in pin:
-                        pin[key] += 1
-                    else:
-                        free.pop(key, None)
-                        pin[key] = 1
-        else:
-            self.free.update(dict.fromkeys(new, 0))
+        cache = self.cache
+        if not self.capacity:
+            cache.update(dict.fromkeys(new, 0))
+        elif cache.keys().isdisjoint(new):
+            cache.update(dict.fromkeys(new, 1))
+        else:  # computed meanwhile by another request: share its block
+            for key in new:
+                v = cache.get(key)
+                if v is not None and v > 0:
+                    cache[key] = v + 1
+                else:
+                    if v is not None:
+                        self.n_free -= 1
+                    cache[key] = 1
         req.own -= len(new)
         self.private -= len(new)
         req.registered = upto
@@ -528,7 +530,7 @@ class WorkerModel:
 
     def _update_usage(self) -> None:
         if self.capacity:
-            self.state.kv_usage = (len(self.free) + len(self.pin) + self.private) / self.capacity
+            self.state.kv_usage = (len(self.cache) + self.private) / self.capacity
 
     # ------------------------------------------------------------------ segment completion
     def complete(self, t: float) -> None:
@@ -596,7 +598,7 @@ class WorkerModel:
         own = sum(r.own for r in running)
         if self.private != own + self.seg_reserved:
             raise AssertionError(f"{self.id}: private {self.private} != own {own} + reserved {self.seg_reserved}")
-        used = len(self.free) + len(self.pin) + self.private
+        used = len(self.cache) + self.private
         if self.capacity and used > self.capacity:
             raise AssertionError(f"{self.id}: {used} blocks used > capacity {self.capacity}")
         if self.capacity:
@@ -604,12 +606,13 @@ class WorkerModel:
             for r in running:
                 for k in r.keys[: r.registered]:
                     refs[k] = refs.get(k, 0) + 1
-            if refs != self.pin:
+            if refs != {k: v for k, v in self.cache.items() if v > 0}:
                 raise AssertionError(f"{self.id}: pin counts differ from the running requests' references")
-            if not self.free.keys().isdisjoint(self.pin):
-                raise AssertionError(f"{self.id}: a block is both referenced and free")
-            queued = {k for st, seg in self.segments for k in seg if self.free.get(k) == st}
-            if queued != self.free.keys():
+            free = {k for k, v in self.cache.items() if v <= 0}
+            if len(free) != self.n_free:
+                raise AssertionError(f"{self.id}: n_free {self.n_free} != {len(free)} free blocks")
+            queued = {k for tag, seg in self.segments for k in seg if self.cache.get(k) == tag}
+            if queued != free:
                 raise AssertionError(f"{self.id}: free blocks and the eviction queue disagree")
         if self.ctx_tokens != sum(r.n + r.g for r in self.decoding):
             raise AssertionError(f"{self.id}: ctx_tokens out of sync")
