@@ -236,11 +236,10 @@ class DisaggService:
         self.engine.submit(save)
 
     def _report_cpu_save(self, loop: asyncio.AbstractEventLoop, tid: str, outcome: str) -> None:
-        delay = self.faults.cpu_save_delay_s
-        if delay > 0:
-            loop.call_later(delay, self._cpu_saved, tid, outcome)
-        else:
-            self._cpu_saved(tid, outcome)
+        if self.faults.cpu_save_hold:  # tests only: report once the fault is lifted
+            loop.call_later(0.05, self._report_cpu_save, loop, tid, outcome)
+            return
+        self._cpu_saved(tid, outcome)
 
     def _cpu_saved(self, tid: str, outcome: str) -> None:
         self.cpu_saves[outcome] += 1

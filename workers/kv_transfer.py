@@ -622,7 +622,7 @@ class Faults:
     truncate: int = 0  # next N pulls: the stream stops after half the blocks
     delay_s: float = 0.0  # every block: sleep this long first (a slow link)
     layout_override: dict[str, Any] = field(default_factory=dict)  # header layout fields
-    cpu_save_delay_s: float = 0.0  # the cpu_save consumer reports this much later (decode done first)
+    cpu_save_hold: bool = False  # the cpu_save consumer reports only once this is lifted (decode done first)
 
 
 # ---- sender ---------------------------------------------------------------------------------------
