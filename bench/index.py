@@ -24,7 +24,7 @@ of a fresh subprocess for Dynamo. Decision: tokens (a Python list) -> keys -> ``
 live cluster view, for 8k and 32k-token prompts; Dynamo's column is its lookup alone (tokens ->
 ``compute_block_hash_for_seq`` -> ``find_matches``), no policy.
 
-    python bench/index.py [--sizes 16 64 256 1024] [--events 6000] [--json bench/results/index.json]
+    python bench/index.py [--sizes 16 64 256 1024] [--events 5000] [--json bench/results/index.json]
 """
 
 from __future__ import annotations
@@ -431,10 +431,10 @@ def ratio(a: float | None, b: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
-    ap.add_argument("--events", type=int, default=6000)
+    ap.add_argument("--events", type=int, default=5000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--decisions", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3, help="apply runs per index (best kept)")
+    ap.add_argument("--repeats", type=int, default=2, help="apply runs per index (best kept)")
     ap.add_argument("--json", default="bench/results/index.json")
     args = ap.parse_args()
     os.environ.setdefault("RUST_LOG", "error")
