@@ -2,8 +2,10 @@
 
 Same traces, same worker counts, same simulated hardware: Mesh runs the built-in
 ``dynamo-mocker`` profile, which copies the mocker's defaults (16,384 KV blocks of 64 tokens per
-worker, 8,192-token step budget, 256 sequences, its polynomial prefill and decode timing), and
-simulates at the engine's 64-token blocks (the trace ids are re-blocked). For each scenario and
+worker, 8,192-token step budget, 256 sequences, its polynomial prefill and decode timing). Mesh
+runs at the engine's 64-token blocks (apples to apples with Dynamo; Mooncake's 512-token ids are
+re-blocked) and at a coarser block size (Mooncake: its own 512-token ids, which carry all the
+trace's reuse information; WEKA: 256 tokens), capacity in tokens unchanged. For each scenario and
 routing mode (round robin; KV-aware: Dynamo's ``kv_router``, Mesh's best registered KV policy)
 the table gives both simulators' wall time (the whole call: trace loading and replay), prefix
 hit rate and latencies, and the wall-time ratio.
@@ -79,10 +81,10 @@ def weka_dir(sessions: int, tmp: Path) -> tuple[list[Path], Path]:
     return files, out
 
 
-def run_mesh(files: list[Path], workers: int, spec: Any) -> dict[str, Any]:
+def run_mesh(files: list[Path], workers: int, spec: Any, block_size: int) -> dict[str, Any]:
     gc.collect()
     started = time.perf_counter()
-    trace = load_traces(files, LoadOptions(block_size=64))
+    trace = load_traces(files, LoadOptions(block_size=block_size))
     result = Simulator(trace, spec, SimConfig(workers=workers, profile=BUILTIN["dynamo-mocker"])).run()
     wall = time.perf_counter() - started
     s = summarize(result)
@@ -118,42 +120,46 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["round_robin", "kv"], choices=["round_robin", "kv"])
     ap.add_argument("--json", default="bench/results/simulate.json")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     kv_label, kv_spec = kv_policy()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         plans = []
         if "mooncake" in args.scenarios:
-            plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake"))
+            plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake", [64, 512]))
         if "weka" in args.scenarios:
             files, directory = weka_dir(args.sessions, Path(tmp))
-            plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka"))
+            plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka", [64, 256]))
         from rich.progress import Progress
 
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("replaying", total=len(plans) * len(args.modes) * 2)
-            for name, files, dyn_inputs, workers, fmt in plans:
+            task = progress.add_task("replaying", total=sum(len(args.modes) * (1 + len(p[5])) for p in plans))
+            for name, files, dyn_inputs, workers, fmt, blocks in plans:
                 for mode in args.modes:
                     spec = "round_robin" if mode == "round_robin" else kv_spec
                     label = "round_robin" if mode == "round_robin" else kv_label
                     progress.update(task, description=f"{name} {mode}: dynamo")
                     dyn = run_dynamo(dyn_inputs, workers, "round_robin" if mode == "round_robin" else "kv_router", fmt)
                     progress.advance(task)
-                    progress.update(task, description=f"{name} {mode}: mesh")
-                    mesh = run_mesh(files, workers, spec)
-                    progress.advance(task)
+                    meshes = {}
+                    for bs in blocks:
+                        progress.update(task, description=f"{name} {mode}: mesh @{bs}")
+                        meshes[bs] = run_mesh(files, workers, spec, bs)
+                        progress.advance(task)
                     rows.append({"scenario": name, "workers": workers, "mode": mode, "mesh_policy": label,
-                                 "mesh": mesh, "dynamo": dyn, "speed_ratio": dyn["wall_s"] / mesh["wall_s"]})
+                                 "mesh": meshes, "dynamo": dyn,
+                                 "speed_ratio": {bs: dyn["wall_s"] / m["wall_s"] for bs, m in meshes.items()}})
     table = Table(title="mesh simulate vs Dynamo run_mocker_trace_replay (same traces, workers, timing model)")
     for col in ("scenario", "routing", "sim", "wall s", "ratio", "hit rate", "TTFT mean", "p50", "p99",
                 "ITL mean", "E2E mean", "out tok/s"):
         table.add_column(col, justify="left" if col in ("scenario", "routing", "sim") else "right")
     for r in rows:
-        for who in ("mesh", "dynamo"):
-            m = r[who]
-            ratio = f"{r['speed_ratio']:.2f}x" if who == "mesh" else ""
+        entries = [(f"mesh @{bs}", m, f"{r['speed_ratio'][bs]:.2f}x") for bs, m in r["mesh"].items()]
+        entries.append(("dynamo @64", r["dynamo"], ""))
+        for who, m, ratio in entries:
             table.add_row(
-                r["scenario"], r["mesh_policy"] if who == "mesh" else ("kv_router" if r["mode"] == "kv" else "round_robin"),
+                r["scenario"], r["mesh_policy"] if who.startswith("mesh") else
+                ("kv_router" if r["mode"] == "kv" else "round_robin"),
                 who, f"{m['wall_s']:.2f}", ratio, f"{m['hit_rate']:.1%}", f"{m['ttft_ms']['mean']:.0f}",
                 f"{m['ttft_ms']['p50']:.0f}", f"{m['ttft_ms']['p99']:.0f}", f"{m['itl_ms']:.2f}",
                 f"{m['e2e_ms']:.0f}", f"{m['throughput_tok_s']:,.0f}",

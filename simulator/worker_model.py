@@ -369,7 +369,9 @@ class WorkerModel:
         cache = self.cache
         if not self.capacity:
             cache.update(dict.fromkeys(new, 0))
-        elif cache.keys().isdisjoint(new):
+        elif new[0] not in cache:
+            # the cache is prefix-closed (a chain is evicted leaf first and pinned root first),
+            # so if the first new block is absent, so are the rest
             cache.update(dict.fromkeys(new, 1))
         else:  # computed meanwhile by another request: share its block
             for key in new:
