@@ -5,7 +5,8 @@ Ownership and lifecycle of one block:
     free, no content --allocate--> used (ref 1) --commit--> used + cached (key registered)
     used + cached --free (ref 0)--> free + cached   (content KEPT, key still registered)
     free + cached --hit--> used + cached            (revival: never passes through _take_fresh)
-    free + cached --_take_fresh--> used, no content (eviction: the ONLY place, emits BlockRemoved)
+    free + cached --_take_fresh--> used, no content (eviction: ``_evict``, the ONLY place that
+                                                     drops content; emits BlockRemoved)
 
 With a CPU offload tier (``num_cpu_blocks`` > 0, ``workers.cpu_block_pool``):
 
@@ -24,8 +25,11 @@ Invariants (``check()``):
 - a block is in the free pool iff its ref count is 0;
 - ``cached[key] == block_id`` iff ``blocks[block_id].key == key``; a cached block holds exactly
   ``block_size`` tokens whose key, chained from its parent key, equals its own key;
-- a block is registered only after its K/V was computed (commit follows the forward pass), so a
-  hit never reads a slot that nobody wrote.
+- a block is registered only after its K/V was computed (commit follows the forward pass), or,
+  for a restore, with its copy queued ahead of every forward pass, so a hit never reads a slot
+  that nobody wrote;
+- with a CPU tier: the CPU pool's own invariants (``CpuBlockPool.check``), and a key held on both
+  tiers stands for the same tokens after the same parent.
 
 The free pool is ordered: the front is taken first. Blocks without content go to the front;
 cached blocks go to the back, a sequence's last block first, so the tail of a chain is evicted
@@ -254,14 +258,31 @@ class BlockManager:
         bid, _ = self.free.popitem(last=False)
         block = self.blocks[bid]
         if block.key is not None:
-            if self.cpu is not None:
-                self._save(block, self.cpu)
-            del self.cached[block.key]
-            self.events.append(BlockRemoved([block.key]))
-            self.num_evicted += 1
-        block.clear()
+            self._evict(block)
         block.ref_count = 1
         return bid
+
+    def _evict(self, block: Block) -> None:
+        """Drop a free cached block's registration (saved to the CPU tier first, when there is one)."""
+        key = block.key
+        if key is None:
+            return
+        if self.cpu is not None:
+            self._save(block, self.cpu)
+        del self.cached[key]
+        self.events.append(BlockRemoved([key]))
+        self.num_evicted += 1
+        block.clear()
+
+    def evict_free(self) -> int:
+        """Evict every free cached block now, tails first (each saved to the CPU tier when there
+        is one); the blocks stay free. Benchmarks and tests use it to move prefixes to the CPU
+        tier; run ``take_swaps`` before the next write. Returns how many were evicted."""
+        victims = [bid for bid in self.free if self.blocks[bid].key is not None]
+        for bid in victims:
+            self._evict(self.blocks[bid])
+            self.free.move_to_end(bid, last=False)  # no content left: reused first
+        return len(victims)
 
     def _save(self, block: Block, cpu: CpuBlockPool) -> bool:
         """Queue the copy of cached ``block``'s pages into the CPU pool (nothing to copy when the

@@ -52,7 +52,7 @@ class CpuKVCache:
     def swap_out(self, slot_to_gpu: dict[int, int]) -> None:
         """GPU blocks -> CPU slots: gather on the GPU, then one copy per run of consecutive slots."""
         for chunk in _chunks(sorted(slot_to_gpu.items()), self.rows_per_chunk):
-            idx = torch.tensor([g for _, g in chunk], dtype=torch.long, device=self.device)
+            idx = self._index([g for _, g in chunk])
             staged = self.gpu.index_select(1, idx).transpose(0, 1).contiguous()  # [k, layers*2, page]
             for first, count, row in _runs([s for s, _ in chunk]):
                 self.pages[first : first + count].copy_(staged[row : row + count], non_blocking=True)
@@ -62,11 +62,17 @@ class CpuKVCache:
         buffer, then one scatter into the paged cache."""
         pairs = sorted((s, g) for g, s in gpu_to_slot.items())
         for chunk in _chunks(pairs, self.rows_per_chunk):
-            idx = torch.tensor([g for _, g in chunk], dtype=torch.long, device=self.device)
+            idx = self._index([g for _, g in chunk])
             staged = torch.empty((len(chunk), *self.pages.shape[1:]), dtype=self.pages.dtype, device=self.device)
             for first, count, row in _runs([s for s, _ in chunk]):
                 staged[row : row + count].copy_(self.pages[first : first + count], non_blocking=True)
             self.gpu.index_copy_(1, idx, staged.transpose(0, 1))
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        """Block ids on the device without a host sync (pinned staging, async copy; the caching
+        host allocator keeps the staging alive until the copy is done)."""
+        host = torch.tensor(block_ids, dtype=torch.long, pin_memory=self.pin)
+        return host.to(self.device, non_blocking=True) if self.pin else host
 
     def synchronize(self) -> None:
         """Wait until every queued copy is done (the pages are then readable from the host)."""
