@@ -148,7 +148,12 @@ class KvIngest:
         for name, (worker, spec) in wanted.items():
             if name in self._subscribed or registry.workers.get(name) is not worker:
                 continue  # (a removal may have run while this loop awaited)
-            sub.add_worker(spec)
+            try:
+                sub.add_worker(spec)
+            except ValueError as exc:  # e.g. a DP endpoint without a port to offset; tried again on the next change
+                log.error("kv events of worker %s cannot be subscribed: %s", name, exc)
+                self._set_index_health(worker, False)
+                continue
             self._subscribed[name] = (worker, spec)
             for t in worker.targets:
                 t.index_healthy = sub.healthy(t.id)
