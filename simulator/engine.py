@@ -265,8 +265,7 @@ class Simulator:
                 self._fire(j, t + delay)
 
     def _transfer(self, req: SimRequest, t: float) -> None:
-        req.transferred = True
-        req.worker = req.decode_to
+        req.transferred = True  # req.worker stays the prefill worker (hits and load are its)
         self.workers[req.decode_to].enqueue(req, t)
 
     # ------------------------------------------------------------------ run

@@ -93,21 +93,6 @@ def summarize(r: RunResult) -> dict[str, Any]:
     }
 
 
-def label_policies(specs: list[Any]) -> list[str]:
-    """Unique display labels: the name, or the YAML file's stem, with #2, #3 on repeats."""
-    labels, seen = [], {}
-    for spec in specs:
-        if isinstance(spec, str):
-            base = spec
-        elif isinstance(spec, dict):
-            base = str(spec.get("label") or spec.get("name"))
-        else:
-            base = str(spec)
-        seen[base] = seen.get(base, 0) + 1
-        labels.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    return labels
-
-
 # ------------------------------------------------------------------------------ terminal
 def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str = "mesh simulate") -> None:
     from rich.table import Table

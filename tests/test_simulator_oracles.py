@@ -195,3 +195,24 @@ def test_runs_are_deterministic_and_pressure_keeps_invariants() -> None:
     assert np.array_equal(a.worker, b.worker) and np.array_equal(a.finish, b.finish)
     assert a.preemptions > 0 and a.cpu_hit.sum() > 0  # the pressure paths really ran
     assert 0 < a.hit.sum() < a.prompt.sum()
+
+
+PD_POLICY = {"name": "pipeline", "params": {"profiles": {
+    "prefill": {"scorers": [{"name": "prefix", "weight": 1.0}]},
+    "decode": {"scorers": [{"name": "load", "weight": 1.0}]},
+}}}
+
+
+def test_prefill_decode_pair_adds_the_kv_transfer(tmp_path: Path) -> None:
+    rows = [{"t": 0.0, "input_tokens": 64, "output_tokens": 5, "hash_ids": [1, 2, 3, 4]}]
+    trace = load_traces([session_trace(tmp_path, rows)])
+    profile = with_overrides(FORMULA, **{"pd.transfer_base_ms": 3.0, "pd.transfer_ms_per_block": 0.5})
+    sim = Simulator(trace, PD_POLICY, SimConfig(workers=2, profile=profile, prefill_workers=1))
+    result = sim.run()
+    ttft, e2e = expected_times(64, 0, 5, profile)
+    transfer = (3.0 + 0.5 * 4) / 1e3  # 4 full blocks move to the decode worker
+    assert result.first_token[0] == pytest.approx(ttft, rel=1e-12)
+    assert result.finish[0] == pytest.approx(e2e + transfer, rel=1e-12)
+    prefill, decode = sim.workers
+    assert result.worker[0] == 0 and prefill.steps == 1 and decode.steps == 4
+    assert decode.cached_blocks == 4  # the decode worker caches what it received
