@@ -238,7 +238,8 @@ def print_tables(result: dict[str, Any]) -> None:
               f"reference (REFERENCE.md): {REFERENCE['restore_s']} s vs {REFERENCE['recompute_s']} s (7.8x)")
 
 
-CPU_DEFAULTS = {"preset": "tiny", "lens": [256, 512, 1024, 2048, 4096], "chunk": 2048, "tax_len": 256, "tax_prompts": 32}
+CPU_DEFAULTS = {"preset": "tiny", "lens": [256, 512, 1024, 2048, 4096], "chunk": 2048, "tax_len": 256,
+                "tax_prompts": 32}
 CUDA_DEFAULTS = {"preset": "llama3-8b", "lens": [1024, 2048, 4096, 8192, 16384, 32768], "chunk": 16384,
                  "tax_len": 2048, "tax_prompts": 48}
 

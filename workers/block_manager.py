@@ -431,8 +431,8 @@ class BlockManager:
         """A key cached on both tiers stands for the same tokens; queued swaps name real blocks."""
         errors = []
         for key, bid in self.cached.items():
-            cb = cpu.blocks.get(key)
-            if cb is not None and (cb.token_ids != self.blocks[bid].token_ids or cb.parent_key != self.blocks[bid].parent_key):
+            cb, block = cpu.blocks.get(key), self.blocks[bid]
+            if cb is not None and (cb.token_ids != block.token_ids or cb.parent_key != block.parent_key):
                 errors.append(f"key {key:#x} holds other tokens on the CPU than in GPU block {bid}")
         for sw in self.swaps:
             if not (0 <= sw.gpu_block < len(self.blocks) and 0 <= sw.cpu_slot < cpu.num_blocks):

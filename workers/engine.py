@@ -57,7 +57,8 @@ class LLMEngine:
         self.eos_token_id = model_config.eos_token_id if model_config.eos_token_id is not None else eos_token_id
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks=config.cpu_offload_blocks)
-        self.cpu_cache = CpuKVCache(self.runner.kv_cache, config.cpu_offload_blocks) if config.cpu_offload_blocks else None
+        self.cpu_cache = (  # the CPU offload tier's pages (the block manager keeps their bookkeeping)
+            CpuKVCache(self.runner.kv_cache, config.cpu_offload_blocks) if config.cpu_offload_blocks else None)
         self.scheduler = Scheduler(config, self.block_manager)
         self.model_name = config.served_model_name or model_config.name
         self._seeds: dict[str | None, int] = {None: namespace_seed(self.model_name)}
