@@ -259,6 +259,7 @@ class BlockManager:
         block = self.blocks[bid]
         if block.key is not None:
             self._evict(block)
+        block.clear()
         block.ref_count = 1
         return bid
 
