@@ -496,6 +496,52 @@ def session_moves(trace: Any, worker: list[str] | np.ndarray) -> int:
     return moves
 
 
+# ============================================================================ diagnostics
+async def probe(worker_url: str, gw_url: str, model: str, vocab: int, sizes: list[int], repeats: int,
+                seed: int = 7) -> list[dict[str, Any]]:
+    """TTFT of a prompt whose first ``C`` tokens are cached plus 16 new ones, straight to worker 0
+    and through the gateway, and the single-stream ITL at that context: what a cached context
+    costs beyond the prefill of the new tokens (parsing, hashing, lookup, attention)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async def once(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+            body = json.dumps({"model": model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+                               "temperature": 0.0, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            cached = 0
+            async with client.stream("POST", f"{url}/v1/completions", content=body,
+                                     headers={"content-type": "application/json"}) as resp:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line.endswith("[DONE]"):
+                        continue
+                    if '"choices":[{' in line:
+                        stamps.append(time.perf_counter() - t0)
+                    if '"cached_tokens"' in line:
+                        cached = json.loads(line[5:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return stamps[0] if stamps else float("nan"), stamps, cached
+
+        for c in sizes:
+            for name, url in (("worker", worker_url), ("gateway", gw_url)):
+                base = rng.integers(0, vocab, c).tolist()
+                cold, _, _ = await once(url, base, 1)
+                warm, cached = [], []
+                for _ in range(repeats):
+                    t, _, k = await once(url, base + rng.integers(0, vocab, 16).tolist(), 1)
+                    warm.append(t)
+                    cached.append(k)
+                _, stamps, _ = await once(url, base + rng.integers(0, vocab, 16).tolist(), 33)
+                gaps = np.diff(stamps)
+                rows.append({"context": c, "via": name, "cold_ttft_ms": cold * 1e3,
+                             "warm_ttft_ms": float(np.median(warm)) * 1e3, "cached": cached,
+                             "itl_ms": float(np.median(gaps)) * 1e3 if gaps.size else None})
+    return rows
+
+
 # ============================================================================ comparison
 def rel(sim: float, real: float) -> float | None:
     return (sim - real) / real if real else None
@@ -558,7 +604,7 @@ def _fmt(unit: str) -> Any:
 # ============================================================================ main
 PRESET_DEFAULTS = {
     # (preset, kv blocks per worker, max model len, calibrate max prompt, max out, time scale)
-    "gpu": ("qwen2-0.5b", 65_536, 32_768, 16_384, 128, 0.1),
+    "gpu": ("qwen2-0.5b", 65_536, 32_768, 20_480, 128, 0.1),
     "smoke": ("tiny", 4_096, 8_192, 512, 16, 0.05),
 }
 
@@ -586,6 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calibrate-max-batch", type=int, default=32)
     ap.add_argument("--calibrate-repeats", type=int, default=3)
     ap.add_argument("--calibrate-timeout", type=float, default=300.0)
+    ap.add_argument("--probe", action="store_true", help="also measure cached-context TTFT and ITL (worker vs gateway)")
     ap.add_argument("--profile", help="skip calibration and simulate with this profile (file or built-in name)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for workers and gateway")
     ap.add_argument("--json", dest="json_out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
@@ -665,6 +712,7 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
     devs = devices(args)
     procs: list[Proc] = []
     timings: dict[str, float] = {}
+    probe_rows: list[dict[str, Any]] = []
     try:
         t0 = time.perf_counter()
         workers = []
@@ -708,6 +756,17 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
                 except Exception:  # noqa: BLE001  (refused while blocks are in use: harmless)
                     pass
 
+        if args.probe:
+            sizes = [c for c in (1024, 4096, 8192, 16384) if c + 64 < args.max_model_len] or [256]
+            probe_rows = asyncio.run(probe(f"http://127.0.0.1:{workers[0].port}", gw_url, model, vocab, sizes, 3))
+            for row in probe_rows:
+                console.log(f"probe: {row['via']:>7} context {row['context']:>6}: cold {row['cold_ttft_ms']:.1f} ms, "
+                            f"cached+16 {row['warm_ttft_ms']:.1f} ms (cached {row['cached']}), ITL {row['itl_ms']:.2f} ms")
+            for w in workers:
+                try:
+                    post_json(f"http://127.0.0.1:{w.port}/reset_prefix_cache")
+                except Exception:  # noqa: BLE001
+                    pass
         bodies = build_bodies(trace, book, model, args.max_out)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
@@ -745,7 +804,7 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
         "trace": {"files": [Path(f).name for f in trace.files], "requests": len(trace.requests),
                   "sessions": trace.sessions, "prompt_tokens": trace.prompt_tokens, "block_size": trace.block_size},
         "profile": profile.to_dict(), "worker_info": infos, "timings": timings,
-        "comparison": rows, "real": real_summary, "sim": sim_summary, "errors": real.errors,
+        "comparison": rows, "probe": probe_rows, "real": real_summary, "sim": sim_summary, "errors": real.errors,
     }
     from simulator.report import write_json
 

@@ -24,7 +24,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,23 @@ from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, ProfileError
 
 class CalibrationError(RuntimeError):
     """The endpoint could not be measured (unreachable, errors, no streaming)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    ttft: float  # s from sending to the first token's chunk
+    later: list[float]  # arrivals of the later chunks, s after the first
+    prompt_tokens: int | None  # from usage, when the endpoint reports it
+    completion_tokens: int | None
+    cached_tokens: int | None
+
+    def itl(self, max_tokens: int) -> float | None:
+        """Mean inter-token time: first to last token over the tokens between (robust to chunks
+        that arrive in bursts, unlike a median of gaps)."""
+        n = self.completion_tokens or min(max_tokens, len(self.later) + 1)
+        if n < 2 or not self.later:
+            return None
+        return self.later[-1] / (n - 1)
 
 
 class Endpoint:
@@ -68,12 +85,18 @@ class Endpoint:
 
     async def stream(self, prompt: str, max_tokens: int) -> tuple[float, list[float], int | None]:
         """(TTFT s, arrival times of later chunks relative to the first, prompt tokens)."""
+        st = await self.stream_stats(prompt, max_tokens)
+        return st.ttft, st.later, st.prompt_tokens
+
+    async def stream_stats(self, prompt: str, max_tokens: int) -> StreamStats:
+        """One streamed completion: every chunk with a choice counts as a token's arrival (also
+        one whose text is empty: a byte-level tokenizer may hold back a partial character)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
         first: float | None = None
         later: list[float] = []
-        usage: int | None = None
+        usage: dict[str, Any] = {}
         try:
             async with self.client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -88,9 +111,8 @@ class Endpoint:
                     now = time.perf_counter()
                     chunk = json.loads(data)
                     if chunk.get("usage"):
-                        usage = chunk["usage"].get("prompt_tokens")
-                    choices = chunk.get("choices") or []
-                    if not choices or not choices[0].get("text") and choices[0].get("finish_reason") is None:
+                        usage = chunk["usage"]
+                    if not chunk.get("choices"):
                         continue
                     if first is None:
                         first = now
@@ -102,7 +124,9 @@ class Endpoint:
             raise CalibrationError(f"{self.base}/v1/completions: {type(exc).__name__}: {exc}") from None
         if first is None:
             raise CalibrationError(f"{self.base}: the stream produced no token")
-        return first - start, later, usage
+        details = usage.get("prompt_tokens_details") or {}
+        return StreamStats(first - start, later, usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                           details.get("cached_tokens"))
 
     async def count_tokens(self, prompt: str) -> int:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1}
@@ -175,54 +199,106 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             prefill_pts.append((tokens, ttft))
             log(f"prefill {tokens:>6} tokens: TTFT {ttft * 1e3:8.2f} ms")
         base, per_tok, per_tok2 = _fit([[1.0, n, n * n] for n, _ in prefill_pts], [t for _, t in prefill_pts])
+        block_size = args.block_size or BUILTIN[args.base].block_size
 
-        ctx_pts = []
-        for ctx in [c for c in (256, 1024, 4096) if c * 2 <= top] or [max(8, top // 4)]:
-            context = await _sized_prompt(ep, ctx)
-            await ep.stream(context, 1)  # warm: the engine caches it
-            extra = await _sized_prompt(ep, max(8, ctx // 4))
-            t_ext, _, tokens = await ep.stream(context + " " + extra.split(" ", 1)[1], 1)
-            new = (tokens or ctx + ctx // 4) - ctx
-            cold = base + per_tok * new + per_tok2 * new * new
-            ctx_pts.append((ctx, new, t_ext, cold))
-            log(f"context {ctx:>6} + {new:>5} new tokens: TTFT {t_ext * 1e3:8.2f} ms (cold fit {cold * 1e3:.2f} ms)")
-        per_ctx = max(0.0, float(np.median([(t - c) / (n * ctx) for ctx, n, t, c in ctx_pts if n > 0]))) \
-            if ctx_pts else 0.0
+        cold_fit = (base, per_tok, per_tok2)
+        ctx_pts = await _context_points(ep, top, repeats, cold_fit, block_size, log)
+        per_ctx, per_hit = _fit_context(ctx_pts)
 
         steps = 16 if quick else 64
-        decode_pts = []
-        batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= (4 if quick else args.max_batch)]
-        for b in batches:
-            prompts = [_text(32) for _ in range(b)]
-            runs = await asyncio.gather(*(ep.stream(p, steps) for p in prompts))
-            gaps = [g2 - g1 for _, later, _ in runs for g1, g2 in zip([0.0] + later[:-1], later)]
-            if not gaps:
-                continue
-            itl = statistics.median(gaps)
-            decode_pts.append((b, itl))
-            log(f"decode batch {b:>4}: ITL {itl * 1e3:7.3f} ms")
+        decode_pts, decode_ctx_pts = await _decode_points(ep, top, steps, 4 if quick else args.max_batch, quick, log)
         if not decode_pts:
             raise CalibrationError("no inter-token gaps measured: does the endpoint stream token by token?")
-        d_base, d_seq = _fit([[1.0, b] for b, _ in decode_pts], [t for _, t in decode_pts])
-        long_ctx = min(top, 4096)
-        long_prompt = await _sized_prompt(ep, long_ctx)
-        _, later, tokens = await ep.stream(long_prompt, steps)
-        gaps = [g2 - g1 for g1, g2 in zip([0.0] + later[:-1], later)]
-        per_ctx_tok = 0.0
-        if gaps:
-            itl_long = statistics.median(gaps)
-            short = d_base + d_seq
-            per_ctx_tok = max(0.0, (itl_long - short) / max(1, (tokens or long_ctx) - 40))
-            log(f"decode at {tokens or long_ctx} context tokens: ITL {itl_long * 1e3:.3f} ms")
+        d_base, d_seq, per_ctx_tok = _fit_decode(decode_pts, decode_ctx_pts)
         return {
             "model": model, "url": ep.base,
             "prefill": {"base_ms": base * 1e3, "per_token_ms": per_tok * 1e3, "per_token2_ms": per_tok2 * 1e3,
-                        "per_token_ctx_ms": per_ctx * 1e3},
+                        "per_token_ctx_ms": per_ctx * 1e3, "per_hit_token_ms": per_hit * 1e3},
             "decode": {"base_ms": d_base * 1e3, "per_seq_ms": d_seq * 1e3, "per_ctx_token_ms": per_ctx_tok * 1e3},
-            "points": {"prefill": prefill_pts, "context": ctx_pts, "decode": decode_pts},
+            "points": {"prefill": prefill_pts, "context": ctx_pts, "decode": [(b, t) for b, t, _ in decode_pts],
+                       "decode_context": decode_ctx_pts},
         }
     finally:
         await ep.close()
+
+
+async def _context_points(ep: Endpoint, top: int, repeats: int, cold_fit: tuple[float, float, float],
+                          block_size: int, log: Any) -> list[tuple[int, int, float, float]]:
+    """(cached tokens C, new tokens n, TTFT, cold-fit TTFT of n) for prompts extending a cached
+    context: by about C/4 tokens (attention of new tokens over the context) and by a few tokens
+    (what C cached tokens cost on their own: parsing, hashing, prefix lookup)."""
+    base, per_tok, per_tok2 = cold_fit
+    sizes = [c for c in (256, 1024, 4096, 16384) if c + c // 4 <= top] or [max(8, top // 4)]
+    points = []
+    for ctx in sizes:
+        context = await _sized_prompt(ep, ctx)
+        warm = await ep.stream_stats(context, 1)  # the engine caches it
+        ctx_tokens = warm.prompt_tokens or ctx
+        for ext_tokens in (max(8, ctx // 4), 16):
+            samples = []
+            for _ in range(repeats):
+                extra = await _sized_prompt(ep, ext_tokens)
+                st = await ep.stream_stats(context + " " + extra.split(" ", 1)[1], 1)
+                cached = st.cached_tokens if st.cached_tokens is not None else ctx_tokens // block_size * block_size
+                new = (st.prompt_tokens or ctx_tokens + ext_tokens) - cached
+                samples.append((st.ttft, cached, new))
+            t, cached, new = sorted(samples)[len(samples) // 2]
+            cold = base + per_tok * new + per_tok2 * new * new
+            points.append((cached, new, t, cold))
+            log(f"context {cached:>6} + {new:>5} new tokens: TTFT {t * 1e3:8.2f} ms (cold fit {cold * 1e3:.2f} ms)")
+    return points
+
+
+def _fit_context(points: list[tuple[int, int, float, float]]) -> tuple[float, float]:
+    """(per_token_ctx, per_hit_token) in s: the TTFT above the cold fit as ``a * n * C + b * C``."""
+    pts = [(c, n, t - cold) for c, n, t, cold in points if c > 0 and n > 0]
+    if not pts:
+        return 0.0, 0.0
+    if len({c for c, _, _ in pts}) == 1 and len({n for _, n, _ in pts}) == 1:
+        c, n, r = pts[0]
+        return max(0.0, r / (n * c)), 0.0
+    a, b = _fit([[n * c, c] for c, n, _ in pts], [r for _, _, r in pts])
+    return a, b
+
+
+async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, quick: bool, log: Any
+                         ) -> tuple[list[tuple[int, float, int]], list[tuple[int, float]]]:
+    """Decode step times: ``(batch, ITL, KV tokens of the batch)`` for concurrent short prompts,
+    and ``(context tokens, ITL)`` for one stream on long prompts."""
+    batch_pts = []
+    for b in [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_batch]:
+        prompts = [_text(32) for _ in range(b)]
+        runs = await asyncio.gather(*(ep.stream_stats(p, steps) for p in prompts))
+        itls = [x for x in (r.itl(steps) for r in runs) if x is not None]
+        if not itls:
+            continue
+        itl = statistics.median(itls)
+        ctx = sum((r.prompt_tokens or 40) + steps // 2 for r in runs)
+        batch_pts.append((b, itl, ctx))
+        log(f"decode batch {b:>4}: ITL {itl * 1e3:7.3f} ms")
+    ctx_pts = []
+    for c in [c for c in (1024, 4096, 16384) if c <= top] or [top]:
+        st = await ep.stream_stats(await _sized_prompt(ep, c), steps)
+        itl = st.itl(steps)
+        if itl is None:
+            continue
+        tokens = (st.prompt_tokens or c) + steps // 2
+        ctx_pts.append((tokens, itl))
+        log(f"decode at {tokens} context tokens: ITL {itl * 1e3:.3f} ms")
+        if quick:
+            break
+    return batch_pts, ctx_pts
+
+
+def _fit_decode(batch_pts: list[tuple[int, float, int]], ctx_pts: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """(base, per_seq, per_ctx_token) in s: ``base + per_seq * B + per_ctx_token * C`` over all points."""
+    rows = [[1.0, b, c] for b, _, c in batch_pts] + [[1.0, 1.0, c] for c, _ in ctx_pts]
+    ys = [t for _, t, _ in batch_pts] + [t for _, t in ctx_pts]
+    if len(rows) < 3:
+        base, per_seq = _fit([[1.0, b] for b, _, _ in batch_pts], [t for _, t, _ in batch_pts])
+        return base, per_seq, 0.0
+    base, per_seq, per_ctx = _fit(rows, ys)
+    return base, per_seq, per_ctx
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:

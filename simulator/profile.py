@@ -7,9 +7,10 @@ sequence. Its time is the sum of the parts present in it (all in milliseconds):
   ``c_i`` (tokens already in KV before the chunk), ``N = sum(n_i)``::
 
       prefill.base_ms + prefill.per_token_ms * N + prefill.per_token2_ms * N**2
-      + prefill.per_token_ctx_ms * sum(n_i * c_i)
+      + prefill.per_token_ctx_ms * sum(n_i * c_i) + prefill.per_hit_token_ms * H
 
-  (linear compute, quadratic attention within the batch, attention over cached context);
+  (linear compute, quadratic attention within the batch, attention over cached context, and
+  ``H``: the prefix-cache hits, in tokens, of the requests the step admits);
 - decode part (only when sequences decode), for ``B`` sequences holding ``C`` KV tokens::
 
       decode.base_ms + decode.per_seq_ms * B + decode.per_ctx_token_ms * C
@@ -46,6 +47,9 @@ class PrefillTiming:
     per_token_ms: float = 0.0
     per_token2_ms: float = 0.0
     per_token_ctx_ms: float = 0.0
+    # per prompt token found cached, charged once in the step that admits the request: what a
+    # cached prefix costs without compute (the request's parsing and block hashing, the lookup)
+    per_hit_token_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +104,12 @@ class Profile:
         return max(1, self.cpu.blocks * self.block_size // block_size)
 
     def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """One step prefilling one chunk alone (the oracle tests' formula)."""
+        """One step prefilling one chunk alone (the oracle tests' formula), the chunk of a
+        request just admitted with ``cached_tokens`` prefix hits."""
         p = self.prefill
         n = new_tokens
-        return p.base_ms + p.per_token_ms * n + p.per_token2_ms * n * n + p.per_token_ctx_ms * n * cached_tokens
+        return (p.base_ms + p.per_token_ms * n + p.per_token2_ms * n * n + p.per_token_ctx_ms * n * cached_tokens
+                + p.per_hit_token_ms * cached_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -148,6 +148,8 @@ class WorkerModel:
         self.seq = 0
         p, d = profile.prefill, profile.decode
         self._p = (p.base_ms / 1e3, p.per_token_ms / 1e3, p.per_token2_ms / 1e3, p.per_token_ctx_ms / 1e3)
+        self._hit_s = p.per_hit_token_ms / 1e3  # per prefix-hit token of a request admitted in the step
+        self._step_hits = 0  # hit tokens of the requests admitted while planning this step
         self._d = (d.base_ms / 1e3, d.per_seq_ms / 1e3, d.per_ctx_token_ms / 1e3, d.per_ctx_token2_ms / 1e3)
         self._cpu_load_s = profile.cpu.load_ms_per_block / 1e3
         state.kv_capacity_blocks = self.capacity
@@ -464,6 +466,7 @@ class WorkerModel:
                 self._join_decode(req, t)
                 continue
             self.prefilling.append(req)
+            self._step_hits += req.computed  # = its prefix hits (GPU + CPU), just admitted
             take = min(req.target - req.computed, budget)
             chunks.append((req, take))
             ctx_work += take * req.computed
@@ -481,6 +484,7 @@ class WorkerModel:
             self._preempt(t)
             preempted = True
         budget = self.profile.max_batched_tokens - len(self.decoding)
+        self._step_hits = 0
         chunks: list[tuple[SimRequest, int]] = []
         ctx_work = cpu_blocks = 0
         for r in self.prefilling:
@@ -508,7 +512,7 @@ class WorkerModel:
         if chunks:
             n_tok = sum(take for _, take in chunks)
             base, per_tok, per_tok2, per_ctx = self._p
-            dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work
+            dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work + self._hit_s * self._step_hits
             if self.decoding:
                 dur += self.decode_span(1, len(self.decoding), self.ctx_tokens)
             dur += cpu_blocks * self._cpu_load_s
