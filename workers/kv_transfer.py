@@ -561,6 +561,8 @@ class TransferEngine(AsyncLLMEngine):
                 fn, args, fut = self._calls.get_nowait()
             except queue.Empty:
                 break
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue  # the caller gave up (``call`` timed out): never run it nor resolve it
             try:
                 result = fn(*args)
             except BaseException as exc:  # reported to the caller, never kills the loop
