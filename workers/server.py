@@ -253,8 +253,9 @@ class WorkerAPI:
                 if out.finished:
                     yield Chunk(delta + text.flush(), out.finish_reason, out)
                     return
-                if delta:
-                    yield Chunk(delta, None, out)
+                # one chunk per engine output, with text or not (vLLM streams every token too):
+                # a client's TTFT and inter-token times see each token, not only printable ones
+                yield Chunk(delta, None, out)
         finally:
             await gen.aclose()
 
