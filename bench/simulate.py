@@ -4,8 +4,10 @@ Same traces, same worker counts, same simulated hardware: Mesh runs the built-in
 ``dynamo-mocker`` profile, which copies the mocker's defaults (16,384 KV blocks of 64 tokens per
 worker, 8,192-token step budget, 256 sequences, its polynomial prefill and decode timing). Mesh
 runs at the engine's 64-token blocks (apples to apples with Dynamo; Mooncake's 512-token ids are
-re-blocked) and at a coarser block size (Mooncake: its own 512-token ids, which carry all the
-trace's reuse information; WEKA: 256 tokens), capacity in tokens unchanged. For each scenario and
+re-blocked) and/or at a coarser block size (Mooncake: its own 512-token ids, which carry all the
+trace's reuse information; WEKA: 256 tokens), capacity in tokens unchanged. By default WEKA runs
+at 256 only (``--weka-blocks 256 64`` adds the exact granularity, which the index's per-block
+cost makes slow), so that the whole run stays within a few minutes on 2 cores. For each scenario and
 routing mode (round robin; KV-aware: Dynamo's ``kv_router``, Mesh's best registered KV policy)
 the table gives both simulators' wall time (the whole call: trace loading and replay), prefix
 hit rate and latencies, and the wall-time ratio.
@@ -16,7 +18,8 @@ Scenarios:
   Dynamo's importer wants plain JSON whose declared models cover every request, so the files are
   decompressed (and the sub-agents' models declared) into a temporary directory first, untimed.
 
-    python bench/simulate.py [--scenarios mooncake weka] [--sessions 100] [--json bench/results/simulate.json]
+    python bench/simulate.py [--scenarios mooncake weka] [--sessions 100] [--weka-blocks 256 64]
+                             [--json bench/results/simulate.json]
 """
 
 from __future__ import annotations
@@ -118,18 +121,23 @@ def main() -> int:
     ap.add_argument("--scenarios", nargs="+", default=["mooncake", "weka"], choices=["mooncake", "weka"])
     ap.add_argument("--sessions", type=int, default=100, help="WEKA sessions (files) to replay")
     ap.add_argument("--modes", nargs="+", default=["round_robin", "kv"], choices=["round_robin", "kv"])
+    ap.add_argument("--mooncake-blocks", nargs="+", type=int, default=[512, 64],
+                    help="Mesh block sizes on Mooncake (512: the trace's ids; 64: Dynamo's engine blocks)")
+    ap.add_argument("--weka-blocks", nargs="+", type=int, default=[256],
+                    help="Mesh block sizes on WEKA (add 64 for Dynamo's exact granularity: ~1 min more per mode)")
     ap.add_argument("--json", default="bench/results/simulate.json")
     args = ap.parse_args()
     console = Console(width=max(Console().width, 150))
     kv_label, kv_spec = kv_policy()
+    load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         plans = []
         if "mooncake" in args.scenarios:
-            plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake", [64, 512]))
+            plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake", args.mooncake_blocks))
         if "weka" in args.scenarios:
             files, directory = weka_dir(args.sessions, Path(tmp))
-            plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka", [64, 256]))
+            plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka", args.weka_blocks))
         from rich.progress import Progress
 
         with Progress(console=console, transient=True) as progress:
@@ -165,9 +173,11 @@ def main() -> int:
                 f"{m['e2e_ms']:.0f}", f"{m['throughput_tok_s']:,.0f}",
             )
     console.print(table)
-    console.print("ratio = Dynamo wall / Mesh wall (> 1: Mesh faster). Latencies in ms.")
+    console.print("ratio = Dynamo wall / Mesh wall (> 1: Mesh faster). Latencies in ms. "
+                  f"Load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs).")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count()}, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count(), "loadavg_start": load_start,
+                                           "loadavg_end": os.getloadavg()}, indent=2) + "\n")
     console.print(f"wrote {args.json}")
     return 0
 
