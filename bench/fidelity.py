@@ -319,12 +319,12 @@ def devices(args: argparse.Namespace) -> list[str]:
 
 # ============================================================================ calibration
 def run_calibrate(args: argparse.Namespace, url: str, out: Path, log: Path) -> float:
-    cmd = [sys.executable, "-m", "mesh", "calibrate", "--url", url, "--out", str(out),
+    """``mesh calibrate`` through the gateway, pinned to one worker by a session id: the profile
+    then holds what a request costs on its way through Mesh, not only inside the engine."""
+    cmd = [sys.executable, "-m", "mesh", "calibrate", "--url", url, "--out", str(out), "--session", "mesh-calibrate",
            "--block-size", str(args.block_size), "--kv-blocks", str(args.kv_blocks),
            "--max-prompt", str(args.calibrate_max_prompt), "--max-batch", str(args.calibrate_max_batch),
            "--repeats", str(args.calibrate_repeats), "--timeout", "300"]
-    if args.smoke:
-        cmd.append("--quick")
     t0 = time.perf_counter()
     with open(log, "wb") as fh:
         fh.write((" ".join(cmd) + "\n").encode())
@@ -605,7 +605,7 @@ def _fmt(unit: str) -> Any:
 PRESET_DEFAULTS = {
     # (preset, kv blocks per worker, max model len, calibrate max prompt, max out, time scale)
     "gpu": ("qwen2-0.5b", 65_536, 32_768, 20_480, 128, 0.1),
-    "smoke": ("tiny", 4_096, 8_192, 512, 16, 0.05),
+    "smoke": ("tiny", 4_096, 8_192, 2_048, 16, 0.05),
 }
 
 
@@ -654,6 +654,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tokens_per_id = args.tokens_per_id or (2 if args.smoke else None)
     if args.smoke:
         args.cpu_threads = args.cpu_threads or 1
+        args.calibrate_max_batch = min(args.calibrate_max_batch, 4)
+        args.calibrate_repeats = min(args.calibrate_repeats, 2)
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     return args
@@ -746,9 +748,8 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
             profile_src = args.profile
         else:
             profile_src = str(out_dir / "profile.yaml")
-            with console.status("mesh calibrate on worker-0"):
-                timings["calibrate_s"] = run_calibrate(args, f"http://127.0.0.1:{workers[0].port}",
-                                                       Path(profile_src), out_dir / "calibrate.log")
+            with console.status("mesh calibrate through the gateway (one session: one worker)"):
+                timings["calibrate_s"] = run_calibrate(args, gw_url, Path(profile_src), out_dir / "calibrate.log")
             console.log(f"calibrated in {timings['calibrate_s']:.1f} s -> {profile_src}")
             for w in workers:  # calibration prompts share nothing with the trace; start clean anyway
                 try:

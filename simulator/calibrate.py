@@ -54,13 +54,16 @@ class StreamStats:
 
 
 class Endpoint:
-    def __init__(self, url: str, model: str | None, api_key: str | None, timeout: float) -> None:
+    def __init__(self, url: str, model: str | None, api_key: str | None, timeout: float,
+                 session: str | None = None, session_header: str = "x-session-id") -> None:
         import httpx
 
         self.base = url.rstrip("/")
         if self.base.endswith("/v1"):
             self.base = self.base[:-3]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if session:  # behind a session-aware gateway: every measurement lands on one worker
+            headers[session_header] = session
         self.client = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=timeout)
         self.model = model
         self.usage_in_stream = True
@@ -182,7 +185,8 @@ def _fit(xs: list[list[float]], ys: list[float]) -> list[float]:
 
 
 async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    ep = Endpoint(args.url, args.model, args.api_key, args.timeout)
+    ep = Endpoint(args.url, args.model, args.api_key, args.timeout,
+                  getattr(args, "session", None), getattr(args, "session_header", "x-session-id"))
     try:
         model = await ep.resolve_model()
         log(f"model {model} at {ep.base}")
@@ -210,13 +214,16 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         if not decode_pts:
             raise CalibrationError("no inter-token gaps measured: does the endpoint stream token by token?")
         d_base, d_seq, per_ctx_tok = _fit_decode(decode_pts, decode_ctx_pts)
+        mixed_pts = await _mixed_points(ep, top, repeats, quick, (d_base, d_seq, per_ctx_tok), log)
+        mixed, mixed_seq = _fit_mixed(mixed_pts)
         return {
             "model": model, "url": ep.base,
             "prefill": {"base_ms": base * 1e3, "per_token_ms": per_tok * 1e3, "per_token2_ms": per_tok2 * 1e3,
-                        "per_token_ctx_ms": per_ctx * 1e3, "per_hit_token_ms": per_hit * 1e3},
+                        "per_token_ctx_ms": per_ctx * 1e3, "per_hit_token_ms": per_hit * 1e3,
+                        "mixed_ms": mixed * 1e3, "mixed_per_seq_ms": mixed_seq * 1e3},
             "decode": {"base_ms": d_base * 1e3, "per_seq_ms": d_seq * 1e3, "per_ctx_token_ms": per_ctx_tok * 1e3},
             "points": {"prefill": prefill_pts, "context": ctx_pts, "decode": [(b, t) for b, t, _ in decode_pts],
-                       "decode_context": decode_ctx_pts},
+                       "decode_context": decode_ctx_pts, "mixed": mixed_pts},
         }
     finally:
         await ep.close()
@@ -299,6 +306,58 @@ def _fit_decode(batch_pts: list[tuple[int, float, int]], ctx_pts: list[tuple[int
         return base, per_seq, 0.0
     base, per_seq, per_ctx = _fit(rows, ys)
     return base, per_seq, per_ctx
+
+
+async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decode: tuple[float, float, float],
+                        log: Any) -> list[tuple[int, float, float]]:
+    """``(B, TTFT excess, TTFT)`` of a cached-context prompt sent while ``B`` other streams decode.
+
+    The excess is what the prompt's TTFT gains over the same measurement with nothing running,
+    beyond what the step model already charges: waiting half a decode step on average, then the
+    decode part of the mixed step (1.5 decode steps in all). In a Python engine it is mostly the
+    server's and the engine's threads contending (streaming chunks while parsing the new request)."""
+    d_base, d_seq, d_ctx = decode
+    ctx = min(4096, max(64, top // 2))
+    context = await _sized_prompt(ep, ctx)
+    await ep.stream_stats(context, 1)
+    probes = max(3, repeats) + (0 if quick else 2)
+
+    async def ttft() -> float:
+        samples = []
+        for _ in range(probes):
+            extra = await _sized_prompt(ep, 16)
+            samples.append((await ep.stream_stats(context + " " + extra.split(" ", 1)[1], 1)).ttft)
+            await asyncio.sleep(0.003)  # land at different phases of the background's steps
+        return statistics.median(samples)
+
+    quiet = await ttft()
+    points = []
+    for b in (1, 2) if quick else (1, 2, 4, 8):
+        steps = 4096  # background streams far outlive the probes; cancelled (aborted) after them
+        background = [asyncio.ensure_future(ep.stream_stats(_text(32), steps)) for _ in range(b)]
+        await asyncio.sleep(0.25)  # past their prefill: decoding
+        try:
+            loaded = await ttft()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+        kv = b * 300  # the background's KV while probed: ~40 prompt + a few hundred generated tokens each
+        expected = 1.5 * (d_base + d_seq * b + d_ctx * kv)
+        points.append((b, loaded - quiet - expected, loaded))
+        log(f"cached prompt with {b:>2} streams decoding: TTFT {loaded * 1e3:7.2f} ms (alone {quiet * 1e3:.2f} ms, "
+            f"excess {(loaded - quiet - expected) * 1e3:+.2f} ms)")
+    return points
+
+
+def _fit_mixed(points: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(mixed, mixed_per_seq) in s: the excess as ``mixed + mixed_per_seq * B`` (non-negative)."""
+    if not points:
+        return 0.0, 0.0
+    if len({b for b, _, _ in points}) == 1:
+        return max(0.0, statistics.median(e for _, e, _ in points)), 0.0
+    mixed, per_seq = _fit([[1.0, b] for b, _, _ in points], [e for _, e, _ in points])
+    return mixed, per_seq
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:

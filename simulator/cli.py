@@ -69,6 +69,10 @@ def add_parser(subparsers: Any) -> None:
     cal.add_argument("--repeats", type=int, default=3, help="measurements per point (median kept)")
     cal.add_argument("--quick", action="store_true", help="few, small points (smoke test)")
     cal.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    cal.add_argument("--session", metavar="ID",
+                     help="send this session id with every request: behind a session-aware gateway all "
+                          "measurements then land on one worker (calibrate through the gateway)")
+    cal.add_argument("--session-header", default="x-session-id", help="header carrying --session")
     cal.set_defaults(func=run_calibrate)
 
 

@@ -10,7 +10,8 @@ sequence. Its time is the sum of the parts present in it (all in milliseconds):
       + prefill.per_token_ctx_ms * sum(n_i * c_i) + prefill.per_hit_token_ms * H
 
   (linear compute, quadratic attention within the batch, attention over cached context, and
-  ``H``: the prefix-cache hits, in tokens, of the requests the step admits);
+  ``H``: the prefix-cache hits, in tokens, of the requests the step admits); a step that also
+  decodes adds ``prefill.mixed_ms + prefill.mixed_per_seq_ms * B``;
 - decode part (only when sequences decode), for ``B`` sequences holding ``C`` KV tokens::
 
       decode.base_ms + decode.per_seq_ms * B + decode.per_ctx_token_ms * C
@@ -50,6 +51,11 @@ class PrefillTiming:
     # per prompt token found cached, charged once in the step that admits the request: what a
     # cached prefix costs without compute (the request's parsing and block hashing, the lookup)
     per_hit_token_ms: float = 0.0
+    # a step that prefills while sequences decode costs this much more than its prefill and
+    # decode parts (plus mixed_per_seq_ms per decoding sequence): what the mix costs a real
+    # engine beyond the sum (eager decodes, server and engine threads contending)
+    mixed_ms: float = 0.0
+    mixed_per_seq_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,8 @@ class WorkerModel:
         self._p = (p.base_ms / 1e3, p.per_token_ms / 1e3, p.per_token2_ms / 1e3, p.per_token_ctx_ms / 1e3)
         self._hit_s = p.per_hit_token_ms / 1e3  # per prefix-hit token of a request admitted in the step
         self._step_hits = 0  # hit tokens of the requests admitted while planning this step
+        self._mixed_s = p.mixed_ms / 1e3  # a step that prefills and decodes: extra cost
+        self._mixed_seq_s = p.mixed_per_seq_ms / 1e3
         self._d = (d.base_ms / 1e3, d.per_seq_ms / 1e3, d.per_ctx_token_ms / 1e3, d.per_ctx_token2_ms / 1e3)
         self._cpu_load_s = profile.cpu.load_ms_per_block / 1e3
         state.kv_capacity_blocks = self.capacity
@@ -515,6 +517,7 @@ class WorkerModel:
             dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work + self._hit_s * self._step_hits
             if self.decoding:
                 dur += self.decode_span(1, len(self.decoding), self.ctx_tokens)
+                dur += self._mixed_s + self._mixed_seq_s * len(self.decoding)
             dur += cpu_blocks * self._cpu_load_s
             self.seg_chunks = chunks
             self.seg_mixed = True
