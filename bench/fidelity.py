@@ -529,16 +529,19 @@ async def probe(worker_url: str, gw_url: str, model: str, vocab: int, sizes: lis
             for name, url in (("worker", worker_url), ("gateway", gw_url)):
                 base = rng.integers(0, vocab, c).tolist()
                 cold, _, _ = await once(url, base, 1)
-                warm, cached = [], []
+                warm: dict[int, list[float]] = {1: [], 32: []}
+                cached, itls = [], []
                 for _ in range(repeats):
-                    t, _, k = await once(url, base + rng.integers(0, vocab, 16).tolist(), 1)
-                    warm.append(t)
-                    cached.append(k)
-                _, stamps, _ = await once(url, base + rng.integers(0, vocab, 16).tolist(), 33)
-                gaps = np.diff(stamps)
+                    for mt in (1, 32):
+                        t, stamps, k = await once(url, base + rng.integers(0, vocab, 16).tolist(), mt)
+                        warm[mt].append(t)
+                        cached.append(k)
+                        if len(stamps) > 1:
+                            itls.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
                 rows.append({"context": c, "via": name, "cold_ttft_ms": cold * 1e3,
-                             "warm_ttft_ms": float(np.median(warm)) * 1e3, "cached": cached,
-                             "itl_ms": float(np.median(gaps)) * 1e3 if gaps.size else None})
+                             "warm_ttft_ms": float(np.median(warm[1])) * 1e3,
+                             "warm_ttft_decoding_ms": float(np.median(warm[32])) * 1e3, "cached": sorted(set(cached)),
+                             "itl_ms": float(np.median(itls)) * 1e3 if itls else None})
     return rows
 
 
@@ -758,11 +761,13 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
                     pass
 
         if args.probe:
-            sizes = [c for c in (1024, 4096, 8192, 16384) if c + 64 < args.max_model_len] or [256]
-            probe_rows = asyncio.run(probe(f"http://127.0.0.1:{workers[0].port}", gw_url, model, vocab, sizes, 3))
+            sizes = [c for c in (1024, 16384) if c + 64 < args.max_model_len] or [256]
+            probe_rows = asyncio.run(probe(f"http://127.0.0.1:{workers[0].port}", gw_url, model, vocab, sizes, 5))
             for row in probe_rows:
                 console.log(f"probe: {row['via']:>7} context {row['context']:>6}: cold {row['cold_ttft_ms']:.1f} ms, "
-                            f"cached+16 {row['warm_ttft_ms']:.1f} ms (cached {row['cached']}), ITL {row['itl_ms']:.2f} ms")
+                            f"cached+16 TTFT {row['warm_ttft_ms']:.1f} ms (max_tokens 1), "
+                            f"{row['warm_ttft_decoding_ms']:.1f} ms (max_tokens 32), cached {row['cached']}, "
+                            f"ITL {row['itl_ms'] or 0:.2f} ms")
             for w in workers:
                 try:
                     post_json(f"http://127.0.0.1:{w.port}/reset_prefix_cache")

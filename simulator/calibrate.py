@@ -67,6 +67,9 @@ class Endpoint:
         self.client = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=timeout)
         self.model = model
         self.usage_in_stream = True
+        # max_tokens of TTFT measurements: a request that goes on decoding after its first token
+        # (the usual case) can see that token later than one that ends with it
+        self.ttft_tokens = 1
         self.words_per_token: float | None = None
 
     async def close(self) -> None:
@@ -159,7 +162,7 @@ async def _sized_prompt(ep: Endpoint, tokens: int) -> str:
 
 
 async def _ttft(ep: Endpoint, prompt: str, repeats: int) -> float:
-    samples = [(await ep.stream(prompt if i == 0 else _reseed(prompt), 1))[0] for i in range(repeats)]
+    samples = [(await ep.stream(prompt if i == 0 else _reseed(prompt), ep.ttft_tokens))[0] for i in range(repeats)]
     return statistics.median(samples)
 
 
@@ -189,6 +192,7 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                   getattr(args, "session", None), getattr(args, "session_header", "x-session-id"))
     try:
         model = await ep.resolve_model()
+        ep.ttft_tokens = max(1, getattr(args, "ttft_max_tokens", 1))
         log(f"model {model} at {ep.base}")
         quick = args.quick
         repeats = 1 if quick else max(1, args.repeats)
@@ -245,7 +249,7 @@ async def _context_points(ep: Endpoint, top: int, repeats: int, cold_fit: tuple[
             samples = []
             for _ in range(repeats):
                 extra = await _sized_prompt(ep, ext_tokens)
-                st = await ep.stream_stats(context + " " + extra.split(" ", 1)[1], 1)
+                st = await ep.stream_stats(context + " " + extra.split(" ", 1)[1], ep.ttft_tokens)
                 cached = st.cached_tokens if st.cached_tokens is not None else ctx_tokens // block_size * block_size
                 new = (st.prompt_tokens or ctx_tokens + ext_tokens) - cached
                 samples.append((st.ttft, cached, new))
@@ -326,7 +330,7 @@ async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decod
         samples = []
         for _ in range(probes):
             extra = await _sized_prompt(ep, 16)
-            samples.append((await ep.stream_stats(context + " " + extra.split(" ", 1)[1], 1)).ttft)
+            samples.append((await ep.stream_stats(context + " " + extra.split(" ", 1)[1], ep.ttft_tokens)).ttft)
             await asyncio.sleep(0.003)  # land at different phases of the background's steps
         return statistics.median(samples)
 
