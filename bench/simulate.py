@@ -49,7 +49,7 @@ from simulator.profile import BUILTIN
 from simulator.report import summarize
 from simulator.traces import LoadOptions, load_traces
 
-TRACES = Path("/work/shared/traces")
+TRACES = next((p for p in (Path(__file__).resolve().parents[2] / "shared" / "traces", Path("/work/shared/traces")) if p.is_dir()), Path("/work/shared/traces"))
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
 WEKA = TRACES / "weka"
 

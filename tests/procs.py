@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The shared traces lie beside the checkout (CI lays a copy of shared/ there); /work/shared is
+# where a developer's session has them.
+SHARED_TRACES = next(
+    (p for p in (REPO.parent / "shared" / "traces", Path("/work/shared/traces")) if p.is_dir()),
+    REPO.parent / "shared" / "traces",
+)
 PYTHON = sys.executable
 
 

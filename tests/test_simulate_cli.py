@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.procs import SHARED_TRACES
 
 ROOT = Path(__file__).resolve().parents[1]
-MOONCAKE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
+MOONCAKE = SHARED_TRACES / "mooncake" / "conversation_trace.jsonl"
 EXAMPLE = ROOT / "examples" / "traces" / "agent_sessions.jsonl"
 
 

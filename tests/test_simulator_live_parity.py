@@ -23,8 +23,9 @@ from simulator.engine import SimConfig, Simulator
 from simulator.profile import BUILTIN, with_overrides
 from simulator.traces import LoadOptions, load_traces
 from simulator.worker_model import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE
+from tests.procs import SHARED_TRACES
 
-WEKA = Path("/work/shared/traces/weka")
+WEKA = SHARED_TRACES / "weka"
 
 
 class Recorder:

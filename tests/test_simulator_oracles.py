@@ -20,8 +20,9 @@ from simulator.engine import SimConfig, Simulator, simulate
 from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, Profile, with_overrides
 from simulator.traces import LoadOptions, load_traces
 from simulator.worker_model import CapacityError
+from tests.procs import SHARED_TRACES
 
-MOONCAKE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
+MOONCAKE = SHARED_TRACES / "mooncake" / "conversation_trace.jsonl"
 
 
 def ideal_reuse(path: Path, block: int) -> float:
