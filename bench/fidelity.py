@@ -324,7 +324,8 @@ def run_calibrate(args: argparse.Namespace, url: str, out: Path, log: Path) -> f
     cmd = [sys.executable, "-m", "mesh", "calibrate", "--url", url, "--out", str(out), "--session", "mesh-calibrate",
            "--block-size", str(args.block_size), "--kv-blocks", str(args.kv_blocks),
            "--max-prompt", str(args.calibrate_max_prompt), "--max-batch", str(args.calibrate_max_batch),
-           "--repeats", str(args.calibrate_repeats), "--timeout", "300"]
+           "--repeats", str(args.calibrate_repeats), "--timeout", "300",
+           "--token-ids", str(args.vocab)]  # the replay sends token ids: measure that path
     t0 = time.perf_counter()
     with open(log, "wb") as fh:
         fh.write((" ".join(cmd) + "\n").encode())
@@ -707,7 +708,7 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
 
     t_start = time.perf_counter()
     trace = load_trace(args, tmp)
-    vocab = get_preset(args.preset).vocab_size
+    vocab = args.vocab = get_preset(args.preset).vocab_size
     book = PromptBook(trace.files, vocab)
     max_len = max(r.prompt_tokens + r.output_tokens for r in trace.requests)
     if max_len > args.max_model_len:

@@ -70,6 +70,7 @@ class Endpoint:
         # max_tokens of TTFT measurements: a request that goes on decoding after its first token
         # (the usual case) can see that token later than one that ends with it
         self.ttft_tokens = 1
+        self.vocab = 0  # > 0: prompts are random token ids below it (--token-ids), not text
         self.words_per_token: float | None = None
 
     async def close(self) -> None:
@@ -89,12 +90,12 @@ class Endpoint:
         self.model = str(data[0]["id"])
         return self.model
 
-    async def stream(self, prompt: str, max_tokens: int) -> tuple[float, list[float], int | None]:
+    async def stream(self, prompt: Any, max_tokens: int) -> tuple[float, list[float], int | None]:
         """(TTFT s, arrival times of later chunks relative to the first, prompt tokens)."""
         st = await self.stream_stats(prompt, max_tokens)
         return st.ttft, st.later, st.prompt_tokens
 
-    async def stream_stats(self, prompt: str, max_tokens: int) -> StreamStats:
+    async def stream_stats(self, prompt: Any, max_tokens: int) -> StreamStats:
         """One streamed completion: every chunk with a choice counts as a token's arrival (also
         one whose text is empty: a byte-level tokenizer may hold back a partial character)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -148,13 +149,36 @@ class Endpoint:
 _rng = random.Random(1234)
 
 
+Prompt = Any  # text, or a list of token ids (``--token-ids``)
+
+
+def _ids(vocab: int, tokens: int) -> list[int]:
+    return [_rng.randrange(vocab) for _ in range(max(1, tokens))]
+
+
+def _short(ep: Endpoint) -> Prompt:
+    """A fresh short prompt (~40 tokens) for decode measurements."""
+    return _ids(ep.vocab, 40) if ep.vocab else _text(32)
+
+
+async def _extend(ep: Endpoint, context: Prompt, tokens: int) -> Prompt:
+    """``context`` followed by about ``tokens`` fresh tokens."""
+    if ep.vocab:
+        return context + _ids(ep.vocab, tokens)
+    extra = await _sized_prompt(ep, tokens)
+    return context + " " + extra.split(" ", 1)[1]
+
+
 def _text(words: int, nonce: str | None = None) -> str:
     head = nonce or f"n{_rng.getrandbits(48):x}"
     return head + " " + " ".join(f"w{_rng.randrange(10_000)}" for _ in range(words))
 
 
-async def _sized_prompt(ep: Endpoint, tokens: int) -> str:
-    """A fresh prompt of about ``tokens`` tokens (words-per-token learnt once by a probe)."""
+async def _sized_prompt(ep: Endpoint, tokens: int) -> Prompt:
+    """A fresh prompt of about ``tokens`` tokens (words-per-token learnt once by a probe), or
+    exactly ``tokens`` random token ids with ``--token-ids``."""
+    if ep.vocab:
+        return _ids(ep.vocab, tokens)
     if ep.words_per_token is None:
         probe = _text(400)
         ep.words_per_token = 400 / max(1, await ep.count_tokens(probe))
@@ -162,11 +186,14 @@ async def _sized_prompt(ep: Endpoint, tokens: int) -> str:
 
 
 async def _ttft(ep: Endpoint, prompt: str, repeats: int) -> float:
-    samples = [(await ep.stream(prompt if i == 0 else _reseed(prompt), ep.ttft_tokens))[0] for i in range(repeats)]
+    samples = [(await ep.stream(prompt if i == 0 else _reseed(prompt, ep.vocab), ep.ttft_tokens))[0]
+               for i in range(repeats)]
     return statistics.median(samples)
 
 
-def _reseed(prompt: str) -> str:
+def _reseed(prompt: Prompt, vocab: int = 0) -> Prompt:
+    if isinstance(prompt, list):  # a fresh first block: nothing of it is cached
+        return _ids(vocab, 4) + prompt[4:]
     return f"n{_rng.getrandbits(48):x}" + prompt[prompt.index(" "):]
 
 
@@ -193,6 +220,7 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     try:
         model = await ep.resolve_model()
         ep.ttft_tokens = max(1, getattr(args, "ttft_max_tokens", 1))
+        ep.vocab = max(0, getattr(args, "token_ids", None) or 0)
         log(f"model {model} at {ep.base}")
         quick = args.quick
         repeats = 1 if quick else max(1, args.repeats)
@@ -201,9 +229,9 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         prefill_pts = []
         for n in lengths:
             prompt = await _sized_prompt(ep, n)
-            _, _, tokens = await ep.stream(_reseed(prompt), 1)  # size it (and warm the kernels)
+            _, _, tokens = await ep.stream(_reseed(prompt, ep.vocab), 1)  # size it (and warm the kernels)
             tokens = tokens or n
-            ttft = await _ttft(ep, _reseed(prompt), repeats)
+            ttft = await _ttft(ep, _reseed(prompt, ep.vocab), repeats)
             prefill_pts.append((tokens, ttft))
             log(f"prefill {tokens:>6} tokens: TTFT {ttft * 1e3:8.2f} ms")
         base, per_tok, per_tok2 = _fit([[1.0, n, n * n] for n, _ in prefill_pts], [t for _, t in prefill_pts])
@@ -219,12 +247,13 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             raise CalibrationError("no inter-token gaps measured: does the endpoint stream token by token?")
         d_base, d_seq, per_ctx_tok = _fit_decode(decode_pts, decode_ctx_pts)
         mixed_pts = await _mixed_points(ep, top, repeats, quick, (d_base, d_seq, per_ctx_tok), log)
-        mixed, mixed_seq = _fit_mixed(mixed_pts)
+        mixed, mixed_seq, mixed_tok = _fit_mixed(mixed_pts)
         return {
             "model": model, "url": ep.base,
             "prefill": {"base_ms": base * 1e3, "per_token_ms": per_tok * 1e3, "per_token2_ms": per_tok2 * 1e3,
                         "per_token_ctx_ms": per_ctx * 1e3, "per_hit_token_ms": per_hit * 1e3,
-                        "mixed_ms": mixed * 1e3, "mixed_per_seq_ms": mixed_seq * 1e3},
+                        "mixed_ms": mixed * 1e3, "mixed_per_seq_ms": mixed_seq * 1e3,
+                        "mixed_per_token_ms": mixed_tok * 1e3},
             "decode": {"base_ms": d_base * 1e3, "per_seq_ms": d_seq * 1e3, "per_ctx_token_ms": per_ctx_tok * 1e3},
             "points": {"prefill": prefill_pts, "context": ctx_pts, "decode": [(b, t) for b, t, _ in decode_pts],
                        "decode_context": decode_ctx_pts, "mixed": mixed_pts},
@@ -248,8 +277,7 @@ async def _context_points(ep: Endpoint, top: int, repeats: int, cold_fit: tuple[
         for ext_tokens in (max(8, ctx // 4), 16):
             samples = []
             for _ in range(repeats):
-                extra = await _sized_prompt(ep, ext_tokens)
-                st = await ep.stream_stats(context + " " + extra.split(" ", 1)[1], ep.ttft_tokens)
+                st = await ep.stream_stats(await _extend(ep, context, ext_tokens), ep.ttft_tokens)
                 cached = st.cached_tokens if st.cached_tokens is not None else ctx_tokens // block_size * block_size
                 new = (st.prompt_tokens or ctx_tokens + ext_tokens) - cached
                 samples.append((st.ttft, cached, new))
@@ -278,7 +306,7 @@ async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, qui
     and ``(context tokens, ITL)`` for one stream on long prompts."""
     batch_pts = []
     for b in [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_batch]:
-        prompts = [_text(32) for _ in range(b)]
+        prompts = [_short(ep) for _ in range(b)]
         runs = await asyncio.gather(*(ep.stream_stats(p, steps) for p in prompts))
         itls = [x for x in (r.itl(steps) for r in runs) if x is not None]
         if not itls:
@@ -313,55 +341,65 @@ def _fit_decode(batch_pts: list[tuple[int, float, int]], ctx_pts: list[tuple[int
 
 
 async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decode: tuple[float, float, float],
-                        log: Any) -> list[tuple[int, float, float]]:
-    """``(B, TTFT excess, TTFT)`` of a cached-context prompt sent while ``B`` other streams decode.
+                        log: Any) -> list[tuple[int, int, float, float]]:
+    """``(B, prompt tokens P, TTFT excess, TTFT)`` of a cached-context prompt sent while ``B``
+    other streams decode.
 
     The excess is what the prompt's TTFT gains over the same measurement with nothing running,
     beyond what the step model already charges: waiting half a decode step on average, then the
     decode part of the mixed step (1.5 decode steps in all). In a Python engine it is mostly the
-    server's and the engine's threads contending (streaming chunks while parsing the new request)."""
+    server's and the engine's threads contending (streaming chunks while taking in the new
+    request, whose parsing and hashing grow with its prompt), hence two prompt sizes."""
     d_base, d_seq, d_ctx = decode
-    ctx = min(4096, max(64, top // 2))
-    context = await _sized_prompt(ep, ctx)
-    await ep.stream_stats(context, 1)
+    sizes = [min(4096, max(64, top // 2))] if quick else sorted({min(1024, top // 2), min(8192, top // 2)})
     probes = max(3, repeats) + (0 if quick else 2)
-
-    async def ttft() -> float:
-        samples = []
-        for _ in range(probes):
-            extra = await _sized_prompt(ep, 16)
-            samples.append((await ep.stream_stats(context + " " + extra.split(" ", 1)[1], ep.ttft_tokens)).ttft)
-            await asyncio.sleep(0.003)  # land at different phases of the background's steps
-        return statistics.median(samples)
-
-    quiet = await ttft()
     points = []
-    for b in (1, 2) if quick else (1, 2, 4, 8):
-        steps = 4096  # background streams far outlive the probes; cancelled (aborted) after them
-        background = [asyncio.ensure_future(ep.stream_stats(_text(32), steps)) for _ in range(b)]
-        await asyncio.sleep(0.25)  # past their prefill: decoding
-        try:
-            loaded = await ttft()
-        finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-        kv = b * 300  # the background's KV while probed: ~40 prompt + a few hundred generated tokens each
-        expected = 1.5 * (d_base + d_seq * b + d_ctx * kv)
-        points.append((b, loaded - quiet - expected, loaded))
-        log(f"cached prompt with {b:>2} streams decoding: TTFT {loaded * 1e3:7.2f} ms (alone {quiet * 1e3:.2f} ms, "
-            f"excess {(loaded - quiet - expected) * 1e3:+.2f} ms)")
+    for ctx in sizes:
+        context = await _sized_prompt(ep, ctx)
+        warm = await ep.stream_stats(context, 1)
+        tokens = (warm.prompt_tokens or ctx) + 16
+
+        async def ttft() -> float:
+            samples = []
+            for _ in range(probes):
+                samples.append((await ep.stream_stats(await _extend(ep, context, 16), ep.ttft_tokens)).ttft)
+                await asyncio.sleep(0.003)  # land at different phases of the background's steps
+            return statistics.median(samples)
+
+        quiet = await ttft()
+        for b in (1, 2) if quick else (1, 2, 4, 8):
+            steps = 4096  # background streams far outlive the probes; cancelled (aborted) after them
+            background = [asyncio.ensure_future(ep.stream_stats(_short(ep), steps)) for _ in range(b)]
+            await asyncio.sleep(0.25)  # past their prefill: decoding
+            try:
+                loaded = await ttft()
+            finally:
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
+            kv = b * 300  # the background's KV while probed: ~40 prompt + a few hundred generated tokens each
+            excess = loaded - quiet - 1.5 * (d_base + d_seq * b + d_ctx * kv)
+            points.append((b, tokens, excess, loaded))
+            log(f"{tokens:>6}-token cached prompt, {b:>2} streams decoding: TTFT {loaded * 1e3:7.2f} ms "
+                f"(alone {quiet * 1e3:.2f} ms, excess {excess * 1e3:+.2f} ms)")
     return points
 
 
-def _fit_mixed(points: list[tuple[int, float, float]]) -> tuple[float, float]:
-    """(mixed, mixed_per_seq) in s: the excess as ``mixed + mixed_per_seq * B`` (non-negative)."""
+def _fit_mixed(points: list[tuple[int, int, float, float]]) -> tuple[float, float, float]:
+    """(mixed, mixed_per_seq, mixed_per_token) in s: the excess as
+    ``mixed + mixed_per_seq * B + mixed_per_token * P`` (non-negative)."""
     if not points:
-        return 0.0, 0.0
-    if len({b for b, _, _ in points}) == 1:
-        return max(0.0, statistics.median(e for _, e, _ in points)), 0.0
-    mixed, per_seq = _fit([[1.0, b] for b, _, _ in points], [e for _, e, _ in points])
-    return mixed, per_seq
+        return 0.0, 0.0, 0.0
+    cols = [lambda b, p: 1.0]
+    if len({b for b, _, _, _ in points}) > 1:
+        cols.append(lambda b, p: float(b))
+    if len({p for _, p, _, _ in points}) > 1:
+        cols.append(lambda b, p: float(p))
+    coef = _fit([[f(b, p) for f in cols] for b, p, _, _ in points], [e for _, _, e, _ in points])
+    mixed = coef[0]
+    per_seq = coef[1] if len(cols) > 1 and len({b for b, _, _, _ in points}) > 1 else 0.0
+    per_tok = coef[-1] if len({p for _, p, _, _ in points}) > 1 else 0.0
+    return mixed, per_seq, per_tok
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:

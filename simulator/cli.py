@@ -73,9 +73,12 @@ def add_parser(subparsers: Any) -> None:
                      help="send this session id with every request: behind a session-aware gateway all "
                           "measurements then land on one worker (calibrate through the gateway)")
     cal.add_argument("--session-header", default="x-session-id", help="header carrying --session")
-    cal.add_argument("--ttft-max-tokens", type=int, default=16, metavar="N",
-                     help="max_tokens of the TTFT measurements (default 16: requests that go on decoding after "
-                          "their first token, as real ones do; 1 measures prefill alone)")
+    cal.add_argument("--ttft-max-tokens", type=int, default=1, metavar="N",
+                     help="max_tokens of the TTFT measurements (default 1: prefill alone; more: requests that go "
+                          "on decoding after their first token)")
+    cal.add_argument("--token-ids", type=int, metavar="VOCAB",
+                     help="send prompts as random token ids below VOCAB instead of text (as a replay of token-id "
+                          "traffic does: what parsing id lists costs is then measured too)")
     cal.set_defaults(func=run_calibrate)
 
 

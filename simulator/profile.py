@@ -11,7 +11,8 @@ sequence. Its time is the sum of the parts present in it (all in milliseconds):
 
   (linear compute, quadratic attention within the batch, attention over cached context, and
   ``H``: the prefix-cache hits, in tokens, of the requests the step admits); a step that also
-  decodes adds ``prefill.mixed_ms + prefill.mixed_per_seq_ms * B``;
+  decodes adds ``prefill.mixed_ms + prefill.mixed_per_seq_ms * B + prefill.mixed_per_token_ms * P``
+  (``P``: prompt tokens of the requests it admits);
 - decode part (only when sequences decode), for ``B`` sequences holding ``C`` KV tokens::
 
       decode.base_ms + decode.per_seq_ms * B + decode.per_ctx_token_ms * C
@@ -56,6 +57,7 @@ class PrefillTiming:
     # engine beyond the sum (eager decodes, server and engine threads contending)
     mixed_ms: float = 0.0
     mixed_per_seq_ms: float = 0.0
+    mixed_per_token_ms: float = 0.0  # per prompt token of the requests such a step admits
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,6 +152,8 @@ class WorkerModel:
         self._step_hits = 0  # hit tokens of the requests admitted while planning this step
         self._mixed_s = p.mixed_ms / 1e3  # a step that prefills and decodes: extra cost
         self._mixed_seq_s = p.mixed_per_seq_ms / 1e3
+        self._mixed_tok_s = p.mixed_per_token_ms / 1e3
+        self._step_prompt = 0  # prompt tokens of the requests admitted while planning this step
         self._d = (d.base_ms / 1e3, d.per_seq_ms / 1e3, d.per_ctx_token_ms / 1e3, d.per_ctx_token2_ms / 1e3)
         self._cpu_load_s = profile.cpu.load_ms_per_block / 1e3
         state.kv_capacity_blocks = self.capacity
@@ -469,6 +471,7 @@ class WorkerModel:
                 continue
             self.prefilling.append(req)
             self._step_hits += req.computed  # = its prefix hits (GPU + CPU), just admitted
+            self._step_prompt += req.n
             take = min(req.target - req.computed, budget)
             chunks.append((req, take))
             ctx_work += take * req.computed
@@ -486,7 +489,7 @@ class WorkerModel:
             self._preempt(t)
             preempted = True
         budget = self.profile.max_batched_tokens - len(self.decoding)
-        self._step_hits = 0
+        self._step_hits = self._step_prompt = 0
         chunks: list[tuple[SimRequest, int]] = []
         ctx_work = cpu_blocks = 0
         for r in self.prefilling:
@@ -517,7 +520,7 @@ class WorkerModel:
             dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work + self._hit_s * self._step_hits
             if self.decoding:
                 dur += self.decode_span(1, len(self.decoding), self.ctx_tokens)
-                dur += self._mixed_s + self._mixed_seq_s * len(self.decoding)
+                dur += self._mixed_s + self._mixed_seq_s * len(self.decoding) + self._mixed_tok_s * self._step_prompt
             dur += cpu_blocks * self._cpu_load_s
             self.seg_chunks = chunks
             self.seg_mixed = True
