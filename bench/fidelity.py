@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -634,7 +634,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-threads", type=int, help="torch threads per worker (CPU)")
     ap.add_argument("--calibrate-max-prompt", type=int, help="mesh calibrate --max-prompt")
     ap.add_argument("--calibrate-max-batch", type=int, default=32)
-    ap.add_argument("--calibrate-repeats", type=int, default=3)
+    ap.add_argument("--calibrate-repeats", type=int, default=5, help="mesh calibrate --repeats (median of N per point)")
     ap.add_argument("--calibrate-timeout", type=float, default=300.0)
     ap.add_argument("--probe", action="store_true", help="also measure cached-context TTFT and ITL (worker vs gateway)")
     ap.add_argument("--profile", help="skip calibration and simulate with this profile (file or built-in name)")
@@ -821,7 +821,9 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
     write_requests(out_dir / "requests.jsonl", trace, real, sim_run)
     console.log(f"wrote {args.json_out}; logs, profile and requests.jsonl in {out_dir}; "
                 f"total {timings['total_s']:.1f} s")
-    return 0 if ok else 1
+    if real.errors:
+        return 1
+    return 0 if ok or args.smoke else 1  # on CPU (--smoke) the targets are informational
 
 
 def write_requests(path: Path, trace: Any, real: RealRun, sim: Any) -> None:
