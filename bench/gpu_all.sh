@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 case "${1:-tests}" in
   tests)
-    bash tests/gpu/run.sh -q -x
-    python3 bench/offload.py --json "$OUT/offload.json" 2>&1 | tail -25 ;;
+    bash tests/gpu/run.sh -q
+    python3 bench/offload.py --lens 1024,8192,32768 --budget-s 60 --json "$OUT/offload.json" 2>&1 | tail -25 ;;
   disagg)
     python3 bench/disagg.py --preset llama3-8b --devices cuda:0,cuda:1 --warmup 10 --duration 40 \
       --json "$OUT/disagg.json" 2>&1 | tail -30 ;;
