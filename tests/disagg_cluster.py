@@ -8,6 +8,7 @@ Shared by ``test_disagg.py`` (loopback, fault injection) and ``test_disagg_netns
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import re
 import sys
@@ -77,7 +78,7 @@ class Cluster:
               faults: bool = True) -> Worker:
         """Start a worker (not waiting for it: call ``wait`` after starting several)."""
         port = free_port() if host == "127.0.0.1" else 8000
-        env = {"PYTHONPATH": str(REPO), **({"MESH_KV_TRANSFER_FAULTS": "1"} if faults else {})}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **({"MESH_KV_TRANSFER_FAULTS": "1"} if faults else {})}
         proc = self.group.start((prefix or []) + worker_command(port, role, host, *extra), name=name, port=port, env=env)
         w = Worker(name, Role(role), f"http://{host}:{port}", proc, host)
         self.workers[name] = w

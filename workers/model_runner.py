@@ -103,9 +103,19 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Forward ``batch``; sampled token per seq_id for sequences whose last token was computed."""
+        """Forward ``batch``; sampled token per seq_id for sequences whose last token was computed.
+
+        Triton launches on the *current* CUDA device, which is process-global: with several
+        engines in one process (tests, benches) each step makes its own device current.
+        """
+        if self.device.type != "cuda":
+            return self._run(batch)
+        with torch.cuda.device(self.device):
+            return self._run(batch)
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch) -> dict[int, int]:
         graph_bs = self._graph_size(batch)
         if graph_bs is not None:
             logits, seqs = self._replay(batch, graph_bs)
