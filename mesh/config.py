@@ -114,9 +114,8 @@ class SessionsConfig(_Model):
     body_field: str = "user"
     idle_ttl_s: PositiveFloat = 600.0
     max_sessions: int = Field(1_000_000, ge=1)
-    # A bound target is not honoured once its in-flight load exceeds this multiple of the mean
-    # load of the available targets (read by session-aware policies).
-    load_ceiling: float = Field(2.0, gt=0)
+    # The load ceiling of a bound session is a parameter of the session policy
+    # (``session_sticky``: ``load_factor``, ``load_slack``, ``max_in_flight``), not of the table.
 
     @field_validator("header")
     @classmethod
