@@ -257,7 +257,8 @@ def _compile_combiners(weights: list[float], keys: tuple[str, ...]) -> tuple[Any
     xs = "".join(f"x{i}, " for i in range(k))
     env: dict[str, Any] = {f"w{i}": w for i, w in enumerate(weights)}
     env.update({f"k{i}": key for i, key in enumerate(keys)})
-    total = " + ".join(f"w{i} * x{i}" for i in range(k) if weights[i]) or "0.0"
+    # a weight of 1 multiplies by nothing (1.0 * x == x exactly): one multiply less per row
+    total = " + ".join(f"x{i}" if weights[i] == 1.0 else f"w{i} * x{i}" for i in range(k) if weights[i]) or "0.0"
     row = "".join(f"k{i}: x{i}, " for i in range(k)) + f"k{k}: s"
     row_at = "".join(f"k{i}: c{i}[j], " for i in range(k)) + f"k{k}: tot[j]"
     totals = f"[{total} for {xs}in zip({cs[2:]})]" if k else "[0.0] * n"
