@@ -95,25 +95,30 @@ class Router:
         if state is not None:
             state.live_sessions = count
 
-    def view(self, now: float, exclude: Iterable[str] = ()) -> ClusterView:
+    def view(self, now: float, exclude: Iterable[str] = (), explain: bool = True) -> ClusterView:
         targets = list(self.targets.values())
         if exclude:
             excluded = set(exclude)
             targets = [t for t in targets if t.id not in excluded]
         if self.sessions is not None:
             self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
-        return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions)  # type: ignore[arg-type]
+        return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions, explain=explain)  # type: ignore[arg-type]
 
-    def decide(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> Decision:
-        """The decision alone (``/debug/route``): commits nothing. Raises ``NoCandidate``."""
-        decision = self.policy.decide(request, self.view(now, exclude))
+    def decide(
+        self, request: RequestInfo, now: float, exclude: Iterable[str] = (), explain: bool = True
+    ) -> Decision:
+        """The decision alone (``/debug/route``): commits nothing. Raises ``NoCandidate``.
+
+        ``explain=False`` (the request path) lets policies skip other candidates' explanations.
+        """
+        decision = self.policy.decide(request, self.view(now, exclude, explain))
         if decision.target is None or decision.target not in self.targets:
             raise NoCandidate(decision.reason or "policy chose no target")
         return decision
 
     def route(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> tuple[Decision, Lease]:
         """Decide and commit. The caller must eventually call ``lease.finish(now)``."""
-        decision = self.decide(request, now, exclude)
+        decision = self.decide(request, now, exclude, explain=False)
         return decision, self.commit(request, decision, now)
 
     def commit(self, request: RequestInfo, decision: Decision, now: float) -> Lease:

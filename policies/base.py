@@ -117,6 +117,10 @@ class ClusterView:
     now: float
     index: PrefixIndexView | None = None
     sessions: SessionView | None = None
+    # True for /debug/route and tests: policies list every candidate's terms in the Decision.
+    # False on the request path (Router.route): only the pick's terms are needed, so policies may
+    # skip building per-candidate explanations (the decision itself must not change).
+    explain: bool = True
     _overlaps: Mapping[str, Overlap] | None = None
     _overlaps_for: Sequence[int] | None = None
 

@@ -88,7 +88,7 @@ class KvAware(Policy):
                 del costs[tid]
             found = [t for t in found if t.id in costs]
         pick, how = self._pick(costs)
-        scores, used = self._explain(found, costs, pick, get, bs)
+        scores, used = self._explain(found, costs, pick, get, bs, cluster.explain)
         best = used.get(pick, NO_OVERLAP)
         reason = (
             f"kv_aware: {how} cost {costs[pick]:.1f} blocks; cached {best.gpu_blocks} GPU + "
@@ -97,10 +97,13 @@ class KvAware(Policy):
         return Decision(pick, reason, scores, used)
 
     def _explain(self, found: list[TargetState], costs: dict[str, float], pick: str, get: Any,
-                 bs: int) -> tuple[dict[str, dict[str, float]], dict[str, Overlap]]:
-        """Per-target terms for the ``explain_top`` cheapest targets (and the pick)."""
+                 bs: int, cluster_explain: bool) -> tuple[dict[str, dict[str, float]], dict[str, Overlap]]:
+        """Per-target terms for the ``explain_top`` cheapest targets (and the pick); the pick
+        alone when the caller wants no explanation (the request path)."""
         chosen = found
-        if len(found) > self.explain_top:
+        if not cluster_explain:
+            chosen = [t for t in found if t.id == pick]
+        elif len(found) > self.explain_top:
             keep = set(heapq.nsmallest(self.explain_top, costs, key=costs.__getitem__)) | {pick}
             chosen = [t for t in found if t.id in keep]
         scores: dict[str, dict[str, float]] = {}

@@ -218,7 +218,9 @@ class Profile:
         totals = self._totals(n, *columns)
         pick = self.picker.pick(totals, columns) if n > 1 else 0
         ids = [t.id for t in found]
-        if n <= self.explain_top:
+        if not cluster.explain:  # the request path: the pick's terms only
+            rows = self._rows_at([pick], ids, *columns, totals)
+        elif n <= self.explain_top:
             rows = self._rows(ids, *columns, totals)
         else:
             rows = self._rows_at(_top(totals, pick, self.explain_top), ids, *columns, totals)

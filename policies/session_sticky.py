@@ -89,7 +89,7 @@ class SessionSticky(Policy):
         # New or moving session: the best target under the ceiling (all usable ones if none is).
         under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
-        view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions)
+        view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
         d.reason = f"{why} ({d.reason})"
