@@ -91,13 +91,10 @@ def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int)
         arr.byteswap()
     data = arr.tobytes()
     step = block_size * 4
-    out = []
-    append = out.append
     key = parent
-    for off in range(0, (len(arr) // block_size) * step, step):
-        key = _xxh3(data[off : off + step], key)
-        append(key)
-    return out
+    h = _xxh3
+    # a comprehension chaining through ``key`` (no per-block append call)
+    return [key := h(data[off : off + step], key) for off in range(0, (len(arr) // block_size) * step, step)]
 
 
 class PrefixIndex:
@@ -180,7 +177,38 @@ class PrefixIndex:
         slot = self._slot.get(target)
         if slot is None:
             return
+        if tier is Tier.CPU:
+            for key in reversed(keys):  # leaf first: no cascade below an already-removed node
+                self._remove_key(slot, key, tier)
+            return
+        bit = 1 << slot
+        live = self._live
+        ids, par, kid, free = self._id, self._par, self._kid, self._free
+        g, c, s = self._g, self._c, self._s
+        budget = self.max_keys
         for key in reversed(keys):  # leaf first: no cascade below an already-removed node
+            n = ids.get(key)
+            if n is None:
+                continue
+            if kid[n] == 0 and not s[n] & bit and not ((g[n] & ~bit) | c[n] | s[n]) & live:
+                # the usual case, inlined (as in apply_removed): a leaf only this target held
+                del ids[key]
+                p = par[n]
+                if p > ROOT:
+                    if kid[p] == n:
+                        kid[p] = 0
+                        if not ((g[p] | c[p] | s[p]) & live):
+                            self._maybe_delete(p)  # a placeholder left without children
+                        elif budget:  # the parent became a leaf: it inherits the recency
+                            stamp_a = self._stamp
+                            stamp_a[p] = max(stamp_a[p], stamp_a[n])
+                            heappush(self._lru, (stamp_a[p], p))
+                    else:
+                        self._del_kid(p, n)
+                elif p == EMPTY:
+                    self._orphans.discard(n)
+                free.append(n)
+                continue
             self._remove_key(slot, key, tier)
 
     def clear_target(self, target: str) -> None:
@@ -552,10 +580,8 @@ class PrefixIndex:
         par, kid, stamp_a = self._par, self._kid, self._stamp
         g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
-        i = 0
-        n = len(keys)
-        while i < n:
-            x = get(keys[i])
+        for i, key in enumerate(keys):
+            x = get(key)
             if x is None:
                 rest = keys[i:] if i else keys
                 # the usual case: the rest is new (only a placeholder can lie below a new block)
@@ -563,14 +589,14 @@ class PrefixIndex:
                     self._new_chain(bit, rest, field, gpuish, p, stamp)
                     break
                 self._new_chain(bit, rest[:1], field, gpuish, p, stamp)  # a placeholder lies below
-                x = self._id[keys[i]]
+                x = self._id[key]
             else:  # a block already indexed (for someone): add this holder
                 if par[x] == EMPTY and x != p:
                     self._relink(x, p)
                 if not spec and s[x] & bit:  # the engine confirms a speculation
                     s[x] ^= bit
                     if specs is not None:
-                        specs.pop(keys[i], None)
+                        specs.pop(key, None)
                 field[x] |= bit
                 # _refresh(x, bit), inlined for the one bit that changed
                 pp = par[x]
@@ -582,12 +608,14 @@ class PrefixIndex:
                     ca[x] ^= old_a ^ new_a
                     cg[x] ^= old_g ^ new_g
                     if kid[x]:
-                        self._descend(x, (old_a & ~new_a) | (old_g & ~new_g), ((new_a & ~old_a) | (new_g & ~old_g)))
+                        lost = (old_a & ~new_a) | (old_g & ~new_g)
+                        # gained bits matter only where a child may wait for them (pend)
+                        if lost or (new_a | new_g) & pend[x]:
+                            self._descend(x, lost, (new_a & ~old_a) | (new_g & ~old_g))
                 if (not new_a or ((g[x] | s[x]) & bit and not new_g)) and pp > ROOT:
                     pend[pp] |= bit
                 stamp_a[x] = stamp
             p = x
-            i += 1
         if spec:
             specs.update(dict.fromkeys(keys, spec_deadline))  # type: ignore[union-attr]
         if self.max_keys:
@@ -698,8 +726,11 @@ class PrefixIndex:
     def _descend(self, x: int, lost: int, gained: int) -> None:
         down = self._down(x, lost, gained)
         if down:
+            g, c, s, ca, cg = self._g, self._c, self._s, self._ca, self._cg
             for child in self._children(x):
-                self._refresh(child, down)
+                # a child that neither holds nor has consecutive any bit of ``down`` is unchanged
+                if (g[child] | c[child] | s[child] | ca[child] | cg[child]) & down:
+                    self._refresh(child, down)
 
     def _relink(self, n: int, parent: int) -> None:
         """Give a placeholder (parent unknown) its parent, then fix every holder's masks."""
@@ -727,7 +758,21 @@ class PrefixIndex:
         if tier is not Tier.GPU:  # CPU or every tier
             self._c[n] &= ~bit
         if self._kid[n]:
-            self._refresh(n, bit)
+            # _refresh(n, bit), inlined for the one bit that changed
+            ca, cg = self._ca, self._cg
+            gs = (self._g[n] | self._s[n]) & bit
+            mine = gs | (self._c[n] & bit)
+            pp = self._par[n]
+            new_a = ca[pp] & bit if mine else 0
+            new_g = cg[pp] & bit if gs else 0
+            if mine and pp > ROOT and (not new_a or (gs and not new_g)):
+                self._pend[pp] |= bit
+            old_a = ca[n] & bit
+            old_g = cg[n] & bit
+            if new_a != old_a or new_g != old_g:
+                ca[n] ^= old_a ^ new_a
+                cg[n] ^= old_g ^ new_g
+                self._descend(n, (old_a & ~new_a) | (old_g & ~new_g), (new_a & ~old_a) | (new_g & ~old_g))
             return n
         held = self._g[n] | self._c[n] | self._s[n]
         if not (held & self._live):  # the usual case: a leaf nobody holds any more
