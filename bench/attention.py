@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 from workers.attention.triton_backend import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
@@ -369,11 +370,6 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def print_tables(rows: list[Row], ceil: dict[str, float]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
     headers = ["kind", "case", "config", "triton ms", "sdpa ms", "GB/s", "TFLOP/s",
                "% ceiling", "x sdpa", "err", "splits/note"]
     title = (f"attention on {torch.cuda.get_device_name()}: copy ceiling {ceil['copy_gbs']:.0f} GB/s,"
@@ -387,18 +383,7 @@ def print_tables(rows: list[Row], ceil: dict[str, float]) -> None:
             fmt(r.speedup_vs_sdpa, ".2f"), fmt(r.rel_err_vs_sdpa, ".1e"),
             (f"splits {r.splits} " if r.splits else "") + (r.error or "")[:60],
         ])
-    if Console is not None:
-        table = Table(title=title)
-        for h in headers:
-            table.add_column(h, justify="right" if h not in ("kind", "case", "config") else "left")
-        for b in body:
-            table.add_row(*b)
-        Console(width=170).print(table)
-    else:
-        print(title)
-        print(" | ".join(headers))
-        for b in body:
-            print(" | ".join(b))
+    print_table(title, headers, body, width=170, left=("kind", "case", "config"))
 
 
 def progress_iter(items: list[Any], label: str):  # type: ignore[no-untyped-def]

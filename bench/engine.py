@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.sequence import SamplingParams  # noqa: E402
@@ -258,11 +259,6 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
 
 
 def print_tables(result: dict[str, Any]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = Table = None  # noqa: N806
     ceil = result["ceilings"]
     for name, res in result["presets"].items():
         dec = [[str(r["batch"]), f"{r['step_ms']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mean_context']:.0f}",
@@ -279,18 +275,7 @@ def print_tables(result: dict[str, Any]) -> None:
              ["prompt", "ms", "tok/s", "TFLOP/s", "% matmul peak"], pre),
         ]
         for title, headers, rows in tables:
-            if Console is not None:
-                t = Table(title=title)
-                for h in headers:
-                    t.add_column(h, justify="right")
-                for r in rows:
-                    t.add_row(*r)
-                Console(width=150).print(t)
-            else:
-                print(title)
-                print(" | ".join(headers))
-                for r in rows:
-                    print(" | ".join(r))
+            print_table(title, headers, rows)
     for line in result["targets"]:
         print(line)
 

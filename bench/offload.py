@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.model import DTYPES, build_model  # noqa: E402
@@ -205,29 +206,13 @@ def bench_tax(model: torch.nn.Module, cfg: ModelConfig, args: argparse.Namespace
 
 
 def print_tables(result: dict[str, Any]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # type: ignore[assignment,misc]  # noqa: N806
     headers = ["tokens", "recompute ms", "restore ms", "recompute/restore", "GPU hit ms", "save ms", "restore GB/s",
                "same token"]
     rows = [[f"{r['tokens']}", f"{r['recompute_s'] * 1e3:.1f}", f"{r['restore_s'] * 1e3:.1f}", f"{r['speedup']:.2f}x",
              f"{r['gpu_hit_s'] * 1e3:.1f}", f"{r['save_s'] * 1e3:.1f}", f"{r['restore_gb_s']:.2f}", str(r["same_token"])]
             for r in result["restore"]]
     title = f"CPU offload on {result['device']} ({result['preset']}, {result['dtype']}, block {result['block_size']})"
-    if Console is not None:
-        t = Table(title=title)
-        for h in headers:
-            t.add_column(h, justify="right")
-        for r in rows:
-            t.add_row(*r)
-        Console(width=150).print(t)
-    else:
-        print(title)
-        print(" | ".join(headers))
-        for r in rows:
-            print(" | ".join(r))
+    print_table(title, headers, rows)
     tax = result["zero_reuse_tax"]
     print(f"zero-reuse tax: {100 * tax['tax']:+.1f}% wall time ({tax['off_tok_s']:,.0f} -> {tax['on_tok_s']:,.0f} tok/s, "
           f"{tax['blocks_saved']:.0f} blocks saved, nothing restored); the copies themselves "
