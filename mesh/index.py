@@ -65,7 +65,6 @@ from mesh.keys import block_keys
 from policies.base import Overlap, Tier
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_FAST_ARRAY = array("I").itemsize == 4
 
 # Node ids (nids) index parallel arrays, so that the index holds no per-node Python container:
 # the garbage collector never walks millions of nodes (a full collection over 1M list nodes took
@@ -77,24 +76,8 @@ _SPEC = "spec"  # the tier of speculative stores (internal)
 
 
 def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int) -> list[int]:
-    """``mesh.keys.block_keys(tokens, block_size, seed, parent=parent)`` for full blocks,
-    faster on Python lists (the KV event path). Raises ValueError on a bad token id."""
-    if isinstance(tokens, np.ndarray) or not _FAST_ARRAY:
-        return block_keys(tokens, block_size, parent)
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    try:
-        arr = array("I", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
-    if sys.byteorder == "big":
-        arr.byteswap()
-    data = arr.tobytes()
-    step = block_size * 4
-    key = parent
-    h = _xxh3
-    # a comprehension chaining through ``key`` (no per-block append call)
-    return [key := h(data[off : off + step], key) for off in range(0, (len(arr) // block_size) * step, step)]
+    """Keys of the full blocks of ``tokens`` chained from ``parent`` (``mesh.keys.block_keys``)."""
+    return block_keys(tokens, block_size, parent)
 
 
 class PrefixIndex:

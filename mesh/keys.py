@@ -10,6 +10,8 @@ block hashes equal the router's keys (a convenience: the router never depends on
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +19,7 @@ import xxhash
 
 _xxh3 = xxhash.xxh3_64_intdigest
 MAX_TOKEN_ID = 2**32 - 1
+_ARRAY_IS_U32 = array("I").itemsize == 4
 
 
 def namespace_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
@@ -40,20 +43,28 @@ def block_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
-        raise ValueError("token ids must lie in [0, 2**32)")
-    n_blocks = arr.size // block_size
-    if start_block >= n_blocks:
-        return []
-    data = memoryview(arr[start_block * block_size : n_blocks * block_size].astype("<u4").tobytes())
+    data = token_bytes(tokens)
     step = block_size * 4
     key = seed if parent is None else parent
-    keys = [0] * (n_blocks - start_block)
-    for i in range(len(keys)):
-        key = _xxh3(data[i * step : (i + 1) * step], key)
-        keys[i] = key
-    return keys
+    h = _xxh3
+    # a comprehension chaining through ``key``: no per-block append or index store
+    return [key := h(data[off : off + step], key) for off in range(start_block * step, len(data) // step * step, step)]
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes (the hashed form). ValueError outside [0, 2**32)."""
+    if isinstance(tokens, np.ndarray) or not _ARRAY_IS_U32:
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+            raise ValueError("token ids must lie in [0, 2**32)")
+        return arr.astype("<u4", copy=False).tobytes()
+    try:
+        packed = array("I", tokens)  # from a list, array() is several times faster than numpy
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class KeyChain:
