@@ -15,15 +15,23 @@ def add_parser(subparsers: Any) -> None:
     v.set_defaults(func=validate)
 
 
-def validate(args: argparse.Namespace) -> int:
+def load_or_report(path: str | None) -> Any:
+    """The config at ``path`` (embedded defaults for None), or None after printing every error
+    with its YAML path to stderr (shared by ``mesh config validate`` and ``mesh serve``)."""
     from mesh.config import ConfigError, load_config
 
     try:
-        config = load_config(args.file)
+        return load_config(path)
     except ConfigError as exc:
-        print(f"{args.file}: {len(exc.errors)} error(s)", file=sys.stderr)
+        print(f"{path}: {len(exc.errors)} error(s)", file=sys.stderr)
         for line in exc.errors:
             print(f"  {line}", file=sys.stderr)
+        return None
+
+
+def validate(args: argparse.Namespace) -> int:
+    config = load_or_report(args.file)
+    if config is None:
         return 1
     policy = config.policy if isinstance(config.policy, str) else "custom"
     print(f"OK: {args.file} ({len(config.workers)} workers, policy {policy})")

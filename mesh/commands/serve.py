@@ -25,14 +25,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mesh.app import create_app
-    from mesh.config import ConfigError, load_config
+    from mesh.commands.config import load_or_report
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"error: invalid config {exc.source or ''}", file=sys.stderr)
-        for line in exc.errors:
-            print(f"  {line}", file=sys.stderr)
+    config = load_or_report(args.config)
+    if config is None:
         return 2
     config = with_server(config, host=args.host, port=args.port)
     app = create_app(config, config_path=args.config, handle_sighup=True)
