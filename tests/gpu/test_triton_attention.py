@@ -191,6 +191,27 @@ def test_decode_random_shapes(seed: int) -> None:
           f"kv{kvh} d{d} ctx{ctx[:4]} splits {splits}")
 
 
+@pytest.mark.parametrize("splits", [None, 7, 128])
+def test_decode_padded_tables_short_contexts(splits: int | None) -> None:
+    """The CUDA-graph shape: block tables padded far past the real contexts (the split count is
+    sized for the padding), so most splits see no tile of their sequence and must weigh 0."""
+    gen = torch.Generator().manual_seed(13 + (splits or 0))
+    rng = random.Random(13)
+    ctx = [rng.randint(1, 1200) for _ in range(64)]
+    case = make_case(gen, ctx, [1] * 64, 16, 2, 64, torch.bfloat16)
+    pad = torch.full((64, 2052), -1, dtype=torch.int32, device=DEV)
+    pad[:, : case.block_tables.shape[1]] = case.block_tables
+    case = Case(case.k_cache, case.v_cache, pad, case.context_lens, case.q_lens)
+    q = torch.randn(64, 14, 64, generator=gen).to(torch.bfloat16).to(DEV)
+    backend = TritonBackend()
+    n = backend.decode_splits(64, 2, 2052 * 16, q.device, splits)[0]
+    assert n > 1  # the split path is the one under test
+    poison_allocator((tuple(q.shape), q.dtype), ((64, 14, n, 64), torch.float32))
+    out = backend.decode_with(q, case.k_cache, case.v_cache, case.block_tables,
+                              case.context_lens, 0.125, splits)
+    check(out, reference(q, case, 0.125), BF16_TOL, f"padded tables, {n} splits")
+
+
 PREFILL_FIXED = [
     # (block_size, num_heads, num_kv_heads, head_dim, [(ctx, q_len), ...])
     (16, 32, 8, 128, [(32768, 32768)]),  # a whole 32k prompt

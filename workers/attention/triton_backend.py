@@ -5,9 +5,12 @@ gathered into a contiguous copy):
 
 * ``_store_kv_kernel``: one program per new token copies its K and V rows into its slot.
 * ``_decode_kernel`` + ``_decode_reduce_kernel``: flash-decoding. The context of each sequence is
-  cut into ``num_splits`` ranges so that batch 1 with a long context still fills every SM; one
-  program handles (sequence, KV head, split) and packs the ``group`` query heads that share the
-  KV head into the M dimension of ``tl.dot``, so each K/V byte is read once per KV head. Partial
+  shared among ``num_splits`` programs so that batch 1 with a long context still fills every SM;
+  one program handles (sequence, KV head, split) and packs the ``group`` query heads that share
+  the KV head into the M dimension of ``tl.dot``, so each K/V byte is read once per KV head.
+  Splits take interleaved ``BLOCK_N`` tiles of the sequence's real context (split s: tiles s,
+  s + num_splits, ...), so the work is even across splits although the split count comes from
+  shapes only (under a CUDA graph: the padded block-table width, not the real contexts). Partial
   results (normalised output + log-sum-exp) are merged by the reduce kernel.
 * ``_prefill_kernel``: flash-attention over tiles of ``BLOCK_M`` new tokens of one sequence and one
   query head. New token j of sequence i sits at absolute position ``ctx_i - q_len_i + j``; key
@@ -120,7 +123,7 @@ def _decode_kernel(
     qk_scale,  # scale * log2(e)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_cb, stride_ct, stride_ch,  # cache strides: block, token, kv head (head_dim is 1)
-    num_splits, split_tokens,  # split_tokens is a multiple of BLOCK_N
+    num_splits,
     GROUP,  # query heads per KV head (runtime: fewer compiled variants)
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
@@ -129,8 +132,10 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    start = split * split_tokens
-    end = tl.minimum(start + split_tokens, ctx)
+    # Split s takes the tiles s, s + num_splits, s + 2 num_splits, ... of the REAL context: the
+    # work spreads over every split whatever the grid was sized for (a CUDA graph sizes it for
+    # the padded block table), and a split past the context's last tile exits at once.
+    tile_step = num_splits * BLOCK_N
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
@@ -144,9 +149,9 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(split * BLOCK_N, ctx, tile_step):
         pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
+        valid = pos < ctx
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -342,7 +347,7 @@ class TritonBackend(AttentionBackend):
             return out
         cfg = self.decode_config
         # Upper bound on any context, from shapes alone (no sync; graph-capturable).
-        num_splits, split_tokens = self.decode_splits(
+        num_splits, _ = self.decode_splits(
             num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device, num_splits
         )
         split = num_splits > 1
@@ -358,7 +363,7 @@ class TritonBackend(AttentionBackend):
             scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            num_splits, split_tokens, group,
+            num_splits, group,
             BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, SPLIT=split,
             IEEE=q.dtype == torch.float32,
@@ -379,7 +384,8 @@ class TritonBackend(AttentionBackend):
         device: torch.device,
         num_splits: int | None = None,
     ) -> tuple[int, int]:
-        """(splits, tokens per split) of decode for contexts of at most ``max_context`` tokens.
+        """(splits, tokens per split at ``max_context``) of decode for contexts of at most
+        ``max_context`` tokens. The kernel interleaves the splits' tiles over the real context.
 
         ``num_splits=None`` picks enough splits that (sequences x KV heads x splits) fills the
         SMs (``ctas_per_sm``) without splits thinner than ``min_split_tokens``."""
