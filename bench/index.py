@@ -313,7 +313,7 @@ def decision_latency(index: PrefixIndex, tree: Any, stream: Stream, tokens_n: in
         keys = chain_keys(tokens, BS, SEED)
         tk = clock()
         req = RequestInfo(model="bench-model", block_keys=keys, block_size=BS, prompt_tokens=len(tokens))
-        view = ClusterView(targets=targets, now=0.0, index=index)
+        view = ClusterView(targets=targets, now=0.0, index=index, explain=False)  # the request path
         view.overlaps(req)
         tm = clock()
         d = policy.decide(req, view)

@@ -60,6 +60,8 @@ class KvAware(Policy):
         self._rng = random.Random(seed)
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        if not cluster.explain and self.temperature <= 0:
+            return self._decide_lean(request, cluster)
         get = (cluster.overlaps(request) if request.block_keys else {}).get
         bs = max(request.block_size, 1)
         prompt = request.prompt_tokens / bs
@@ -92,6 +94,60 @@ class KvAware(Policy):
         best = used.get(pick, NO_OVERLAP)
         reason = (
             f"kv_aware: {how} cost {costs[pick]:.1f} blocks; cached {best.gpu_blocks} GPU + "
+            f"{best.cpu_blocks} CPU of {len(request.block_keys)} blocks"
+        )
+        return Decision(pick, reason, scores, used)
+
+    def _decide_lean(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        """The request path (no explanation, argmin): the decision of ``decide``'s general path,
+        RNG draws included, in one pass that keeps only the running minimum and its ties (no
+        per-target dict, list or property call; 1,024 targets in ~0.2 ms).
+
+        Ties: the general path picks among costs <= ``lo + _TIE * max(1, |lo|)`` of the final
+        minimum ``lo``, in target order. Costs are >= 0, so that cut only falls as ``lo`` falls:
+        an entry dropped (or never kept) for an earlier cut is above the final one too."""
+        get = (cluster.overlaps(request) if request.block_keys else {}).get
+        bs = max(request.block_size, 1)
+        prompt = request.prompt_tokens / bs
+        scale, cpu_weight, model = self.prefill_load_scale, self.cpu_weight, request.model
+        inf = math.inf
+        lo, cut, ties = inf, inf, []  # targets with room (below their admission ceiling)
+        flo, fcut, fties = inf, inf, []  # targets at their ceiling: used only when none has room
+        for t in cluster.targets:
+            if not t.healthy or t.draining or t.circuit_open:
+                continue
+            models = t.models
+            if models and model not in models:
+                continue
+            tbs = t.block_size or bs
+            new = t.prefill_tokens / tbs + prompt
+            ov = get(t.id)
+            if ov is not None and t.index_healthy:
+                new -= ov.gpu_blocks + cpu_weight * ov.cpu_blocks
+            cost = (scale * new if new > 0 else 0.0) + t.decode_tokens / tbs
+            cap = t.max_in_flight
+            if cap and t.in_flight >= cap:
+                if cost <= fcut:
+                    if cost < flo:
+                        flo, fcut = cost, cost + _TIE * max(1.0, abs(cost))
+                        fties = [e for e in fties if e[1] <= fcut]
+                    fties.append((t, cost))
+                continue
+            if cost <= cut:
+                if cost < lo:
+                    lo, cut = cost, cost + _TIE * max(1.0, abs(cost))
+                    ties = [e for e in ties if e[1] <= cut]
+                ties.append((t, cost))
+        if not ties:
+            ties = fties
+        if not ties:
+            raise NoCandidate(f"no healthy worker serves model {model!r}")
+        best_t, cost = self._rng.choice(ties)  # always drawn, as the general path does
+        pick = best_t.id
+        scores, used = self._explain([best_t], {pick: cost}, pick, get, bs, False)
+        best = used.get(pick, NO_OVERLAP)
+        reason = (
+            f"kv_aware: lowest cost {cost:.1f} blocks; cached {best.gpu_blocks} GPU + "
             f"{best.cpu_blocks} CPU of {len(request.block_keys)} blocks"
         )
         return Decision(pick, reason, scores, used)
