@@ -48,6 +48,20 @@ class StepInputs:
     sample_seqs: list[Sequence]  # one per logits row
 
 
+@dataclass
+class DecodeLaunch:
+    """A graph decode step whose forward and sampling are enqueued on the device."""
+
+    seqs: list[Sequence]  # one per row of ``tokens``
+    tokens: torch.Tensor  # [n] int64 on the device: the sampled tokens (the next launch reads them)
+    host: torch.Tensor  # [n] int64, pinned: receives ``tokens``
+    event: torch.cuda.Event  # recorded after the copy into ``host``
+
+    def rows(self) -> dict[int, int]:
+        """seq_id -> row of ``tokens``."""
+        return {s.seq_id: i for i, s in enumerate(self.seqs)}
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.model_config = model_config
@@ -72,6 +86,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(self.device, config.seed)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._g_sizes: list[int] = []
         self.num_graph_replays = 0
         if self._use_graphs():
             self._capture_graphs()
@@ -116,9 +131,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> dict[int, int]:
-        graph_bs = self._graph_size(batch)
-        if graph_bs is not None:
-            logits, seqs = self._replay(batch, graph_bs)
+        if self._graph_size(batch) is not None:
+            launch = self._launch(batch.decodes, None)
+            return {s.seq_id: t for s, t in zip(launch.seqs, self.collect(launch), strict=True)}
         else:
             inputs = self.prepare(batch)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
@@ -169,6 +184,16 @@ class ModelRunner:
         )
 
     # ---- CUDA graphs for decode -------------------------------------------------------------
+    #
+    # Static device inputs of every graph (views of three buffers, so one step needs two
+    # host-to-device copies and one row scatter):
+    #   _g_in  [5, top] int64: input ids, positions, slots, the row of each sequence in the previous
+    #          launch's sampled tokens (async decode), the table rows that changed this step;
+    #   _g_i32 [top + top * max_blocks] int32: context lengths, then the changed table rows;
+    #   _g_tables [top, max_blocks] int32: persistent; row i is rewritten only when the sequence in
+    #          row i or its block table changed (``_g_rows`` mirrors what the device holds).
+    # Host staging is pinned and double-buffered: launch j fills set j % 2 after waiting for launch
+    # j - 2's event, so a launch may be enqueued while the previous one still runs.
 
     def _use_graphs(self) -> bool:
         return self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
@@ -178,11 +203,16 @@ class ModelRunner:
         sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
         return sizes if sizes[-1] == top else sizes + [top]
 
-    def _graph_size(self, batch: ScheduledBatch) -> int | None:
-        if not self.graphs or batch.prefills or not batch.decodes:
+    def graph_size_for(self, n: int) -> int | None:
+        """The captured batch size that serves ``n`` decodes (None: no graph does)."""
+        if not self.graphs or n <= 0:
             return None
-        n = len(batch.decodes)
-        return next((b for b in sorted(self.graphs) if b >= n), None)
+        return next((b for b in self._g_sizes if b >= n), None)
+
+    def _graph_size(self, batch: ScheduledBatch) -> int | None:
+        if batch.prefills or not batch.decodes:
+            return None
+        return self.graph_size_for(len(batch.decodes))
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
@@ -190,19 +220,23 @@ class ModelRunner:
         top = sizes[-1]
         max_blocks = -(-self._max_model_len() // self.block_size)
         dev = self.device
-        self._g_ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self._g_pos = torch.zeros(top, dtype=torch.int64, device=dev)
-        self._g_slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        self._g_top, self._g_max_blocks = top, max_blocks
+        self._g_sizes = sorted(sizes)
+        self._g_in = torch.zeros(5, top, dtype=torch.int64, device=dev)
+        self._g_in[2].fill_(-1)  # padding rows store nothing
+        self._g_i32 = torch.ones(top + top * max_blocks, dtype=torch.int32, device=dev)
+        self._g_ids, self._g_pos, self._g_slots = self._g_in[0], self._g_in[1], self._g_in[2]
+        self._g_ctx = self._g_i32[:top]
         self._g_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
-        self._g_ctx = torch.ones(top, dtype=torch.int32, device=dev)
+        self._g_rows: list[list[int] | None] = [None] * top  # the block table each device row holds
         self._g_logits: dict[int, torch.Tensor] = {}
-        # Pinned host staging for the static inputs (ids, positions, slots; context lens; tables).
-        self._g_stage_t = torch.zeros(3, top, dtype=torch.int64, pin_memory=True)
-        self._g_stage_ctx_t = torch.ones(top, dtype=torch.int32, pin_memory=True)
-        self._g_stage_ctx = self._g_stage_ctx_t.numpy()
-        self._g_stage_tables_t = torch.zeros(top, max_blocks, dtype=torch.int32, pin_memory=True)
-        self._g_stage = self._g_stage_t.numpy()
-        self._g_stage_tables = self._g_stage_tables_t.numpy()
+        self._g_st64 = [torch.zeros(5, top, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._g_st32 = [torch.ones(top + top * max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._g_tok = [torch.zeros(top, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._g_st64_np = [t.numpy() for t in self._g_st64]
+        self._g_st32_np = [t.numpy() for t in self._g_st32]
+        self._g_done: list[torch.cuda.Event | None] = [None, None]
+        self._g_flip = 0
         pool = None
         try:
             for b in reversed(sizes):  # largest first: smaller graphs reuse its pool
@@ -223,35 +257,84 @@ class ModelRunner:
             self.graphs.clear()
             self._g_logits.clear()
 
-    def _replay(self, batch: ScheduledBatch, b: int) -> tuple[torch.Tensor, list[Sequence]]:
-        seqs = batch.decodes
+    def launch_decode(self, seqs: list[Sequence], prev: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Enqueue one graph decode step of ``seqs`` and its sampling; no host sync.
+
+        Without ``prev``, each sequence computes its last token (position ``len - 1``). With
+        ``prev`` (async decode), each computes the token ``prev`` sampled for it, which is still
+        on the device and not yet in ``token_ids`` (position ``len``); its block table must
+        already hold that position. ``collect`` returns the sampled tokens."""
+        with torch.cuda.device(self.device), torch.inference_mode():
+            return self._launch(seqs, prev)
+
+    @staticmethod
+    def collect(launch: DecodeLaunch) -> list[int]:
+        """The tokens ``launch`` sampled, one per sequence (waits for that step only)."""
+        launch.event.synchronize()
+        return launch.host.tolist()
+
+    def _launch(self, seqs: list[Sequence], prev: DecodeLaunch | None) -> DecodeLaunch:
         n, bs = len(seqs), self.block_size
-        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        w = max(len(s.block_table) for s in seqs)
-        tables = self._g_stage_tables
-        for i, s in enumerate(seqs):  # rows past a table's end are never read (context bound)
-            tables[i, : len(s.block_table)] = s.block_table
-        # Fill the pinned staging rows, then one async copy per static input. The previous step's
-        # copies are complete: its sampled tokens were read back (a sync) before this step began.
-        st = self._g_stage
-        st[0, :n] = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=n)
+        b = self.graph_size_for(n)
+        if b is None:
+            raise ValueError(f"no decode graph serves {n} sequences")
+        k = self._g_flip
+        self._g_flip ^= 1
+        done = self._g_done[k]
+        if done is not None:
+            done.synchronize()  # launch j - 2 has consumed this staging set (long since, normally)
+        st, st32 = self._g_st64_np[k], self._g_st32_np[k]
+        top, width = self._g_top, self._g_max_blocks
+        rows_held, changed = self._g_rows, []
+        shift = 0 if prev is not None else 1
+        ids, pos, slots = [], [], []
+        for i, s in enumerate(seqs):  # runs per sequence per step: plain Python, no numpy per row
+            table = s.block_table
+            p = len(s.token_ids) - shift
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if shift:
+                ids.append(s.token_ids[-1])
+            if rows_held[i] != table:
+                rows_held[i] = list(table)
+                changed.append(i)
         st[1, :n] = pos
-        st[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        ctx = self._g_stage_ctx
-        ctx[:n] = pos + 1
-        ctx[n:b] = 1
+        st[2, :n] = slots
         st[0:2, n:b] = 0
         st[2, n:b] = -1  # padding rows store nothing
-        tables[n:b, :w] = 0
-        stage = self._g_stage_t
-        self._g_ids[:b].copy_(stage[0, :b], non_blocking=True)
-        self._g_pos[:b].copy_(stage[1, :b], non_blocking=True)
-        self._g_slots[:b].copy_(stage[2, :b], non_blocking=True)
-        self._g_ctx[:b].copy_(self._g_stage_ctx_t[:b], non_blocking=True)
-        self._g_tables[:b, :w].copy_(self._g_stage_tables_t[:b, :w], non_blocking=True)
+        if prev is None:
+            st[0, :n] = ids
+        else:
+            rows = prev.rows()
+            st[3, :n] = [rows[s.seq_id] for s in seqs]
+            st[3, n:b] = 0
+        st32[:n] = st[1, :n] + 1
+        st32[n:b] = 1
+        m = len(changed)
+        if m:
+            st[4, :m] = changed
+            staged = st32[top : top + m * width].reshape(m, width)
+            for j, i in enumerate(changed):
+                table = seqs[i].block_table
+                staged[j, : len(table)] = table
+        # Padding rows keep whatever (valid) block ids their table rows hold: context 1 reads
+        # only position 0 of row i, and slot -1 writes nothing.
+        self._g_in.copy_(self._g_st64[k], non_blocking=True)
+        self._g_i32[: top + m * width].copy_(self._g_st32[k][: top + m * width], non_blocking=True)
+        if m:
+            self._g_tables.index_copy_(0, self._g_in[4, :m],
+                                       self._g_i32[top : top + m * width].view(m, width))
+        if prev is not None:
+            torch.index_select(prev.tokens, 0, self._g_in[3, :b], out=self._g_in[0, :b])
         self.graphs[b].replay()
         self.num_graph_replays += 1
-        return self._g_logits[b][:n], seqs
+        tokens = self.sampler(self._g_logits[b][:n], seqs)
+        host = self._g_tok[k][:n]
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._g_done[k] = event
+        return DecodeLaunch(seqs, tokens, host, event)
 
     def _max_model_len(self) -> int:
         return self.config.max_model_len or self.model_config.max_position_embeddings

@@ -104,6 +104,36 @@ class Scheduler:
             budget -= n
         return budget, self.stats.preemptions > preemptions_before
 
+    def schedule_ahead(self, seqs: list[Sequence], max_model_len: int) -> list[Sequence] | None:
+        """Async decode: the decodes of the step after the one in flight, which computes the last
+        token of each of ``seqs`` (its sampled token is not known yet). Each sequence that will
+        surely run again (not finished, not at its length limit, which the token cannot change)
+        gets the slot of the position after its last; a sequence that the in-flight token
+        finishes (EOS, stop token) is computed in vain and dropped when that token arrives.
+
+        None when the step must be scheduled normally instead: requests wait (admission is the
+        normal path's), the budget is smaller than the batch, or the free blocks do not cover
+        the new slots (the normal path preempts)."""
+        if self.waiting:
+            return None
+        ahead = []
+        for s in seqs:
+            n = len(s.token_ids) + 1  # after the in-flight token
+            if s.status is not SequenceStatus.RUNNING or n - s.num_prompt_tokens >= s.params.max_tokens or n >= max_model_len:
+                continue
+            ahead.append(s)
+        if not ahead or len(ahead) > self.config.max_num_batched_tokens:
+            return None
+        bm, bs = self.block_manager, self.block_manager.block_size
+        need = sum(1 for s in ahead if len(s.token_ids) + 1 > len(s.block_table) * bs)
+        if need > bm.num_free_blocks:
+            return None
+        for s in ahead:
+            n = len(s.token_ids) + 1
+            if n > len(s.block_table) * bs:
+                bm.append_slots(s, n)
+        return ahead
+
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Blocks for ``num_tokens`` of ``seq``, preempting the newest unscheduled sequences
         (possibly ``seq`` itself, then False) until they fit."""
