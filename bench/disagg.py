@@ -6,7 +6,10 @@ Two configurations, each measured in the same run on the same devices:
   requests in flight (long prefills interleave with decode steps in the same batches);
 - ``disagg``: a prefill worker on the first device and a decode worker on the last one (the same
   device when only one is given: two processes share it); every request goes through the gateway
-  relay (``mesh.disagg.relay_disaggregated``): prefill there, KV pulled, decode here.
+  relay (``mesh.disagg.relay_disaggregated``): prefill there, KV moved, decode here. On one host
+  with CUDA the KV moves GPU to GPU over CUDA IPC (``workers.kv_ipc``);
+- ``disagg-tcp``: the same with ``--kv-transfer-ipc off``: the KV is pulled over TCP, as between
+  hosts.
 
 Load: ``--decoders`` closed-loop streams (short prompt, ``--decode-tokens`` greedy tokens each,
 one after another) whose token gaps are the ITL samples, plus long prompts (``--long-prompt``
@@ -67,16 +70,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_worker(args: argparse.Namespace, role: str, device: str, log_dir: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(args: argparse.Namespace, role: str, device: str, log_dir: Path, name: str,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "workers.cli", "--preset", args.preset, "--host", "127.0.0.1", "--port", str(port),
            "--device", device, "--role", role, "--num-kv-blocks", str(args.kv_blocks),
            "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning"]
     if device == "cpu":
         cmd += ["--cpu-threads", "1"]
+    cmd += list(extra)
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child owns it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -117,7 +122,7 @@ class Target:
         self.mode, self.urls, self.model, self.client = mode, urls, model, client
         self.in_flight = {u: 0 for u in urls.values()}
         self.queue = DecodeQueue(256)
-        if mode == "disagg":
+        if mode != "mixed":
             targets = {n: TargetState(id=n, worker=n, url=u, role=Role(n.rstrip("0123456789")), models=frozenset({model}),
                                       block_size=BS) for n, u in urls.items()}
             spec = {"name": "pipeline", "params": {"profiles": {"prefill": {"scorers": ["prefill_load"]},
@@ -222,14 +227,23 @@ def summarize(s: Samples) -> dict[str, float]:
     }
 
 
+def transfer_counters(url: str) -> dict[str, float]:
+    """The decode worker's KV transfer counters (how many blocks came over IPC vs the network)."""
+    with urllib.request.urlopen(f"{url}/kv_transfer/status", timeout=30) as r:
+        d = json.load(r)
+    return {k: d[k] for k in ("decode_blocks_pulled", "decode_blocks_copied_ipc", "decode_bytes_pulled",
+                              "decode_blocks_local", "leaked_blocks") if k in d}
+
+
 def measure(mode: str, args: argparse.Namespace, devices: list[str], log_dir: Path) -> dict[str, float]:
     from workers.config import get_preset
 
     if mode == "mixed":
-        roles = [("mixed", d, f"mixed{i}") for i, d in enumerate(devices)]
+        roles = [("mixed", d, f"mixed{i}", ()) for i, d in enumerate(devices)]
     else:
-        roles = [("prefill", devices[0], "prefill0"), ("decode", devices[-1], "decode0")]
-    started = [start_worker(args, role, dev, log_dir, name) for role, dev, name in roles]
+        ipc = ("--kv-transfer-ipc", "off" if mode == "disagg-tcp" else "auto")
+        roles = [("prefill", devices[0], "prefill0", ()), ("decode", devices[-1], "decode0", ipc)]
+    started = [start_worker(args, role, dev, log_dir, name, extra) for role, dev, name, extra in roles]
     procs, urls = [p for p, _ in started], [u for _, u in started]
     try:
         wait_healthy(urls, procs)
@@ -238,10 +252,13 @@ def measure(mode: str, args: argparse.Namespace, devices: list[str], log_dir: Pa
         async def main() -> Samples:
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
             async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
-                target = Target(mode, {n: u for (_, _, n), u in zip(roles, urls, strict=True)}, args.preset, client)
+                target = Target(mode, {n: u for (_, _, n, _), u in zip(roles, urls, strict=True)}, args.preset, client)
                 return await run_load(target, args, vocab)
 
-        return summarize(asyncio.run(main()))
+        out = summarize(asyncio.run(main()))
+        if mode != "mixed":
+            out.update(transfer_counters(urls[-1]))
+        return out
     finally:
         stop(procs)
 
@@ -260,6 +277,7 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=16384)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, seconds (checks the harness)")
+    p.add_argument("--modes", default="mixed,disagg,disagg-tcp", help="configurations to measure (mixed first)")
     p.add_argument("--json", default="bench/results/disagg.json")
     args = p.parse_args()
     if args.smoke:
@@ -272,30 +290,30 @@ def main() -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     log_dir = Path(os.environ.get("OUT", "/tmp")) / "disagg-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or modes[0] != "mixed" or not set(modes) <= {"mixed", "disagg", "disagg-tcp"}:
+        p.error("--modes: mixed first, then any of disagg, disagg-tcp")
     results: dict[str, Any] = {}
     with Progress() as progress:
-        task = progress.add_task("configurations", total=2)
-        for mode in ("mixed", "disagg"):
+        task = progress.add_task("configurations", total=len(modes))
+        for mode in modes:
             progress.update(task, description=f"{mode} ({args.warmup + args.duration:.0f} s)")
             results[mode] = measure(mode, args, devices, log_dir)
             progress.advance(task)
-    ratios = {k: results["disagg"][k] / results["mixed"][k] for k in
-              ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
-              if results["mixed"][k]}
+    keys = ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
+    ratios = {m: {k: results[m][k] / results["mixed"][k] for k in keys if results["mixed"][k]} for m in modes[1:]}
     table = Table(title=f"{args.preset}: {args.decoders} decode streams + {args.long_prompt}-token prompts at "
                         f"{args.long_rate}/s on {', '.join(devices)}")
     cols = ["config", "ITL p50 ms", "ITL p99 ms", "long TTFT p50 ms", "long TTFT p99 ms", "decode TTFT p50 ms", "errors"]
     for c in cols:
         table.add_column(c)
-    for mode in ("mixed", "disagg"):
+    for mode in modes:
         r = results[mode]
-        table.add_row(mode, *(f"{r[k]:.1f}" for k in ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_ms",
-                                                       "long_ttft_p99_ms", "decode_ttft_p50_ms")), str(r["errors"]))
-    table.add_row("disagg/mixed", *(f"{ratios.get(k, float('nan')):.2f}" for k in
-                                   ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms",
-                                    "decode_ttft_p50_ms")), "")
+        table.add_row(mode, *(f"{r[k]:.1f}" for k in keys), str(r["errors"]))
+    for mode, ratio in ratios.items():
+        table.add_row(f"{mode}/mixed", *(f"{ratio.get(k, float('nan')):.2f}" for k in keys), "")
     Console().print(table)
-    out = {"config": vars(args), "devices": devices, "results": results, "ratios_disagg_over_mixed": ratios}
+    out = {"config": vars(args), "devices": devices, "results": results, "ratios_over_mixed": ratios}
     try:
         import torch
 

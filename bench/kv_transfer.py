@@ -162,7 +162,7 @@ def _netns_sender(args: argparse.Namespace) -> tuple[Any, str, Any]:
     ns = topo.nodes[0]
     cmd = topo.exec_args(ns) + [sys.executable, __file__, "--serve", "--host", ns.address, "--port", str(args.port),
                                 "--shape", args.shape, "--blocks", str(args.blocks)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}), ns.address, topo
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}), ns.address, topo
 
 
 def main() -> int:

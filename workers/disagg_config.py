@@ -25,6 +25,8 @@ class TransferConfig:
     pull_timeout_s: float = 30.0
     pull_attempts: int = 2  # a corrupt or truncated stream is pulled again (resuming) once
     chunk_bytes: int = 8 << 20  # pages per engine-thread gather/import call (bounded buffers)
+    ipc: bool = True  # same host, CUDA: offer / use GPU-to-GPU peer copies (workers.kv_ipc)
+    ipc_chunk_bytes: int = 256 << 20  # pages per engine-thread peer copy (~1 ms over NVLink)
     retry_after_s: int = 1
     faults: bool = False  # POST /kv_transfer/faults (tests only)
 
@@ -45,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-host", default=None, help="address advertised to decode workers (default: the one the prefill request came to)")
     g.add_argument("--kv-transfer-ttl", type=float, default=30.0, help="seconds a finished prefill's blocks stay pinned without a consumer")
     g.add_argument("--kv-transfer-consumers", default="decode", help="comma-separated consumers that must finish before blocks are freed")
+    g.add_argument("--kv-transfer-ipc", default="auto", choices=["auto", "off"],
+                   help="same-host GPU workers: copy KV GPU to GPU over CUDA IPC (auto) or always pull over TCP (off)")
     g.add_argument("--kv-max-pending", type=int, default=8, help="decode: inbound transfers admitted at once")
     g.add_argument("--kv-max-pending-bytes", type=int, default=None, help="decode: inbound bytes admitted at once (default: half the KV cache)")
 
@@ -55,5 +59,5 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
         bind_host=args.host, advertise_host=args.kv_transfer_host, ttl_s=args.kv_transfer_ttl,
         consumers=tuple(c.strip() for c in args.kv_transfer_consumers.split(",") if c.strip()),
         max_pending=args.kv_max_pending, max_pending_bytes=args.kv_max_pending_bytes,
-        faults=os.environ.get(FAULTS_ENV) == "1",
+        faults=os.environ.get(FAULTS_ENV) == "1", ipc=getattr(args, "kv_transfer_ipc", "auto") == "auto",
     )

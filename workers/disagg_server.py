@@ -11,7 +11,9 @@
   pulls exactly the blocks its own prefix cache lacks, imports them (prefix cache + KV events),
   tells the prefill worker it is done, and then runs as an ordinary request whose prompt is
   cached. Its pins are dropped when the response ends (the sequence holds its own references).
-- ``POST /kv_transfer/pull`` (streamed binary) and a raw TCP port serve the blocks;
+- ``POST /kv_transfer/pull`` (streamed binary) and a raw TCP port serve the blocks; on one host
+  the decode worker copies them GPU to GPU over CUDA IPC under a read lease instead
+  (``workers.kv_ipc``), falling back to the TCP pull when that is not possible;
   ``POST /kv_transfer/release`` ends a consumer's (or the gateway's: ``cancel``) interest;
   ``GET /kv_transfer/status`` and ``/metrics`` (``mesh_worker_kv_transfer_*``) show counters.
 
@@ -40,6 +42,7 @@ from pydantic import ValidationError
 from mesh.keys import block_keys, namespace_seed
 from workers.disagg_config import TransferConfig, transfer_config
 from workers.engine import EngineDeadError
+from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.kv_transfer import Faults, Layout, PullRequest, TransferEngine, TransferError, pull_blocks, serve_pull, serve_tcp
 from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
@@ -73,6 +76,7 @@ class DecodeCounters:
     requests: int = 0
     blocks_pulled: int = 0
     blocks_local: int = 0  # found in this worker's own prefix cache: not pulled
+    blocks_copied_ipc: int = 0  # of blocks_pulled: copied GPU to GPU from a same-host peer
     bytes_pulled: int = 0
     pull_retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # error code -> count
@@ -96,6 +100,8 @@ class DisaggService:
         kv_bytes = engine.engine.runner.num_blocks * self.layout.block_bytes
         self.admission = Admission(config.max_pending, config.max_pending_bytes or max(kv_bytes // 2, 1))
         self.faults = Faults()
+        self.ipc_export = self._export_cache() if config.ipc and config.transport == "tcp" else None
+        self.peers = PeerCaches()
         self.decode = DecodeCounters()
         self.prefills = 0
         self.http: Any = None
@@ -103,6 +109,13 @@ class DisaggService:
         self.tcp_port = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
+
+    def _export_cache(self) -> dict[str, Any] | None:
+        try:
+            return export_cache(self.engine.engine.runner.kv_cache)
+        except Exception as exc:  # e.g. an allocator without IPC support: TCP pulls only
+            log.warning("KV cache cannot be exported over CUDA IPC (%r): peers pull over TCP", exc)
+            return None
 
     def _unpin(self, block_ids: tuple[int, ...]) -> None:
         if block_ids:
@@ -116,7 +129,7 @@ class DisaggService:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.pull_timeout_s, connect=5.0))
         if self.config.transport == "tcp":
             self.tcp = await serve_tcp(self.engine, self.registry, self.faults, self.config.bind_host,
-                                       self.config.tcp_port, self.config.chunk_bytes)
+                                       self.config.tcp_port, self.config.chunk_bytes, self.config.pull_timeout_s)
             self.tcp_port = int(self.tcp.sockets[0].getsockname()[1])
         self._reaper = asyncio.create_task(self._reap())
 
@@ -201,6 +214,8 @@ class DisaggService:
             "remote_tcp_port": self.tcp_port or None,
             "expires_in_s": self.config.ttl_s,
         }
+        if self.ipc_export is not None:
+            kv["ipc"] = self.ipc_export
         created = int(time.time())
         usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                  "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
@@ -298,29 +313,70 @@ class DisaggService:
         if ticket is None:
             raise TransferError(429, "kv_admission_full", "too many pending inbound KV transfers; retry later", True)
         try:
-            done = h
-            for attempt in range(self.config.pull_attempts):
-                try:
-                    async for off, ks, data in pull_blocks(params, done, keys[done:], self.layout, http=self.http,
-                                                           timeout=self.config.pull_timeout_s,
-                                                           chunk_bytes=self.config.chunk_bytes):
-                        first = done
-                        parent = keys[first - 1] if first else None
-                        bids = await self.engine.call(self.engine.ops.import_blocks, ks,
-                                                      blocks[first : first + len(ks)], seed, parent, data)
-                        hold.block_ids += bids
-                        done += len(ks)
-                        self.decode.blocks_pulled += len(ks)
-                        self.decode.bytes_pulled += data.nbytes
-                    return
-                except TransferError as exc:
-                    if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
-                        raise
-                    self.decode.pull_retries += 1
-                    self._count(exc.code)
-                    log.warning("pull of %s failed (%s), resuming at block %d", params.get("transfer_id"), exc, done)
+            peer_kv = self._peer_cache(params)
+            if peer_kv is not None:
+                await self._copy_from_peer(params, peer_kv, keys, blocks, seed, h, hold)
+            else:
+                await self._pull_over_network(params, keys, blocks, seed, h, hold)
         finally:
             ticket.release()
+
+    def _peer_cache(self, params: dict[str, Any]) -> Any:
+        """The prefill worker's KV cache mapped over CUDA IPC, or None (use the network)."""
+        export = params.get("ipc")
+        if not self.config.ipc or not self.peers.usable(export, self.engine.engine.runner.kv_cache.device):
+            return None
+        return self.peers.open(export)
+
+    async def _copy_from_peer(self, params: dict[str, Any], peer_kv: Any, keys: list[int], blocks: list[list[int]],
+                              seed: int, h: int, hold: Hold) -> None:
+        per_call = max(1, self.config.ipc_chunk_bytes // self.layout.block_bytes)
+        async with lease_blocks(params, h, keys[h:], self.layout, self.config.pull_timeout_s) as peer_ids:
+            for i in range(h, len(keys), per_call):
+                j = min(i + per_call, len(keys))
+                parent = keys[i - 1] if i else None
+                await self._import(hold, self.engine.ops.import_from_peer, keys[i:j], blocks[i:j], seed, parent,
+                                   peer_kv, peer_ids[i - h : j - h])
+                self.decode.blocks_pulled += j - i
+                self.decode.blocks_copied_ipc += j - i
+                self.decode.bytes_pulled += (j - i) * self.layout.block_bytes
+
+    async def _pull_over_network(self, params: dict[str, Any], keys: list[int], blocks: list[list[int]],
+                                 seed: int, h: int, hold: Hold) -> None:
+        done = h
+        for attempt in range(self.config.pull_attempts):
+            try:
+                async for _, ks, data in pull_blocks(params, done, keys[done:], self.layout, http=self.http,
+                                                     timeout=self.config.pull_timeout_s,
+                                                     chunk_bytes=self.config.chunk_bytes):
+                    parent = keys[done - 1] if done else None
+                    await self._import(hold, self.engine.ops.import_blocks, ks, blocks[done : done + len(ks)],
+                                       seed, parent, data)
+                    done += len(ks)
+                    self.decode.blocks_pulled += len(ks)
+                    self.decode.bytes_pulled += data.nbytes
+                return
+            except TransferError as exc:
+                if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
+                    raise
+                self.decode.pull_retries += 1
+                self._count(exc.code)
+                log.warning("pull of %s failed (%s), resuming at block %d", params.get("transfer_id"), exc, done)
+
+    async def _import(self, hold: Hold, fn: Any, *args: Any) -> None:
+        """Run an import on the engine thread. Its pins join ``hold`` even when this task is
+        cancelled meanwhile (the import may already be running there): a cancel waits for it,
+        so no pin leaks and a peer copy never outlives its read lease."""
+        call = asyncio.ensure_future(self.engine.call(fn, *args))
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await call
+            if call.done() and not call.cancelled() and call.exception() is None:
+                hold.block_ids += call.result()
+            raise
+        hold.block_ids += call.result()
 
     def _count(self, code: str) -> None:
         self.decode.failures[code] = self.decode.failures.get(code, 0) + 1
@@ -348,6 +404,7 @@ class DisaggService:
             "decode_requests": d.requests,
             "decode_blocks_pulled": d.blocks_pulled,
             "decode_blocks_local": d.blocks_local,
+            "decode_blocks_copied_ipc": d.blocks_copied_ipc,
             "decode_bytes_pulled": d.bytes_pulled,
             "decode_pull_retries": d.pull_retries,
             "blocks_imported": self.engine.ops.num_imported,
@@ -376,7 +433,7 @@ _COUNTERS = frozenset({
     "transfers_created", "transfer_pinned_blocks_total", "transfers_released_by_consumer",
     "transfers_released_by_timeout", "transfers_released_by_cancel", "transfer_duplicate_releases",
     "transfer_late_pulls", "admission_admitted", "admission_refused", "prefills", "decode_requests",
-    "decode_blocks_pulled", "decode_blocks_local", "decode_bytes_pulled", "decode_pull_retries",
+    "decode_blocks_pulled", "decode_blocks_local", "decode_blocks_copied_ipc", "decode_bytes_pulled", "decode_pull_retries",
     "blocks_imported", "blocks_import_reused", "cpu_saves_ok", "cpu_saves_partial", "cpu_saves_failed",
 })
 

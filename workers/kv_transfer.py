@@ -405,16 +405,38 @@ class BlockOps:
         host = pages.cpu() if pages.device.type != "cpu" else pages
         return host.view(torch.uint8).reshape(len(block_ids), -1).numpy()
 
-    def _scatter(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+    def _scatter(self, block_ids: Sequence[int], data: np.ndarray | torch.Tensor, rows: Sequence[int]) -> None:
+        """Write ``rows`` of ``data`` into ``block_ids``. ``data``: uint8 ``[n, block_bytes]`` on
+        the host (a pull), or a tensor ``[layers, 2, n, block_size, heads, dim]`` on any device
+        (a peer copy)."""
         kv = self.engine.runner.kv_cache
-        L, _, _, bs, h, d = kv.shape
-        pages = torch.from_numpy(np.ascontiguousarray(data)).view(kv.dtype).reshape(len(block_ids), L, 2, bs, h, d)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+        if isinstance(data, torch.Tensor):
+            src = data.index_select(2, torch.as_tensor(list(rows), dtype=torch.long, device=data.device))
+            kv.index_copy_(2, idx, src.to(kv.device))
+            return
+        L, _, _, bs, h, d = kv.shape
+        host = np.ascontiguousarray(data[list(rows)])
+        pages = torch.from_numpy(host).view(kv.dtype).reshape(len(block_ids), L, 2, bs, h, d)
         kv.index_copy_(2, idx, pages.permute(1, 2, 0, 3, 4, 5).to(kv.device))
+
+    def import_from_peer(
+        self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
+        parent: int | None, peer_kv: torch.Tensor, peer_block_ids: Sequence[int],
+    ) -> list[int]:
+        """``import_blocks`` with the pages copied straight from a peer worker's KV cache on this
+        host (``workers.kv_ipc``), synchronized before returning: the caller's read lease on the
+        peer's blocks may end as soon as this returns."""
+        idx = torch.as_tensor(list(peer_block_ids), dtype=torch.long, device=peer_kv.device)
+        pages = peer_kv.index_select(2, idx)
+        out = self.import_blocks(keys, token_blocks, seed, parent, pages)
+        torch.cuda.synchronize(peer_kv.device)
+        torch.cuda.synchronize(self.engine.runner.kv_cache.device)
+        return out
 
     def import_blocks(
         self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
-        parent: int | None, data: np.ndarray,
+        parent: int | None, data: np.ndarray | torch.Tensor,
     ) -> list[int]:
         """Write verified consecutive blocks of a chain into fresh blocks, register them in the
         prefix cache and pin them; returns their ids. ``parent`` is the key of the block before
@@ -466,7 +488,7 @@ class BlockOps:
         self._emit(keys, token_blocks, parent, run)
         self.engine.run_swaps()  # CPU offload: evicted pages are saved before the scatter overwrites them
         if fresh_rows:  # same engine-thread call: no step can read them before they are written
-            self._scatter([out[j] for j in fresh_rows], data[fresh_rows])
+            self._scatter([out[j] for j in fresh_rows], data, fresh_rows)
         self.num_imported += len(fresh_rows)
         self._publish()
         return out
@@ -799,8 +821,9 @@ async def _send(writer: asyncio.StreamWriter, data: memoryview) -> None:
 
 
 async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host: str, port: int,
-                    chunk_bytes: int = 8 << 20) -> asyncio.AbstractServer:
-    """The raw TCP pull server: one request (length-prefixed JSON) per connection."""
+                    chunk_bytes: int = 8 << 20, lease_timeout: float = 30.0) -> asyncio.AbstractServer:
+    """The raw TCP pull server: one request (length-prefixed JSON) per connection: a byte
+    stream of blocks, or (``"mode": "ipc"``) a read lease held while a peer copies them."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -808,10 +831,16 @@ async def serve_tcp(engine: TransferEngine, registry: Any, faults: Faults, host:
             if length > MAX_HEADER:
                 return
             try:
-                req = PullRequest.parse(json.loads(await reader.readexactly(length)))
+                raw = json.loads(await reader.readexactly(length))
+                req = PullRequest.parse(raw)
             except (TransferError, ValueError) as exc:
                 code = exc.code if isinstance(exc, TransferError) else "kv_pull_invalid"
                 writer.write(encode_header({"error": {"status": 400, "code": code, "message": str(exc)}}))
+                return
+            if raw.get("mode") == "ipc":  # a read lease for a same-host peer copy (workers.kv_ipc)
+                from workers.kv_ipc import serve_lease
+
+                await serve_lease(engine, registry, req, reader, writer, lease_timeout)
                 return
             async for frame in serve_pull(engine, registry, req, faults, chunk_bytes):
                 await _send(writer, memoryview(frame).cast("B"))
