@@ -33,6 +33,8 @@ from tests.disagg_cluster import (
     wait_for,
 )
 from tests.procs import ProcessGroup, kill_process
+from workers.kv_ipc import lease_blocks
+from workers.kv_transfer import Layout, TransferError
 
 CHAT_PATH = "/v1/chat/completions"
 POOL = ["p0", "p1", "d0", "d1"]
@@ -289,3 +291,31 @@ async def test_no_pair_answers_an_error_not_a_hang(cluster: Cluster) -> None:
     assert err.value.status in (409, 502, 503)
     assert_leases_settled(router)
 
+
+async def test_an_ipc_read_lease_keeps_blocks_pinned_until_the_peer_is_done(cluster: Cluster) -> None:
+    """The read lease a same-host peer holds while it copies blocks GPU to GPU (``workers.kv_ipc``),
+    over the prefill worker's real TCP port: it answers the authoritative block ids, a release
+    during the lease waits for it, a lease for other keys or a released transfer is refused."""
+    p0 = cluster.workers["p0"].url
+    body = completion(prompt_tokens(150, seed=21), 4)
+    answer = httpx.post(f"{p0}/v1/completions", json={**body, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = answer["kv_transfer_params"]
+    keys = [int(k, 16) for k in params["remote_block_keys"]]
+    layout = Layout.from_dict(params["layout"])
+    with pytest.raises(TransferError) as wrong:
+        async with lease_blocks(params, 0, keys[::-1], layout, timeout=10):
+            pass
+    assert wrong.value.code == "kv_transfer_corrupt"
+    async with lease_blocks(params, 0, keys, layout, timeout=10) as ids:
+        assert ids == params["remote_block_ids"] and len(ids) == 9
+        r = httpx.post(f"{p0}/kv_transfer/release", json={"transfer_id": params["transfer_id"], "consumer": "decode"})
+        assert r.json()["released"]
+        (live,) = _live(p0)
+        assert live["readers"] == 1 and live["released_by"] is not None
+        assert status(p0)["pinned_blocks"] == 9  # released, but the peer is still reading
+    await wait_for(lambda: not _live(p0) and status(p0)["pinned_blocks"] == 0, what="the unpin after the lease")
+    with pytest.raises(TransferError) as gone:
+        async with lease_blocks(params, 0, keys, layout, timeout=10):
+            pass
+    assert gone.value.status == 410
