@@ -8,6 +8,9 @@ Measured in one run, on the GPU it runs on:
   sampling, bookkeeping), and the graph replay alone; each against the bandwidth roofline
   ``bytes / copy ceiling`` with bytes = weights read + K/V read for every context token + K/V
   written for the new token;
+* decode at longer contexts (``--long-context``, default 4096 tokens, batches 16 and 64): rows
+  marked "long" (agentic sessions decode over 4k-32k contexts; the target row stays the ~600-token
+  one);
 * prefill tokens/s for one prompt of 1k..32k tokens (chunks of ``--chunk`` tokens), against the
   matmul ceiling with FLOPs = 2 x linear params x tokens + causal attention (2 x L^2 x heads x
   head_dim per layer) + the LM head of the last token.
@@ -207,7 +210,7 @@ def _prefill_once(engine: LLMEngine, n: int, rng: random.Random) -> float:
 
 def bench_prefill(engine: LLMEngine, ceil: dict[str, float], lens: list[int], deadline: float) -> list[dict[str, Any]]:
     rng = random.Random(1)
-    _prefill_once(engine, 1024, rng)  # compile
+    _prefill_once(engine, min(1024, min(lens)), rng)  # compile
     rows = []
     for n in lens:
         if time.monotonic() > deadline:
@@ -232,7 +235,11 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     batches = [b for b in args.batches if b <= args.max_batch]
     lens = args.prompt_lens
     steps_total = len(batches) * (args.steps + args.warmup + 2) + 8
-    blocks = max(batches) * -(-(args.context + steps_total + 16) // 16) + -(-(max(lens) + 16) // 16) + 64
+    long_batches = [b for b in args.long_batches if b <= args.max_batch] if args.long_context else []
+    long_steps = len(long_batches) * (args.steps + args.warmup + 2) + 8
+    decode_blocks = max(max(batches) * -(-(args.context + steps_total + 16) // 16),
+                        max(long_batches, default=0) * -(-(args.long_context + long_steps + 16) // 16))
+    blocks = decode_blocks + -(-(max(lens) + 16) // 16) + 64
     config = EngineConfig(
         device=args.device, attention_backend="triton" if args.device == "cuda" else "torch",
         num_kv_blocks=blocks, max_num_seqs=max(batches),
@@ -245,7 +252,13 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     print(f"  init {init_s:.1f} s ({len(engine.runner.graphs)} decode graphs)", flush=True)
     out: dict[str, Any] = {"params": cfg.num_params(), "num_kv_blocks": blocks, "init_s": init_s,
                            "chunk": args.chunk, "decode_context": args.context}
+    out["async_decode"] = engine.async_decode
     out["decode"], out["decode_profile"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
+    if long_batches:  # agentic sessions decode over 4k-32k contexts: the K/V share of the bytes grows
+        print(f"  decode at {args.long_context}-token contexts", flush=True)
+        out["decode_long"], _ = bench_decode(engine, ceil, long_batches, args.long_context, args.steps,
+                                             args.warmup, profile_batch=-1)
+    out["steps_ahead"] = engine.num_steps_ahead
     prof = out["decode_profile"]
     if prof.get("top"):
         print(f"  decode B=64 graph: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernel time; top: "
@@ -266,6 +279,11 @@ def print_tables(result: dict[str, Any]) -> None:
                 "-" if r["forward_ms"] is None else f"{r['forward_ms']:.3f}",
                 "-" if r["forward_frac_roofline"] is None else f"{100 * r['forward_frac_roofline']:.1f}"]
                for r in res["decode"]]
+        for r in res.get("decode_long", []):
+            dec.append([f"{r['batch']} (long)", f"{r['step_ms']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mean_context']:.0f}",
+                        f"{r['bytes_per_step'] / 1e9:.2f}", f"{r['roofline_ms']:.3f}", f"{100 * r['frac_roofline']:.1f}",
+                        "-" if r["forward_ms"] is None else f"{r['forward_ms']:.3f}",
+                        "-" if r["forward_frac_roofline"] is None else f"{100 * r['forward_frac_roofline']:.1f}"])
         pre = [[str(r["prompt_tokens"]), f"{r['seconds'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.0f}",
                 f"{100 * r['frac_matmul_peak']:.1f}"] for r in res["prefill"]]
         tables = [
@@ -300,7 +318,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 CPU_DEFAULTS = {"presets": "tiny", "batches": [1, 4, 16, 64], "prompt_lens": [256, 1024, 4096], "context": 128,
-                "steps": 16, "chunk": 4096}
+                "steps": 16, "chunk": 4096, "long_context": 0}
 
 
 def main() -> int:
@@ -313,13 +331,16 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--context", type=int, default=None, help="decode prompt length (default 512; cpu 128)")
+    ap.add_argument("--long-context", type=int, default=None,
+                    help="also decode at this prompt length (rows marked 'long'; default 4096 on cuda, 0 = off)")
+    ap.add_argument("--long-batches", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size (default 32)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (prefill chunk; default 16384)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip prefill lengths past this")
     args = ap.parse_args()
     gpu_defaults = {"presets": "qwen2-0.5b,llama3-8b", "batches": BATCHES, "prompt_lens": PROMPT_LENS,
-                    "context": 512, "steps": 32, "chunk": 16384}
+                    "context": 512, "steps": 32, "chunk": 16384, "long_context": 4096}
     for key, value in (CPU_DEFAULTS if args.device == "cpu" else gpu_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

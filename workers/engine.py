@@ -69,6 +69,7 @@ class LLMEngine:
         self.async_decode = (has_graphs and self.cpu_cache is None) if async_decode is None else (
             async_decode and has_graphs)
         self._inflight: DecodeLaunch | None = None
+        self.num_steps_ahead = 0  # decode steps enqueued before the previous step's tokens were read
         self.model_name = config.served_model_name or model_config.name
         self._seeds: dict[str | None, int] = {None: namespace_seed(self.model_name)}
         self.requests: dict[str, Sequence] = {}
@@ -201,6 +202,7 @@ class LLMEngine:
         ahead = self.scheduler.schedule_ahead(cur.seqs, self.max_model_len)
         if ahead is not None and self.runner.graph_size_for(len(ahead)) is not None:
             nxt = self.runner.launch_decode(ahead, cur)
+            self.num_steps_ahead += 1
         tokens = self.runner.collect(cur)
         running = SequenceStatus.RUNNING
         live = [(s, t) for s, t in zip(cur.seqs, tokens, strict=True) if s.status is running]

@@ -101,6 +101,63 @@ def rope_inplace(
 
 
 @_jit
+def _rope_store_kv_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_t,
+    n_q, NUM_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+):
+    """One token: rotate its q heads in place, rotate its k heads into its cache slot, copy its
+    v heads there (``_rope_kernel`` + the attention backend's KV store in one launch)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # -1: rotate q, store nothing
+    row = qkv_ptr + t * stride_t
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    rot = h < n_q + NUM_KV
+    x1 = tl.load(row + h * (2 * HALF) + j, mask=rot, other=0.0).to(tl.float32)
+    x2 = tl.load(row + h * (2 * HALF) + HALF + j, mask=rot, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pos * HALF + j)
+    s = tl.load(sin_ptr + pos * HALF + j)
+    # The rotated rows are rounded to the activations' dtype first, as the unfused path stores them.
+    o1 = (x1 * c - x2 * s).to(qkv_ptr.dtype.element_ty)
+    o2 = (x2 * c + x1 * s).to(qkv_ptr.dtype.element_ty)
+    is_q = h < n_q
+    tl.store(row + h * (2 * HALF) + j, o1, mask=is_q)
+    tl.store(row + h * (2 * HALF) + HALF + j, o2, mask=is_q)
+    dst = slot * (NUM_KV * 2 * HALF) + (h - n_q) * (2 * HALF)
+    is_k = (h >= n_q) & rot & (slot >= 0)
+    tl.store(k_cache_ptr + dst + j, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_cache_ptr + dst + HALF + j, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    hv = tl.arange(0, BLOCK_KV)[:, None]
+    d = tl.arange(0, 2 * HALF)[None, :]
+    is_v = (hv < NUM_KV) & (slot >= 0)
+    v = tl.load(row + (n_q + NUM_KV) * (2 * HALF) + hv * (2 * HALF) + d, mask=is_v)
+    tl.store(v_cache_ptr + slot * (NUM_KV * 2 * HALF) + hv * (2 * HALF) + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+
+
+def rope_store_kv(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    n_heads: int, n_kv_heads: int, head_dim: int,
+) -> None:
+    """``rope_inplace`` of the q heads, and the rotated k heads and the v heads of each row of
+    packed ``qkv`` written into the paged caches ([blocks, block_size, kv_heads, head_dim],
+    contiguous) at ``slot_mapping`` (-1: not stored). The k heads in ``qkv`` are left unrotated."""
+    if qkv.shape[1] != (n_heads + 2 * n_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"rope_store_kv: qkv {tuple(qkv.shape)} is not packed q|k|v rows")
+    if k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (n_kv_heads, head_dim) or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"rope_store_kv: caches {tuple(k_cache.shape)} do not hold {n_kv_heads}x{head_dim} rows")
+    if qkv.shape[0]:
+        _rope_store_kv_kernel[(qkv.shape[0],)](
+            qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), n_heads,
+            NUM_KV=n_kv_heads, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(n_heads + n_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(n_kv_heads), num_warps=4,
+        )
+
+
+@_jit
 def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

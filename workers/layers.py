@@ -160,9 +160,16 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.rotary.split_qkv(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if backend.name == "triton" and kernels.enabled(qkv) and kernels.rope_supported(self.head_dim):
+            # One launch: q rotated in place, k rotated and v copied into the cache.
+            kernels.rope_store_kv(qkv, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                  meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        else:
+            q, k, v = self.rotary.split_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self._attend(q, k_cache, v_cache, meta, backend)
         return self.o_proj(o.view(t, self.q_size))
 

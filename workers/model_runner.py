@@ -242,7 +242,9 @@ class ModelRunner:
             for b in reversed(sizes):  # largest first: smaller graphs reuse its pool
                 meta = AttentionMetadata(self._g_slots[:b], 0, decode_block_tables=self._g_tables[:b],
                                          decode_context_lens=self._g_ctx[:b])
-                run = lambda: self.model.compute_logits(  # noqa: E731
+                # Logits in the model's dtype: greedy rows take their argmax directly (the
+                # float32 cast, 6 bytes per logit, happens only for sampled rows).
+                run = lambda: self.model.lm_head(  # noqa: E731
                     self.model(self._g_ids[:b], self._g_pos[:b], self.kv_caches, meta, self.backend))
                 run()  # warm up (Triton compiles) outside the capture
                 torch.cuda.synchronize()
@@ -328,7 +330,11 @@ class ModelRunner:
             torch.index_select(prev.tokens, 0, self._g_in[3, :b], out=self._g_in[0, :b])
         self.graphs[b].replay()
         self.num_graph_replays += 1
-        tokens = self.sampler(self._g_logits[b][:n], seqs)
+        logits = self._g_logits[b][:n]
+        if all(s.params.greedy for s in seqs):
+            tokens = logits.argmax(dim=-1)  # = the sampler's greedy path on the float32 cast
+        else:
+            tokens = self.sampler(logits.float(), seqs)
         host = self._g_tok[k][:n]
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()

@@ -58,6 +58,31 @@ def test_fused_kernels_match_their_torch_twins(dtype: torch.dtype, tol: float, h
     assert torch.equal(v, vs.reshape(37, kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(14, 2, 64), (32, 8, 128), (4, 4, 64)])
+def test_rope_store_kv_equals_rope_then_store(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """The fused launch writes exactly what rope_inplace + TritonBackend.store_kv write: the same
+    rotated q rows, the same cache bytes, and no slot that was not mapped (slot -1 included)."""
+    g = torch.Generator(device=CUDA).manual_seed(heads * head_dim)
+    n, blocks, bs = 53, 20, 16
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).to(CUDA)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, device=CUDA, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (n,), device=CUDA, generator=g)
+    slots = torch.randperm(blocks * bs, device=CUDA, generator=g)[:n]
+    slots[::7] = -1
+    caches = [torch.full((blocks, bs, kv_heads, head_dim), float("nan"), dtype=dtype, device=CUDA) for _ in range(4)]
+    ref = qkv.clone()
+    q_ref, k_ref, v_ref = rope.split_qkv(positions, ref, heads, kv_heads, head_dim)
+    TritonBackend().store_kv(k_ref, v_ref, caches[0], caches[1], slots)
+    fused = qkv.clone()
+    kernels.rope_store_kv(fused, positions, rope.cos, rope.sin, caches[2], caches[3], slots, heads, kv_heads, head_dim)
+    q_size = heads * head_dim
+    assert torch.equal(fused[:, :q_size], ref[:, :q_size])
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert int((~caches[2].isnan()).view(blocks * bs, -1).all(1).sum()) == int((slots >= 0).sum())
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     heads = [[rng.randrange(256) for _ in range(48)] for _ in range(3)]
@@ -96,6 +121,48 @@ def test_greedy_output_equal_on_torch_and_triton_backends_with_and_without_graph
         if graphs:
             assert engine.runner.graphs and engine.runner.num_graph_replays > 0
     assert runs[("torch", False)] == runs[("triton", False)] == runs[("triton", True)]
+
+
+def test_async_decode_equals_sync_decode() -> None:
+    """Decode steps scheduled ahead (inputs gathered on the device) give the synchronous engine's
+    tokens: with arrivals, preemptions (a small pool), length limits, and stop tokens that finish
+    a request while its next step is already on the device."""
+    model = build_model(TINY, CUDA, seed=0)
+    prompts = _prompts(20, seed=7)
+    rng = random.Random(8)
+    arrivals = [rng.randrange(0, 30) for _ in prompts]
+    max_tokens = [rng.randrange(1, 40) for _ in prompts]
+
+    def run(async_decode: bool, stops: dict[int, int]) -> tuple[list[list[int]], LLMEngine]:
+        cfg = EngineConfig(device="cuda", cuda_graphs=True, num_kv_blocks=24, max_num_batched_tokens=96,
+                           chunked_prefill_size=40, max_model_len=1024)
+        engine = LLMEngine(TINY, cfg, eos_token_id=257, model=model, async_decode=async_decode)
+        assert engine.async_decode is async_decode
+        out: dict[str, list[int]] = {}
+        pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        step = 0
+        while pending or engine.has_unfinished():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                stop = (stops[i],) if i in stops else ()
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, stop_token_ids=stop))
+                out[f"r{i}"] = []
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+            engine.block_manager.check(engine.scheduler.all_seqs())
+            step += 1
+        assert engine.block_manager.num_used_blocks == 0
+        return [out[f"r{i}"] for i in range(len(prompts))], engine
+
+    plain, _ = run(False, {})
+    stops = {i: toks[len(toks) // 2] for i, toks in enumerate(plain) if len(toks) >= 6 and i % 3 == 0}
+    assert stops
+    sync, sync_engine = run(False, stops)
+    ahead, async_engine = run(True, stops)
+    assert ahead == sync
+    assert async_engine.num_steps_ahead > 0 and sync_engine.num_steps_ahead == 0
+    assert sync_engine.stats()["preemptions"] > 0
 
 
 def test_bf16_logits_agree_across_backends() -> None:
