@@ -52,6 +52,7 @@ from __future__ import annotations
 import sys
 from array import array
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
@@ -88,11 +89,11 @@ class PrefixIndex:
         self.scrub_budget = scrub_budget  # nodes scrubbed per expire() call
         # nodes: key -> nid, then one array or list per field, indexed by nid
         self._id: dict[int, int] = {}
-        self._key = array("Q", [0, 0])
-        self._par = array("q", [EMPTY, EMPTY])  # EMPTY: parent unknown; ROOT: first block
-        self._kid = array("q", [0, 0])  # 0: none; > ROOT: the only child; _MANY: see _kids
+        self._key: list[int] = [0, 0]  # the key objects of ``_id`` itself (engine maps share them)
+        self._par = array("i", [EMPTY, EMPTY])  # EMPTY: parent unknown; ROOT: first block
+        self._kid = array("i", [0, 0])  # 0: none; > ROOT: the only child; _MANY: see _kids
         self._kids: dict[int, set[int]] = {}
-        self._stamp = array("q", [0, 0])  # LRU recency (maintained with a budget only)
+        self._stamp = array("q", [0, 0])  # LRU recency: one per node with a budget only (else never indexed)
         self._g = [0, -1]  # holders on the GPU
         self._c = [0, -1]  # holders on the CPU
         self._s = [0, -1]  # speculative holders (count as GPU)
@@ -165,6 +166,8 @@ class PrefixIndex:
                 self._remove_key(slot, key, tier)
             return
         bit = 1 << slot
+        if len(keys) > 1 and self._drop_tail(bit, keys[::-1]):
+            return
         live = self._live
         ids, par, kid, free = self._id, self._par, self._kid, self._free
         g, c, s = self._g, self._c, self._s
@@ -298,8 +301,13 @@ class PrefixIndex:
         slot = self._slot_of(target)
         if emap is None:
             emap = self._emap[target] = {}
-        emap.update(zip(engine_hashes, keys))
+        ids = self._id
+        joined = keys[0] in ids  # e.g. a shared system prompt: the map shares the index's key objects
         self._store_chain(slot, keys, tier, parent)
+        if joined:
+            key_a = self._key
+            keys = list(map(key_a.__getitem__, map(ids.__getitem__, keys)))
+        emap.update(zip(engine_hashes, keys))
         self._after_store()
         return n
 
@@ -313,6 +321,11 @@ class PrefixIndex:
         if not emap or slot is None:
             return 0
         bit = 1 << slot
+        if tier is not Tier.CPU and len(engine_hashes) > 1:
+            keys = list(map(emap.get, engine_hashes))
+            if None not in keys and self._drop_tail(bit, keys):
+                deque(map(emap.__delitem__, engine_hashes), 0)
+                return len(keys)
         live = self._live
         ids, par, kid, free = self._id, self._par, self._kid, self._free
         g, c, s = self._g, self._c, self._s
@@ -477,14 +490,16 @@ class PrefixIndex:
             self._key[n] = key
             self._par[n] = parent
             self._kid[n] = 0
-            self._stamp[n] = stamp
+            if self.max_keys:
+                self._stamp[n] = stamp
             self._g[n] = self._c[n] = self._s[n] = self._ca[n] = self._cg[n] = self._pend[n] = 0
         else:
             n = len(self._key)
             self._key.append(key)
             self._par.append(parent)
             self._kid.append(0)
-            self._stamp.append(stamp)
+            if self.max_keys:
+                self._stamp.append(stamp)
             for field in (self._g, self._c, self._s, self._ca, self._cg, self._pend):
                 field.append(0)
         self._id[key] = n
@@ -560,9 +575,17 @@ class PrefixIndex:
             specs = self._spec[slot] = {}
         self._clock += 1
         stamp = self._clock
-        par, kid, stamp_a = self._par, self._kid, self._stamp
+        par, kid, stamp_a, budget = self._par, self._kid, self._stamp, self.max_keys
         g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
+        if not spec and len(keys) > 1 and ca[p] & bit and (not gpuish or cg[p] & bit) and get(keys[1]) is not None:
+            done = self._join_chain(bit, keys, field, gpuish, p, stamp)
+            if done:
+                if done == len(keys):
+                    keys = ()
+                else:
+                    p = get(keys[done - 1])
+                    keys = keys[done:]
         for i, key in enumerate(keys):
             x = get(key)
             if x is None:
@@ -597,14 +620,48 @@ class PrefixIndex:
                             self._descend(x, lost, (new_a & ~old_a) | (new_g & ~old_g))
                 if (not new_a or ((g[x] | s[x]) & bit and not new_g)) and pp > ROOT:
                     pend[pp] |= bit
-                stamp_a[x] = stamp
+                if budget:
+                    stamp_a[x] = stamp
             p = x
         if spec:
             specs.update(dict.fromkeys(keys, spec_deadline))  # type: ignore[union-attr]
-        if self.max_keys:
+        if self.max_keys and keys:
             last = get(keys[-1])
             if last is not None and self._kid[last] == 0:
                 heappush(self._lru, (stamp, last))
+
+    def _join_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> int:
+        """The bulk form of adding a holder to blocks already indexed (a worker storing a shared
+        system prompt): the leading run of ``keys`` that exists as a chain below ``p`` and that
+        the target holds on no tier, with no child waiting for its bit (``pend``). The caller
+        checked that ``p`` is consecutive for the target (on the GPU too for a GPU store), so
+        every block of the run becomes consecutive: holder and consecutive masks gain the bit in
+        C-speed passes, equal old masks sharing one new mask object. Returns the run's length
+        (0: nothing done; the per-block path handles the rest)."""
+        nids = list(map(self._id.get, keys))
+        run = nids.index(None) if None in nids else len(nids)
+        if run < 2:
+            return 0
+        if run < len(nids):
+            nids = nids[:run]
+        g, c, s, par, pend = self._g, self._c, self._s, self._par, self._pend
+        if (
+            par[nids[0]] != p
+            or list(map(par.__getitem__, nids[1:])) != nids[:-1]
+            or any(map(bit.__and__, map(g.__getitem__, nids)))
+            or any(map(bit.__and__, map(c.__getitem__, nids)))
+            or any(map(bit.__and__, map(s.__getitem__, nids)))
+            or any(map(bit.__and__, map(pend.__getitem__, nids)))
+        ):
+            return 0
+        for arr in (field, self._ca, self._cg) if gpuish else (field, self._ca):
+            olds = list(map(arr.__getitem__, nids))
+            new = {v: v | bit for v in set(olds)}
+            deque(map(arr.__setitem__, nids, map(new.__getitem__, olds)), 0)
+        if self.max_keys:
+            stamp_a = self._stamp
+            deque(map(stamp_a.__setitem__, nids, repeat(stamp)), 0)
+        return run
 
     def _new_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> None:
         """Blocks new to the index, under node ``p``: every one gets the same masks (each is
@@ -620,34 +677,38 @@ class PrefixIndex:
         key_a, par, kid, stamp_a, ids, free = self._key, self._par, self._kid, self._stamp, self._id, self._free
         m = len(keys)
         k = min(m, len(free))
-        for key in keys[:k] if k < m else keys:
-            x = free.pop()
-            key_a[x] = key
-            par[x] = p
-            kid[x] = 0
-            stamp_a[x] = stamp
-            g[x], c[x], s[x], ca[x], cg[x], pend[x] = gv, cv, sv, ca_v, cg_v, waiting
-            ids[key] = x
+        if k:  # recycled nids first, written by C-speed scatters
+            xs = free[-k:]
+            del free[-k:]
+            head = keys[:k] if k < m else keys
+            for arr, vals in ((key_a, head), (par, chain((p,), xs[:-1])), (kid, chain(xs[1:], (0,))),
+                              (g, repeat(gv, k)), (c, repeat(cv, k)), (s, repeat(sv, k)),
+                              (ca, repeat(ca_v, k)), (cg, repeat(cg_v, k)), (pend, repeat(waiting, k))):
+                deque(map(arr.__setitem__, xs, vals), 0)
+            if self.max_keys:
+                deque(map(stamp_a.__setitem__, xs, repeat(stamp, k)), 0)
+            ids.update(zip(head, xs))
             if p > ROOT:
                 if kid[p] == 0:
-                    kid[p] = x
+                    kid[p] = xs[0]
                 else:
-                    self._add_kid(p, x)
-            p = x
+                    self._add_kid(p, xs[0])
+            p = xs[-1]
         if k < m:
             rest = m - k
             n0 = len(key_a)
             tail = keys[k:]
-            key_a.fromlist(tail if type(tail) is list else [int(x) for x in tail])
+            key_a.extend(tail if type(tail) is list else [int(x) for x in tail])
             par.append(p)
             if rest > 16:  # array.extend(range) converts item by item: numpy builds the bytes
-                par.frombytes(np.arange(n0, n0 + rest - 1, dtype=np.int64).tobytes())
-                kid.frombytes(np.arange(n0 + 1, n0 + rest, dtype=np.int64).tobytes())
+                par.frombytes(np.arange(n0, n0 + rest - 1, dtype=np.int32).tobytes())
+                kid.frombytes(np.arange(n0 + 1, n0 + rest, dtype=np.int32).tobytes())
             else:
                 par.fromlist(list(range(n0, n0 + rest - 1)))
                 kid.fromlist(list(range(n0 + 1, n0 + rest)))
             kid.append(0)
-            stamp_a.fromlist([stamp] * rest)
+            if self.max_keys:
+                stamp_a.fromlist([stamp] * rest)
             g.extend(repeat(gv, rest))
             c.extend(repeat(cv, rest))
             s.extend(repeat(sv, rest))
@@ -726,6 +787,42 @@ class PrefixIndex:
             self._refresh(n, held)
 
     # ------------------------------------------------------------ the remove path
+    def _drop_tail(self, bit: int, keys: Sequence[int]) -> bool:
+        """The bulk form of the usual removal: ``keys`` (leaf first) are a chain's tail that
+        only ``bit``'s target holds, on the GPU only, each node the only child of the next (an
+        engine evicting a session's tail). Then they all go in a few C-speed passes and True is
+        returned; otherwise nothing changes and False is returned (the per-block path runs)."""
+        nids = list(map(self._id.get, keys))
+        if None in nids:
+            return False
+        g, c, s, kid = self._g, self._c, self._s, self._kid
+        if (
+            kid[nids[0]] != 0
+            or list(map(kid.__getitem__, nids[1:])) != nids[:-1]
+            or set(map(g.__getitem__, nids)) != {bit}  # (a retired slot's bit: per-block path)
+            or any(map(c.__getitem__, nids))
+            or any(map(s.__getitem__, nids))
+        ):
+            return False
+        deque(map(self._id.__delitem__, keys), 0)
+        top = nids[-1]
+        p = self._par[top]
+        self._free.extend(nids)
+        if p > ROOT:
+            if kid[p] == top:
+                kid[p] = 0
+                if not ((g[p] | c[p] | s[p]) & self._live):
+                    self._maybe_delete(p)  # a placeholder left without children
+                elif self.max_keys:  # the parent became a leaf: it inherits the recency
+                    stamp_a = self._stamp
+                    stamp_a[p] = max(stamp_a[p], max(map(stamp_a.__getitem__, nids)))
+                    heappush(self._lru, (stamp_a[p], p))
+            else:
+                self._del_kid(p, top)
+        elif p == EMPTY:
+            self._orphans.discard(top)
+        return True
+
     def _remove_key(self, slot: int, key: int, tier: Tier | None) -> int | None:
         n = self._id.get(key)
         if n is None:
@@ -794,7 +891,7 @@ class PrefixIndex:
         g, c, s = self._g, self._c, self._s
         while n > ROOT and self._kid[n] == 0 and not ((g[n] | c[n] | s[n]) & live):
             parent = self._par[n]
-            stamp = self._stamp[n]
+            stamp = self._stamp[n] if self.max_keys else 0
             self._free_node(n)
             if parent <= ROOT:
                 return
