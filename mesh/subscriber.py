@@ -9,7 +9,11 @@ Per stream (REFERENCE.md section 2):
   the index and rebuilt from the replay buffer. Duplicates (a replayed batch that also arrives
   live) are told apart from restarts by a digest of the payload of each recent seq; a replay
   starts one batch early so that its first batch proves it comes from the same publisher;
-- on connect, the stream asks for the whole replay buffer (ZMQ's slow joiner misses the start).
+- on connect, the stream asks for the whole replay buffer (ZMQ's slow joiner misses the start);
+- a lost connection (a socket monitor sees it drop) makes the stream unhealthy until it is back,
+  and the first frame after it proves continuity through the replay socket before it is applied:
+  a publisher that restarted while disconnected may resume at exactly ``last + 1`` (its own seq
+  from 0), which the sequence alone cannot tell from the old publisher's next batch.
 
 Whenever batches are lost for good (no replay socket, the replay buffer no longer reaches back,
 a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's targets are reset:
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import xxhash
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -93,6 +98,8 @@ class StreamHealth:
     decode_errors: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # oversized/malformed
     recovering: bool = False
+    connected: bool = False  # the SUB socket's connection is up (socket monitor)
+    disconnects: int = 0
     bad_streak: int = 0  # consecutive frames that could not be used
     running: bool = False
 
@@ -206,7 +213,7 @@ class KvEventSubscriber:
         return list(self._by_worker.get(worker, []))
 
     def _is_healthy(self, h: StreamHealth) -> bool:
-        if not h.running or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
+        if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
             return False
         if self.stale_after_s is not None:
             return h.last_event_at is not None and self.clock() - h.last_event_at <= self.stale_after_s
@@ -216,10 +223,14 @@ class KvEventSubscriber:
     async def _run(self, stream: _Stream) -> None:
         h = stream.health
         sub = self._ctx.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
+        watcher: asyncio.Task[None] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, stream.spec.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            watcher = asyncio.get_running_loop().create_task(self._watch_connection(stream, monitor))
             sub.connect(h.endpoint)
             self._set_running(stream, True)
             if h.replay_endpoint:
@@ -238,10 +249,29 @@ class KvEventSubscriber:
                 log.error("kv events %s: socket error %s", h.target, exc)
         finally:
             self._set_running(stream, False)
+            if watcher is not None:
+                await _cancel(watcher)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            if monitor is not None:
+                monitor.close(linger=0)
             sub.close(linger=0)
             if stream.dealer is not None:
                 stream.dealer.close(linger=0)
                 stream.dealer = None
+
+    async def _watch_connection(self, stream: _Stream, monitor: zmq.asyncio.Socket) -> None:
+        """Track the SUB connection: down = unhealthy, and the next frame must prove continuity."""
+        h = stream.health
+        while True:
+            event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                h.connected = False
+                h.disconnects += 1
+                stream.lost = True
+            elif event == zmq.EVENT_CONNECTED:
+                h.connected = True
+            self._notify(stream)
 
     async def _on_live(self, stream: _Stream, frames: list[bytes]) -> None:
         h = stream.health
@@ -251,6 +281,9 @@ class KvEventSubscriber:
             self._bad(stream)
             return
         seq, payload = parsed
+        if stream.lost and h.last_seq is not None:
+            await self._after_reconnect(stream)
+        stream.lost = False
         last = h.last_seq
         if last is None:
             if seq > 0 and h.replay_endpoint:  # batches before this one went by unseen
@@ -292,6 +325,14 @@ class KvEventSubscriber:
         return False
 
     # ------------------------------------------------------------------ recovery
+    async def _after_reconnect(self, stream: _Stream) -> None:
+        """The connection dropped since the last frame: verify, through the replay socket, that
+        the publisher is the same incarnation (else reset and rebuild); without one, reset."""
+        if stream.health.replay_endpoint:
+            await self._recover(stream, "reconnect")
+        else:
+            self._reset(stream, "stream_lost", forget_seq=True)
+
     async def _recover(self, stream: _Stream, reason: str) -> None:
         """Catch up from the replay buffer; reset the stream's targets if batches are lost."""
         h = stream.health
@@ -310,11 +351,12 @@ class KvEventSubscriber:
                 return
             if last is not None and not _continues(frames, start, last, stream.digests):
                 # the buffer no longer reaches back, or another publisher incarnation answered
-                self._reset(stream, "restart" if _restarted(frames, last, stream.digests) else "gap_lost",
-                            forget_seq=True)
-                frames = await self._fetch_replay(stream, 0)
-                if frames is None:
+                everything = await self._fetch_replay(stream, 0)
+                restarted = _restarted(frames, last, stream.digests) or _behind(everything or [], last)
+                self._reset(stream, "restart" if restarted else "gap_lost", forget_seq=True)
+                if everything is None:
                     return
+                frames = everything
             for i, (seq, payload) in enumerate(frames):
                 if h.last_seq is None or seq > h.last_seq:
                     self._apply_frame(stream, seq, payload)
@@ -476,7 +518,7 @@ class KvEventSubscriber:
 
 
 class _Stream:
-    __slots__ = ("spec", "health", "task", "dealer", "filter", "digests", "order", "last_ts", "reported_healthy")
+    __slots__ = ("spec", "health", "task", "dealer", "filter", "digests", "order", "last_ts", "reported_healthy", "lost")
 
     def __init__(self, spec: WorkerEvents, health: StreamHealth) -> None:
         self.spec = spec
@@ -488,6 +530,7 @@ class _Stream:
         self.order: deque[int] = deque()
         self.last_ts = -math.inf  # publisher time of the newest batch applied
         self.reported_healthy: bool | None = None
+        self.lost = False  # the connection dropped since the last frame (set by the socket monitor)
 
     def remember(self, seq: int, payload: bytes, window: int) -> None:
         if seq not in self.digests:
@@ -522,6 +565,12 @@ def _continues(frames: list[tuple[int, bytes]], start: int, last: int, digests: 
 
 def _restarted(frames: list[tuple[int, bytes]], last: int, digests: dict[int, int]) -> bool:
     return any(seq <= last and digests.get(seq, -1) != _digest(p) for seq, p in frames[:1])
+
+
+def _behind(frames: list[tuple[int, bytes]], last: int) -> bool:
+    """A whole replay buffer that ends before ``last``: its publisher never sent ``last`` (a
+    new incarnation: the one that did keeps its newest batches)."""
+    return bool(frames) and frames[-1][0] < last
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
@@ -575,6 +624,7 @@ class _Collector:
         yield by_key("events", "Events by outcome", "type", lambda h: h.events)
         yield by_key("blocks", "Blocks applied, by operation", "op", lambda h: h.blocks)
         yield counter("gaps", "Sequence gaps seen", lambda h: h.gaps)
+        yield counter("disconnects", "Connections to the publisher lost", lambda h: h.disconnects)
         yield counter("duplicates", "Batches received twice (replay overlap)", lambda h: h.duplicates)
         yield counter("stale_frames", "Frames older than a rebuild, skipped", lambda h: h.stale)
         yield by_key("replays", "Replay requests, by outcome", "outcome", lambda h: h.replays)

@@ -367,6 +367,43 @@ async def test_publisher_restart_resets_and_rebuilds_from_replay() -> None:
         pub.close()
 
 
+async def test_a_restart_that_resumes_at_the_next_seq_is_caught_after_the_reconnect() -> None:
+    """The hard restart: while the SUB was disconnected the new publisher incarnation sent (and
+    kept) as many batches as the old one, so its next live frame carries exactly ``last + 1``. The
+    sequence alone cannot tell; the lost connection makes the stream prove continuity first."""
+    rng = random.Random(5)
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = make_sub(index)
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL))
+        await subscribed(sub, target, pub, rng)
+        old = ToyEngine(rng)
+        prompts = [p for c in sessions(rng, 3, 4) for p in c]
+        for p in prompts:
+            pub.publish(encode_events(old.serve(p), "array", "array2", "int", rng))
+        await caught_up(sub, target, pub)
+        last = sub.health()[target].last_seq
+        ports = pub.pub_port, pub.replay_port
+        pub.close()
+        await wait_until(lambda: sub.health()[target].disconnects == 1)
+        assert not sub.healthy(target)  # routing falls back to load while the stream is down
+        pub = Publisher(*ports)
+        new = ToyEngine(rng)
+        for p in prompts[:2]:  # unseen by the subscriber: kept for replay only
+            pub.publish(encode_events(new.serve(p), "map", "map", "bytes", rng), live=False)
+        while pub.seq <= last:
+            pub.publish(encode_events([], "map", "array3", "uint", rng), live=False)
+        assert pub.seq == last + 1
+        await nudge_until(pub, lambda: sub.health()[target].resets.get("restart") == 1, rng)
+        await caught_up(sub, target, pub)
+        check_index(index, target, new, prompts)
+        assert sub.healthy(target)
+    finally:
+        await sub.stop()
+        pub.close()
+
+
 async def test_random_workload_with_evictions_gaps_and_ranks_matches_the_true_cache() -> None:
     rng = random.Random(3)
     pubs = _two_rank_publishers()
