@@ -240,7 +240,7 @@ def bench_decode_cell(
                 return be.decode(s.q, s.k_cache, s.v_cache, s.block_tables, s.context_lens, scale)
 
             out = call(sets[0])
-            row.splits = be.decode_splits(batch, NUM_KV_HEADS, ctx, sets[0].q.device)[0]
+            row.splits = be.decode_splits(batch, NUM_KV_HEADS, ctx, sets[0].q.device, None, HEAD_DIM)[0]
             if ref is not None:
                 row.rel_err_vs_sdpa = rel_err(out, ref)
             if not bool(torch.isfinite(out).all()):
@@ -257,6 +257,66 @@ def bench_decode_cell(
         rows.append(row)
     del sets
     torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------- engine graph shapes
+
+# The engine's decode graphs: batch 64, contexts around 600 tokens, block tables padded to the
+# model's whole length (the split count is sized for that padding). (name, heads, KV heads, dim)
+GRAPH_SHAPES = [("qwen2-0.5b", 14, 2, 64), ("llama3-8b", 32, 8, 128)]
+GRAPH_TABLE_BLOCKS = 2052  # max_model_len 32832 / 16, as bench/engine.py sizes it
+GRAPH_SWEEP = {
+    "auto (default)": DecodeConfig(),
+    "n64 c4": DecodeConfig(64, 4, 3, 4, 256),
+    "n64 c8": DecodeConfig(64, 4, 3, 8, 256),
+    "n128 c4": DecodeConfig(128, 4, 3, 4, 256),
+    "n128 c8": DecodeConfig(128, 4, 3, 8, 256),
+    "n256 c4 w8": DecodeConfig(256, 8, 2, 4, 256),
+}
+
+
+def bench_graph_shapes(ceil: dict[str, float], batch: int = 64, mean_ctx: int = 600) -> list[Row]:
+    """Decode at the engine's graph shapes (padded tables, real contexts ~``mean_ctx``), each
+    config against the torch backend's output; GB/s over the K/V bytes of the real contexts."""
+    from workers.attention.torch_backend import TorchBackend
+
+    rows: list[Row] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, heads, kvh, dim in GRAPH_SHAPES:
+        ctx = (torch.rand(batch, generator=gen) * mean_ctx + mean_ctx // 2).int().clamp(min=1)
+        need = (ctx + 15) // 16
+        nbytes = int(ctx.sum()) * kvh * dim * 2 * 2 + 2 * batch * heads * dim * 2
+        sets = []
+        for _ in range(n_sets(nbytes)):
+            total = int(need.sum())
+            perm = torch.randperm(total, generator=gen).to(torch.int32)
+            tables = torch.zeros(batch, GRAPH_TABLE_BLOCKS, dtype=torch.int32)
+            off = 0
+            for i, n in enumerate(need.tolist()):
+                tables[i, :n] = perm[off : off + n]
+                off += n
+            kc = torch.randn(total, 16, kvh, dim, dtype=DTYPE, device=DEVICE)
+            vc = torch.randn(total, 16, kvh, dim, dtype=DTYPE, device=DEVICE)
+            q = torch.randn(batch, heads, dim, dtype=DTYPE, device=DEVICE)
+            sets.append((q, kc, vc, tables.to(DEVICE), ctx.to(DEVICE)))
+        scale = 1 / math.sqrt(dim)
+        ref = TorchBackend().decode(*sets[0], scale)
+        for cname, cfg in GRAPH_SWEEP.items():
+            row = Row("decode graph", f"{name} B={batch} ctx~{mean_ctx}", cname)
+            try:
+                be = TritonBackend(decode_config=cfg)
+                out = be.decode(*sets[0], scale)
+                row.rel_err_vs_sdpa = rel_err(out, ref)
+                row.splits = be.decode_splits(batch, kvh, GRAPH_TABLE_BLOCKS * 16, DEVICE, None, dim)[0]
+                row.triton_ms = time_graph([lambda s=s, be=be: be.decode(*s, scale) for s in sets])
+                row.gbs = nbytes / row.triton_ms / 1e6
+                row.frac_ceiling = row.gbs / ceil["copy_gbs"]
+            except Exception as e:  # noqa: BLE001
+                row.error = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -401,6 +461,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a few cells only")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--graph-shapes", action="store_true",
+                    help="only the engine's decode graph shapes (padded tables, ~600-token contexts), all configs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
@@ -419,6 +481,15 @@ def main() -> int:
     def over() -> bool:
         return time.monotonic() - t0 > args.budget_s
 
+    if args.graph_shapes:
+        rows = bench_graph_shapes(ceil)
+        print_tables(rows, ceil)
+        out = Path(os.environ.get("BENCH_JSON") or args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "ceilings": ceil,
+                                   "rows": [asdict(r) for r in rows]}, indent=2))
+        print(f"wrote {out}")
+        return 0
     batches = [1, 64] if args.quick else DECODE_BATCHES
     contexts = [4096, 32768] if args.quick else DECODE_CONTEXTS
     cells = [(b, c) for b in batches for c in contexts if b * c <= MAX_DECODE_TOKENS]

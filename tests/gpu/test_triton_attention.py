@@ -204,7 +204,7 @@ def test_decode_padded_tables_short_contexts(splits: int | None) -> None:
     case = Case(case.k_cache, case.v_cache, pad, case.context_lens, case.q_lens)
     q = torch.randn(64, 14, 64, generator=gen).to(torch.bfloat16).to(DEV)
     backend = TritonBackend()
-    n = backend.decode_splits(64, 2, 2052 * 16, q.device, splits)[0]
+    n = backend.decode_splits(64, 2, 2052 * 16, q.device, splits, head_dim=64)[0]
     assert n > 1  # the split path is the one under test
     poison_allocator((tuple(q.shape), q.dtype), ((64, 14, n, 64), torch.float32))
     out = backend.decode_with(q, case.k_cache, case.v_cache, case.block_tables,

@@ -52,7 +52,10 @@ def _jit(fn):  # type: ignore[no-untyped-def]
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64  # context tokens per inner step
+    # Context tokens per inner step; 0: 16 KB of K per step (64 at head_dim 128, 128 at 64). A
+    # step is a chain of dependent loads (table, then K/V), so at short contexts the step count,
+    # not bytes, sets the time (NOTES.md run 3).
+    block_n: int = 0
     num_warps: int = 4
     num_stages: int = 3
     # Programs that fit on one SM at once with this config (128 regs x 128 threads, 39 KB shared:
@@ -348,7 +351,7 @@ class TritonBackend(AttentionBackend):
         cfg = self.decode_config
         # Upper bound on any context, from shapes alone (no sync; graph-capturable).
         num_splits, _ = self.decode_splits(
-            num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device, num_splits
+            num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device, num_splits, head_dim
         )
         split = num_splits > 1
         if split:
@@ -365,7 +368,7 @@ class TritonBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             num_splits, group,
             BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, SPLIT=split,
+            BLOCK_SIZE=block_size, BLOCK_N=_block_n(cfg, head_dim), SPLIT=split,
             IEEE=q.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -383,6 +386,7 @@ class TritonBackend(AttentionBackend):
         max_context: int,
         device: torch.device,
         num_splits: int | None = None,
+        head_dim: int = 128,
     ) -> tuple[int, int]:
         """(splits, tokens per split at ``max_context``) of decode for contexts of at most
         ``max_context`` tokens. The kernel interleaves the splits' tiles over the real context.
@@ -390,11 +394,12 @@ class TritonBackend(AttentionBackend):
         ``num_splits=None`` picks enough splits that (sequences x KV heads x splits) fills the
         SMs (``ctas_per_sm``) without splits thinner than ``min_split_tokens``."""
         cfg = self.decode_config
-        n_tiles = triton.cdiv(max(1, max_context), cfg.block_n)
+        block_n = _block_n(cfg, head_dim)
+        n_tiles = triton.cdiv(max(1, max_context), block_n)
         if num_splits is None:
-            num_splits = _auto_splits(num_seqs * num_kv_heads, n_tiles, cfg, device)
+            num_splits = _auto_splits(num_seqs * num_kv_heads, n_tiles * block_n, cfg, device)
         tiles_per_split = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
-        return triton.cdiv(n_tiles, tiles_per_split), tiles_per_split * cfg.block_n
+        return triton.cdiv(n_tiles, tiles_per_split), tiles_per_split * block_n
 
     def prefill(
         self,
@@ -461,9 +466,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_splits(programs: int, n_tiles: int, cfg: DecodeConfig, device: torch.device) -> int:
+def _auto_splits(programs: int, max_context: int, cfg: DecodeConfig, device: torch.device) -> int:
     """As many context splits as fit (sequences x KV heads x splits) into one wave of the SMs
     (``ctas_per_sm`` resident programs each), none thinner than ``min_split_tokens``."""
     want = (cfg.ctas_per_sm * _num_sms(device)) // programs
-    most = max(1, (n_tiles * cfg.block_n) // cfg.min_split_tokens)
+    most = max(1, max_context // cfg.min_split_tokens)
     return max(1, min(want, most))
+
+
+def _block_n(cfg: DecodeConfig, head_dim: int) -> int:
+    return cfg.block_n or max(16, min(256, 8192 // head_dim))
