@@ -271,6 +271,8 @@ class PrefixIndex:
         block_size: int,
         seed: int,
         tier: Tier = Tier.GPU,
+        *,
+        keys: Sequence[int] | None = None,
     ) -> int:
         """Apply an engine's BlockStored; returns the number of blocks applied.
 
@@ -279,6 +281,10 @@ class PrefixIndex:
         unknown cannot be keyed and is skipped (returns 0). A store without tokens is a tier
         update of blocks already known by engine hash. Raises ValueError when ``token_ids`` do
         not cover exactly ``len(engine_hashes)`` blocks or hold a bad token id.
+
+        ``keys``: the blocks' router keys when the caller already has them (they must equal
+        ``chain_keys(token_ids, block_size, <the parent's key or seed>)``; not rechecked), so
+        hashing can run elsewhere (benchmarks measure the index alone with it).
         """
         n = len(engine_hashes)
         if n == 0:
@@ -297,7 +303,10 @@ class PrefixIndex:
             if found is None:
                 return 0
             parent_key, parent = found, self._parent_nid(found)
-        keys = chain_keys(token_ids, block_size, parent_key)
+        if keys is None:
+            keys = chain_keys(token_ids, block_size, parent_key)
+        elif len(keys) != n:
+            raise ValueError(f"BlockStored has {n} blocks but {len(keys)} keys were given")
         slot = self._slot_of(target)
         if emap is None:
             emap = self._emap[target] = {}
@@ -788,39 +797,44 @@ class PrefixIndex:
 
     # ------------------------------------------------------------ the remove path
     def _drop_tail(self, bit: int, keys: Sequence[int]) -> bool:
-        """The bulk form of the usual removal: ``keys`` (leaf first) are a chain's tail that
-        only ``bit``'s target holds, on the GPU only, each node the only child of the next (an
-        engine evicting a session's tail). Then they all go in a few C-speed passes and True is
-        returned; otherwise nothing changes and False is returned (the per-block path runs)."""
+        """The bulk form of the usual removal: ``keys`` are blocks that only ``bit``'s target
+        holds, on the GPU only, each a leaf or the parent of a single child that is removed too
+        (the tails of one or several chains: an engine evicting sessions' tails). Then they all
+        go in a few C-speed passes and True is returned; otherwise nothing changes and False is
+        returned (the per-block path runs). The order of ``keys`` does not matter."""
         nids = list(map(self._id.get, keys))
         if None in nids:
             return False
         g, c, s, kid = self._g, self._c, self._s, self._kid
+        kids = list(map(kid.__getitem__, nids))
+        gone = set(nids)
         if (
-            kid[nids[0]] != 0
-            or list(map(kid.__getitem__, nids[1:])) != nids[:-1]
+            len(gone) != len(nids)
+            or _MANY in kids
+            or not gone.issuperset(filter(None, kids))
             or set(map(g.__getitem__, nids)) != {bit}  # (a retired slot's bit: per-block path)
             or any(map(c.__getitem__, nids))
             or any(map(s.__getitem__, nids))
         ):
             return False
         deque(map(self._id.__delitem__, keys), 0)
-        top = nids[-1]
-        p = self._par[top]
         self._free.extend(nids)
-        if p > ROOT:
-            if kid[p] == top:
-                kid[p] = 0
-                if not ((g[p] | c[p] | s[p]) & self._live):
-                    self._maybe_delete(p)  # a placeholder left without children
-                elif self.max_keys:  # the parent became a leaf: it inherits the recency
-                    stamp_a = self._stamp
-                    stamp_a[p] = max(stamp_a[p], max(map(stamp_a.__getitem__, nids)))
-                    heappush(self._lru, (stamp_a[p], p))
-            else:
-                self._del_kid(p, top)
-        elif p == EMPTY:
-            self._orphans.discard(top)
+        par, live, budget = self._par, self._live, self.max_keys
+        for top in gone.difference(kids):  # the removed nodes whose parent stays
+            p = par[top]
+            if p > ROOT:
+                if kid[p] == top:
+                    kid[p] = 0
+                    if not ((g[p] | c[p] | s[p]) & live):
+                        self._maybe_delete(p)  # a placeholder left without children
+                    elif budget:  # the parent became a leaf: it inherits the recency
+                        stamp_a = self._stamp
+                        stamp_a[p] = max(stamp_a[p], max(map(stamp_a.__getitem__, nids)))
+                        heappush(self._lru, (stamp_a[p], p))
+                else:
+                    self._del_kid(p, top)
+            elif p == EMPTY:
+                self._orphans.discard(top)
         return True
 
     def _remove_key(self, slot: int, key: int, tier: Tier | None) -> int | None:
