@@ -219,6 +219,9 @@ def pct(xs: list[float], p: float) -> float:
 def summarize(s: Samples) -> dict[str, float]:
     return {
         "itl_p50_ms": pct(s.itl, 50) * 1e3, "itl_p99_ms": pct(s.itl, 99) * 1e3,
+        "itl_p999_ms": pct(s.itl, 99.9) * 1e3, "itl_max_ms": max(s.itl, default=float("nan")) * 1e3,
+        # prefill stalls are rare per token (a few steps per long prompt): count them directly
+        "itl_over_100ms": sum(x > 0.1 for x in s.itl),
         "decode_ttft_p50_ms": pct(s.decode_ttft, 50) * 1e3,
         "long_ttft_p50_ms": pct(s.long_ttft, 50) * 1e3, "long_ttft_p99_ms": pct(s.long_ttft, 99) * 1e3,
         "long_latency_p50_ms": pct(s.long_latency, 50) * 1e3,
@@ -300,11 +303,12 @@ def main() -> int:
             progress.update(task, description=f"{mode} ({args.warmup + args.duration:.0f} s)")
             results[mode] = measure(mode, args, devices, log_dir)
             progress.advance(task)
-    keys = ("itl_p50_ms", "itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
+    keys = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
     ratios = {m: {k: results[m][k] / results["mixed"][k] for k in keys if results["mixed"][k]} for m in modes[1:]}
     table = Table(title=f"{args.preset}: {args.decoders} decode streams + {args.long_prompt}-token prompts at "
                         f"{args.long_rate}/s on {', '.join(devices)}")
-    cols = ["config", "ITL p50 ms", "ITL p99 ms", "long TTFT p50 ms", "long TTFT p99 ms", "decode TTFT p50 ms", "errors"]
+    cols = ["config", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "long TTFT p50 ms", "long TTFT p99 ms",
+            "decode TTFT p50 ms", "errors"]
     for c in cols:
         table.add_column(c)
     for mode in modes:
