@@ -17,7 +17,7 @@ case "${1:-tests}" in
     bash tests/gpu/run.sh -q
     python3 bench/offload.py --lens 1024,8192,32768 --budget-s 60 --json "$OUT/offload.json" 2>&1 | tail -25 ;;
   disagg)
-    python3 bench/disagg.py --preset llama3-8b --devices cuda:0,cuda:1 --warmup 10 --duration 40 \
+    python3 bench/disagg.py --preset llama3-8b --devices cuda:0,cuda:1 --warmup 8 --duration 30 \
       --json "$OUT/disagg.json" 2>&1 | tail -30 ;;
   *) echo "usage: $0 tests|disagg" >&2; exit 2 ;;
 esac
