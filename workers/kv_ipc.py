@@ -39,6 +39,7 @@ from workers.kv_transfer import (
     TransferEngine,
     TransferError,
     _tcp_source,
+    check_header,
     encode_header,
 )
 
@@ -161,6 +162,18 @@ async def serve_lease(engine: TransferEngine, registry: Any, req: PullRequest,
         registry.end_read(t)
 
 
+def _leased_ids(header: dict[str, Any], keys: Sequence[int]) -> list[int]:
+    ids, remote_keys = header.get("block_ids"), header.get("block_keys")
+    try:
+        ok = (isinstance(ids, list) and isinstance(remote_keys, list) and len(ids) == len(keys)
+              and [int(str(k), 16) for k in remote_keys] == list(keys))
+        if ok:
+            return [int(i) for i in ids]
+    except (TypeError, ValueError):
+        pass
+    raise TransferError(502, "kv_transfer_corrupt", "lease does not match the expected blocks", True)
+
+
 @contextlib.asynccontextmanager
 async def lease_blocks(params: dict[str, Any], first_block: int, keys: Sequence[int], layout: Layout,
                        timeout: float) -> AsyncIterator[list[int]]:
@@ -173,18 +186,8 @@ async def lease_blocks(params: dict[str, Any], first_block: int, keys: Sequence[
             "layout": layout.to_dict(), "mode": "ipc"}
     source = await _tcp_source(str(params["remote_host"]), int(port), body, timeout)
     try:
-        header = await FrameReader(source).read_header()
-        if "error" in header:
-            err = header["error"]
-            raise TransferError(int(err.get("status", 502)), str(err.get("code")), str(err.get("message")), False)
-        mismatch = layout.mismatch(Layout.from_dict(header.get("layout")))
-        if mismatch:
-            raise TransferError(409, "kv_layout_mismatch", f"KV layout mismatch: {mismatch}")
-        ids, remote_keys = header.get("block_ids"), header.get("block_keys")
-        if (not isinstance(ids, list) or not isinstance(remote_keys, list) or len(ids) != len(keys)
-                or [int(str(k), 16) for k in remote_keys] != list(keys)):
-            raise TransferError(502, "kv_transfer_corrupt", "lease does not match the expected blocks", True)
-        yield [int(i) for i in ids]
+        header = check_header(await FrameReader(source).read_header(), layout)
+        yield _leased_ids(header, keys)
         if source.transport is not None:
             source.transport.write(_LEASE_DONE)
     finally:

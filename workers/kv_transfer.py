@@ -789,19 +789,24 @@ async def pull_blocks(
         source = ChunkSource(_http_source(http, url, body, timeout))
     reader = FrameReader(source, chunk_bytes)
     try:
-        header = await reader.read_header()
-        if "error" in header:
-            err = header["error"]
-            raise TransferError(int(err.get("status", 502)), str(err.get("code")), str(err.get("message")), False)
-        mismatch = layout.mismatch(Layout.from_dict(header.get("layout")))
-        if mismatch:
-            raise TransferError(409, "kv_layout_mismatch", f"KV layout mismatch: {mismatch}")
+        header = check_header(await reader.read_header(), layout)
         if header.get("block_bytes") != layout.block_bytes or header.get("num_blocks") != len(keys):
             raise TransferError(502, "kv_transfer_corrupt", "header does not match the pull request", True)
         async for chunk in reader.blocks(keys, layout.block_bytes):
             yield chunk
     finally:
         await source.aclose()
+
+
+def check_header(header: dict[str, Any], layout: Layout) -> dict[str, Any]:
+    """A pull's (or lease's) response header, or the ``TransferError`` it reports or implies."""
+    if "error" in header:
+        err = header["error"] if isinstance(header["error"], dict) else {}
+        raise TransferError(int(err.get("status", 502)), str(err.get("code")), str(err.get("message")), False)
+    mismatch = layout.mismatch(Layout.from_dict(header.get("layout")))
+    if mismatch:
+        raise TransferError(409, "kv_layout_mismatch", f"KV layout mismatch: {mismatch}")
+    return header
 
 
 def _host_for_url(host: str) -> str:
