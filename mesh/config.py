@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -130,6 +130,45 @@ class IndexConfig(_Model):
     speculative_ttl_s: float = Field(2.0, ge=0)
 
 
+class StateConfig(_Model):
+    """Where session bindings live: this process (``memory``, the default) or Redis, shared by
+    every gateway replica (``mesh.state_redis``)."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path; required for redis
+    key_prefix: str = "mesh:"
+    timeout_s: float = Field(0.1, gt=0, le=10)  # per Redis call; past it the gateway goes local
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("redis", "rediss", "unix") or any(c in url for c in "\r\n\t\0 "):
+            raise ValueError(f"url {url!r} must be redis://host:port/db, rediss://... or unix:///path")
+        if parsed.scheme != "unix" and not parsed.hostname:
+            raise ValueError(f"url {url!r} needs a host, e.g. redis://127.0.0.1:6379/0")
+        try:
+            parsed.port  # noqa: B018  (raises on a bad port)
+        except ValueError as exc:
+            raise ValueError(f"url {url!r}: {exc}") from exc
+        return url
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, prefix: str) -> str:
+        if not prefix or len(prefix) > 64 or not prefix.isprintable() or " " in prefix:
+            raise ValueError("key_prefix must be 1-64 printable characters without spaces")
+        return prefix
+
+    @model_validator(mode="after")
+    def _needs_url(self) -> StateConfig:
+        if self.backend == "redis" and self.url is None:
+            raise ValueError("backend redis needs a url, e.g. redis://127.0.0.1:6379/0")
+        return self
+
+
 # DESIGN.md "Defaults": precise KV-aware routing, with session affinity whenever a session id is
 # present. ``session_sticky`` without params wraps ``kv_aware`` (its default inner policy): a
 # request with a session id returns to its bound target while that is healthy and under the load
@@ -146,6 +185,7 @@ class MeshConfig(_Model):
     policy: Any = DEFAULT_POLICY  # a policies spec, passed untouched to policies.create_policy
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
 
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
