@@ -11,6 +11,8 @@ All state lives on ``app.state`` (``Gateway``), none in module globals:
   listener and lifespan hook that subscribes every worker with ``kv_events`` (static or added at
   runtime), copies stream health into ``TargetState.index_healthy`` and ends speculative entries.
 - ``sessions`` (``mesh.sessions.SessionTable``) holds session bindings; the router writes them.
+  With ``state.backend: redis`` it is a ``mesh.state_redis.SharedSessionTable``: each request's
+  shared binding is mirrored in before its decision, commits are written behind to Redis.
 - ``router`` (``mesh.router.Router``) makes every routing decision; its ``policy`` is swapped on
   reload while load, bindings and index stay.
 - ``http`` (``mesh.upstream.UpstreamPool``) is the one pooled upstream client, created in the
@@ -195,6 +197,10 @@ def _add_data_routes(app: FastAPI, gateway: Gateway) -> None:
 
 
 def _load_sessions(config: MeshConfig) -> Any:
+    if config.state.backend == "redis":  # bindings shared by replicas (mesh.state_redis)
+        from mesh.state_redis import shared_session_table
+
+        return shared_session_table(config)
     try:
         module = importlib.import_module("mesh.sessions")
     except ImportError:
@@ -228,6 +234,10 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         prompts=PromptProcessor(registry),
     )
     registry.add_listener(_Housekeeper(gateway))
+    if config.state.backend == "redis":
+        from mesh import state_redis
+
+        state_redis.attach(gateway)  # mirror before decisions, write-behind after commits
     gateway.ingest = kv_ingest.attach(gateway)  # before the static workers: it hears them too
     for worker in config.workers:
         registry.add(worker, source="config")

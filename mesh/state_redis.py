@@ -1,0 +1,262 @@
+"""Session bindings shared by several gateway replicas through Redis (``state.backend: redis``).
+
+Three parts, one job each:
+
+- ``RedisStateBackend`` implements ``mesh.sessions.StateBackend`` with ``redis.asyncio``: one
+  key per session, ``{prefix}s:{session} = target``, written with ``SET ... PX idle_ttl_ms`` on
+  every use, so Redis itself expires an idle binding (``PX``, not ``EX ceil(ttl)``: the shared
+  binding then lives exactly as long as the local one, also for sub-second TTLs in tests). It
+  never raises: every Redis error or timeout is counted (``on_error(op)``, the gateway's
+  ``mesh_state_backend_errors_total{op}``) and answers "no shared binding". After an error it
+  skips Redis for ``retry_after_s``, so a black-holed server costs one ``timeout_s``, not one per
+  request.
+- ``SharedSessionTable`` is the local ``SessionTable`` that policies read (they never do I/O),
+  plus: ``mirror`` copies the shared binding into it before a decision, and ``bind`` (the
+  ``Router``'s commit) queues the binding for the write-behind flusher.
+- ``attach(gateway)`` wires both into a gateway: ``MirroringPrompts`` wraps the prompt processor
+  (the one async step every request, proxied or ``/debug/route``, takes right before its
+  decision), the flusher runs from the lifespan, the error counter goes on ``/metrics``.
+
+Invariants:
+- Redis is the shared truth while it answers; the local table is the fallback. A shared binding
+  overrides a different local one; a missing shared one keeps the local one (Redis restarted and
+  lost its keys, or it is down): the next commit writes it back, so sharing heals by itself.
+- Writes are write-behind, not awaited on the request path: ``Router.commit`` is synchronous and
+  does no I/O, and awaiting would add a Redis round trip to every session request's first byte.
+  One flusher task drains ``_pending`` (last write per session wins) in one pipeline per round;
+  the lifespan's stop hook flushes what is left (bounded by ``timeout_s``) before closing.
+- Shared in-flight load across replicas is not built: each replica balances on its own counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from mesh.sessions import SessionTable
+
+log = logging.getLogger("mesh.state_redis")
+
+T = TypeVar("T")
+OPS = ("get", "set", "delete", "ping")
+
+
+class RedisStateBackend:
+    """``StateBackend`` over Redis; every call is bounded by ``timeout_s`` and never raises."""
+
+    def __init__(
+        self,
+        url: str,
+        idle_ttl_s: float,
+        *,
+        key_prefix: str = "mesh:",
+        timeout_s: float = 0.1,
+        retry_after_s: float = 0.5,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        if not (idle_ttl_s > 0):
+            raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s!r}")
+        try:
+            self.redis = aioredis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),  # no hidden retries: one attempt, then the local table
+                decode_responses=True,
+            )
+        except ValueError as exc:  # a URL redis-py cannot parse
+            raise ValueError(f"state.url {url!r} is not a usable Redis URL: {exc}") from exc
+        self.url = url
+        self.idle_ttl_s = float(idle_ttl_s)  # follows sessions.idle_ttl_s (SharedSessionTable sets it)
+        self.prefix = key_prefix + "s:"
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.on_error = on_error
+        self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
+        self.skipped = 0  # calls not sent while backing off after an error
+        self._down_until = 0.0
+
+    def key(self, session_id: str) -> str:
+        return self.prefix + session_id
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.idle_ttl_s * 1000))
+
+    # -- StateBackend --
+    async def get_session(self, session_id: str, now: float) -> str | None:
+        return await self._call("get", lambda: self.redis.get(self.key(session_id)), None)
+
+    async def set_session(self, session_id: str, target: str, now: float) -> bool:
+        """Bind or refresh; True when the session moved from another (live) target."""
+        async def op() -> bool:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(self.key(session_id))
+                pipe.set(self.key(session_id), target, px=self.ttl_ms)
+                old, _ = await pipe.execute()
+            return old is not None and old != target
+
+        return await self._call("set", op, False)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self._call("delete", lambda: self.redis.delete(self.key(session_id)), None)
+
+    # -- batches and lifecycle --
+    async def write_many(self, bindings: Mapping[str, str | None]) -> bool:
+        """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``; False on error."""
+        async def op() -> bool:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sid, target in bindings.items():
+                    if target is None:
+                        pipe.delete(self.key(sid))
+                    else:
+                        pipe.set(self.key(sid), target, px=self.ttl_ms)
+                await pipe.execute()
+            return True
+
+        if not bindings:
+            return True
+        return await self._call("set", op, False)
+
+    async def ping(self) -> bool:
+        return await self._call("ping", self.redis.ping, False, backoff=False)
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        return {"url": self.url, "errors": dict(self.errors), "skipped": self.skipped}
+
+    async def _call(self, op: str, fn: Callable[[], Any], default: T, *, backoff: bool = True) -> T:
+        if backoff and time.monotonic() < self._down_until:
+            self.skipped += 1
+            return default
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):  # hard bound over the socket timeouts
+                result: T = await fn()
+            return result
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # RedisError, TimeoutError, OSError: all mean "go local"
+            self.errors[op] += 1
+            self._down_until = time.monotonic() + self.retry_after_s
+            if self.on_error is not None:
+                self.on_error(op)
+            log.debug("state backend %s failed: %r", op, exc)
+            return default
+
+
+class SharedSessionTable(SessionTable):
+    """The local ``SessionTable`` (read by policies), kept in step with a shared backend."""
+
+    def __init__(self, backend: RedisStateBackend, idle_ttl_s: float = 600.0, max_sessions: int = 1_000_000) -> None:
+        super().__init__(idle_ttl_s, max_sessions)
+        self.backend = backend
+        self._pending: dict[str, str | None] = {}  # session -> target to write, None to delete
+        self._wake = asyncio.Event()
+        self.mirrored = 0  # local bindings set or changed from the shared one
+
+    # -- the router's writes: local at once, shared by the flusher --
+    def bind(self, session_id: str, target: str, now: float) -> bool:
+        moved = super().bind(session_id, target, now)
+        self._pending[session_id] = target
+        self._wake.set()
+        return moved
+
+    def unbind(self, session_id: str) -> bool:
+        done = super().unbind(session_id)
+        if done:
+            self._pending[session_id] = None
+            self._wake.set()
+        return done
+
+    # -- the gateway's read before a decision --
+    async def mirror(self, session_id: str, now: float) -> str | None:
+        """Copy the shared binding into the local table; returns it (None: keep the local one)."""
+        shared = await self.backend.get_session(session_id, now)
+        if shared is not None and shared != self.bound_target(session_id, now):
+            super().bind(session_id, shared, now)  # not queued: it came from the backend
+            self.mirrored += 1
+        return shared
+
+    # -- write-behind --
+    async def flush(self) -> bool:
+        if not self._pending:
+            return True
+        batch, self._pending = self._pending, {}
+        self.backend.idle_ttl_s = self.idle_ttl_s  # a config reload changes the table's TTL
+        return await self.backend.write_many(batch)
+
+    async def run_flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "mirrored": self.mirrored, "backend": self.backend.stats()}
+
+
+class MirroringPrompts:
+    """Wraps ``PromptProcessor``: a parsed request's shared binding is mirrored before it is routed."""
+
+    def __init__(self, inner: Any, table: SharedSessionTable) -> None:
+        self.inner = inner
+        self.table = table
+
+    async def process(self, raw: bytes, kind: str, session_header: bytes | None) -> Any:
+        parsed = await self.inner.process(raw, kind, session_header)
+        sid = parsed.info.session_id
+        if sid:
+            await self.table.mirror(sid, time.monotonic())
+        return parsed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def shared_session_table(config: Any) -> SharedSessionTable:
+    """The gateway's session table for ``state.backend: redis`` (``config``: a ``MeshConfig``)."""
+    state, sessions = config.state, config.sessions
+    backend = RedisStateBackend(state.url, sessions.idle_ttl_s, key_prefix=state.key_prefix, timeout_s=state.timeout_s)
+    return SharedSessionTable(backend, sessions.idle_ttl_s, sessions.max_sessions)
+
+
+def attach(gateway: Any) -> None:
+    """Wire a gateway whose ``sessions`` is a ``SharedSessionTable``: mirror, flusher, metrics."""
+    table: SharedSessionTable = gateway.sessions
+    backend = table.backend
+    errors = gateway.metrics.counter(
+        "mesh_state_backend_errors", "State backend (Redis) calls that failed or timed out; the gateway went local", ["op"]
+    )
+    for op in OPS:
+        errors.labels(op)
+    backend.on_error = lambda op: errors.labels(op).inc()
+    gateway.prompts = MirroringPrompts(gateway.prompts, table)
+    flusher: list[asyncio.Task[None]] = []
+
+    async def start(_: Any) -> None:
+        if not await backend.ping():
+            log.warning("state backend %s not reachable at start; using local session bindings until it is", backend.url)
+        flusher.append(asyncio.create_task(table.run_flusher(), name="mesh-state-flusher"))
+
+    async def stop(_: Any) -> None:
+        for task in flusher:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        flusher.clear()
+        await table.flush()  # the last bindings of this replica; bounded by timeout_s
+        await backend.aclose()
+
+    gateway.on_start.append(start)
+    gateway.on_stop.append(stop)
