@@ -179,13 +179,17 @@ def _norm(session_id: str) -> str:
 
 
 class StateBackend(Protocol):
-    """Where session bindings live, shared by every gateway replica.
+    """Where session bindings live, shared by every gateway replica (config: ``state.backend``).
 
-    In memory (``MemoryStateBackend``) for one process, the default. A Redis implementation
-    (``SET key target EX idle_ttl_s`` on every use, ``GET`` to read) comes with the multi-replica
-    work. The methods are async because Redis is network I/O: the gateway awaits the binding
-    before a decision and mirrors it into its local ``SessionTable``, since policies never do I/O.
-    Every set refreshes the binding's idle TTL.
+    ``MemoryStateBackend`` (one process, the default) wraps the ``SessionTable``;
+    ``mesh.state_redis.RedisStateBackend`` keeps one key per session, ``{prefix}s:{session} =
+    target``, written with ``SET ... PX idle_ttl_ms`` on every use (Redis expires an idle binding)
+    and read with ``GET``. The methods are async because Redis is network I/O; policies never do
+    I/O, so the gateway mirrors a request's binding into its local ``SessionTable`` before the
+    decision (``SharedSessionTable.mirror``) and writes the router's binding behind it. Every set
+    refreshes the binding's idle TTL. A backend never raises on a backend failure: it counts it
+    and answers "no shared binding" (``get``) or "not moved" (``set``), and the local table
+    decides.
     """
 
     idle_ttl_s: float
