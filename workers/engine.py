@@ -1,6 +1,10 @@
 """The engine loop: ``LLMEngine`` (synchronous: add_request / abort_request / step) and
 ``AsyncLLMEngine`` (the step loop in a background thread, one asyncio queue per request).
 
+Async decode (CUDA graphs): ``step`` enqueues the next decode step before it waits for and
+books the one in flight, so the host's scheduling and bookkeeping overlap the device's work;
+outputs still come one step per call, in the same order.
+
 Threading: everything under ``LLMEngine`` (scheduler, block manager, model runner) belongs to one
 thread. ``AsyncLLMEngine`` owns that thread; the event loop talks to it only through a command
 queue (add, abort) and receives outputs through ``loop.call_soon_threadsafe``.

@@ -6,7 +6,10 @@ sequence sits at absolute position ``p = num_computed_tokens + t`` and its K/V g
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 On CUDA with the Triton backend, batches made only of decodes replay CUDA graphs captured at
-fixed batch sizes (padding rows store nothing: slot -1, context 1, block 0).
+fixed batch sizes (padding rows store nothing: slot -1, context 1, a valid block id).
+``launch_decode`` enqueues such a step without a host sync and ``collect`` reads its tokens, so
+the engine can enqueue step t+1 (input ids taken on the device from step t's samples) before
+it books step t (async decode, ``LLMEngine``).
 """
 
 from __future__ import annotations
