@@ -73,6 +73,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 EMPTY = 0  # masks all 0: the parent of a node whose parent is unknown, and a missing key in scans
 ROOT = 1  # masks all 1 (-1): the parent of a prompt's first block
 _MANY = -1  # kid[n] when n has several children (they are in ``_kids[n]``); 0 = no child
+_BULK_MIN = 16  # blocks from which one event's C-speed bulk passes beat the per-block loop
 _SPEC = "spec"  # the tier of speculative stores (internal)
 
 
@@ -166,7 +167,7 @@ class PrefixIndex:
                 self._remove_key(slot, key, tier)
             return
         bit = 1 << slot
-        if len(keys) > 1 and self._drop_tail(bit, keys[::-1]):
+        if len(keys) >= _BULK_MIN and self._drop_tail(bit, keys[::-1]):
             return
         live = self._live
         ids, par, kid, free = self._id, self._par, self._kid, self._free
@@ -330,7 +331,7 @@ class PrefixIndex:
         if not emap or slot is None:
             return 0
         bit = 1 << slot
-        if tier is not Tier.CPU and len(engine_hashes) > 1:
+        if tier is not Tier.CPU and len(engine_hashes) >= _BULK_MIN:
             keys = list(map(emap.get, engine_hashes))
             if None not in keys and self._drop_tail(bit, keys):
                 deque(map(emap.__delitem__, engine_hashes), 0)
@@ -587,14 +588,6 @@ class PrefixIndex:
         par, kid, stamp_a, budget = self._par, self._kid, self._stamp, self.max_keys
         g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
-        if not spec and len(keys) > 1 and ca[p] & bit and (not gpuish or cg[p] & bit) and get(keys[1]) is not None:
-            done = self._join_chain(bit, keys, field, gpuish, p, stamp)
-            if done:
-                if done == len(keys):
-                    keys = ()
-                else:
-                    p = get(keys[done - 1])
-                    keys = keys[done:]
         for i, key in enumerate(keys):
             x = get(key)
             if x is None:
@@ -634,43 +627,10 @@ class PrefixIndex:
             p = x
         if spec:
             specs.update(dict.fromkeys(keys, spec_deadline))  # type: ignore[union-attr]
-        if self.max_keys and keys:
+        if self.max_keys:
             last = get(keys[-1])
             if last is not None and self._kid[last] == 0:
                 heappush(self._lru, (stamp, last))
-
-    def _join_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> int:
-        """The bulk form of adding a holder to blocks already indexed (a worker storing a shared
-        system prompt): the leading run of ``keys`` that exists as a chain below ``p`` and that
-        the target holds on no tier, with no child waiting for its bit (``pend``). The caller
-        checked that ``p`` is consecutive for the target (on the GPU too for a GPU store), so
-        every block of the run becomes consecutive: holder and consecutive masks gain the bit in
-        C-speed passes, equal old masks sharing one new mask object. Returns the run's length
-        (0: nothing done; the per-block path handles the rest)."""
-        nids = list(map(self._id.get, keys))
-        run = nids.index(None) if None in nids else len(nids)
-        if run < 2:
-            return 0
-        if run < len(nids):
-            nids = nids[:run]
-        g, c, s, par, pend = self._g, self._c, self._s, self._par, self._pend
-        if (
-            par[nids[0]] != p
-            or list(map(par.__getitem__, nids[1:])) != nids[:-1]
-            or any(map(bit.__and__, map(g.__getitem__, nids)))
-            or any(map(bit.__and__, map(c.__getitem__, nids)))
-            or any(map(bit.__and__, map(s.__getitem__, nids)))
-            or any(map(bit.__and__, map(pend.__getitem__, nids)))
-        ):
-            return 0
-        for arr in (field, self._ca, self._cg) if gpuish else (field, self._ca):
-            olds = list(map(arr.__getitem__, nids))
-            new = {v: v | bit for v in set(olds)}
-            deque(map(arr.__setitem__, nids, map(new.__getitem__, olds)), 0)
-        if self.max_keys:
-            stamp_a = self._stamp
-            deque(map(stamp_a.__setitem__, nids, repeat(stamp)), 0)
-        return run
 
     def _new_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> None:
         """Blocks new to the index, under node ``p``: every one gets the same masks (each is
@@ -686,7 +646,23 @@ class PrefixIndex:
         key_a, par, kid, stamp_a, ids, free = self._key, self._par, self._kid, self._stamp, self._id, self._free
         m = len(keys)
         k = min(m, len(free))
-        if k:  # recycled nids first, written by C-speed scatters
+        if 0 < k < _BULK_MIN:  # a few recycled nids: one by one
+            for key in keys[:k] if k < m else keys:
+                x = free.pop()
+                key_a[x] = key
+                par[x] = p
+                kid[x] = 0
+                if self.max_keys:
+                    stamp_a[x] = stamp
+                g[x], c[x], s[x], ca[x], cg[x], pend[x] = gv, cv, sv, ca_v, cg_v, waiting
+                ids[key] = x
+                if p > ROOT:
+                    if kid[p] == 0:
+                        kid[p] = x
+                    else:
+                        self._add_kid(p, x)
+                p = x
+        elif k:  # many: written by C-speed scatters
             xs = free[-k:]
             del free[-k:]
             head = keys[:k] if k < m else keys
@@ -806,13 +782,14 @@ class PrefixIndex:
         if None in nids:
             return False
         g, c, s, kid = self._g, self._c, self._s, self._kid
+        if set(map(g.__getitem__, nids)) != {bit}:  # shared, or a retired slot's bit: per-block path
+            return False
         kids = list(map(kid.__getitem__, nids))
         gone = set(nids)
         if (
             len(gone) != len(nids)
             or _MANY in kids
             or not gone.issuperset(filter(None, kids))
-            or set(map(g.__getitem__, nids)) != {bit}  # (a retired slot's bit: per-block path)
             or any(map(c.__getitem__, nids))
             or any(map(s.__getitem__, nids))
         ):

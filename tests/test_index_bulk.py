@@ -1,7 +1,7 @@
-"""The index's bulk paths (a chain's blocks joined by a new holder in one pass; tails of one or
-several chains removed in one pass; recycled node ids written by C-speed scatters) against the
-per-block paths they shortcut, on random workloads with evictions, gaps in chains, both tiers,
-speculation, target removal and an LRU budget."""
+"""The index's bulk paths (tails of one or several chains removed in one pass; recycled node ids
+written by C-speed scatters) against the per-block paths they shortcut, on random workloads with
+evictions, gaps in chains, both tiers, speculation, target removal and an LRU budget. The bulk
+threshold is lowered so that the small workloads here take the bulk paths often."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+import mesh.index
 from mesh.index import PrefixIndex
 from mesh.keys import block_keys, namespace_seed
 from policies.base import Overlap, Tier
@@ -16,14 +17,16 @@ from policies.base import Overlap, Tier
 TARGETS = ["a", "b", "c", "d"]
 
 
+@pytest.fixture(autouse=True)
+def small_bulk_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mesh.index, "_BULK_MIN", 2)
+
+
 class PerBlock(PrefixIndex):
-    """The reference: every store and removal takes the per-block path."""
+    """The reference: every removal takes the per-block path."""
 
     def _drop_tail(self, bit: int, keys: object) -> bool:
         return False
-
-    def _join_chain(self, *args: object) -> int:
-        return 0
 
 
 class Counting(PrefixIndex):
@@ -31,17 +34,12 @@ class Counting(PrefixIndex):
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
-        self.bulk = {"drop": 0, "join": 0}
+        self.bulk = {"drop": 0}
 
     def _drop_tail(self, bit: int, keys: object) -> bool:
         done = super()._drop_tail(bit, keys)  # type: ignore[arg-type]
         self.bulk["drop"] += done
         return done
-
-    def _join_chain(self, *args: object) -> int:
-        run = super()._join_chain(*args)  # type: ignore[arg-type]
-        self.bulk["join"] += bool(run)
-        return run
 
 
 def make_tree(rng: random.Random) -> tuple[dict[int, int | None], dict[str, list[int]]]:
@@ -148,7 +146,7 @@ def test_bulk_store_and_remove_equal_the_per_block_paths(seed: int) -> None:
                 for t in TARGETS:
                     assert bulk.holds(t, k) == ref.holds(t, k)
             assert len(bulk) == len(ref)
-    assert bulk.bulk["drop"] > 0 and bulk.bulk["join"] > 0  # the bulk paths really ran
+    assert bulk.bulk["drop"] > 0  # the bulk path really ran
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -253,4 +251,42 @@ def test_engine_events_through_the_bulk_paths_track_every_engine_exactly(seed: i
     for t, e in engines.items():
         assert bulk.engine_map(t) == ref.engine_map(t)
         assert len(bulk.engine_map(t)) == len(e.blocks)
-    assert bulk.bulk["drop"] > 0 and bulk.bulk["join"] > 0
+    assert bulk.bulk["drop"] > 0
+
+
+def test_default_threshold_long_sessions_evicted_tail_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the default threshold: sessions of 40-80 blocks under a shared prefix, their tails
+    evicted 16-48 blocks at a time (one or two sessions per event), as the bench's workload."""
+    monkeypatch.setattr(mesh.index, "_BULK_MIN", 16)
+    rng = random.Random(9)
+    ns = namespace_seed("m")
+    bs = 2
+    system = [rng.randrange(100) for _ in range(20 * bs)]
+    bulk, ref = Counting(), PerBlock()
+    sessions: list[tuple[str, list[int], list[int], int]] = []  # target, tokens, hashes, cached blocks
+    for i in range(24):
+        t = TARGETS[i % 4]
+        tokens = system + [rng.randrange(100) for _ in range(rng.randint(40, 80) * bs)]
+        hashes = [rng.getrandbits(64) for _ in range(len(tokens) // bs)]
+        for index in (bulk, ref):
+            index.apply_stored(t, hashes[:20], None, tokens[: 20 * bs], bs, ns)  # repeated: a no-op
+            index.apply_stored(t, hashes[20:], hashes[19], tokens[20 * bs :], bs, ns)
+        sessions.append((t, tokens, hashes, len(hashes)))
+    for _ in range(30):
+        t = rng.choice(TARGETS)
+        mine = [i for i, s in enumerate(sessions) if s[0] == t and s[3] > 20]
+        gone: list[int] = []
+        for i in rng.sample(mine, min(len(mine), rng.choice([1, 2]))):
+            _, tokens, hashes, cached = sessions[i]
+            k = min(cached - 20, rng.randint(16, 48))
+            gone += hashes[cached - k : cached][::-1]
+            sessions[i] = (t, tokens, hashes, cached - k)
+        for index in (bulk, ref):
+            assert index.apply_removed(t, gone) == len(gone)
+    for t, tokens, hashes, cached in sessions:
+        keys = block_keys(tokens, bs, ns)
+        assert bulk.match(keys) == ref.match(keys)
+        assert bulk.match(keys)[t].blocks >= cached
+    assert len(bulk) == len(ref)
+    assert bulk.stats()["engine_hashes"] == ref.stats()["engine_hashes"]
+    assert bulk.bulk["drop"] > 0
