@@ -17,11 +17,14 @@ Both indices get the same events:
   block hashes already computed (``compute_block_hash_for_seq``): its timed apply excludes both.
 
 Dynamo is also fed from the token ids (``dynamo from tokens``: local hashes, its JSON, apply), the
-way Mesh is fed. Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
+way Mesh is fed; and Mesh is also fed pre-hashed (``mesh pre-hashed``: ``apply_stored(keys=...)``
+with the events' router keys computed beforehand), the way Dynamo's main column is: the index's own
+work against the tree's. Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
 and 2,048 blocks taken from indexed sessions; every query's overlaps must be identical (asserted).
 Memory per indexed block: tracemalloc for Mesh (a fresh index replaying the stream), RSS growth
 of a fresh subprocess for Dynamo. Decision: tokens (a Python list) -> keys -> ``kv_aware`` on a
-live cluster view, for 8k and 32k-token prompts; Dynamo's column is its lookup alone (tokens ->
+live cluster view (the request path: ``explain=False``, as ``Router.route``), for 8k and 32k-token
+prompts; Dynamo's column is its lookup alone (tokens ->
 ``compute_block_hash_for_seq`` -> ``find_matches``), no policy.
 
     python bench/index.py [--sizes 16 64 256 1024] [--events 5000] [--json bench/results/index.json]
