@@ -42,6 +42,7 @@ class BlockStored:
     lora_name: str | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    cache_salt: str | None = None  # the namespace of a chain that starts here (see ``_salt``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,7 @@ def _stored_map(ev: dict[str, Any]) -> BlockStored:
         _opt_str(ev.get("lora_name")),
         _opt_int(ev.get("group_idx")),
         _opt_str(ev.get("kv_cache_spec_kind")),
+        _salt(ev.get("cache_salt"), ev.get("extra_keys")),
     )
 
 
@@ -192,6 +194,7 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
         _opt_str(ev[7] if n > 7 else None),
         group_idx,
         kind,
+        _salt(None, ev[8] if n > 8 else None),
     )
 
 
@@ -277,6 +280,19 @@ def _opt_int(raw: Any) -> int | None:
 
 def _opt_str(raw: Any) -> str | None:
     return raw if isinstance(raw, str) else None
+
+
+def _salt(field: Any, extra_keys: Any) -> str | None:
+    """The cache salt of a stored chain's first block: a ``cache_salt`` field (Dynamo's and
+    SGLang's wire) or vLLM's ``extra_keys``, whose first block's entry ends with the salt (vLLM
+    appends it after any multimodal identifiers). Anything else: no salt."""
+    if isinstance(field, str) and field:
+        return field
+    if isinstance(extra_keys, (list, tuple)) and extra_keys:
+        first = extra_keys[0]
+        if isinstance(first, (list, tuple)) and first and isinstance(first[-1], str) and first[-1]:
+            return first[-1]
+    return None
 
 
 class GroupFilter:

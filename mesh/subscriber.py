@@ -455,7 +455,7 @@ class KvEventSubscriber:
                     continue
                 try:
                     n = index.apply_stored(target, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                           bs, self._seed(spec.model, ev.lora_name), tier)
+                                           bs, self._seed(spec.model, ev.lora_name, ev.cache_salt), tier)
                 except ValueError:
                     h.bump(h.events, "invalid")
                     continue
@@ -476,7 +476,9 @@ class KvEventSubscriber:
                 h.bump(h.events, "removed")
                 h.bump(h.blocks, "removed", n)
 
-    def _seed(self, model: str, lora: str | None) -> int:
+    def _seed(self, model: str, lora: str | None, salt: str | None = None) -> int:
+        if salt:  # one per tenant, unbounded in number: computed, never cached
+            return namespace_seed(model, lora, salt)
         seed = self._seeds.get((model, lora))
         if seed is None:
             seed = self._seeds[(model, lora)] = namespace_seed(model, lora)

@@ -139,6 +139,23 @@ def test_round_robin_reuses_far_less_on_the_same_workload(cluster: Cluster) -> N
     assert kv_rate > 0.5 and kv_rate > 2 * rr_rate, (kv_rate, rr_rate)
 
 
+def test_salted_prompts_are_indexed_in_their_salt_namespace(cluster: Cluster) -> None:
+    """A salted request's blocks are announced with its salt (vLLM's ``extra_keys``), so the index
+    keys them in that namespace: the same prompt under that salt matches them; under another salt
+    or none it does not (no false hits, no affinity across tenants)."""
+    body = Conversation(4242).next_body(words=60, cache_salt="tenant-a")
+    first = cluster.kv.chat(body)
+    blocks = first.prompt_tokens // BLOCK
+    wait_until(lambda: overlaps(cluster.kv.route(body)["decision"]).get(first.worker, 0) >= blocks,
+               what="the salted prompt indexed under its salt")
+    unsalted = {k: v for k, v in body.items() if k != "cache_salt"}
+    for other in ({**body, "cache_salt": "tenant-b"}, unsalted):
+        seen = overlaps(cluster.kv.route(other)["decision"])
+        assert all(n <= 1 for n in seen.values()), seen  # the warm-ups' unsalted template block at most
+    again = cluster.kv.chat(body)
+    assert again.worker == first.worker and again.cached_tokens >= (blocks - 1) * BLOCK
+
+
 def test_a_removed_worker_drops_its_entries_and_a_readded_one_is_rebuilt_from_replay(cluster: Cluster) -> None:
     kv, w2 = cluster.kv, cluster.workers["w2"]
     conv = Conversation(400)

@@ -112,6 +112,23 @@ def test_legacy_tail_with_multimodal_infos_before_the_group() -> None:
     assert stored.group_idx == 2 and stored.kv_cache_spec_kind == "sliding_window"
 
 
+def test_cache_salt_from_vllm_extra_keys_and_from_a_cache_salt_field() -> None:
+    """vLLM puts the salt last in the first block's ``extra_keys`` (after multimodal ids);
+    Dynamo's and SGLang's wire carry a ``cache_salt`` field. Anything else means no salt."""
+    events = [
+        MapStored([1, 2], None, [0] * 4, 2, extra_keys=[["mm-hash", "tenant-a"], None]),
+        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None, "token_ids": [0, 0],
+         "block_size": 2, "cache_salt": "tenant-b"},
+        ["BlockStored", [4], None, [0, 0], 2, None, "GPU", None, [["tenant-c"]]],
+        MapStored([5], None, [0, 0], 2, extra_keys=[[7]]),  # not a string: no salt
+        MapStored([6], None, [0, 0], 2, extra_keys="garbage"),
+        MapStored([8], None, [0, 0], 2),
+    ]
+    batch = decode_batch(enc([0.0, events]))
+    assert isinstance(batch, Batch) and batch.malformed == 0
+    assert [e.cache_salt for e in batch.events] == ["tenant-a", "tenant-b", "tenant-c", None, None, None]
+
+
 def test_missing_trailing_fields_and_sglang_short_tuple() -> None:
     short = ["BlockStored", [1, 2], None, [0, 1, 2, 3], 2, None]  # ends at lora_id
     removed = ["BlockRemoved", [1]]

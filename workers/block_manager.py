@@ -58,6 +58,16 @@ class BlockStored:
     token_ids: list[int]  # empty for a CPU store: a tier update of blocks known by hash (vLLM's shape)
     block_size: int
     medium: str = MEDIUM_GPU
+    # vLLM's per-block extra hash inputs: the cache salt rides on a chain's first block, so a
+    # subscriber keys a salted chain in the salt's namespace (None: nothing extra anywhere)
+    extra_keys: list[tuple[str, ...] | None] | None = None
+
+
+def salt_extra_keys(salt: str | None, first: int, n: int) -> list[tuple[str, ...] | None] | None:
+    """``extra_keys`` of ``n`` stored blocks starting at chain position ``first``."""
+    if not salt or first:
+        return None
+    return [(salt,)] + [None] * (n - 1)
 
 
 @dataclass(frozen=True)
@@ -367,6 +377,7 @@ class BlockManager:
                 parent_block_hash=keys[first - 1] if first else None,
                 token_ids=seq.token_ids[first * bs : (first + len(run)) * bs],
                 block_size=bs,
+                extra_keys=salt_extra_keys(seq.cache_salt, first, len(run)),
             )
         )
 

@@ -71,6 +71,17 @@ class Hold:
                 self.engine.submit(self.engine.ops.unpin, tuple(self.block_ids))
 
 
+@dataclass(frozen=True)
+class Chain:
+    """The transferred prefix of one decode request: its blocks' keys and tokens, in the
+    namespace of ``seed`` (model and cache salt: the salt is announced with imported blocks)."""
+
+    keys: list[int]
+    blocks: list[list[int]]
+    seed: int
+    salt: str | None
+
+
 @dataclass
 class DecodeCounters:
     requests: int = 0
@@ -286,15 +297,15 @@ class DisaggService:
         if keys != remote_keys:
             raise TransferError(409, "kv_key_mismatch", "the prefill worker's block keys differ from this "
                                 "worker's (another model name, tokenizer or cache salt)")
-        blocks = [tokens[i * bs : (i + 1) * bs] for i in range(n)]
+        chain = Chain(keys, [tokens[i * bs : (i + 1) * bs] for i in range(n)], seed, req.cache_salt)
         hold = Hold(self.engine)
         try:
-            own = await self.engine.call(self.engine.ops.pin_prefix, keys, blocks, seed)
+            own = await self.engine.call(self.engine.ops.pin_prefix, keys, chain.blocks, seed)
             hold.block_ids += own.block_ids
             h = len(own.block_ids)
             self.decode.blocks_local += h
             if h < n:
-                await self._pull(params, keys, blocks, seed, h, hold)
+                await self._pull(params, chain, h, hold)
         except BaseException:
             hold.release()
             raise
@@ -302,9 +313,8 @@ class DisaggService:
             self._background(self._release_remote(params, "decode", "ok"))
         return hold
 
-    async def _pull(self, params: dict[str, Any], keys: list[int], blocks: list[list[int]], seed: int,
-                    h: int, hold: Hold) -> None:
-        n = len(keys)
+    async def _pull(self, params: dict[str, Any], chain: Chain, h: int, hold: Hold) -> None:
+        n = len(chain.keys)
         nbytes = (n - h) * self.layout.block_bytes
         if self.admission.too_large(nbytes):
             raise TransferError(413, "kv_transfer_too_large",
@@ -315,9 +325,9 @@ class DisaggService:
         try:
             peer_kv = self._peer_cache(params)
             if peer_kv is not None:
-                await self._copy_from_peer(params, peer_kv, keys, blocks, seed, h, hold)
+                await self._copy_from_peer(params, peer_kv, chain, h, hold)
             else:
-                await self._pull_over_network(params, keys, blocks, seed, h, hold)
+                await self._pull_over_network(params, chain, h, hold)
         finally:
             ticket.release()
 
@@ -328,30 +338,29 @@ class DisaggService:
             return None
         return self.peers.open(export)
 
-    async def _copy_from_peer(self, params: dict[str, Any], peer_kv: Any, keys: list[int], blocks: list[list[int]],
-                              seed: int, h: int, hold: Hold) -> None:
+    async def _copy_from_peer(self, params: dict[str, Any], peer_kv: Any, chain: Chain, h: int, hold: Hold) -> None:
+        keys = chain.keys
         per_call = max(1, self.config.ipc_chunk_bytes // self.layout.block_bytes)
         async with lease_blocks(params, h, keys[h:], self.layout, self.config.pull_timeout_s) as peer_ids:
             for i in range(h, len(keys), per_call):
                 j = min(i + per_call, len(keys))
                 parent = keys[i - 1] if i else None
-                await self._import(hold, self.engine.ops.import_from_peer, keys[i:j], blocks[i:j], seed, parent,
-                                   peer_kv, peer_ids[i - h : j - h])
+                await self._import(hold, self.engine.ops.import_from_peer, keys[i:j], chain.blocks[i:j], chain.seed,
+                                   parent, peer_kv, peer_ids[i - h : j - h], chain.salt)
                 self.decode.blocks_pulled += j - i
                 self.decode.blocks_copied_ipc += j - i
                 self.decode.bytes_pulled += (j - i) * self.layout.block_bytes
 
-    async def _pull_over_network(self, params: dict[str, Any], keys: list[int], blocks: list[list[int]],
-                                 seed: int, h: int, hold: Hold) -> None:
-        done = h
+    async def _pull_over_network(self, params: dict[str, Any], chain: Chain, h: int, hold: Hold) -> None:
+        keys, done = chain.keys, h
         for attempt in range(self.config.pull_attempts):
             try:
                 async for _, ks, data in pull_blocks(params, done, keys[done:], self.layout, http=self.http,
                                                      timeout=self.config.pull_timeout_s,
                                                      chunk_bytes=self.config.chunk_bytes):
                     parent = keys[done - 1] if done else None
-                    await self._import(hold, self.engine.ops.import_blocks, ks, blocks[done : done + len(ks)],
-                                       seed, parent, data)
+                    await self._import(hold, self.engine.ops.import_blocks, ks, chain.blocks[done : done + len(ks)],
+                                       chain.seed, parent, data, chain.salt)
                     done += len(ks)
                     self.decode.blocks_pulled += len(ks)
                     self.decode.bytes_pulled += data.nbytes

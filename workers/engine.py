@@ -127,7 +127,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self._seed(cache_salt))
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self._seed(cache_salt),
+                       cache_salt)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

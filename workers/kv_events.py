@@ -36,7 +36,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def encode_event(event: KVEvent) -> dict[str, Any]:
     """One event as vLLM's tagged map (fields in vLLM's order; defaults omitted as vLLM does)."""
     if isinstance(event, BlockStored):
-        return {
+        out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": event.block_hashes,
             "parent_block_hash": event.parent_block_hash,
@@ -46,6 +46,9 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
             "medium": event.medium,
             "lora_name": None,
         }
+        if event.extra_keys is not None:
+            out["extra_keys"] = [list(k) if k is not None else None for k in event.extra_keys]
+        return out
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     if isinstance(event, AllBlocksCleared):

@@ -44,7 +44,7 @@ import torch
 import xxhash
 
 from mesh.keys import block_keys, namespace_seed
-from workers.block_manager import BlockManager, BlockStored
+from workers.block_manager import BlockManager, BlockStored, salt_extra_keys
 from workers.engine import AsyncLLMEngine, EngineDeadError, LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -422,21 +422,21 @@ class BlockOps:
 
     def import_from_peer(
         self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
-        parent: int | None, peer_kv: torch.Tensor, peer_block_ids: Sequence[int],
+        parent: int | None, peer_kv: torch.Tensor, peer_block_ids: Sequence[int], salt: str | None = None,
     ) -> list[int]:
         """``import_blocks`` with the pages copied straight from a peer worker's KV cache on this
         host (``workers.kv_ipc``), synchronized before returning: the caller's read lease on the
         peer's blocks may end as soon as this returns."""
         idx = torch.as_tensor(list(peer_block_ids), dtype=torch.long, device=peer_kv.device)
         pages = peer_kv.index_select(2, idx)
-        out = self.import_blocks(keys, token_blocks, seed, parent, pages)
+        out = self.import_blocks(keys, token_blocks, seed, parent, pages, salt)
         torch.cuda.synchronize(peer_kv.device)
         torch.cuda.synchronize(self.engine.runner.kv_cache.device)
         return out
 
     def import_blocks(
         self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
-        parent: int | None, data: np.ndarray | torch.Tensor,
+        parent: int | None, data: np.ndarray | torch.Tensor, salt: str | None = None,
     ) -> list[int]:
         """Write verified consecutive blocks of a chain into fresh blocks, register them in the
         prefix cache and pin them; returns their ids. ``parent`` is the key of the block before
@@ -481,11 +481,11 @@ class BlockOps:
                 fresh_rows.append(j)
                 run.append(j)
             else:
-                self._emit(keys, token_blocks, parent, run)
+                self._emit(keys, token_blocks, parent, run, salt)
                 run = []
             out.append(bid)
             prev = key
-        self._emit(keys, token_blocks, parent, run)
+        self._emit(keys, token_blocks, parent, run, salt)
         self.engine.run_swaps()  # CPU offload: evicted pages are saved before the scatter overwrites them
         if fresh_rows:  # same engine-thread call: no step can read them before they are written
             self._scatter([out[j] for j in fresh_rows], data, fresh_rows)
@@ -498,13 +498,15 @@ class BlockOps:
         return self.bm._take_fresh()  # noqa: SLF001 (the block manager's one eviction path)
 
     def _emit(self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], parent: int | None,
-              run: list[int]) -> None:
+              run: list[int], salt: str | None) -> None:
         if not run:
             return
         first = run[0]
         before = keys[first - 1] if first else parent
         tokens = [t for j in run for t in token_blocks[j]]
-        self.bm.events.append(BlockStored([keys[j] for j in run], before, tokens, self.layout.block_size))
+        extra = salt_extra_keys(salt, 0 if before is None else 1, len(run))
+        self.bm.events.append(BlockStored([keys[j] for j in run], before, tokens, self.layout.block_size,
+                                          extra_keys=extra))
 
     def _publish(self) -> None:
         """Announce the import now (the engine may be idle: no step would drain it soon)."""

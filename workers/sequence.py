@@ -58,7 +58,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "block_hashes", "num_committed_blocks", "status",
-        "params", "key_seed", "block_size", "finish_reason", "admissions", "generator",
+        "params", "key_seed", "cache_salt", "block_size", "finish_reason", "admissions", "generator",
     )
 
     def __init__(
@@ -68,6 +68,7 @@ class Sequence:
         params: SamplingParams,
         block_size: int,
         key_seed: int,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -81,6 +82,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.key_seed = key_seed  # namespace seed of this request's key chain
+        self.cache_salt = cache_salt  # announced with the chain's first block (KV events' extra_keys)
         self.block_size = block_size
         self.finish_reason: str | None = None
         self.admissions = 0  # > 1 after a preemption
