@@ -4,7 +4,9 @@
   msgpack ``[ts, events, data_parallel_rank]``; each event a map with a ``"type"`` key, as
   current vLLM encodes it (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). ``medium``
   is ``"GPU"``, or ``"CPU"`` for the offload tier, whose stores carry no tokens (vLLM's
-  offloading connector's shape: a tier update of blocks already announced on the GPU).
+  offloading connector's shape: a tier update of blocks already announced on the GPU). A salted
+  request's chain carries its salt as vLLM does: ``extra_keys`` with ``[salt]`` for the chain's
+  first block (``None`` for the others), so a subscriber keys it in the salt's namespace.
 - Replay (ROUTER): a request ``[b"", start_seq (8 bytes)]`` is answered with
   ``[b"", topic, seq, payload]`` for every kept batch with ``seq >= start_seq``, then
   ``[b"", topic, -1 (8 bytes, signed), b""]``.
