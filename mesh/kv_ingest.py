@@ -22,9 +22,11 @@ worker's blocks with ``mesh.keys.namespace_seed(model)``, ``model`` being the na
 serves (the first of ``models`` when listed, else the one its ``/v1/models`` reports). The bundled
 engine seeds its own keys with its served model name and the request's ``cache_salt``
 (``workers.engine.LLMEngine._seed``), and a request naming that model is seeded the same way by
-the gateway. Known limit: vLLM's event format carries no cache salt, so blocks of salted requests
-are indexed in the unsalted namespace (a salted request is routed by load; an unsalted one with
-the same tokens may be credited a hit the engine does not have).
+the gateway. A salted chain is keyed in its salt's namespace when its BlockStored carries the salt
+(vLLM's ``extra_keys`` on the chain's first block, or a ``cache_salt`` field: ``mesh.kv_events``);
+an engine that sends no salt has its salted chains indexed in the unsalted namespace (a salted
+request is then routed by load; an unsalted one with the same tokens may be credited a hit the
+engine does not have).
 """
 
 from __future__ import annotations
