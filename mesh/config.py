@@ -131,13 +131,16 @@ class IndexConfig(_Model):
 
 
 class StateConfig(_Model):
-    """Where session bindings live: this process (``memory``, the default) or Redis, shared by
-    every gateway replica (``mesh.state_redis``)."""
+    """Where session bindings and in-flight load live: this process (``memory``, the default) or
+    Redis, shared by every gateway replica (``mesh.state_redis``)."""
 
     backend: Literal["memory", "redis"] = "memory"
     url: str | None = None  # redis://host:port/db, rediss://..., unix:///path; required for redis
     key_prefix: str = "mesh:"
     timeout_s: float = Field(0.1, gt=0, le=10)  # per Redis call; past it the gateway goes local
+    # redis only: every load_sync_s each replica publishes its own per-target load and adds the
+    # other live replicas' to its TargetStates (mesh.state_redis.SharedLoad); 0 = sessions only.
+    load_sync_s: float = Field(0.1, ge=0, le=10)
 
     @field_validator("url")
     @classmethod
@@ -161,6 +164,13 @@ class StateConfig(_Model):
         if not prefix or len(prefix) > 64 or not prefix.isprintable() or " " in prefix:
             raise ValueError("key_prefix must be 1-64 printable characters without spaces")
         return prefix
+
+    @field_validator("load_sync_s")
+    @classmethod
+    def _sync(cls, period: float) -> float:
+        if 0 < period < 0.01:
+            raise ValueError(f"load_sync_s must be 0 (off) or at least 0.01 s, got {period}")
+        return period
 
     @model_validator(mode="after")
     def _needs_url(self) -> StateConfig:
