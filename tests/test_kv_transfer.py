@@ -5,6 +5,8 @@ processes-and-sockets paths are in ``test_disagg.py`` and ``test_disagg_netns.py
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -276,6 +278,48 @@ def test_prefill_blocks_are_pinned_in_the_finishing_step() -> None:
             state = await engine.call(engine.ops.leak_check)
             assert state == {"leaked_blocks": 0, "pinned_blocks": 0}
             assert await engine.call(lambda: engine.engine.block_manager.num_used_blocks) == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_an_import_cancelled_twice_mid_run_still_hands_its_pins_to_the_hold() -> None:
+    """The decode side's engine-thread import may already run when its task is cancelled (client
+    gone, shutdown): the pins it takes must still reach the request's ``Hold`` (then released),
+    however many cancels arrive, and the cancel must not return before the import ended."""
+    from workers.disagg_server import Hold, settled_import
+
+    src = _engine()
+    prompt = _prompt(64, seed=21)
+    src.generate([prompt], ONE)
+    keys, blocks = _chain(prompt)
+    data = BlockOps(src).gather([src.block_manager.cached[k] for k in keys])
+    started = threading.Event()
+
+    async def scenario() -> None:
+        engine = TransferEngine(_engine())
+        engine.start()
+        try:
+            def slow_import(*args: Any) -> list[int]:  # engine thread
+                started.set()
+                time.sleep(0.3)
+                return engine.ops.import_blocks(*args)
+
+            hold = Hold(engine)
+            task = asyncio.ensure_future(settled_import(engine, hold, slow_import, keys, blocks, SEED, None, data))
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            task.cancel()  # a second cancel (shutdown) while the first one waits
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(hold.block_ids) == len(keys)  # the import ended and its pins are held
+            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": len(keys)}
+            hold.release()
+            await asyncio.sleep(0.1)
+            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": 0}
         finally:
             engine.shutdown()
 

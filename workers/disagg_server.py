@@ -345,7 +345,7 @@ class DisaggService:
             for i in range(h, len(keys), per_call):
                 j = min(i + per_call, len(keys))
                 parent = keys[i - 1] if i else None
-                await self._import(hold, self.engine.ops.import_from_peer, keys[i:j], chain.blocks[i:j], chain.seed,
+                await settled_import(self.engine, hold, self.engine.ops.import_from_peer, keys[i:j], chain.blocks[i:j], chain.seed,
                                    parent, peer_kv, peer_ids[i - h : j - h], chain.salt)
                 self.decode.blocks_pulled += j - i
                 self.decode.blocks_copied_ipc += j - i
@@ -359,7 +359,7 @@ class DisaggService:
                                                      timeout=self.config.pull_timeout_s,
                                                      chunk_bytes=self.config.chunk_bytes):
                     parent = keys[done - 1] if done else None
-                    await self._import(hold, self.engine.ops.import_blocks, ks, chain.blocks[done : done + len(ks)],
+                    await settled_import(self.engine, hold, self.engine.ops.import_blocks, ks, chain.blocks[done : done + len(ks)],
                                        chain.seed, parent, data, chain.salt)
                     done += len(ks)
                     self.decode.blocks_pulled += len(ks)
@@ -371,21 +371,6 @@ class DisaggService:
                 self.decode.pull_retries += 1
                 self._count(exc.code)
                 log.warning("pull of %s failed (%s), resuming at block %d", params.get("transfer_id"), exc, done)
-
-    async def _import(self, hold: Hold, fn: Any, *args: Any) -> None:
-        """Run an import on the engine thread. Its pins join ``hold`` even when this task is
-        cancelled meanwhile (the import may already be running there): a cancel waits for it,
-        so no pin leaks and a peer copy never outlives its read lease."""
-        call = asyncio.ensure_future(self.engine.call(fn, *args))
-        try:
-            await asyncio.shield(call)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await call
-            if call.done() and not call.cancelled() and call.exception() is None:
-                hold.block_ids += call.result()
-            raise
-        hold.block_ids += call.result()
 
     def _count(self, code: str) -> None:
         self.decode.failures[code] = self.decode.failures.get(code, 0) + 1
@@ -445,6 +430,27 @@ _COUNTERS = frozenset({
     "decode_blocks_pulled", "decode_blocks_local", "decode_blocks_copied_ipc", "decode_bytes_pulled", "decode_pull_retries",
     "blocks_imported", "blocks_import_reused", "cpu_saves_ok", "cpu_saves_partial", "cpu_saves_failed",
 })
+
+
+async def settled_import(engine: TransferEngine, hold: Hold, fn: Any, *args: Any) -> None:
+    """Run an import on the engine thread; its pins join ``hold`` even when the calling task is
+    cancelled meanwhile (the import may already be running there). Every cancel, however many,
+    waits for the import to end, so no pin leaks and a peer copy never outlives its read lease;
+    the cancel is then re-raised."""
+    call = asyncio.ensure_future(engine.call(fn, *args))
+    cancelled = False
+    while not call.done():
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 (re-raised below)
+            break
+    if not call.cancelled() and call.exception() is None:
+        hold.block_ids += call.result()
+    if cancelled:
+        raise asyncio.CancelledError
+    call.result()  # the import's own error
 
 
 # ---- the ASGI layer ------------------------------------------------------------------------------
