@@ -25,14 +25,22 @@ Four parts, one job each:
   decision), the flusher and the load sync run from the lifespan, the error counter and
   ``mesh_remote_in_flight{target}`` go on ``/metrics``.
 
+The Redis URL is only ever shown redacted (``redact_url``: no password in logs, errors, stats).
+
 Invariants:
 - Redis is the shared truth while it answers; the local table is the fallback. A shared binding
   overrides a different local one; a missing shared one keeps the local one (Redis restarted and
   lost its keys, or it is down): the next commit writes it back, so sharing heals by itself.
+  Except while this replica's own write of the session is queued (``_pending``) or in a batch
+  being written (``_flushing``), or was made while the read was in flight: then the local
+  binding is newer than what Redis answered, and ``mirror`` leaves it alone (else a move would
+  route to the old target until the write lands, then flap back).
 - Writes are write-behind, not awaited on the request path: ``Router.commit`` is synchronous and
   does no I/O, and awaiting would add a Redis round trip to every session request's first byte.
   One flusher task drains ``_pending`` (last write per session wins) in one pipeline per round;
-  the lifespan's stop hook flushes what is left (bounded by ``timeout_s``) before closing.
+  the lifespan's stop hook flushes what is left (bounded by ``timeout_s``) before closing. A
+  flush cancelled mid-write puts its batch back (newer queued writes win), so the final flush
+  sees it; the final flush and ``leave()`` ignore the error back-off (one bounded attempt each).
 - Load: ``SharedLoad`` remembers the remote part it last added to each target (``applied``)
   and moves a target's fields by deltas (``t.in_flight += new - old``), so for every target
   ``t.<field> == own + applied`` at all times; a ``Lease``'s +1/-1 commutes with that, and own
@@ -49,6 +57,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -90,8 +99,8 @@ class RedisStateBackend:
                 decode_responses=True,
             )
         except ValueError as exc:  # a URL redis-py cannot parse
-            raise ValueError(f"state.url {url!r} is not a usable Redis URL: {exc}") from exc
-        self.url = url
+            raise ValueError(f"state.url {redact_url(url)!r} is not a usable Redis URL: {exc}") from exc
+        self.url = redact_url(url)  # the only form ever shown (logs, stats); the client holds the secret
         self.idle_ttl_s = float(idle_ttl_s)  # follows sessions.idle_ttl_s (SharedSessionTable sets it)
         self.key_prefix = key_prefix
         self.prefix = key_prefix + "s:"
@@ -128,8 +137,11 @@ class RedisStateBackend:
         await self._call("delete", lambda: self.redis.delete(self.key(session_id)), None)
 
     # -- batches and lifecycle --
-    async def write_many(self, bindings: Mapping[str, str | None]) -> bool:
-        """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``; False on error."""
+    async def write_many(self, bindings: Mapping[str, str | None], *, backoff: bool = True) -> bool:
+        """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``; False on error.
+
+        ``backoff=False`` (the final flush) tries even right after an error, still bounded by the timeout.
+        """
         async def op() -> bool:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for sid, target in bindings.items():
@@ -142,7 +154,7 @@ class RedisStateBackend:
 
         if not bindings:
             return True
-        return await self._call("set", op, False)
+        return await self._call("set", op, False, backoff=backoff)
 
     async def ping(self) -> bool:
         return await self._call("ping", self.redis.ping, False, backoff=False)
@@ -180,6 +192,7 @@ class SharedSessionTable(SessionTable):
         super().__init__(idle_ttl_s, max_sessions)
         self.backend = backend
         self._pending: dict[str, str | None] = {}  # session -> target to write, None to delete
+        self._flushing: list[dict[str, str | None]] = []  # batches taken from _pending, being written
         self._wake = asyncio.Event()
         self.mirrored = 0  # local bindings set or changed from the shared one
         self.shared_load: SharedLoad | None = None  # set by attach() when state.load_sync_s > 0
@@ -200,20 +213,42 @@ class SharedSessionTable(SessionTable):
 
     # -- the gateway's read before a decision --
     async def mirror(self, session_id: str, now: float) -> str | None:
-        """Copy the shared binding into the local table; returns it (None: keep the local one)."""
+        """Copy the shared binding into the local table; returns it (None: keep the local one).
+
+        Never over a local write that Redis may not have yet: one queued or being flushed (not
+        even read then), or one made while the read was in flight.
+        """
+        if self._writing(session_id):
+            return None
+        local = self.bound_target(session_id, now)
         shared = await self.backend.get_session(session_id, now)
-        if shared is not None and shared != self.bound_target(session_id, now):
+        after = self.bound_target(session_id, now)
+        if self._writing(session_id) or (after is not None and after != local):
+            return None  # this replica bound it meanwhile: its binding is newer than the read
+        if shared is not None and shared != local:
             super().bind(session_id, shared, now)  # not queued: it came from the backend
             self.mirrored += 1
         return shared
 
+    def _writing(self, session_id: str) -> bool:
+        """True while a local write of the session is queued or in a batch not yet written."""
+        return session_id in self._pending or any(session_id in batch for batch in self._flushing)
+
     # -- write-behind --
-    async def flush(self) -> bool:
+    async def flush(self, *, final: bool = False) -> bool:
+        """Write the queued bindings in one pipeline; ``final`` (shutdown) ignores the back-off."""
         if not self._pending:
             return True
         batch, self._pending = self._pending, {}
         self.backend.idle_ttl_s = self.idle_ttl_s  # a config reload changes the table's TTL
-        return await self.backend.write_many(batch)
+        self._flushing.append(batch)
+        try:
+            return await self.backend.write_many(batch, backoff=not final)
+        except asyncio.CancelledError:
+            self._pending = {**batch, **self._pending}  # back for the final flush; newer writes win
+            raise
+        finally:
+            self._flushing.remove(batch)
 
     async def run_flusher(self) -> None:
         while True:
@@ -408,6 +443,23 @@ def sum_loads(hashes: list[Mapping[str, str]]) -> dict[str, Load]:
     return out
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (userinfo and ``?password=``); else unchanged."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user, _, host = netloc.rpartition("@")
+            netloc = f"{user.partition(':')[0]}:***@{host}"
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if any(k.lower() == "password" for k, _ in query):
+            masked = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+            return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # unparsable: show no part of it that could hold a secret
+        return "<unparsable redis url>"
+
+
 def shared_session_table(config: Any) -> SharedSessionTable:
     """The gateway's session table for ``state.backend: redis`` (``config``: a ``MeshConfig``)."""
     state, sessions = config.state, config.sessions
@@ -435,7 +487,8 @@ def attach(gateway: Any) -> None:
 
     async def start(_: Any) -> None:
         if not await backend.ping():
-            log.warning("state backend %s not reachable at start; using local session bindings and load until it is", backend.url)
+            log.warning("state backend %s not reachable at start; using local session bindings and load until it is",
+                        backend.url)  # redacted
         tasks.append(asyncio.create_task(table.run_flusher(), name="mesh-state-flusher"))
         if load is not None:
             tasks.append(asyncio.create_task(load.run(), name="mesh-load-sync"))
@@ -448,7 +501,7 @@ def attach(gateway: Any) -> None:
         tasks.clear()
         if load is not None:
             await load.leave()  # other replicas drop this one's load now, not after its TTL
-        await table.flush()  # the last bindings of this replica; bounded by timeout_s
+        await table.flush(final=True)  # the last bindings, even right after an error; bounded by timeout_s
         await backend.aclose()
 
     gateway.on_start.append(start)

@@ -3,6 +3,10 @@
 Unit part: ``RedisStateBackend`` and ``SharedSessionTable`` against a real server (set/get/delete,
 the idle TTL refreshed on every use and then expired by Redis, two tables as two replicas, an
 unreachable server answered locally and counted, bad URLs refused with a clear config error).
+Races and shutdown: ``mirror`` never overrides a local move that Redis does not have yet (queued,
+or in the batch being written: writes held with ``CLIENT PAUSE WRITE``); a flush cancelled
+mid-write is put back for the final flush; the stop hook writes the last bindings and leaves
+even right after an error (back-off on); the Redis password never shows in errors, logs, stats.
 
 End to end: two real gateway processes (``state.backend: redis``) in front of three real echo
 workers. A session first routed by replica A is routed by replica B to the same worker, as a
@@ -14,6 +18,7 @@ shares bindings again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import shutil
 import time
@@ -205,6 +210,143 @@ def test_two_tables_share_bindings_write_behind_and_mirror(server: RedisServer) 
     assert before is None and shared == "w2" and after == "w2" and mirrored == 1
     assert moved == "w0" and live == 1
     assert kept is None and local == "w0"
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")
+
+
+def test_mirror_never_overrides_a_local_move_redis_does_not_have_yet(server: RedisServer) -> None:
+    """A move still queued, or in the batch being written, is newer than what Redis answers."""
+
+    async def go() -> tuple[Any, ...]:
+        a = SharedSessionTable(RedisStateBackend(server.url, 30, key_prefix="unit5:", timeout_s=5.0), 30)
+        c = server.client()
+        try:
+            a.bind("s", "w1", 1.0)
+            assert await a.flush()
+            a.bind("s", "w2", 2.0)  # the router moved it; the write-behind is still queued
+            queued = (await a.mirror("s", 3.0), a.bound_target("s", 3.0))
+            c.client_pause(20_000, all=False)  # writes wait on the server; reads still answer
+            try:
+                a.bind("s", "w3", 4.0)
+                flushing = asyncio.create_task(a.flush())
+                await until(lambda: not a._pending, "the flusher taking the batch")
+                in_batch = (await a.mirror("s", 5.0), a.bound_target("s", 5.0), c.get("unit5:s:s"))
+            finally:
+                c.client_unpause()
+            assert await flushing
+            after = (await a.mirror("s", 6.0), a.bound_target("s", 6.0), c.get("unit5:s:s"), a.mirrored)
+            return queued, in_batch, after
+        finally:
+            c.close()
+            await a.backend.aclose()
+
+    queued, in_batch, after = run(go())
+    assert queued == (None, "w2")  # not the stale w1 from Redis
+    assert in_batch == (None, "w3", "w1")  # Redis still had w1: the local w3 is kept
+    assert after == ("w3", "w3", "w3", 0)  # local and shared agree once written; nothing mirrored
+
+
+def test_a_flush_cancelled_mid_write_is_written_by_the_next_flush(server: RedisServer) -> None:
+    async def go() -> tuple[Any, ...]:
+        t = SharedSessionTable(RedisStateBackend(server.url, 30, key_prefix="unit6:", timeout_s=5.0), 30)
+        c = server.client()
+        flusher = asyncio.create_task(t.run_flusher())
+        try:
+            c.client_pause(20_000, all=False)
+            try:
+                t.bind("s", "w1", 1.0)
+                await until(lambda: not t._pending, "the flusher taking the batch")
+                await asyncio.sleep(0.05)  # its SET on the wire, held by the paused server
+                flusher.cancel()  # shutdown, mid-flush
+                await asyncio.gather(flusher, return_exceptions=True)
+                requeued = dict(t._pending)
+            finally:
+                c.client_unpause()
+            ok = await t.flush()  # the stop hook's final flush
+            return requeued, ok, c.get("unit6:s:s")
+        finally:
+            flusher.cancel()
+            c.close()
+            await t.backend.aclose()
+
+    requeued, ok, shared = run(go())
+    assert requeued == {"s": "w1"} and ok and shared == "w1"
+
+
+def state_gateway(url: str, prefix: str, load_sync_s: float) -> Any:
+    """A real gateway object with ``state.backend: redis``; only its state_redis hooks are run."""
+    from mesh.app import build_gateway
+
+    config = parse_config({"state": {"backend": "redis", "url": url, "key_prefix": prefix, "timeout_s": 0.2,
+                                     "load_sync_s": load_sync_s}})
+    return build_gateway(config)
+
+
+async def run_hooks(gateway: Any, hooks: list[Any]) -> None:
+    for hook in hooks:
+        if hook.__module__ == "mesh.state_redis":
+            await hook(gateway)
+
+
+def test_shutdown_writes_the_last_bindings_and_leaves_even_right_after_an_error(server: RedisServer) -> None:
+    gateway = state_gateway(server.url, "unit7:", 0.1)
+    table: SharedSessionTable = gateway.sessions
+    table.backend.retry_after_s = 60.0  # the back-off is surely still on at shutdown
+
+    async def go() -> tuple[Any, ...]:
+        c = server.client()
+        try:
+            await run_hooks(gateway, gateway.on_start)
+            await until(lambda: bool(c.exists(table.shared_load.key)), "the load sync publishing")
+            c.client_pause(20_000, all=False)
+            try:
+                failed = await table.backend.write_many({"probe": "w0"})  # times out: an error, back-off on
+            finally:
+                c.client_unpause()
+            table.bind("s", "w1", 1.0)  # the last commit before shutdown
+            await run_hooks(gateway, gateway.on_stop)
+            members = c.zrange("unit7:load:replicas", 0, -1)
+            return failed, table.backend.errors["set"], c.get("unit7:s:s"), c.exists(table.shared_load.key), members
+        finally:
+            c.close()
+
+    failed, set_errors, shared, load_key, members = run(go())
+    assert failed is False and set_errors == 1
+    assert shared == "w1"  # the final flush ignored the back-off
+    assert load_key == 0 and table.shared_load.replica_id not in members  # leave() too
+
+
+def test_the_redis_password_is_never_shown(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "hunter2"
+    port = free_port()
+    url = f"redis://:{secret}@127.0.0.1:{port}/0"  # nothing listens: PING fails, the warning names it
+    with pytest.raises(ValueError) as info:
+        RedisStateBackend(f"redis://:{secret}@127.0.0.1:notaport/0", 10)
+    assert secret not in str(info.value) and "redis://:***@127.0.0.1:notaport/0" in str(info.value)
+    query = RedisStateBackend(f"redis://127.0.0.1:{server.port}/0?password={secret}", 10)
+    assert query.stats()["url"] == f"redis://127.0.0.1:{server.port}/0?password=***"
+    gateway = state_gateway(url, "unit8:", 0)
+
+    async def go() -> dict[str, Any]:
+        await run_hooks(gateway, gateway.on_start)
+        try:
+            return gateway.sessions.stats()  # type: ignore[no-any-return]
+        finally:
+            await run_hooks(gateway, gateway.on_stop)
+            await query.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+        stats = run(go())
+    assert stats["backend"]["url"] == f"redis://:***@127.0.0.1:{port}/0"
+    assert "not reachable" in caplog.text and ":***@" in caplog.text
+    assert secret not in caplog.text and secret not in repr(stats)
 
 
 # -- end to end: two gateway replicas --
