@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import time
@@ -47,9 +48,11 @@ from mesh.keys import block_keys, namespace_seed
 from mesh.router import Router
 from policies import create_policy
 from policies.base import RequestInfo, Role, TargetState
+from workers.transfer_auth import SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
+BENCH_SECRET = secrets.token_hex(16)  # the workers sign their kv_transfer_params (and may use CUDA IPC)
 
 
 @dataclass
@@ -81,7 +84,8 @@ def start_worker(args: argparse.Namespace, role: str, device: str, log_dir: Path
     cmd += list(extra)
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child owns it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                                 SECRET_ENV: BENCH_SECRET})
     return proc, f"http://127.0.0.1:{port}"
 
 

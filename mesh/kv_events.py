@@ -171,7 +171,7 @@ def _stored_map(ev: dict[str, Any]) -> BlockStored:
         _opt_str(ev.get("lora_name")),
         _opt_int(ev.get("group_idx")),
         _opt_str(ev.get("kv_cache_spec_kind")),
-        _salt(ev.get("cache_salt"), ev.get("extra_keys")),
+        _salt(ev.get("cache_salt"), ev.get("extra_keys"), ev.get("lora_name")),
     )
 
 
@@ -194,7 +194,7 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
         _opt_str(ev[7] if n > 7 else None),
         group_idx,
         kind,
-        _salt(None, ev[8] if n > 8 else None),
+        _salt(None, ev[8] if n > 8 else None, ev[7] if n > 7 else None),
     )
 
 
@@ -282,17 +282,28 @@ def _opt_str(raw: Any) -> str | None:
     return raw if isinstance(raw, str) else None
 
 
-def _salt(field: Any, extra_keys: Any) -> str | None:
-    """The cache salt of a stored chain's first block: a ``cache_salt`` field (Dynamo's and
-    SGLang's wire) or vLLM's ``extra_keys``, whose first block's entry ends with the salt (vLLM
-    appends it after any multimodal identifiers). Anything else: no salt."""
+def _salt(field: Any, extra_keys: Any, lora_name: Any) -> str | None:
+    """The key namespace of a stored chain's first block beyond (model, LoRA): an explicit
+    ``cache_salt`` field (Dynamo's and SGLang's wire), else vLLM's ``extra_keys`` of that block,
+    which list the LoRA name, multimodal identifiers, the cache salt and prompt-embedding digests
+    as they apply. The LoRA name (first, when present) is the LoRA namespace already; a single
+    remaining string is the salt (the bundled engine's and vLLM's text-only case); anything else
+    becomes an opaque namespace that no router query uses, so such blocks never give false hits."""
     if isinstance(field, str) and field:
         return field
-    if isinstance(extra_keys, (list, tuple)) and extra_keys:
-        first = extra_keys[0]
-        if isinstance(first, (list, tuple)) and first and isinstance(first[-1], str) and first[-1]:
-            return first[-1]
-    return None
+    if not isinstance(extra_keys, (list, tuple)) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, (list, tuple)):
+        return None
+    entries = list(first)
+    if entries and isinstance(lora_name, str) and entries[0] == lora_name:
+        entries = entries[1:]
+    if not entries:
+        return None
+    if len(entries) == 1 and isinstance(entries[0], str) and entries[0]:
+        return entries[0]
+    return "\0opaque\0" + "\0".join(e.hex() if isinstance(e, bytes) else str(e) for e in entries)
 
 
 class GroupFilter:

@@ -104,6 +104,9 @@ class PromptProcessor:
     async def process(self, raw: bytes, kind: str, session_header: bytes | None) -> ParsedRequest:
         """Validate and prepare one request; raises ``MeshError`` (4xx/503) on bad input."""
         body = decode_body(raw)
+        if "kv_transfer_params" in body:  # the gateway's own relay sets these, never a client
+            raise bad_request("kv_transfer_params are set by the gateway for disaggregated requests, "
+                              "not by clients", "kv_transfer_params")
         model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
         source = chat_messages(body) if kind == "chat" else completion_prompt(body)
         session_id = self.session_id(body, session_header)

@@ -24,8 +24,10 @@ from mesh.router import Router
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 from tests.procs import REPO, Proc, ProcessGroup, free_port
+from workers.transfer_auth import SECRET_ENV
 
 MODEL = "tiny"
+SECRET = "test-deployment-secret"  # shared by a cluster's workers: kv_transfer_params are signed
 BS = 16
 PD_POLICY = {
     "name": "pipeline",
@@ -75,10 +77,13 @@ class Cluster:
     workers: dict[str, Worker] = field(default_factory=dict)
 
     def start(self, name: str, role: str, *extra: str, host: str = "127.0.0.1", prefix: list[str] | None = None,
-              faults: bool = True) -> Worker:
-        """Start a worker (not waiting for it: call ``wait`` after starting several)."""
+              faults: bool = True, secret: str | None = SECRET) -> Worker:
+        """Start a worker (not waiting for it: call ``wait`` after starting several). Workers of
+        a cluster share ``secret`` (signed kv_transfer_params); None starts one without."""
         port = free_port() if host == "127.0.0.1" else 8000
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **({"MESH_KV_TRANSFER_FAULTS": "1"} if faults else {})}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               **({"MESH_KV_TRANSFER_FAULTS": "1"} if faults else {}),
+               SECRET_ENV: secret or ""}
         proc = self.group.start((prefix or []) + worker_command(port, role, host, *extra), name=name, port=port, env=env)
         w = Worker(name, Role(role), f"http://{host}:{port}", proc, host)
         self.workers[name] = w

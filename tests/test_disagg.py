@@ -304,11 +304,11 @@ async def test_an_ipc_read_lease_keeps_blocks_pinned_until_the_peer_is_done(clus
     keys = [int(k, 16) for k in params["remote_block_keys"]]
     layout = Layout.from_dict(params["layout"])
     with pytest.raises(TransferError) as wrong:
-        async with lease_blocks(params, 0, keys[::-1], layout, timeout=10):
+        async with lease_blocks(params, 0, keys[::-1], layout, timeout=10, num_peer_blocks=256):
             pass
     assert wrong.value.code == "kv_transfer_corrupt"
-    async with lease_blocks(params, 0, keys, layout, timeout=10) as ids:
-        assert ids == params["remote_block_ids"] and len(ids) == 9
+    async with lease_blocks(params, 0, keys, layout, timeout=10, num_peer_blocks=256) as lease:
+        assert lease.block_ids == params["remote_block_ids"] and len(lease.block_ids) == 9
         r = httpx.post(f"{p0}/kv_transfer/release", json={"transfer_id": params["transfer_id"], "consumer": "decode"})
         assert r.json()["released"]
         (live,) = _live(p0)
@@ -316,6 +316,39 @@ async def test_an_ipc_read_lease_keeps_blocks_pinned_until_the_peer_is_done(clus
         assert status(p0)["pinned_blocks"] == 9  # released, but the peer is still reading
     await wait_for(lambda: not _live(p0) and status(p0)["pinned_blocks"] == 0, what="the unpin after the lease")
     with pytest.raises(TransferError) as gone:
-        async with lease_blocks(params, 0, keys, layout, timeout=10):
+        async with lease_blocks(params, 0, keys, layout, timeout=10, num_peer_blocks=256):
             pass
     assert gone.value.status == 410
+
+
+async def test_a_lease_naming_blocks_outside_the_peer_cache_is_refused(cluster: Cluster) -> None:
+    p0 = cluster.workers["p0"].url
+    body = completion(prompt_tokens(150, seed=22), 4)
+    params = httpx.post(f"{p0}/v1/completions", json={**body, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    keys = [int(k, 16) for k in params["remote_block_keys"]]
+    with pytest.raises(TransferError) as bad:  # 9 distinct ids cannot all be block 0
+        async with lease_blocks(params, 0, keys, Layout.from_dict(params["layout"]), timeout=10, num_peer_blocks=1):
+            pass
+    assert bad.value.code == "kv_transfer_corrupt"
+    httpx.post(f"{p0}/kv_transfer/release", json={"transfer_id": params["transfer_id"], "consumer": "decode"})
+
+
+async def test_forged_or_unsigned_transfer_params_are_refused(cluster: Cluster) -> None:
+    """Workers of a deployment share a secret: a decode worker takes transfer parameters only
+    as a prefill worker of that deployment signed them (else a client could point it at its own
+    server and plant KV in its prefix cache), answering 403; genuine ones still work."""
+    p0, d0 = cluster.workers["p0"].url, cluster.workers["d0"].url
+    body = completion(prompt_tokens(150, seed=23), 4)
+    params = httpx.post(f"{p0}/v1/completions", json={**body, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    assert isinstance(params.get("signature"), str)
+    unsigned = {k: v for k, v in params.items() if k != "signature"}
+    for forged in ({**params, "remote_host": "10.9.9.9"}, {**params, "remote_block_keys": params["remote_block_keys"][:2]},
+                   unsigned, {**params, "signature": "0" * 64}):
+        r = httpx.post(f"{d0}/v1/completions", json={**body, "kv_transfer_params": forged}, timeout=30)
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["code"] == "kv_params_forged"
+    r = httpx.post(f"{d0}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == direct(cluster.workers["m"].url, body)[0]

@@ -118,6 +118,9 @@ def test_gateway_survives_the_property_suite(gateway: httpx.Client) -> None:
         ("/v1/completions", b'{"model": "echo", "prompt": "x", "max_tokens": 1.5}', 400, "invalid_request"),
         ("/v1/completions", b"[]", 400, "invalid_json"),
         ("/v1/completions", b"", 400, "empty_body"),
+        # the gateway's relay alone sets these: a client's would steer a worker's KV transfer
+        ("/v1/completions", b'{"model": "echo", "prompt": "x", "kv_transfer_params": {"do_remote_prefill": true}}',
+         400, "invalid_request"),
     ],
 )
 def test_known_bad_bodies(gateway: httpx.Client, route: str, content: bytes, status: int, code: str) -> None:

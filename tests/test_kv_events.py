@@ -113,20 +113,27 @@ def test_legacy_tail_with_multimodal_infos_before_the_group() -> None:
 
 
 def test_cache_salt_from_vllm_extra_keys_and_from_a_cache_salt_field() -> None:
-    """vLLM puts the salt last in the first block's ``extra_keys`` (after multimodal ids);
-    Dynamo's and SGLang's wire carry a ``cache_salt`` field. Anything else means no salt."""
+    """An explicit ``cache_salt`` field (Dynamo, SGLang) is the salt. vLLM's first-block
+    ``extra_keys``: a leading LoRA name is the LoRA namespace, one remaining string is the salt,
+    anything richer (multimodal ids, prompt-embedding bytes) an opaque namespace no query uses."""
     events = [
-        MapStored([1, 2], None, [0] * 4, 2, extra_keys=[["mm-hash", "tenant-a"], None]),
         {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None, "token_ids": [0, 0],
          "block_size": 2, "cache_salt": "tenant-b"},
         ["BlockStored", [4], None, [0, 0], 2, None, "GPU", None, [["tenant-c"]]],
-        MapStored([5], None, [0, 0], 2, extra_keys=[[7]]),  # not a string: no salt
-        MapStored([6], None, [0, 0], 2, extra_keys="garbage"),
-        MapStored([8], None, [0, 0], 2),
+        MapStored([1], None, [0, 0], 2, lora_name="my-lora", extra_keys=[["my-lora"]]),
+        MapStored([2], None, [0, 0], 2, lora_name="my-lora", extra_keys=[["my-lora", "tenant-d"]]),
+        MapStored([5], None, [0, 0], 2, extra_keys="garbage"),
+        MapStored([6], None, [0, 0], 2),
+        MapStored([7, 8], None, [0] * 4, 2, extra_keys=[["mm-hash", "tenant-a"], None]),
+        MapStored([9], None, [0, 0], 2, extra_keys=[["tenant-e", b"\x01"]]),
+        MapStored([10], None, [0, 0], 2, extra_keys=[[7]]),
     ]
     batch = decode_batch(enc([0.0, events]))
     assert isinstance(batch, Batch) and batch.malformed == 0
-    assert [e.cache_salt for e in batch.events] == ["tenant-a", "tenant-b", "tenant-c", None, None, None]
+    salts = [e.cache_salt for e in batch.events]
+    assert salts[:6] == ["tenant-b", "tenant-c", None, "tenant-d", None, None]
+    opaque = salts[6:]
+    assert all(s is not None and s.startswith("\0opaque\0") for s in opaque) and len(set(opaque)) == 3
 
 
 def test_missing_trailing_fields_and_sglang_short_tuple() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from workers.transfer_auth import secret_from_env
 
 ROLES = ("mixed", "prefill", "decode")
 FAULTS_ENV = "MESH_KV_TRANSFER_FAULTS"  # "1": POST /kv_transfer/faults is enabled (tests only)
@@ -26,7 +28,9 @@ class TransferConfig:
     pull_attempts: int = 2  # a corrupt or truncated stream is pulled again (resuming) once
     chunk_bytes: int = 8 << 20  # pages per engine-thread gather/import call (bounded buffers)
     ipc: bool = True  # same host, CUDA: offer / use GPU-to-GPU peer copies (workers.kv_ipc)
-    ipc_chunk_bytes: int = 256 << 20  # pages per engine-thread peer copy (~1 ms over NVLink)
+    # pages per engine-thread peer copy (~0.2 ms over NVLink); its gather buffer sits on the peer's GPU
+    ipc_chunk_bytes: int = 64 << 20
+    secret: bytes | None = field(default=None, repr=False)  # signs kv_transfer_params (workers.transfer_auth)
     retry_after_s: int = 1
     faults: bool = False  # POST /kv_transfer/faults (tests only)
 
@@ -60,4 +64,5 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
         consumers=tuple(c.strip() for c in args.kv_transfer_consumers.split(",") if c.strip()),
         max_pending=args.kv_max_pending, max_pending_bytes=args.kv_max_pending_bytes,
         faults=os.environ.get(FAULTS_ENV) == "1", ipc=getattr(args, "kv_transfer_ipc", "auto") == "auto",
+        secret=secret_from_env(),
     )

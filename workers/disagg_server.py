@@ -43,6 +43,7 @@ from mesh.keys import block_keys, namespace_seed
 from workers.disagg_config import TransferConfig, transfer_config
 from workers.engine import EngineDeadError
 from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
+from workers.transfer_auth import SIGNATURE, SECRET_ENV, sign, verify
 from workers.kv_transfer import Faults, Layout, PullRequest, TransferEngine, TransferError, pull_blocks, serve_pull, serve_tcp
 from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
@@ -111,6 +112,9 @@ class DisaggService:
         kv_bytes = engine.engine.runner.num_blocks * self.layout.block_bytes
         self.admission = Admission(config.max_pending, config.max_pending_bytes or max(kv_bytes // 2, 1))
         self.faults = Faults()
+        if config.secret is None and config.role != "mixed":
+            log.warning("%s is not set: this worker trusts kv_transfer_params from any client that reaches it "
+                        "(keep it on a private network) and copies no KV over CUDA IPC", SECRET_ENV)
         self.ipc_export = self._export_cache() if config.ipc and config.transport == "tcp" else None
         self.peers = PeerCaches()
         self.decode = DecodeCounters()
@@ -227,6 +231,8 @@ class DisaggService:
         }
         if self.ipc_export is not None:
             kv["ipc"] = self.ipc_export
+        if self.config.secret is not None:
+            kv[SIGNATURE] = sign(kv, self.config.secret)
         created = int(time.time())
         usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                  "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
@@ -277,6 +283,9 @@ class DisaggService:
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise TransferError(400, "kv_params_invalid", "kv_transfer_params must be an object")
+        if self.config.secret is not None and not verify(params, self.config.secret):
+            raise TransferError(403, "kv_params_forged", "kv_transfer_params are not signed by a prefill worker "
+                                "of this deployment (MESH_KV_TRANSFER_SECRET)")
         req, ids = self.parse(kind, body)
         self.decode.requests += 1
         remote = Layout.from_dict(params.get("layout"))
@@ -325,28 +334,40 @@ class DisaggService:
         try:
             peer_kv = self._peer_cache(params)
             if peer_kv is not None:
-                await self._copy_from_peer(params, peer_kv, chain, h, hold)
-            else:
-                await self._pull_over_network(params, chain, h, hold)
+                try:
+                    await self._copy_from_peer(params, peer_kv, chain, h, hold)
+                    return
+                except (TransferError, RuntimeError) as exc:  # the network path still works
+                    if isinstance(exc, TransferError) and not exc.retryable:
+                        raise
+                    self._count(exc.code if isinstance(exc, TransferError) else "kv_ipc_failed")
+                    log.warning("peer copy of %s failed (%r): pulling the rest over the network",
+                                params.get("transfer_id"), exc)
+            # invariant: hold.block_ids are exactly the chain's first len(hold.block_ids) blocks
+            await self._pull_over_network(params, chain, len(hold.block_ids), hold)
         finally:
             ticket.release()
 
     def _peer_cache(self, params: dict[str, Any]) -> Any:
-        """The prefill worker's KV cache mapped over CUDA IPC, or None (use the network)."""
+        """The prefill worker's KV cache mapped over CUDA IPC, or None (use the network). Only
+        signed parameters may name an allocation to map (``workers.transfer_auth``)."""
         export = params.get("ipc")
-        if not self.config.ipc or not self.peers.usable(export, self.engine.engine.runner.kv_cache.device):
+        kv = self.engine.engine.runner.kv_cache
+        if not self.config.ipc or self.config.secret is None or not self.peers.usable(export, kv.device):
             return None
-        return self.peers.open(export)
+        return self.peers.open(export, kv)
 
     async def _copy_from_peer(self, params: dict[str, Any], peer_kv: Any, chain: Chain, h: int, hold: Hold) -> None:
         keys = chain.keys
         per_call = max(1, self.config.ipc_chunk_bytes // self.layout.block_bytes)
-        async with lease_blocks(params, h, keys[h:], self.layout, self.config.pull_timeout_s) as peer_ids:
+        async with lease_blocks(params, h, keys[h:], self.layout, self.config.pull_timeout_s,
+                                num_peer_blocks=int(peer_kv.shape[2])) as lease:
             for i in range(h, len(keys), per_call):
                 j = min(i + per_call, len(keys))
                 parent = keys[i - 1] if i else None
-                await settled_import(self.engine, hold, self.engine.ops.import_from_peer, keys[i:j], chain.blocks[i:j], chain.seed,
-                                   parent, peer_kv, peer_ids[i - h : j - h], chain.salt)
+                await settled_import(self.engine, hold, self.engine.ops.import_from_peer, keys[i:j], chain.blocks[i:j],
+                                     chain.seed, parent, peer_kv, lease.block_ids[i - h : j - h], chain.salt,
+                                     lease.deadline)
                 self.decode.blocks_pulled += j - i
                 self.decode.blocks_copied_ipc += j - i
                 self.decode.bytes_pulled += (j - i) * self.layout.block_bytes
@@ -359,8 +380,8 @@ class DisaggService:
                                                      timeout=self.config.pull_timeout_s,
                                                      chunk_bytes=self.config.chunk_bytes):
                     parent = keys[done - 1] if done else None
-                    await settled_import(self.engine, hold, self.engine.ops.import_blocks, ks, chain.blocks[done : done + len(ks)],
-                                       chain.seed, parent, data, chain.salt)
+                    await settled_import(self.engine, hold, self.engine.ops.import_blocks, ks,
+                                         chain.blocks[done : done + len(ks)], chain.seed, parent, data, chain.salt)
                     done += len(ks)
                     self.decode.blocks_pulled += len(ks)
                     self.decode.bytes_pulled += data.nbytes

@@ -24,8 +24,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence
 from functools import cache
 from typing import Any
@@ -85,32 +89,62 @@ def export_cache(kv: torch.Tensor) -> dict[str, Any] | None:
 class PeerCaches:
     """KV cache tensors of other workers on this host, opened over CUDA IPC (decode side).
 
-    An opened tensor maps the peer's allocation for the life of this process (the peer's cache
-    is allocated once at start-up). A peer whose export cannot be opened is remembered and not
-    tried again: its transfers take the TCP path.
+    An opened tensor maps the peer's allocation (its cache is allocated once at start-up) until
+    more than ``max_peers`` exports were opened since (a restarted peer exports a new one; the
+    oldest mapping is dropped). An export that cannot be opened, or does not describe a cache of
+    this worker's page layout, is remembered (bounded) and its transfers take the TCP path.
     """
 
-    def __init__(self) -> None:
-        self._open: dict[str, torch.Tensor] = {}
-        self._refused: set[str] = set()
+    def __init__(self, max_peers: int = 16, max_refused: int = 1024) -> None:
+        self._open: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._refused: OrderedDict[str, None] = OrderedDict()
+        self.max_peers, self.max_refused = max_peers, max_refused
 
     def usable(self, export: Any, local: torch.device) -> bool:
         return (local.type == "cuda" and isinstance(export, dict) and export.get("host_id") == host_id()
-                and str(export.get("handle")) not in self._refused)
+                and _export_key(export) not in self._refused)
 
-    def open(self, export: dict[str, Any]) -> torch.Tensor | None:
-        """The peer's cache tensor, or None (logged once) when it cannot be mapped here."""
-        key = str(export.get("handle"))
-        if key in self._open:
-            return self._open[key]
+    def open(self, export: dict[str, Any], local_kv: torch.Tensor) -> torch.Tensor | None:
+        """The peer's cache tensor, or None (logged) when it cannot be mapped here."""
+        key = _export_key(export)
+        kv = self._open.get(key)
+        if kv is not None:
+            self._open.move_to_end(key)
+            return kv
         try:
+            _check_layout(export, local_kv)
             kv = _rebuild(export)
         except Exception as exc:  # any failure: no IPC with this peer, the TCP path still works
             log.warning("CUDA IPC with a peer KV cache is unavailable (%r): using TCP pulls", exc)
-            self._refused.add(key)
+            self._refused[key] = None
+            if len(self._refused) > self.max_refused:
+                self._refused.popitem(last=False)
             return None
         self._open[key] = kv
+        if len(self._open) > self.max_peers:
+            self._open.popitem(last=False)  # its mapping closes once no copy uses it
         return kv
+
+
+def _export_key(export: dict[str, Any]) -> str:
+    return json.dumps(export, sort_keys=True, default=str)
+
+
+def _check_layout(e: dict[str, Any], local: torch.Tensor) -> None:
+    """The export must describe a whole, contiguous cache of this worker's page layout
+    ``[layers, 2, blocks, block_size, heads, dim]`` (any block count) in its dtype."""
+    if _DTYPES.get(str(e.get("dtype"))) != local.dtype:
+        raise ValueError(f"peer dtype {e.get('dtype')} differs from {local.dtype}")
+    size, stride = [int(x) for x in e["size"]], [int(x) for x in e["stride"]]
+    if len(size) != 6 or size[:2] + size[3:] != list(local.shape[:2]) + list(local.shape[3:]) or size[2] < 1:
+        raise ValueError(f"peer cache shape {size} does not match this worker's page layout {list(local.shape)}")
+    contiguous = [1] * 6
+    for d in range(4, -1, -1):
+        contiguous[d] = contiguous[d + 1] * size[d + 1]
+    if stride != contiguous or int(e["offset"]) != 0:
+        raise ValueError("peer cache is not a contiguous tensor at offset 0")
+    if int(e["storage_bytes"]) < size[0] * contiguous[0] * local.element_size():
+        raise ValueError("peer allocation is smaller than the cache it claims")
 
 
 def _rebuild(e: dict[str, Any]) -> torch.Tensor:
@@ -154,6 +188,7 @@ async def serve_lease(engine: TransferEngine, registry: Any, req: PullRequest,
             "transfer_id": t.transfer_id, "layout": engine.layout.to_dict(), "first_block": req.first_block,
             "block_ids": list(t.block_ids[req.first_block : stop]),
             "block_keys": [f"{k:016x}" for k in t.keys[req.first_block : stop]],
+            "lease_s": timeout,  # the reader must finish its copies well within this
         }))
         await writer.drain()
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
@@ -162,23 +197,38 @@ async def serve_lease(engine: TransferEngine, registry: Any, req: PullRequest,
         registry.end_read(t)
 
 
-def _leased_ids(header: dict[str, Any], keys: Sequence[int]) -> list[int]:
-    ids, remote_keys = header.get("block_ids"), header.get("block_keys")
+@dataclass(frozen=True)
+class Lease:
+    """The peer's block ids for the leased range, and the local monotonic time after which no
+    copy may start (the peer ends the lease ``lease_s`` after answering; a margin stays)."""
+
+    block_ids: list[int]
+    deadline: float
+
+
+_LEASE_MARGIN_S = 1.0
+
+
+def _leased(header: dict[str, Any], keys: Sequence[int], num_peer_blocks: int) -> Lease:
+    ids, remote_keys, lease_s = header.get("block_ids"), header.get("block_keys"), header.get("lease_s")
     try:
         ok = (isinstance(ids, list) and isinstance(remote_keys, list) and len(ids) == len(keys)
-              and [int(str(k), 16) for k in remote_keys] == list(keys))
-        if ok:
-            return [int(i) for i in ids]
+              and [int(str(k), 16) for k in remote_keys] == list(keys)
+              and isinstance(lease_s, (int, float)) and lease_s > _LEASE_MARGIN_S)
+        block_ids = [int(i) for i in ids] if ok else []
     except (TypeError, ValueError):
-        pass
-    raise TransferError(502, "kv_transfer_corrupt", "lease does not match the expected blocks", True)
+        ok = False
+    if not ok or any(not 0 <= b < num_peer_blocks for b in block_ids):
+        raise TransferError(502, "kv_transfer_corrupt", "lease does not match the expected blocks", True)
+    return Lease(block_ids, time.monotonic() + float(lease_s) - _LEASE_MARGIN_S)
 
 
 @contextlib.asynccontextmanager
 async def lease_blocks(params: dict[str, Any], first_block: int, keys: Sequence[int], layout: Layout,
-                       timeout: float) -> AsyncIterator[list[int]]:
-    """Decode side: the prefill worker's block ids for blocks ``first_block..`` of a transfer,
-    valid (pinned there) until this context exits; exit after the copies are synchronized."""
+                       timeout: float, *, num_peer_blocks: int) -> AsyncIterator[Lease]:
+    """Decode side: the prefill worker's block ids for blocks ``first_block..`` of a transfer
+    (checked against ``keys`` and the peer cache's ``num_peer_blocks``), pinned there until this
+    context exits or the lease's deadline; exit after the copies are synchronized."""
     port = params.get("remote_tcp_port")
     if params.get("transport") != "tcp" or not port:
         raise TransferError(502, "kv_ipc_unavailable", "the prefill worker offers no TCP transfer port", True)
@@ -187,7 +237,7 @@ async def lease_blocks(params: dict[str, Any], first_block: int, keys: Sequence[
     source = await _tcp_source(str(params["remote_host"]), int(port), body, timeout)
     try:
         header = check_header(await FrameReader(source).read_header(), layout)
-        yield _leased_ids(header, keys)
+        yield _leased(header, keys, num_peer_blocks)
         if source.transport is not None:
             source.transport.write(_LEASE_DONE)
     finally:

@@ -31,9 +31,11 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import queue
 import struct
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -423,10 +425,14 @@ class BlockOps:
     def import_from_peer(
         self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int,
         parent: int | None, peer_kv: torch.Tensor, peer_block_ids: Sequence[int], salt: str | None = None,
+        deadline: float = math.inf,
     ) -> list[int]:
         """``import_blocks`` with the pages copied straight from a peer worker's KV cache on this
         host (``workers.kv_ipc``), synchronized before returning: the caller's read lease on the
-        peer's blocks may end as soon as this returns."""
+        peer's blocks may end as soon as this returns. Refused (retryable) once the lease's
+        ``deadline`` (monotonic) has passed: the peer may reuse its blocks after it."""
+        if time.monotonic() > deadline:
+            raise TransferError(504, "kv_lease_expired", "the read lease on the peer's blocks expired", True)
         idx = torch.as_tensor(list(peer_block_ids), dtype=torch.long, device=peer_kv.device)
         pages = peer_kv.index_select(2, idx)
         out = self.import_blocks(keys, token_blocks, seed, parent, pages, salt)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.transfer_auth import SECRET_ENV  # no torch: a constant and hmac helpers
+
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
 
 
@@ -94,13 +96,16 @@ class LocalWorker:
 
 
 def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None) -> list[LocalWorker]:
+    # one secret per local cluster: its workers sign and check kv_transfer_params (workers.transfer_auth)
+    env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)}
     out = []
     for i, role in enumerate(roles or ["mixed"] * n):
         port, name = free_port(), f"worker-{i}" if role == "mixed" else f"{role}-{i}"
         kv_ports = (free_port(), free_port()) if engine == "bundled" else None
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
-            worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=env,
         )
         out.append(LocalWorker(name, port, proc, kv_ports, role))
     return out
