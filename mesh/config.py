@@ -130,6 +130,23 @@ class IndexConfig(_Model):
     speculative_ttl_s: float = Field(2.0, ge=0)
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (userinfo and ``?password=``); else unchanged."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user, _, host = netloc.rpartition("@")
+            netloc = f"{user.partition(':')[0]}:***@{host}"
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if any(k.lower() == "password" for k, _ in query):
+            masked = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+            return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # unparsable: show no part of it that could hold a secret
+        return "<unparsable redis url>"
+
+
 class StateConfig(_Model):
     """Where session bindings and in-flight load live: this process (``memory``, the default) or
     Redis, shared by every gateway replica (``mesh.state_redis``)."""
@@ -149,13 +166,13 @@ class StateConfig(_Model):
             return None
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("redis", "rediss", "unix") or any(c in url for c in "\r\n\t\0 "):
-            raise ValueError(f"url {url!r} must be redis://host:port/db, rediss://... or unix:///path")
+            raise ValueError(f"url {redact_url(url)!r} must be redis://host:port/db, rediss://... or unix:///path")
         if parsed.scheme != "unix" and not parsed.hostname:
-            raise ValueError(f"url {url!r} needs a host, e.g. redis://127.0.0.1:6379/0")
+            raise ValueError(f"url {redact_url(url)!r} needs a host, e.g. redis://127.0.0.1:6379/0")
         try:
             parsed.port  # noqa: B018  (raises on a bad port)
         except ValueError as exc:
-            raise ValueError(f"url {url!r}: {exc}") from exc
+            raise ValueError(f"url {redact_url(url)!r}: {exc}") from exc
         return url
 
     @field_validator("key_prefix")

@@ -66,6 +66,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from mesh.config import redact_url
 from mesh.sessions import SessionTable
 from policies.base import TargetState
 
@@ -441,23 +442,6 @@ def sum_loads(hashes: list[Mapping[str, str]]) -> dict[str, Load]:
                 a, b, c = out.get(tid, ZERO)
                 out[tid] = (a + load[0], b + load[1], c + load[2])
     return out
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (userinfo and ``?password=``); else unchanged."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            user, _, host = netloc.rpartition("@")
-            netloc = f"{user.partition(':')[0]}:***@{host}"
-        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        if any(k.lower() == "password" for k, _ in query):
-            masked = [(k, "***" if k.lower() == "password" else v) for k, v in query]
-            return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:  # unparsable: show no part of it that could hold a secret
-        return "<unparsable redis url>"
 
 
 def shared_session_table(config: Any) -> SharedSessionTable:
