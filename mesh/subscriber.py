@@ -281,9 +281,10 @@ class KvEventSubscriber:
             self._bad(stream)
             return
         seq, payload = parsed
-        if stream.lost and h.last_seq is not None:
-            await self._after_reconnect(stream)
-        stream.lost = False
+        if stream.lost:
+            stream.lost = False  # cleared first: a disconnect during the check sets it again
+            if h.last_seq is not None:
+                await self._after_reconnect(stream)
         last = h.last_seq
         if last is None:
             if seq > 0 and h.replay_endpoint:  # batches before this one went by unseen
@@ -346,8 +347,8 @@ class KvEventSubscriber:
             start = 0 if last is None else (last if last in stream.digests else last + 1)
             frames = await self._fetch_replay(stream, start)
             if frames is None:
-                if last is not None:
-                    self._reset(stream, "replay_failed")
+                if last is not None:  # after a reconnect continuity is unproven: start over
+                    self._reset(stream, "replay_failed", forget_seq=reason == "reconnect")
                 return
             if last is not None and not _continues(frames, start, last, stream.digests):
                 # the buffer no longer reaches back, or another publisher incarnation answered
