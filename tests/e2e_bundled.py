@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 
 ADMIN_KEY = "admin-secret"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -86,17 +85,6 @@ def start_gateway(procs: ProcessGroup, config: Path, name: str, env: dict[str, s
     port = free_port()
     cmd = [PYTHON, "-m", "mesh.commands.serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
     return procs.start(cmd, name=name, port=port, env=env)
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.05)
 
 
 @dataclass

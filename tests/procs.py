@@ -14,7 +14,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,3 +164,15 @@ class ProcessGroup:
         for proc in reversed(self.procs):
             stop_process(proc)
         self.procs.clear()
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (returned); AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.05)

@@ -14,7 +14,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import openai
 import pytest
 import yaml
 
-from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, stop_process, wait_http
+from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, stop_process, wait_http, wait_until
 
 ADMIN = {"authorization": "Bearer admin-secret"}
 WORKERS = ("e0", "e1", "e2")
@@ -42,15 +42,6 @@ def write_config(path: Path, workers: dict[str, str], **extra: Any) -> Path:
     }
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
 
 
 class Cluster:

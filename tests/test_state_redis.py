@@ -35,7 +35,7 @@ import yaml
 from mesh.config import ConfigError, MeshConfig, parse_config
 from mesh.sessions import MemoryStateBackend, SessionTable
 from mesh.state_redis import RedisStateBackend, SharedSessionTable
-from tests.procs import Proc, ProcessGroup, free_port, kill_process
+from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
 
 if shutil.which("redis-server") is None:  # .ci/run installs it; so does `apt-get install redis-server`
     raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
@@ -76,15 +76,6 @@ class RedisServer:
                 return bool(c.ping())
         except redis.RedisError:
             return False
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
