@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from mesh.keys import block_keys, namespace_seed
 from workers.block_manager import BlockStored
@@ -324,3 +325,48 @@ def test_an_import_cancelled_twice_mid_run_still_hands_its_pins_to_the_hold() ->
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_peer_copy_imports_the_peers_pages_and_stops_at_the_lease_deadline() -> None:
+    """``import_from_peer`` (the CUDA IPC path's engine-thread op) run on CPU tensors: the pages
+    come straight from the peer engine's cache by its block ids and decode to the same greedy
+    tokens; past the lease's deadline it refuses (retryable) and changes nothing."""
+    prompt = _prompt(150, seed=5)
+    ref = _engine().generate([prompt], GREEDY)[0]
+    a, b = _engine(), _engine()
+    src, dst = _Direct(a), BlockOps(b)
+    _, pinned = _export(src, a, prompt)
+    keys, blocks = _chain(prompt)
+    peer_kv = a.runner.kv_cache
+    with pytest.raises(TransferError) as late:
+        dst.import_from_peer(keys, blocks, SEED, None, peer_kv, list(pinned.block_ids), None, time.monotonic() - 1)
+    assert (late.value.code, late.value.retryable) == ("kv_lease_expired", True)
+    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0} and b.block_manager.num_used_blocks == 0
+    held = dst.import_from_peer(keys, blocks, SEED, None, peer_kv, list(pinned.block_ids), None, time.monotonic() + 60)
+    for mine, theirs in zip(held, pinned.block_ids, strict=True):
+        assert np.array_equal(b.runner.kv_cache[:, :, mine].numpy(), peer_kv[:, :, theirs].numpy())
+    assert b.generate([prompt], GREEDY)[0] == ref
+    assert b.scheduler.stats.prompt_hit_tokens == len(keys) * BS
+    dst.unpin(held)
+    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+
+
+def test_a_peer_export_must_describe_this_workers_page_layout() -> None:
+    """``workers.kv_ipc._check_layout`` (no GPU needed): dtype, page shape, contiguity, offset
+    and allocation size of a peer export are checked before anything is mapped."""
+    from workers.kv_ipc import _check_layout
+
+    local = _engine().runner.kv_cache
+    size = list(local.shape)
+    good = {"dtype": str(local.dtype).removeprefix("torch."), "size": [*size[:2], 7, *size[3:]],
+            "stride": list(torch.empty([*size[:2], 7, *size[3:]]).stride()), "offset": 0,
+            "storage_bytes": 7 * local[:, :, :1].numel() * local.element_size()}
+    _check_layout(good, local)  # another block count is fine
+    bad = [{**good, "dtype": "bfloat16" if local.dtype == torch.float32 else "float32"},
+           {**good, "size": [*size[:2], 7, size[3] * 2, *size[4:]]},
+           {**good, "stride": list(reversed(good["stride"]))},
+           {**good, "offset": 16},
+           {**good, "storage_bytes": good["storage_bytes"] - 1}]
+    for export in bad:
+        with pytest.raises(ValueError):
+            _check_layout(export, local)
