@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from policies.base import Role
 
@@ -77,6 +77,9 @@ class WorkerConfig(_Model):
     kv_events: KVEventsConfig | None = None
     max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
     api_key: str | None = None  # sent to the worker as a Bearer token
+    # LoRA adapters served under their own model names, adapter -> base model (None: discovered
+    # from /v1/models ``parent``). A list of adapter names means "on the first of ``models``".
+    loras: dict[str, str] | None = None
 
     @field_validator("name")
     @classmethod
@@ -89,6 +92,29 @@ class WorkerConfig(_Model):
     @classmethod
     def _url(cls, url: str) -> str:
         return normalize_url(url)
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _lora_list(cls, loras: Any, info: ValidationInfo) -> Any:
+        if not isinstance(loras, list):
+            return loras
+        models = info.data.get("models")
+        if not models:
+            raise ValueError("a list of LoRA adapters needs `models` (they run on the first one); "
+                             "else map each adapter to its base model: {adapter: base}")
+        return {name: models[0] for name in loras}
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> WorkerConfig:
+        for adapter, base in (self.loras or {}).items():
+            for what, name in (("adapter", adapter), ("base model", base)):
+                if not name or len(name) > 256 or not name.isprintable():
+                    raise ValueError(f"loras: {what} name {name!r} must be 1-256 printable characters")
+            if self.models is not None and base not in self.models:
+                raise ValueError(f"loras: adapter {adapter!r} runs on {base!r}, which is not in models {self.models}")
+            if self.models is not None and adapter in self.models:
+                raise ValueError(f"loras: adapter {adapter!r} is also listed in models (list base models only)")
+        return self
 
 
 class HealthConfig(_Model):

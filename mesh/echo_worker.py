@@ -2,7 +2,9 @@
 
 It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not) by echoing the
 last user message (or the prompt) word by word, up to ``max_tokens`` words; ``/v1/models``;
-``/health``. Usage counts prompt tokens with the byte-level tokenizer (the gateway's default), and
+``/health``. ``--lora NAME[=BASE]`` serves a LoRA adapter under its own model name, listed in
+``/v1/models`` as vLLM lists one (``parent`` = its base model, default the first ``--model``;
+``root`` = an adapter path). Usage counts prompt tokens with the byte-level tokenizer (the gateway's default), and
 reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache).
 
 Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
@@ -39,6 +41,7 @@ _WORDS = re.compile(r"\S+\s*")
 class EchoSettings:
     name: str = "echo-0"
     models: tuple[str, ...] = ("echo",)
+    loras: tuple[tuple[str, str], ...] = ()  # (adapter, base model)
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0
     fail_rate: float = 0.0
@@ -67,7 +70,10 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": settings.name} for m in settings.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": settings.name, "root": m, "parent": None}
+                for m in settings.models]
+        data += [{"id": a, "object": "model", "created": 0, "owned_by": settings.name, "root": f"/adapters/{a}",
+                  "parent": base} for a, base in settings.loras]
         return {"object": "list", "data": data}
 
     @app.post("/admin/faults")
@@ -94,7 +100,7 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object")
         model = body.get("model")
-        if model not in settings.models:
+        if model not in settings.models and all(model != a for a, _ in settings.loras):
             return _error(404, f"model {model!r} not served here", "not_found_error")
         try:
             prompt_text, echo_text = _texts(body, chat, tokenizer)
@@ -197,15 +203,25 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
     p.add_argument("--port", type=int, default=int(env("MESH_ECHO_PORT", "9001")))
     p.add_argument("--name", default=env("MESH_ECHO_NAME"))
     p.add_argument("--model", action="append", dest="models", help="model id served (repeatable; default echo)")
+    p.add_argument("--lora", action="append", dest="loras", default=[], metavar="NAME[=BASE]",
+                   help="LoRA adapter served under its own model name (repeatable; BASE: the first --model)")
     p.add_argument("--token-delay-s", type=float, default=float(env("MESH_ECHO_TOKEN_DELAY_S", "0")))
     p.add_argument("--first-token-delay-s", type=float, default=float(env("MESH_ECHO_FIRST_TOKEN_DELAY_S", "0")))
     p.add_argument("--fail-rate", type=float, default=float(env("MESH_ECHO_FAIL_RATE", "0")))
     p.add_argument("--crash-after-tokens", type=int, default=int(env("MESH_ECHO_CRASH_AFTER_TOKENS", "0")))
     p.add_argument("--unhealthy", action="store_true", default=env("MESH_ECHO_UNHEALTHY", "") not in ("", "0"))
     args = p.parse_args(argv)
+    models = tuple(args.models or [env("MESH_ECHO_MODEL", "echo")])
+    loras = []
+    for spec in args.loras:
+        name, _, base = spec.partition("=")
+        if not name or (base and base not in models):
+            p.error(f"--lora {spec!r}: expected NAME or NAME=BASE with BASE one of --model {list(models)}")
+        loras.append((name, base or models[0]))
     settings = EchoSettings(
         name=args.name or f"echo-{args.port}",
-        models=tuple(args.models or [env("MESH_ECHO_MODEL", "echo")]),
+        models=models,
+        loras=tuple(loras),
         token_delay_s=args.token_delay_s,
         first_token_delay_s=args.first_token_delay_s,
         fail_rate=args.fail_rate,

@@ -5,7 +5,10 @@ re-encodes it. Validation covers what routing reads and what must never reach a 
 (a non-object body, absurd ``max_tokens``, token ids out of range); the worker validates the rest.
 
 Tokenizer and block size come from the pool of workers serving the model (the first worker, in
-registry order, that serves it). Sessions reuse a bounded LRU of ``mesh.keys.KeyChain`` so that
+registry order, that serves it). A LoRA adapter (``mesh.registry.Worker.loras``: a model name
+whose worker lists it with a base ``parent``) is keyed in its base model's namespace with the
+adapter named, ``namespace_seed(base, adapter, salt)``, as the KV event subscriber keys the
+blocks that the engine announces with ``lora_name``; it uses its base model's pool. Sessions reuse a bounded LRU of ``mesh.keys.KeyChain`` so that
 turn N hashes only the blocks it added; a chain is checked out of the cache while in use, so two
 concurrent requests of one session never share one (the second simply starts a fresh chain).
 Long prompts are rendered and hashed off the event loop.
@@ -52,6 +55,15 @@ class Pool:
     block_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Where a requested model name's keys live: its pool, and (base, adapter) for the seed."""
+
+    pool: Pool
+    base: str  # the model that seeds the keys: the name itself, or an adapter's base model
+    lora: str | None = None  # the adapter, when the name is one
+
+
 class ChainCache:
     """A bounded LRU of per-session key chains (entries and total cached tokens both bounded)."""
 
@@ -96,9 +108,9 @@ class PromptProcessor:
         self.registry = registry
         self.chains = chain_cache or ChainCache()
         self._tokenizers: dict[str | None, Any] = {}
-        self._pools: dict[str, Pool | None] = {}
+        self._pools: dict[str, Namespace | None] = {}  # per requested model name, for one registry version
         self._pools_version = -1
-        self._seeds: dict[tuple[str, str | None], int] = {}
+        self._seeds: dict[tuple[str, str | None, str | None], int] = {}  # (base, adapter, salt), bounded
 
     # -- entry point --
     async def process(self, raw: bytes, kind: str, session_header: bytes | None) -> ParsedRequest:
@@ -110,9 +122,10 @@ class PromptProcessor:
         model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
         source = chat_messages(body) if kind == "chat" else completion_prompt(body)
         session_id = self.session_id(body, session_header)
-        pool = self.pool_for(model)
+        ns = self.namespace_for(model)
+        pool = ns.pool
         salt = body.get("cache_salt")
-        seed = self._seed(model, salt if isinstance(salt, str) else None)
+        seed = self._seed(ns.base, salt if isinstance(salt, str) else None, ns.lora)
         args = (kind, source, pool, seed, session_id)
         if len(raw) > OFFLOAD_CHARS:
             tokens_text, keys, n_tokens = await asyncio.get_running_loop().run_in_executor(None, self._prepare, *args)
@@ -132,15 +145,18 @@ class PromptProcessor:
             max_tokens=max_tokens,
             session_id=session_id,
             text=tokens_text,
+            lora=ns.lora,
         )
         return ParsedRequest(kind, body, raw, model, stream, info)
 
-    def _seed(self, model: str, salt: str | None) -> int:
-        seed = self._seeds.get((model, salt))
+    def _seed(self, model: str, salt: str | None, lora: str | None = None) -> int:
+        """The key seed of (base ``model``, LoRA adapter, salt); cached, at most ~10k entries."""
+        key = (model, lora, salt)
+        seed = self._seeds.get(key)
         if seed is None:
             if len(self._seeds) > 10_000:
                 self._seeds.clear()
-            seed = self._seeds[(model, salt)] = namespace_seed(model, None, salt)
+            seed = self._seeds[key] = namespace_seed(model, lora, salt)
         return seed
 
     # -- sessions --
@@ -158,6 +174,11 @@ class PromptProcessor:
 
     # -- pools --
     def pool_for(self, model: str) -> Pool:
+        """Tokenizer and block size of ``model`` (an adapter's are its base model's)."""
+        return self.namespace_for(model).pool
+
+    def namespace_for(self, model: str) -> Namespace:
+        """Pool and seed namespace of a requested model name; MeshError 503/404 when none serves it."""
         registry = self.registry
         if self._pools_version != registry.version:
             self._pools.clear()
@@ -165,13 +186,21 @@ class PromptProcessor:
         if model not in self._pools:
             if len(self._pools) > 10_000:
                 self._pools.clear()
-            self._pools[model] = self._find_pool(model)
-        pool = self._pools[model]
-        if pool is None:
+            self._pools[model] = self._find_namespace(model)
+        ns = self._pools[model]
+        if ns is None:
             if not registry.workers:
                 raise MeshError(503, "no workers are registered", code="no_workers")
             raise MeshError(404, f"model {model!r} is not served by any worker", param="model", code="model_not_found")
-        return pool
+        return ns
+
+    def _find_namespace(self, model: str) -> Namespace | None:
+        base = self.registry.lora_base(model)
+        if base is None:
+            pool = self._find_pool(model)
+            return None if pool is None else Namespace(pool, model)
+        pool = self._find_pool(base) or self._find_pool(model)  # the base's pool; else the adapter's worker's
+        return None if pool is None else Namespace(pool, base, model)
 
     def _find_pool(self, model: str) -> Pool | None:
         fallback = None

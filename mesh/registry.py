@@ -94,7 +94,8 @@ class Worker:
     fail_streak: int = 0
     last_error: str | None = None
     last_check: float = 0.0
-    discovered_models: frozenset[str] = frozenset()
+    discovered_models: frozenset[str] = frozenset()  # base models only (never LoRA adapters)
+    discovered_loras: dict[str, str] = field(default_factory=dict)  # adapter -> base; replaced, never mutated
     headers: list[bytes] = field(default_factory=list)  # header lines sent with every request to it
 
     @property
@@ -106,17 +107,29 @@ class Worker:
         return self.config.url
 
     @property
-    def models(self) -> frozenset[str]:
+    def base_models(self) -> frozenset[str]:
         return frozenset(self.config.models) if self.config.models is not None else self.discovered_models
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """LoRA adapter -> its base model: configured, else discovered (``parent`` in /v1/models)."""
+        return self.config.loras if self.config.loras is not None else self.discovered_loras
+
+    @property
+    def models(self) -> frozenset[str]:
+        """Every model name a request may ask this worker for: base models and LoRA adapters."""
+        loras = self.loras
+        return self.base_models | frozenset(loras) if loras else self.base_models
 
     def sync(self) -> None:
         """Push availability into the targets (the policies' view)."""
-        models = self.models
+        models, loras = self.models, frozenset(self.loras)
         for t in self.targets:
             t.healthy = self.healthy
             t.draining = self.draining
             t.circuit_open = self.breaker.is_open
             t.models = models
+            t.loras = loras
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -128,6 +141,7 @@ class Worker:
             "draining": self.draining,
             "circuit": self.breaker.state,
             "models": sorted(self.models),
+            "loras": dict(sorted(self.loras.items())),
             "dp_size": self.config.dp_size,
             "block_size": self.config.block_size,
             "last_error": self.last_error,
@@ -284,8 +298,8 @@ class WorkerRegistry:
                 log.info("worker %s is healthy", worker.name)
             if worker.healthy and worker.config.models is None and (worker.ok_streak == 1 or not worker.discovered_models):
                 found = await discover_models(pool, worker, cfg.timeout_s)
-                if found and found != worker.discovered_models:
-                    worker.discovered_models = found
+                if found is not None and found != (worker.discovered_models, worker.discovered_loras):
+                    worker.discovered_models, worker.discovered_loras = found
                     self.version += 1
         else:
             worker.fail_streak += 1
@@ -313,6 +327,14 @@ class WorkerRegistry:
             if w.healthy:
                 names |= w.models
         return sorted(names)
+
+    def lora_base(self, model: str) -> str | None:
+        """The base model of LoRA adapter ``model`` (first worker in registry order); None if not one."""
+        for w in self.workers.values():
+            base = w.loras.get(model)
+            if base is not None:
+                return base
+        return None
 
     def knows_model(self, model: str) -> bool:
         """False only when every worker's model list is known and none serves ``model``."""
@@ -350,16 +372,35 @@ async def _probe(pool: UpstreamPool, url: str, headers: list[bytes], timeout_s: 
     return False, f"GET /health answered {status}"
 
 
-async def discover_models(pool: UpstreamPool, worker: Worker, timeout_s: float) -> frozenset[str]:
-    """Model ids from the worker's ``/v1/models``; empty when it cannot say."""
+async def discover_models(
+    pool: UpstreamPool, worker: Worker, timeout_s: float
+) -> tuple[frozenset[str], dict[str, str]] | None:
+    """(base models, LoRA adapter -> base) from the worker's ``/v1/models``; None when it cannot say."""
     try:
         status, body = await pool.get(worker.url + "/v1/models", worker.headers, timeout_s)
         if status != 200:
-            return frozenset()
+            return None
         data = msgspec.json.decode(body)
-        return frozenset(m["id"] for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str))
+        found = split_models(data.get("data", []) if isinstance(data, dict) else [])
+        return found if found[0] or found[1] else None
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         log.warning("model discovery failed for worker %s: %s", worker.name, exc)
-        return frozenset()
+        return None
+
+
+def split_models(entries: Any) -> tuple[frozenset[str], dict[str, str]]:
+    """/v1/models entries -> (base models, LoRA adapter -> base).
+
+    vLLM lists an adapter under its own id with ``parent`` = the base model's id (and ``root`` =
+    the adapter path); a base model has ``parent`` null. An entry whose parent is not another
+    listed id (or is itself) is taken as a base model: nothing serves the base it names here.
+    """
+    rows = [m for m in entries if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]] \
+        if isinstance(entries, list) else []
+    ids = {m["id"] for m in rows}
+    loras = {m["id"]: m["parent"] for m in rows
+             if isinstance(m.get("parent"), str) and m["parent"] in ids and m["parent"] != m["id"]}
+    loras = {a: b for a, b in loras.items() if b not in loras}  # an adapter's parent is a base model
+    return frozenset(ids - loras.keys()), loras

@@ -154,3 +154,44 @@ async def test_no_workers_is_503() -> None:
     with pytest.raises(MeshError) as info:
         await p.process(body(prompt="x"), "completion", None)
     assert info.value.status == 503
+
+
+async def test_a_lora_adapter_is_keyed_in_its_base_namespace_and_uses_the_base_pool() -> None:
+    reg = WorkerRegistry(parse_config({}))
+    reg.add(WorkerConfig(name="base-only", url="http://h:1", models=["m"], block_size=4))
+    reg.add(WorkerConfig(name="multi", url="http://h:2", models=["m"], loras={"sql": "m"}, block_size=8))
+    p = PromptProcessor(reg)
+    prompt = list(range(1, 17))
+    for salt in (None, "tenant-a"):
+        extra = {"cache_salt": salt} if salt else {}
+        lora = await p.process(body(model="sql", prompt=prompt, **extra), "completion", None)
+        base = await p.process(body(prompt=prompt, **extra), "completion", None)
+        assert lora.model == lora.info.model == "sql" and lora.info.lora == "sql" and base.info.lora is None
+        assert lora.info.block_size == base.info.block_size == 4  # the base model's pool: its first worker's
+        assert list(lora.info.block_keys) == block_keys(prompt, 4, namespace_seed("m", "sql", salt))
+        assert list(base.info.block_keys) == block_keys(prompt, 4, namespace_seed("m", None, salt))
+        assert lora.info.block_keys[0] != base.info.block_keys[0]
+    # the seed cache is keyed by (base, adapter, salt) and stays bounded
+    for i in range(10_050):
+        p._seed("m", f"salt-{i}", "sql")
+    assert len(p._seeds) <= 10_001
+    assert p._seed("m", "x", "sql") == namespace_seed("m", "sql", "x") != p._seed("m", "x")
+
+
+async def test_an_adapter_discovered_later_moves_its_requests_to_the_lora_namespace() -> None:
+    reg = WorkerRegistry(parse_config({}))
+    w = reg.add(WorkerConfig(name="w", url="http://h:1", block_size=4))  # models: discovered
+    w.discovered_models = frozenset({"m", "sql"})  # /v1/models before the parent was known
+    reg.version += 1
+    p = PromptProcessor(reg)
+    before = await p.process(body(model="sql", prompt=list(range(8))), "completion", None)
+    assert before.info.lora is None and list(before.info.block_keys) == block_keys(range(8), 4, namespace_seed("sql"))
+    w.discovered_models, w.discovered_loras = frozenset({"m"}), {"sql": "m"}  # what a discovery round sets
+    reg.version += 1
+    w.sync()
+    after = await p.process(body(model="sql", prompt=list(range(8))), "completion", None)
+    assert after.info.lora == "sql" and list(after.info.block_keys) == block_keys(range(8), 4, namespace_seed("m", "sql"))
+    assert reg.targets["w"].models == {"m", "sql"} and reg.targets["w"].loras == {"sql"}
+    with pytest.raises(MeshError) as info:
+        await p.process(body(model="chat", prompt="x"), "completion", None)
+    assert info.value.status == 404
