@@ -402,6 +402,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             "request": {
                 "kind": kind,
                 "model": info.model,
+                "lora": info.lora,  # the adapter whose key namespace the prompt is hashed in, if any
                 "stream": parsed.stream,
                 "prompt_tokens": info.prompt_tokens,
                 "block_size": info.block_size,

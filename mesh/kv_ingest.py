@@ -52,8 +52,8 @@ def namespace_model(worker: Worker) -> str | None:
     found = worker.discovered_models
     if not found:
         return None
-    if len(found) > 1:  # e.g. a base model and LoRA adapters: the base is not told apart here
-        log.warning("worker %s serves several models %s; keying its KV events as %r (list `models` "
+    if len(found) > 1:  # several base models (LoRA adapters are discovered apart: ``discovered_loras``)
+        log.warning("worker %s serves several base models %s; keying its KV events as %r (list `models` "
                     "in its config, base model first, to choose)", worker.name, sorted(found), min(found))
     return min(found)
 
