@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from workers.config import get_preset
-from workers.kv_transfer import Faults, Layout, PullRequest, pull_blocks, serve_pull, serve_tcp
+from workers.kv_layout import Layout
+from workers.kv_transfer import Faults, PullRequest, pull_blocks, serve_pull, serve_tcp
 from workers.transfer_registry import TransferRegistry
 
 TID = "bench"

@@ -34,7 +34,7 @@ from tests.disagg_cluster import (
 )
 from tests.procs import ProcessGroup, kill_process
 from workers.kv_ipc import lease_blocks
-from workers.kv_transfer import Layout, TransferError
+from workers.kv_layout import Layout, TransferError
 
 CHAT_PATH = "/v1/chat/completions"
 POOL = ["p0", "p1", "d0", "d1"]

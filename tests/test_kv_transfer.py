@@ -18,17 +18,9 @@ from mesh.keys import block_keys, namespace_seed
 from workers.block_manager import BlockStored
 from workers.config import EngineConfig, get_preset
 from workers.engine import LLMEngine
-from workers.kv_transfer import (
-    BlockOps,
-    Faults,
-    FrameReader,
-    Layout,
-    PullRequest,
-    TransferEngine,
-    TransferError,
-    layout_of,
-    serve_pull,
-)
+from workers.block_ops import BlockOps
+from workers.kv_layout import Layout, TransferError, layout_of
+from workers.kv_transfer import Faults, FrameReader, PullRequest, TransferEngine, serve_pull
 from workers.sequence import SamplingParams
 from workers.transfer_registry import TransferRegistry
 

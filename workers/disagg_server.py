@@ -44,7 +44,8 @@ from workers.disagg_config import TransferConfig, transfer_config
 from workers.engine import EngineDeadError
 from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.transfer_auth import SIGNATURE, SECRET_ENV, sign, verify
-from workers.kv_transfer import Faults, Layout, PullRequest, TransferEngine, TransferError, pull_blocks, serve_pull, serve_tcp
+from workers.kv_layout import Layout, TransferError
+from workers.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
 from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
 

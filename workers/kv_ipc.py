@@ -36,16 +36,8 @@ from typing import Any
 
 import torch
 
-from workers.kv_transfer import (
-    FrameReader,
-    Layout,
-    PullRequest,
-    TransferEngine,
-    TransferError,
-    _tcp_source,
-    check_header,
-    encode_header,
-)
+from workers.kv_layout import Layout, TransferError
+from workers.kv_transfer import FrameReader, PullRequest, TransferEngine, _tcp_source, check_header, encode_header
 
 log = logging.getLogger(__name__)
 

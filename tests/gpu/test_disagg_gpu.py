@@ -29,7 +29,8 @@ if not torch.cuda.is_available():
 from mesh.keys import block_keys, namespace_seed  # noqa: E402
 from workers.config import EngineConfig, get_preset  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
-from workers.kv_transfer import BlockOps, Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
+from workers.block_ops import BlockOps  # noqa: E402
+from workers.kv_transfer import Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
 from workers.sequence import SamplingParams  # noqa: E402
 from workers.transfer_registry import TransferRegistry  # noqa: E402
 
