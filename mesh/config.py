@@ -182,7 +182,7 @@ class StateConfig(_Model):
     key_prefix: str = "mesh:"
     timeout_s: float = Field(0.1, gt=0, le=10)  # per Redis call; past it the gateway goes local
     # redis only: every load_sync_s each replica publishes its own per-target load and adds the
-    # other live replicas' to its TargetStates (mesh.state_redis.SharedLoad); 0 = sessions only.
+    # other live replicas' to its TargetStates (mesh.shared_load.SharedLoad); 0 = sessions only.
     load_sync_s: float = Field(0.1, ge=0, le=10)
 
     @field_validator("url")

@@ -5,7 +5,7 @@ that ``mesh.router.Router`` reads (the same dict object for the app's whole life
 or removed at runtime appear in, or vanish from, the router's view at once). Load fields
 (``in_flight``, ``prefill_tokens``, ``decode_tokens``) are the total load on a target: this
 replica's router leases add and remove their own share, and with ``state.backend: redis``
-``mesh.state_redis.SharedLoad`` adds (by deltas) what the other gateway replicas report; the
+``mesh.shared_load.SharedLoad`` adds (by deltas) what the other gateway replicas report; the
 registry writes the availability fields (``healthy``, ``draining``, ``circuit_open``, ``models``).
 
 Listeners (``add_listener``) hear ``on_worker_added(worker)`` / ``on_worker_removed(worker)``:

@@ -1,0 +1,210 @@
+"""In-flight load shared by several gateway replicas through Redis (``state.backend: redis``,
+``state.load_sync_s``); wired into a gateway by ``mesh.state_redis.attach``.
+
+Every ``load_sync_s`` (0.1 s; 0 = off) this replica (a uuid per process) writes its OWN
+per-target load (in_flight, prefill_tokens, decode_tokens) as one hash ``{prefix}load:{replica}``
+(``PX`` a few periods, so a dead replica's load leaves by itself), lists live replicas in the
+sorted set ``{prefix}load:replicas`` and sums the others' hashes per target. ``TargetState``s
+keep meaning "total load on that target", so policies do not change.
+
+Invariants: ``SharedLoad`` remembers the remote part it last added to each target (``applied``)
+and moves a target's fields by deltas (``t.in_flight += new - old``), so for every target
+``t.<field> == own + applied`` at all times; a ``Lease``'s +1/-1 commutes with that, and own
+(what is published) is ``t.<field> - applied``. Remote values are clamped at >= 0, so no field
+goes negative. A failed or skipped round (Redis down, timeout, back-off) withdraws every applied
+remote part at once (local-only load) and counts ``op="load"``; so does stopping. A target that
+leaves the registry (or is replaced under the same id) has its remote part taken off its old
+state and forgotten; remote ids this replica does not route to are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from policies.base import TargetState
+
+if TYPE_CHECKING:
+    from mesh.state_redis import RedisStateBackend
+
+Load = tuple[int, int, int]  # (in_flight, prefill_tokens, decode_tokens)
+LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_tokens")
+ZERO: Load = (0, 0, 0)
+PRUNE_MEMBERS_MS = 60_000  # a replica silent this long leaves the member set (its hash left long before)
+
+
+class SharedLoad:
+    """This replica's per-target load published to Redis; the other live replicas' added in.
+
+    Owns the remote part of every ``TargetState`` load field (``applied``); the registry owns the
+    states, ``Lease``s own the local part. Runs on the event loop only (no locks needed).
+    """
+
+    def __init__(
+        self,
+        backend: RedisStateBackend,
+        targets: Mapping[str, TargetState],
+        period_s: float = 0.1,
+        *,
+        replica_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        if not (period_s > 0):
+            raise ValueError(f"load sync period must be > 0, got {period_s!r}")
+        self.backend = backend
+        self.targets = targets  # the registry's dict: read every round, never replaced
+        self.period_s = float(period_s)
+        self.replica_id = replica_id or uuid.uuid4().hex
+        # A few periods, and never under 0.5 s: a busy event loop must not make a live replica's
+        # load blink out between two of its rounds.
+        self.ttl_ms = max(1, round(1000 * (ttl_s if ttl_s is not None else max(5 * self.period_s, 0.5))))
+        self.members_key = backend.key_prefix + "load:replicas"
+        self.key = self.key_of(self.replica_id)
+        self.applied: dict[str, tuple[TargetState, Load]] = {}  # target -> (state it is on, remote part)
+        self.peers = 0  # other replicas seen in the last good round
+        self.rounds = 0
+        self.failed_rounds = 0
+
+    def key_of(self, replica: str) -> str:
+        return f"{self.backend.key_prefix}load:{replica}"
+
+    # -- reads --
+    def remote(self, target: str) -> Load:
+        entry = self.applied.get(target)
+        return entry[1] if entry is not None and self.targets.get(target) is entry[0] else ZERO
+
+    def own(self, t: TargetState) -> Load:
+        """This replica's own load on ``t``: the total minus the remote part applied to it."""
+        r = self.remote(t.id)
+        return (max(0, t.in_flight - r[0]), max(0, t.prefill_tokens - r[1]), max(0, t.decode_tokens - r[2]))
+
+    # -- one round --
+    async def sync_once(self) -> bool:
+        """Publish own load, read the others', apply the difference; False (local-only) on error."""
+        own = {tid: self.own(t) for tid, t in self.targets.items()}
+        remote: dict[str, Load] | None = await self.backend._call("load", lambda: self._exchange(own), None)
+        self.rounds += 1
+        if remote is None:
+            self.failed_rounds += 1
+            self.withdraw()
+            return False
+        self._apply(remote)
+        return True
+
+    async def _exchange(self, own: Mapping[str, Load]) -> dict[str, Load]:
+        now_ms = int(time.time() * 1000)
+        fields = {"_": "1"}  # never empty: an empty hash would not exist, and that means "dead"
+        fields.update({tid: "%d %d %d" % load for tid, load in own.items() if any(load)})
+        redis = self.backend.redis
+        async with redis.pipeline(transaction=True) as pipe:  # readers never see it half written
+            pipe.delete(self.key)
+            pipe.hset(self.key, mapping=fields)
+            pipe.pexpire(self.key, self.ttl_ms)
+            pipe.zadd(self.members_key, {self.replica_id: now_ms})
+            pipe.zremrangebyscore(self.members_key, "-inf", now_ms - PRUNE_MEMBERS_MS)
+            pipe.zrange(self.members_key, 0, -1)
+            members = (await pipe.execute())[-1]
+        peers = [m for m in members if m != self.replica_id]
+        if not peers:
+            self.peers = 0
+            return {}
+        async with redis.pipeline(transaction=False) as pipe:
+            for m in peers:
+                pipe.hgetall(self.key_of(m))
+            hashes = await pipe.execute()
+        self.peers = sum(1 for h in hashes if h)
+        return sum_loads(hashes)
+
+    def _apply(self, remote: Mapping[str, Load]) -> None:
+        for tid, (state, _) in list(self.applied.items()):
+            if self.targets.get(tid) is not state:  # removed, or replaced under the same id
+                self._set(tid, state, ZERO)
+        for tid, t in self.targets.items():
+            self._set(tid, t, remote.get(tid, ZERO))
+
+    def _set(self, tid: str, t: TargetState, new: Load) -> None:
+        entry = self.applied.get(tid)
+        old = entry[1] if entry is not None and entry[0] is t else ZERO
+        if new != old:
+            t.in_flight += new[0] - old[0]
+            t.prefill_tokens += new[1] - old[1]
+            t.decode_tokens += new[2] - old[2]
+        if any(new):
+            self.applied[tid] = (t, new)
+        elif entry is not None and entry[0] is t:
+            del self.applied[tid]
+
+    def withdraw(self) -> None:
+        """Take every applied remote part off its state: back to this replica's own load."""
+        for tid, (state, _) in list(self.applied.items()):
+            self._set(tid, state, ZERO)
+        self.applied.clear()
+        self.peers = 0
+
+    # -- lifecycle --
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.sync_once()
+                await asyncio.sleep(self.period_s)
+        finally:
+            self.withdraw()
+
+    async def leave(self) -> None:
+        """Stop sharing: local-only load here, and this replica's load gone from Redis at once."""
+        self.withdraw()
+
+        async def op() -> None:
+            async with self.backend.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.key)
+                pipe.zrem(self.members_key, self.replica_id)
+                await pipe.execute()
+
+        await self.backend._call("load", op, None, backoff=False)
+
+    def stats(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "peers": self.peers, "rounds": self.rounds, "failed_rounds": self.failed_rounds,
+                "remote": {tid: dict(zip(LOAD_FIELDS, load)) for tid, (_, load) in self.applied.items()}}
+
+
+def parse_load(value: str) -> Load | None:
+    """``"in_flight prefill decode"`` -> a load clamped at >= 0; None when malformed."""
+    parts = value.split()
+    if len(parts) != 3:
+        return None
+    try:
+        a, b, c = (max(0, int(p)) for p in parts)
+    except ValueError:
+        return None
+    return (a, b, c)
+
+
+def sum_loads(hashes: list[Mapping[str, str]]) -> dict[str, Load]:
+    """Per target, the sum of every replica hash's load (the ``_`` marker and bad values skipped)."""
+    out: dict[str, Load] = {}
+    for h in hashes:
+        for tid, value in h.items():
+            load = parse_load(value) if tid != "_" else None
+            if load is not None:
+                a, b, c = out.get(tid, ZERO)
+                out[tid] = (a + load[0], b + load[1], c + load[2])
+    return out
+
+
+def load_families(load: SharedLoad) -> list[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    remote = GaugeMetricFamily("mesh_remote_in_flight", "In-flight requests other gateway replicas have on a target", labels=["target"])
+    tokens = GaugeMetricFamily("mesh_remote_tokens", "Prefill/decode tokens other replicas have in flight on a target",
+                               labels=["target", "phase"])
+    for tid in sorted(load.targets):
+        r = load.remote(tid)
+        remote.add_metric([tid], r[0])
+        tokens.add_metric([tid, "prefill"], r[1])
+        tokens.add_metric([tid, "decode"], r[2])
+    peers = GaugeMetricFamily("mesh_load_sync_peers", "Other gateway replicas whose load was read in the last sync round",
+                              value=load.peers)
+    return [remote, tokens, peers]
