@@ -306,6 +306,12 @@ class Pipeline(Policy):
     each. ``explain_top`` (default 16) bounds the candidates whose per-term scores the decision
     carries (the best ones and the pick): building them is a cost every request pays. A prefill profile considers prefill-role targets, a decode profile decode-role ones;
     when no pair can be formed the prefill profile runs over mixed-role targets instead.
+
+    ``local_prefill_tokens`` (profiles only; default 0 = always a pair): conditional
+    disaggregation. When the chosen decode target would have to prefill at most this many
+    uncached prompt tokens itself, the decision names that decode target alone (no pair): a
+    short or mostly cached prompt costs the decode worker less than a relay, a remote prefill
+    and a KV hand-off cost the request (Dynamo's and SGLang's routers have the same knob).
     """
 
     def __init__(
@@ -316,7 +322,13 @@ class Pipeline(Policy):
         profiles: Mapping[str, Any] | None = None,
         explain_top: int = 16,
         seed: int | None = None,
+        local_prefill_tokens: int = 0,
     ) -> None:
+        if isinstance(local_prefill_tokens, bool) or not isinstance(local_prefill_tokens, int) or local_prefill_tokens < 0:
+            raise PluginError(f"pipeline: local_prefill_tokens must be an integer >= 0, got {local_prefill_tokens!r}")
+        if local_prefill_tokens and profiles is None:
+            raise PluginError("pipeline: local_prefill_tokens needs prefill/decode profiles")
+        self.local_prefill_tokens = local_prefill_tokens
         self.profile: Profile | None = None
         self.pd: tuple[Profile, Profile, Profile] | None = None  # prefill, decode, mixed fallback
         if profiles is None:
@@ -343,13 +355,24 @@ class Pipeline(Policy):
                 raise NoCandidate(f"no prefill/decode pair ({exc}) and no mixed-role candidate") from exc
             return Decision(res.target, f"{res.reason} (mixed-role fallback: {exc})", res.scores, overlaps)
         scores = {**dec.scores, **pre.scores}  # role sets are disjoint: no target is in both
+        uncached = _uncached_tokens(request, overlaps.get(dec.target)) if self.local_prefill_tokens else -1
+        if 0 <= uncached <= self.local_prefill_tokens:
+            reason = f"decode {dec.reason}; prefills locally ({uncached} uncached tokens <= {self.local_prefill_tokens})"
+            return Decision(dec.target, reason, scores, overlaps)
         reason = f"prefill {pre.reason}; decode {dec.reason}"
         return Decision(pre.target, reason, scores, overlaps, dec.target)
 
     def describe(self) -> dict[str, Any]:
         if self.pd is None:
             return {"name": self.name, **self.profile.describe()}  # type: ignore[union-attr]
-        return {"name": self.name, "profiles": {"prefill": self.pd[0].describe(), "decode": self.pd[1].describe()}}
+        return {"name": self.name, "profiles": {"prefill": self.pd[0].describe(), "decode": self.pd[1].describe()},
+                "local_prefill_tokens": self.local_prefill_tokens}
+
+
+def _uncached_tokens(request: RequestInfo, overlap: Overlap | None) -> int:
+    """Prompt tokens a target would compute itself (its cached prefix, GPU or CPU tier, is not)."""
+    cached = (overlap.gpu_blocks + overlap.cpu_blocks) * request.block_size if overlap is not None else 0
+    return max(request.prompt_tokens - cached, 0)
 
 
 def _build_profiles(profiles: Any, seed: int | None, explain_top: int) -> tuple[Profile, Profile, Profile]:

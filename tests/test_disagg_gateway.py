@@ -76,6 +76,27 @@ async def test_without_profiles_the_gateway_proxies_as_usual(cluster: Cluster) -
     assert_no_leaks(cluster.alive())
 
 
+async def test_short_prompts_prefill_on_the_decode_worker_long_ones_take_the_pair(cluster: Cluster) -> None:
+    """Conditional disaggregation (``local_prefill_tokens``): a short prompt goes straight to the
+    decode worker, which prefills it itself (no relay, no transfer); a long one takes the pair."""
+    policy = {**PD_POLICY, "params": {**PD_POLICY["params"], "local_prefill_tokens": 64}}
+    m, d0 = cluster.workers["m"].url, cluster.workers["d0"].url
+    before = status(d0)["decode_requests"]
+    async with _gateway(cluster, policy) as client:
+        short = completion(prompt_tokens(40, seed=70), 8)
+        resp = await client.post("/v1/completions", json=short)
+        assert resp.status_code == 200 and resp.headers["x-mesh-worker"] == "d0"
+        assert "x-mesh-prefill-worker" not in resp.headers
+        assert parse_answer(resp.content, False, "/v1/completions")[0] == direct(m, short)[0]
+        assert status(d0)["decode_requests"] == before  # served as an ordinary request
+        long = completion(prompt_tokens(300, seed=71), 8)
+        resp = await client.post("/v1/completions", json=long)
+        assert resp.status_code == 200 and resp.headers["x-mesh-prefill-worker"] == "p0"
+        assert parse_answer(resp.content, False, "/v1/completions")[0] == direct(m, long)[0]
+    assert status(d0)["decode_requests"] == before + 1
+    assert_no_leaks(cluster.alive())
+
+
 def test_mesh_up_with_prefill_and_decode_workers_serves_disaggregated(procs: ProcessGroup) -> None:
     """``mesh up --prefill 1 --decode 1``: bundled workers with roles behind the gateway; a
     request is prefilled on one and decoded on the other, the decode side importing the prompt."""

@@ -178,6 +178,27 @@ def test_profiles_fall_back_to_mixed_targets_without_a_pair() -> None:
         pipeline(profiles=PD).decide(req(), ClusterView([T("p0", role=Role.PREFILL)], 0.0))
 
 
+def test_short_or_mostly_cached_prompts_prefill_on_the_decode_worker() -> None:
+    """Conditional disaggregation (``local_prefill_tokens``): a pair only when the decode target
+    would have to prefill more than the threshold itself; its own cached prefix counts."""
+    index = PrefixIndex()
+    index.store("d0", [1, 2, 3])  # d0 caches 3 of the 4-block prompt's blocks
+    ts = [T("p0", role=Role.PREFILL), T("d0", role=Role.DECODE), T("d1", role=Role.DECODE, in_flight=5)]
+    policy = pipeline(profiles=PD, local_prefill_tokens=32)
+    local = policy.decide(req(), ClusterView(ts, 0.0, index))  # 64 tokens, 48 cached on d0: 16 left
+    assert (local.target, local.decode_target) == ("d0", None) and "prefills locally (16 uncached" in local.reason
+    long = policy.decide(req(keys=range(1, 9)), ClusterView(ts, 0.0, index))  # 128 tokens, 80 uncached
+    assert (long.target, long.decode_target) == ("p0", "d0")
+    always = pipeline(profiles=PD).decide(req(), ClusterView(ts, 0.0, index))  # default 0: always a pair
+    assert (always.target, always.decode_target) == ("p0", "d0")
+    assert policy.describe()["local_prefill_tokens"] == 32
+    for bad in (-1, 1.5, True):
+        with pytest.raises(PluginError, match="local_prefill_tokens"):
+            pipeline(profiles=PD, local_prefill_tokens=bad)
+    with pytest.raises(PluginError, match="needs prefill/decode profiles"):
+        pipeline(scorers=LLM_D, local_prefill_tokens=8)
+
+
 def test_pipeline_through_router_decide_and_route() -> None:
     index = PrefixIndex()
     index.store("b", [1, 2, 3])
