@@ -163,21 +163,7 @@ class Simulator:
         """Feed one KV event to the index, as the gateway's event subscriber does."""
         if self.recorder is not None:
             self.recorder.event(t, op, target, keys, parent)
-        index = self.index
-        if op == OP_STORE:
-            index.store(target, keys, parent=parent)
-        elif op == OP_REMOVE:
-            index.remove(target, keys, Tier.GPU)
-        elif op == OP_OFFLOAD:
-            # every key still has its node (it was on the GPU until now): store the CPU tier
-            # first, then drop the GPU tier, so the nodes never vanish in between
-            index.store(target, keys, Tier.CPU)
-            index.remove(target, keys, Tier.GPU)
-        elif op == OP_RELOAD:
-            index.store(target, keys, parent=parent)
-            index.remove(target, keys, Tier.CPU)
-        elif op == OP_DROP_CPU:
-            index.remove(target, keys, Tier.CPU)
+        apply_event(self.index, op, target, keys, parent)
 
     def _drain(self, now: float) -> None:
         events = self.events
@@ -340,3 +326,21 @@ class Simulator:
 
 def simulate(trace: Trace, policy_spec: Any, config: SimConfig, **kw: Any) -> RunResult:
     return Simulator(trace, policy_spec, config, **kw).run()
+
+
+def apply_event(index: PrefixIndex, op: int, target: str, keys: list[int], parent: int | None) -> None:
+    """One simulated KV event into ``index``, as the gateway's event subscriber applies it."""
+    if op == OP_STORE:
+        index.store(target, keys, parent=parent)
+    elif op == OP_REMOVE:
+        index.remove(target, keys, Tier.GPU)
+    elif op == OP_OFFLOAD:
+        # every key still has its node (it was on the GPU until now): store the CPU tier
+        # first, then drop the GPU tier, so the nodes never vanish in between
+        index.store(target, keys, Tier.CPU)
+        index.remove(target, keys, Tier.GPU)
+    elif op == OP_RELOAD:
+        index.store(target, keys, parent=parent)
+        index.remove(target, keys, Tier.CPU)
+    elif op == OP_DROP_CPU:
+        index.remove(target, keys, Tier.CPU)

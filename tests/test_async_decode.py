@@ -104,6 +104,18 @@ def _workload() -> tuple[list[list[int]], list[int], list[int]]:
 Workload = tuple[list[list[int]], list[int], list[int]]  # prompts, arrival steps, max_tokens
 
 
+def _admit(engine: LLMEngine, pending: list[int], step: int, workload: Workload, stops: dict[int, int],
+           out: dict[str, list[int]]) -> None:
+    """Add every pending request whose arrival step has come (greedy, its stop token if any)."""
+    prompts, arrivals, max_tokens = workload
+    while pending and arrivals[pending[0]] <= step:
+        i = pending.pop(0)
+        stop = (stops[i],) if i in stops else ()
+        engine.add_request(f"r{i}", prompts[i], SamplingParams(
+            temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, stop_token_ids=stop))
+        out[f"r{i}"] = []
+
+
 def _run(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, mode: str, stops: dict[int, int],
          num_kv_blocks: int, workload: Workload | None = None) -> tuple[dict[str, list[int]], LLMEngine]:
     """mode: "eager" (no graphs), "sync" (graph path, one step at a time), "async"."""
@@ -112,12 +124,7 @@ def _run(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, mode: str, sto
     out: dict[str, list[int]] = {}
     pending, step = list(range(len(prompts))), 0
     while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            stop = (stops[i],) if i in stops else ()
-            engine.add_request(f"r{i}", prompts[i], SamplingParams(
-                temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, stop_token_ids=stop))
-            out[f"r{i}"] = []
+        _admit(engine, pending, step, (prompts, arrivals, max_tokens), stops, out)
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
         engine.block_manager.check(engine.scheduler.all_seqs())
@@ -235,12 +242,7 @@ def _run_aborting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, mode:
 
     pending, step = list(range(len(prompts))), 0
     while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            stop = (stops[i],) if i in stops else ()
-            engine.add_request(f"r{i}", prompts[i], SamplingParams(
-                temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, stop_token_ids=stop))
-            out[f"r{i}"] = []
+        _admit(engine, pending, step, (prompts, arrivals, max_tokens), stops, out)
         preemptions = engine.scheduler.stats.preemptions
         outputs = engine.step()
         _check_engine(engine)

@@ -18,11 +18,11 @@ from mesh.index import PrefixIndex
 from mesh.router import Router
 from mesh.sessions import SessionTable
 from policies import create_policy
-from policies.base import RequestInfo, TargetState, Tier
-from simulator.engine import SimConfig, Simulator
+from policies.base import RequestInfo, TargetState
+from simulator.engine import SimConfig, Simulator, apply_event
 from simulator.profile import BUILTIN, with_overrides
 from simulator.traces import LoadOptions, load_traces
-from simulator.worker_model import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE
+from simulator.worker_model import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_STORE
 from tests.procs import SHARED_TRACES
 
 WEKA = SHARED_TRACES / "weka"
@@ -72,18 +72,7 @@ def gateway_replay(log: list[tuple[Any, ...]], spec: Any, workers: int, block_si
             decisions.append(decision.target)
         elif kind == "event":  # the KV event subscriber
             _, _, op, target, keys, parent = entry
-            if op == OP_STORE:
-                index.store(target, keys, parent=parent)
-            elif op == OP_REMOVE:
-                index.remove(target, keys, Tier.GPU)
-            elif op == OP_OFFLOAD:
-                index.store(target, keys, Tier.CPU)
-                index.remove(target, keys, Tier.GPU)
-            elif op == OP_RELOAD:
-                index.store(target, keys, parent=parent)
-                index.remove(target, keys, Tier.CPU)
-            elif op == OP_DROP_CPU:
-                index.remove(target, keys, Tier.CPU)
+            apply_event(index, op, target, keys, parent)
         elif kind == "first":  # the proxy saw the first streamed token
             leases[entry[2]].first_token()
         elif kind == "finish":
