@@ -19,7 +19,9 @@ Both indices get the same events:
 Dynamo is also fed from the token ids (``dynamo from tokens``: local hashes, its JSON, apply), the
 way Mesh is fed; and Mesh is also fed pre-hashed (``mesh pre-hashed``: ``apply_stored(keys=...)``
 with the events' router keys computed beforehand), the way Dynamo's main column is: the index's own
-work against the tree's. Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
+work against the tree's. Every apply is timed in a fresh process pinned to one core (``--cpu``),
+``--repeats`` times per variant in alternating order; medians and ranges are reported (why pinned:
+see ``VARIANTS``; Dynamo unpinned on two cores is reported too). Match: ``PrefixIndex.match(keys)`` vs ``RadixTree.find_matches(local hashes)`` on requests of 512
 and 2,048 blocks taken from indexed sessions; every query's overlaps must be identical (asserted).
 Memory per indexed block: tracemalloc for Mesh (a fresh index replaying the stream), RSS growth
 of a fresh subprocess for Dynamo. Decision: tokens (a Python list) -> keys -> ``kv_aware`` on a
@@ -27,7 +29,8 @@ live cluster view (the request path: ``explain=False``, as ``Router.route``), fo
 prompts; Dynamo's column is its lookup alone (tokens ->
 ``compute_block_hash_for_seq`` -> ``find_matches``), no policy.
 
-    python bench/index.py [--sizes 16 64 256 1024] [--events 5000] [--json bench/results/index.json]
+    python bench/index.py [--sizes 16 64 256 1024] [--events 5000] [--repeats 5] [--cpu N | --no-pin]
+                          [--json bench/results/index.json]
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import argparse
 import gc
 import json
-import math
 import os
 import pickle
 import platform
@@ -50,6 +52,7 @@ import subprocess
 import tempfile
 import time
 import tracemalloc
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +271,98 @@ def apply_dynamo_from_tokens(tree: Any, stream: Stream) -> float:
     return time.perf_counter() - t0
 
 
+# ---------------------------------------------------------------- apply, measured in fresh processes
+# Dynamo's RadixTree runs its tree on a background thread and every ``apply_event`` waits for it:
+# with the caller and that thread on two cores each event pays a cross-core wake-up (~100 us), on
+# one core a direct switch. Its apply is ~1M blocks/s in the first case and ~3.7M in the second,
+# and which one a run gets depended on the scheduler (the "bimodal" runs of earlier rounds: the fast
+# runs were those where other jobs kept the second core busy). So each apply is timed in a fresh
+# process pinned to one core (the same core for both sides; Mesh is single-threaded): Dynamo's
+# figure is then its tree's own speed, with no thread hand-off. Dynamo on two cores (unpinned) is
+# measured too, as context. Repetitions alternate the sides; the table reports medians and ranges.
+
+ALL_CPUS = os.sched_getaffinity(0)  # before main() pins this process
+VARIANTS = {  # name -> (side, pinned)
+    "mesh_tokens": ("mesh", True), "mesh_prehashed": ("mesh_pre", True),
+    "dynamo_prehashed": ("dynamo", True), "dynamo_tokens": ("dynamo_tok", True),
+    "dynamo_prehashed_2cores": ("dynamo", False),
+}
+
+
+def dump_stream(stream: Stream, path: str) -> None:
+    """The events in a compact form for the child processes: token ids as one uint32 buffer."""
+    flat = array("I")
+    ours = []
+    for ev in stream.ours:
+        if ev[0] == "S":
+            ours.append(("S", ev[1], ev[2], ev[3], len(flat), len(ev[4]), ev[5]))
+            flat.extend(ev[4])
+        else:
+            ours.append(ev)
+    with open(path, "wb") as f:
+        pickle.dump({"workers": stream.workers, "blocks": stream.blocks, "entries": stream.entries, "ours": ours, "tokens": flat.tobytes(),
+                     "dynamo": stream.dynamo}, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_stream(path: str, side: str) -> Stream:
+    with open(path, "rb") as f:
+        d = pickle.load(f)
+    st = Stream(d["workers"], dynamo=d["dynamo"], blocks=d["blocks"], entries=d["entries"])
+    if side != "dynamo":
+        flat = array("I")
+        flat.frombytes(d["tokens"])
+        st.ours = [("S", e[1], e[2], e[3], flat[e[4] : e[4] + e[5]].tolist(), e[6]) if e[0] == "S" else e
+                   for e in d["ours"]]
+    return st
+
+
+def child_apply(side: str, path: str, cpus: set[int]) -> None:
+    """One timed apply in this (fresh) process on ``cpus``; prints the seconds it took."""
+    os.sched_setaffinity(0, cpus)
+    stream = load_stream(path, side)
+    tids = [f"w{w}" for w in range(stream.workers)]
+    gc.collect()
+    gc.freeze()  # the loaded stream's objects: no collection walks them, on either side
+    if side in ("mesh", "mesh_pre"):
+        index = PrefixIndex()
+        secs = (apply_ours if side == "mesh" else apply_ours_prehashed)(index, stream, tids)
+        if index.stats()["engine_hashes"] != stream.entries:
+            raise SystemExit(f"the index lost (worker, block) entries: {index.stats()['engine_hashes']} != {stream.entries}")
+    else:
+        from dynamo._core import RadixTree
+
+        secs = (apply_dynamo if side == "dynamo" else apply_dynamo_from_tokens)(RadixTree(), stream)
+    print(json.dumps({"seconds": secs}))
+
+
+def measure_apply(stream: Stream, repeats: int, cpu: int | None, progress: Progress, task: Any) -> dict[str, list[float]]:
+    """Blocks/s of every variant, ``repeats`` fresh processes each, the variants alternating."""
+    fd, path = tempfile.mkstemp(suffix=".pkl")
+    os.close(fd)
+    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    try:
+        dump_stream(stream, path)
+        for rep in range(repeats):
+            names = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
+            for name in names:
+                progress.update(task, description=f"{stream.workers} workers: apply {name} {rep + 1}/{repeats}")
+                side, pinned = VARIANTS[name]
+                arg = str(cpu) if pinned and cpu is not None else ",".join(map(str, sorted(ALL_CPUS)))
+                res = subprocess.run([sys.executable, __file__, "--child-apply", side, path, arg],
+                                     capture_output=True, text=True, timeout=600, env={**os.environ, "RUST_LOG": "error"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"apply {name} failed: {res.stderr[-2000:]}")
+                secs = json.loads(res.stdout.strip().splitlines()[-1])["seconds"]
+                out[name].append(stream.blocks / secs)
+    finally:
+        os.unlink(path)
+    return out
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def keys_only(stream: Stream) -> float:
     gc.collect()
     t0 = time.perf_counter()
@@ -390,8 +485,8 @@ def memory_dynamo(stream: Stream) -> int | None:
         os.unlink(path)
 
 
-def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int, progress: Progress,
-             task: Any) -> dict[str, Any]:
+def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int, cpu: int | None,
+             progress: Progress, task: Any) -> dict[str, Any]:
     from dynamo._core import RadixTree
 
     gen = Generator(workers, seed=workers)
@@ -401,28 +496,30 @@ def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int,
             progress.update(task, description=f"{workers} workers: generating {i}/{events}")
     stream = gen.finish()
     tids = [f"w{w}" for w in range(workers)]
-    progress.update(task, description=f"{workers} workers: applying (best of {repeats})")
-    ours_s = ours_pre_s = dyn_s = dyn_tok_s = keys_s = math.inf
-    for _ in range(repeats):  # interleaved, best of N: the dev box is shared and noisy
-        ours_pre_s = min(ours_pre_s, apply_ours_prehashed(PrefixIndex(), stream, tids))
-        index = PrefixIndex()
-        ours_s = min(ours_s, apply_ours(index, stream, tids))
-        tree = RadixTree()
-        dyn_s = min(dyn_s, apply_dynamo(tree, stream))
-        dyn_tok_s = min(dyn_tok_s, apply_dynamo_from_tokens(RadixTree(), stream))
-        keys_s = min(keys_s, keys_only(stream))
+    rates = measure_apply(stream, repeats, cpu, progress, task)
+    progress.update(task, description=f"{workers} workers: building both indices for the queries")
+    index = PrefixIndex()
+    apply_ours(index, stream, tids)
+    tree = RadixTree()
+    apply_dynamo(tree, stream)
+    keys_s = statistics.median(keys_only(stream) for _ in range(3))
     rng = random.Random(workers)
     progress.update(task, description=f"{workers} workers: matching (cross-checked)")
     gc.collect()
     gc.freeze()  # the stream's millions of objects: keep collections (for both sides) off them
+    med = {name: statistics.median(xs) for name, xs in rates.items()}
     row: dict[str, Any] = {
         "workers": workers, "events": len(stream.ours), "removal_events": sum(e[0] == "R" for e in stream.ours),
         "event_blocks": stream.blocks, "indexed_entries": stream.entries, "indexed_unique_blocks": stream.unique,
-        "ours_apply_blocks_per_s": stream.blocks / ours_s, "dynamo_apply_blocks_per_s": stream.blocks / dyn_s,
-        "ours_prehashed_apply_blocks_per_s": stream.blocks / ours_pre_s,
-        "ours_apply_events_per_s": len(stream.ours) / ours_s, "dynamo_apply_events_per_s": len(stream.ours) / dyn_s,
-        "dynamo_from_tokens_blocks_per_s": stream.blocks / dyn_tok_s,
-        "ours_key_hashing_share": keys_s / ours_s,
+        "apply_blocks_per_s": {name: spread(xs) for name, xs in rates.items()},
+        "apply_runs_blocks_per_s": rates,
+        "ours_apply_blocks_per_s": med["mesh_tokens"], "ours_prehashed_apply_blocks_per_s": med["mesh_prehashed"],
+        "dynamo_apply_blocks_per_s": med["dynamo_prehashed"], "dynamo_from_tokens_blocks_per_s": med["dynamo_tokens"],
+        "dynamo_2cores_apply_blocks_per_s": med["dynamo_prehashed_2cores"],
+        "ratio_prehashed": med["mesh_prehashed"] / med["dynamo_prehashed"],
+        "ratio_from_tokens": med["mesh_tokens"] / med["dynamo_tokens"],
+        "ratio_prehashed_vs_dynamo_2cores": med["mesh_prehashed"] / med["dynamo_prehashed_2cores"],
+        "ours_key_hashing_share": keys_s / (stream.blocks / med["mesh_tokens"]),
     }
     assert index.stats()["engine_hashes"] == stream.entries, "the index lost (worker, block) entries"  # noqa: S101
     for blocks in (512, 2048):
@@ -445,6 +542,10 @@ def run_size(workers: int, events: int, n_queries: int, reps: int, repeats: int,
     return row
 
 
+def _rate(sp: dict[str, float]) -> str:
+    return f"{sp['median'] / 1e6:.2f}M [{sp['min'] / 1e6:.2f}-{sp['max'] / 1e6:.2f}]"
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
@@ -455,10 +556,22 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=5000)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--decisions", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=2, help="apply runs per index (best kept)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="apply runs per variant, each in a fresh process (median and range reported)")
+    ap.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)),
+                    help="the one core that every timed apply (and this process) is pinned to")
+    ap.add_argument("--no-pin", action="store_true", help="pin nothing (Dynamo's apply then depends on the scheduler)")
     ap.add_argument("--json", default="bench/results/index.json")
+    ap.add_argument("--child-apply", nargs=3, metavar=("SIDE", "PATH", "CPU"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("RUST_LOG", "error")
+    if args.child_apply:
+        side, path, cpu_arg = args.child_apply
+        child_apply(side, path, {int(c) for c in cpu_arg.split(",")})
+        return
+    cpu = None if args.no_pin else args.cpu
+    if cpu is not None:  # match and decision latencies too: Dynamo's find_matches also crosses to its thread
+        os.sched_setaffinity(0, {cpu})
     console = Console(width=200)
     rows = []
     started = time.time()
@@ -466,22 +579,21 @@ def main() -> None:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("index", total=len(args.sizes))
         for w in args.sizes:
-            rows.append(run_size(w, args.events, args.queries, args.decisions, args.repeats, progress, task))
+            rows.append(run_size(w, args.events, args.queries, args.decisions, args.repeats, cpu, progress, task))
             progress.advance(task)
-    t = Table(title="Event apply and memory: Mesh PrefixIndex vs Dynamo RadixTree (same events)")
-    for col in ("workers", "event blocks", "mesh blocks/s", "dynamo (pre-hashed)", "mesh/dynamo",
-                "mesh pre-hashed", "that/dynamo", "dynamo from tokens", "mesh/that", "mesh hashing share",
-                "B/entry mesh", "B/entry dynamo"):
+    t = Table(title=f"Event apply, blocks/s (median \\[min-max] of {args.repeats} fresh processes"
+                    f"{'' if cpu is None else f', pinned to core {cpu}'}) and memory: Mesh PrefixIndex vs Dynamo RadixTree")
+    for col in ("workers", "event blocks", "mesh pre-hashed", "dynamo pre-hashed", "ratio",
+                "mesh from tokens", "dynamo from tokens", "ratio", "dynamo 2 cores", "mesh pre / that",
+                "hashing share", "B/entry mesh", "B/entry dynamo"):
         t.add_column(col, justify="right")
     for r in rows:
+        a = r["apply_blocks_per_s"]
         t.add_row(
             str(r["workers"]), f"{r['event_blocks']:,}",
-            f"{r['ours_apply_blocks_per_s'] / 1e6:.2f}M", f"{r['dynamo_apply_blocks_per_s'] / 1e6:.2f}M",
-            ratio(r["ours_apply_blocks_per_s"], r["dynamo_apply_blocks_per_s"]),
-            f"{r['ours_prehashed_apply_blocks_per_s'] / 1e6:.2f}M",
-            ratio(r["ours_prehashed_apply_blocks_per_s"], r["dynamo_apply_blocks_per_s"]),
-            f"{r['dynamo_from_tokens_blocks_per_s'] / 1e6:.2f}M",
-            ratio(r["ours_apply_blocks_per_s"], r["dynamo_from_tokens_blocks_per_s"]),
+            _rate(a["mesh_prehashed"]), _rate(a["dynamo_prehashed"]), f"{r['ratio_prehashed']:.2f}x",
+            _rate(a["mesh_tokens"]), _rate(a["dynamo_tokens"]), f"{r['ratio_from_tokens']:.2f}x",
+            _rate(a["dynamo_prehashed_2cores"]), f"{r['ratio_prehashed_vs_dynamo_2cores']:.2f}x",
             f"{r['ours_key_hashing_share']:.0%}",
             f"{r['ours_bytes_per_entry']:.0f}",
             "-" if r["dynamo_bytes_per_entry"] is None else f"{r['dynamo_bytes_per_entry']:.0f}",
@@ -515,7 +627,10 @@ def main() -> None:
         "block_size": BS, "system_prompts": SYSTEMS, "system_blocks": SYSTEM_BLOCKS, "removal_share": REMOVAL_SHARE,
         "events_per_size": args.events, "wall_s": round(time.time() - started, 1),
         "load_average_at_start": load_at_start, "load_average_at_end": list(os.getloadavg()),
-        "note": "apply is best of --repeats runs; latencies are interleaved Mesh/Dynamo per query",
+        "pinned_cpu": cpu, "apply_repeats": args.repeats,
+        "note": "apply: each variant timed in --repeats fresh processes (alternating order), pinned to one core "
+                "unless pinned_cpu is null (dynamo_prehashed_2cores is never pinned); the *_blocks_per_s fields "
+                "are medians; latencies are interleaved Mesh/Dynamo per query in the (pinned) main process",
         "dynamo": _dynamo_version(),
     }
     path = Path(args.json)
