@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workers import fused_linear
 from workers.attention.base import AttentionBackend
 from workers.config import ModelConfig
 from workers.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
@@ -67,6 +68,10 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # Small batches (decode) run each sub-layer as one fused launch (``workers.fused_linear``);
+    # set by the model runner on CUDA. Same rounding points as the layer-by-layer path.
+    fused_small_batches: bool = False
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -76,10 +81,35 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.model.embed_tokens(input_ids)
+        if self.fused_small_batches and x.shape[0] <= fused_linear.MAX_FUSED_TOKENS:
+            return self._forward_fused(positions, x, kv_caches, meta, backend)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv, meta, backend)
         x, _ = self.model.norm(x, residual)
+        return x
+
+    def _forward_fused(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,  # the residual stream, owned here and updated in place
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Per layer four fused launches around attention: norm+qkv(+bias), o_proj+residual,
+        norm+gate_up+SiLU*up, down+residual."""
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = fused_linear.fused_linear(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
+                                            norm_weight=ln1.weight, eps=ln1.eps)
+            o = attn.attend_packed(positions, qkv, kv, meta, backend)
+            fused_linear.fused_linear(o, attn.o_proj.weight, residual=h, out=h)
+            act = fused_linear.fused_linear(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight,
+                                            eps=ln2.eps, glu=True)
+            fused_linear.fused_linear(act, mlp.down_proj.weight, residual=h, out=h)
+        x, _ = self.model.norm(h, None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
