@@ -64,7 +64,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import and_, neg
+from operator import and_, eq, neg
 from typing import Any
 
 import numpy as np
@@ -321,10 +321,13 @@ class PrefixIndex:
             emap = self._emap[target] = {}
         ids = self._id
         joined = keys[0] in ids  # e.g. a shared system prompt: the map shares the index's key objects
-        self._store_chain(slot, keys, tier, parent)
+        run = self._store_chain(slot, keys, tier, parent)
         if joined:
             key_a = self._key
-            keys = list(map(key_a.__getitem__, map(ids.__getitem__, keys)))
+            if run is not None and run[1] == n:  # joined in bulk: the chain's nids are contiguous
+                keys = key_a[run[0] : run[0] + n]
+            else:
+                keys = list(map(key_a.__getitem__, map(ids.__getitem__, keys)))
         emap.update(zip(engine_hashes, keys))
         self._after_store()
         return n
@@ -580,8 +583,9 @@ class PrefixIndex:
         tier: Tier | str,
         parent: int,
         spec_deadline: float | None = None,
-    ) -> None:
-        """The hot path of every store: one pass down the chain, parent before child."""
+    ) -> tuple[int, int] | None:
+        """The hot path of every store: one pass down the chain, parent before child. Returns
+        ``(first nid, length)`` of the leading run that was joined in bulk (``_join_run``), if any."""
         bit = 1 << slot
         get = self._id.get
         spec = tier is _SPEC
@@ -596,10 +600,17 @@ class PrefixIndex:
         par, kid, stamp_a, budget = self._par, self._kid, self._stamp, self.max_keys
         g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
-        for i, key in enumerate(keys):
+        todo, joined = keys, None
+        if not spec and len(keys) >= _BULK_MIN:
+            joined = self._join_run(bit, keys, field, gpuish, p, stamp)
+            if joined is not None:
+                lo, run = joined
+                p = lo + run - 1
+                todo = keys[run:] if run < len(keys) else ()
+        for i, key in enumerate(todo):
             x = get(key)
             if x is None:
-                rest = keys[i:] if i else keys
+                rest = todo[i:] if i else todo
                 # the usual case: the rest is new (only a placeholder can lie below a new block)
                 if not self._orphans or not any(map(get, rest)):
                     self._new_chain(bit, rest, field, gpuish, p, stamp)
@@ -639,6 +650,55 @@ class PrefixIndex:
             last = get(keys[-1])
             if last is not None and self._kid[last] == 0:
                 heappush(self._lru, (stamp, last))
+        return joined
+
+    def _join_run(
+        self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int
+    ) -> tuple[int, int] | None:
+        """The bulk form of adding a holder to blocks already indexed (a worker storing a shared
+        system prompt): the leading run of ``keys`` that is indexed as a chain below ``p`` in
+        *contiguous* nids (as ``_new_chain`` lays chains out), that the target holds on no tier,
+        and where no child waits for its bit (``pend``). Then the run needs no key lookup but
+        its two ends (a live last node makes its ancestors live, and live nodes' keys and links
+        are exact), and its masks gain the bit by slice assignments. Returns the run's first nid
+        and length (None: nothing done, the per-block path handles every block)."""
+        ids = self._id
+        lo = ids.get(keys[0])
+        g, c, s = self._g, self._c, self._s
+        if lo is None or self._par[lo] != p or (g[lo] | c[lo] | s[lo]) & bit:  # cheapest checks first
+            return None
+        head = self._key[lo : lo + len(keys)]
+        if type(keys) is list and head == keys:
+            run = len(keys)
+        else:
+            same = list(map(eq, head, keys))  # as long as the shorter of the two
+            run = same.index(False) if False in same else len(same)
+        if run < _BULK_MIN:
+            return None
+        hi = lo + run
+        par = self._par
+        if ids.get(keys[run - 1]) != hi - 1 or par[lo + 1 : hi] != array("i", range(lo, hi - 1)):
+            return None
+        ca, cg, pend = self._ca, self._cg, self._pend
+        for arr in (g, c, s, pend):
+            vals = arr[lo:hi]
+            first = vals[0]
+            if first & bit or (vals.count(first) != run and any(map(bit.__and__, vals))):
+                return None
+        ca_v = bit if ca[p] & bit else 0
+        cg_v = bit if gpuish and cg[p] & bit else 0
+        _or_range(field, lo, hi, bit)
+        if ca_v:
+            _or_range(ca, lo, hi, bit)
+        if cg_v:
+            _or_range(cg, lo, hi, bit)
+        if not ca_v or (gpuish and not cg_v):  # not consecutive: every parent may have a child waiting
+            if p > ROOT:
+                pend[p] |= bit
+            _or_range(pend, lo, hi - 1, bit)
+        if self.max_keys:
+            self._stamp[lo:hi] = array("q", [stamp]) * run
+        return lo, run
 
     def _new_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> None:
         """Blocks new to the index, under node ``p``: every one gets the same masks (each is
@@ -959,6 +1019,19 @@ class PrefixIndex:
         self._scrub = None
         self._dying &= ~bits
         self._slots_free.extend(_bits(bits))
+
+
+def _or_range(arr: list[int], lo: int, hi: int, add: int) -> None:
+    """``arr[lo:hi] |= add`` elementwise; equal old values share one new value object."""
+    if hi <= lo:
+        return
+    vals = arr[lo:hi]
+    first = vals[0]
+    if vals.count(first) == hi - lo:  # the usual case: one mask object down a whole chain
+        arr[lo:hi] = [first | add] * (hi - lo)
+    else:
+        new = {v: v | add for v in set(vals)}
+        arr[lo:hi] = list(map(new.__getitem__, vals))
 
 
 def _live_groups(groups: list[tuple[int, int]], live: int) -> list[tuple[int, int]]:

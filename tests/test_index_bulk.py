@@ -1,5 +1,5 @@
-"""The index's bulk paths (tails of one or several chains removed in one pass; recycled node ids
-written by C-speed scatters) against the per-block paths they shortcut, on random workloads with
+"""The index's bulk paths (tails of one or several chains removed in one pass; a holder added to a
+chain of contiguous nodes by slice assignments; recycled node ids written by C-speed scatters) against the per-block paths they shortcut, on random workloads with
 evictions, gaps in chains, both tiers, speculation, target removal and an LRU budget. The bulk
 threshold is lowered so that the small workloads here take the bulk paths often."""
 
@@ -23,10 +23,13 @@ def small_bulk_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class PerBlock(PrefixIndex):
-    """The reference: every removal takes the per-block path."""
+    """The reference: every store and removal takes the per-block path."""
 
     def _drop_tail(self, bit: int, keys: object) -> bool:
         return False
+
+    def _join_run(self, *args: object) -> None:
+        return None
 
 
 class Counting(PrefixIndex):
@@ -34,12 +37,17 @@ class Counting(PrefixIndex):
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
-        self.bulk = {"drop": 0}
+        self.bulk = {"drop": 0, "join": 0}
 
     def _drop_tail(self, bit: int, keys: object) -> bool:
         done = super()._drop_tail(bit, keys)  # type: ignore[arg-type]
         self.bulk["drop"] += done
         return done
+
+    def _join_run(self, *args: object) -> tuple[int, int] | None:
+        run = super()._join_run(*args)  # type: ignore[arg-type]
+        self.bulk["join"] += run is not None
+        return run
 
 
 def make_tree(rng: random.Random) -> tuple[dict[int, int | None], dict[str, list[int]]]:
@@ -146,7 +154,7 @@ def test_bulk_store_and_remove_equal_the_per_block_paths(seed: int) -> None:
                 for t in TARGETS:
                     assert bulk.holds(t, k) == ref.holds(t, k)
             assert len(bulk) == len(ref)
-    assert bulk.bulk["drop"] > 0  # the bulk path really ran
+    assert bulk.bulk["drop"] > 0 and bulk.bulk["join"] > 0  # the bulk paths really ran
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -251,7 +259,7 @@ def test_engine_events_through_the_bulk_paths_track_every_engine_exactly(seed: i
     for t, e in engines.items():
         assert bulk.engine_map(t) == ref.engine_map(t)
         assert len(bulk.engine_map(t)) == len(e.blocks)
-    assert bulk.bulk["drop"] > 0
+    assert bulk.bulk["drop"] > 0 and bulk.bulk["join"] > 0
 
 
 def test_default_threshold_long_sessions_evicted_tail_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,4 +297,4 @@ def test_default_threshold_long_sessions_evicted_tail_first(monkeypatch: pytest.
         assert bulk.match(keys)[t].blocks >= cached
     assert len(bulk) == len(ref)
     assert bulk.stats()["engine_hashes"] == ref.stats()["engine_hashes"]
-    assert bulk.bulk["drop"] > 0
+    assert bulk.bulk["drop"] > 0 and bulk.bulk["join"] > 0
