@@ -46,11 +46,12 @@ def _unfused(ws: list[dict[str, torch.Tensor]], x: torch.Tensor, attn_out: torch
 
 
 def _fused(ws: list[dict[str, torch.Tensor]], h: torch.Tensor, attn_out: torch.Tensor, eps: float) -> None:
+    stream = fl.ResidualStream(h)
     for w in ws:
-        fl.fused_linear(h, w["qkv"], bias=w["qkv_b"], norm_weight=w["ln1"], eps=eps)
-        fl.fused_linear(attn_out, w["o"], residual=h, out=h)
-        act = fl.fused_linear(h, w["gu"], norm_weight=w["ln2"], eps=eps, glu=True)
-        fl.fused_linear(act, w["d"], residual=h, out=h)
+        stream.norm_linear(w["qkv"], w["ln1"], eps, bias=w["qkv_b"])
+        stream.add_linear(attn_out, w["o"])
+        act = stream.norm_linear(w["gu"], w["ln2"], eps, glu=True)
+        stream.add_linear(act, w["d"])
 
 
 def _graph_us(fn: Any, reps: int = 20) -> float:

@@ -99,16 +99,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Per layer four fused launches around attention: norm+qkv(+bias), o_proj+residual,
         norm+gate_up+SiLU*up, down+residual."""
+        stream = fused_linear.ResidualStream(h)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = fused_linear.fused_linear(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
-                                            norm_weight=ln1.weight, eps=ln1.eps)
-            o = attn.attend_packed(positions, qkv, kv, meta, backend)
-            fused_linear.fused_linear(o, attn.o_proj.weight, residual=h, out=h)
-            act = fused_linear.fused_linear(h, mlp.gate_up_proj.weight, norm_weight=ln2.weight,
-                                            eps=ln2.eps, glu=True)
-            fused_linear.fused_linear(act, mlp.down_proj.weight, residual=h, out=h)
+            qkv = stream.norm_linear(attn.qkv_proj.weight, ln1.weight, ln1.eps, bias=attn.qkv_proj.bias)
+            stream.add_linear(attn.attend_packed(positions, qkv, kv, meta, backend), attn.o_proj.weight)
+            act = stream.norm_linear(mlp.gate_up_proj.weight, ln2.weight, ln2.eps, glu=True)
+            stream.add_linear(act, mlp.down_proj.weight)
         x, _ = self.model.norm(h, None)
         return x
 
