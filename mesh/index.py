@@ -740,10 +740,15 @@ class PrefixIndex:
             xs = free[-k:]
             del free[-k:]
             head = keys[:k] if k < m else keys
-            lo = min(xs)
-            if max(xs) - lo == k - 1:  # contiguous (the nids are distinct): the usual evicted tail
-                p = self._write_run(lo, head, p, masks, stamp)
-            else:  # written by C-speed scatters
+            xs.sort()  # any nid can hold any block: ascending, they form few contiguous runs
+            if xs[-1] - xs[0] == k - 1:  # one run (the nids are distinct): the usual evicted tail
+                cuts = [0, k]
+            else:
+                cuts = [0, *(np.flatnonzero(np.diff(xs) != 1) + 1).tolist(), k]
+            if len(cuts) <= 2 + (k >> 3):  # runs of 8 blocks or more on average: slice assignments
+                for a, b in zip(cuts, cuts[1:]):
+                    p = self._write_run(xs[a], head[a:b] if b - a < k else head, p, masks, stamp)
+            else:  # fragmented: C-speed scatters
                 for arr, vals in ((key_a, head), (par, chain((p,), xs[:-1])), (kid, chain(xs[1:], (0,))),
                                   *((arr, repeat(v, k)) for arr, v in zip((g, c, s, ca, cg, pend), masks))):
                     deque(map(arr.__setitem__, xs, vals), 0)
@@ -877,7 +882,7 @@ class PrefixIndex:
         if None in nids:
             return False
         g, c, s, kid = self._g, self._c, self._s, self._kid
-        if set(map(g.__getitem__, nids)) != {bit}:  # shared, or a retired slot's bit: per-block path
+        if list(map(g.__getitem__, nids)).count(bit) != len(nids):  # shared, or a retired slot's bit
             return False
         kids = list(map(kid.__getitem__, nids))
         gone = set(nids)
