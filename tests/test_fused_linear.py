@@ -21,9 +21,7 @@ def test_fused_linear_matches_reference_in_the_interpreter() -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    from tests.fused_checks import CASES
-
-    assert sum(line.startswith("case ") for line in lines) == len(CASES)
+    assert sum(line.startswith("case ") for line in lines) == 5
     assert any("split=3" in line for line in lines)  # split-K really ran
     assert "same greedy tokens" in proc.stdout
     assert lines[-1] == "fused checks passed"
