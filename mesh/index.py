@@ -109,6 +109,10 @@ class PrefixIndex:
         self._ca = [0, -1]  # holders of the whole path, any tier
         self._cg = [0, -1]  # holders of the whole path on the GPU
         self._pend = [0, 0]  # targets that may hold a child without this node's whole path
+        # nids below ``_top`` are in use or in ``_free``; the arrays are preallocated beyond it
+        # (``_grow``), with every field 0; ``_iota[n] == n`` (for slice-assigned links)
+        self._top = 2
+        self._iota = array("i", [0, 1])
         self._free: list[int] = []
         self._orphans: set[int] = set()  # placeholders: nodes whose parent is unknown
         # targets
@@ -514,15 +518,15 @@ class PrefixIndex:
             if self.max_keys:
                 self._stamp[n] = stamp
             self._g[n] = self._c[n] = self._s[n] = self._ca[n] = self._cg[n] = self._pend[n] = 0
-        else:
-            n = len(self._key)
-            self._key.append(key)
-            self._par.append(parent)
-            self._kid.append(0)
+        else:  # a fresh slot: its fields are still all 0
+            n = self._top
+            self._top += 1
+            if n >= len(self._key):
+                self._grow(n + 1)
+            self._key[n] = key
+            self._par[n] = parent
             if self.max_keys:
-                self._stamp.append(stamp)
-            for field in (self._g, self._c, self._s, self._ca, self._cg, self._pend):
-                field.append(0)
+                self._stamp[n] = stamp
         self._id[key] = n
         if parent > ROOT:
             self._add_kid(parent, n)
@@ -702,19 +706,21 @@ class PrefixIndex:
 
     def _new_chain(self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int) -> None:
         """Blocks new to the index, under node ``p``: every one gets the same masks (each is
-        consecutive exactly when ``p`` is), so they are written in one tight pass: recycled nids
-        one by one, then fresh nids by C-speed ``extend``s."""
+        consecutive exactly when ``p`` is), so they are written in one tight pass: a few
+        recycled nids one by one, a contiguous run of them (an evicted tail's) or fresh nids by
+        slice assignments, any other recycled ones by C-speed scatters."""
         ca_v = bit if self._ca[p] & bit else 0
         cg_v = bit if gpuish and self._cg[p] & bit else 0
         waiting = bit if not ca_v or (gpuish and not cg_v) else 0
         if waiting and p > ROOT:
             self._pend[p] |= waiting
         g, c, s, ca, cg, pend = self._g, self._c, self._s, self._ca, self._cg, self._pend
-        gv, cv, sv = (bit if field is g else 0), (bit if field is c else 0), (bit if field is s else 0)
+        masks = ((bit if field is g else 0), (bit if field is c else 0), (bit if field is s else 0), ca_v, cg_v, waiting)
         key_a, par, kid, stamp_a, ids, free = self._key, self._par, self._kid, self._stamp, self._id, self._free
         m = len(keys)
         k = min(m, len(free))
         if 0 < k < _BULK_MIN:  # a few recycled nids: one by one
+            gv, cv, sv = masks[:3]
             for key in keys[:k] if k < m else keys:
                 x = free.pop()
                 key_a[x] = key
@@ -730,52 +736,78 @@ class PrefixIndex:
                     else:
                         self._add_kid(p, x)
                 p = x
-        elif k:  # many: written by C-speed scatters
+        elif k:
             xs = free[-k:]
             del free[-k:]
             head = keys[:k] if k < m else keys
-            for arr, vals in ((key_a, head), (par, chain((p,), xs[:-1])), (kid, chain(xs[1:], (0,))),
-                              (g, repeat(gv, k)), (c, repeat(cv, k)), (s, repeat(sv, k)),
-                              (ca, repeat(ca_v, k)), (cg, repeat(cg_v, k)), (pend, repeat(waiting, k))):
-                deque(map(arr.__setitem__, xs, vals), 0)
-            if self.max_keys:
-                deque(map(stamp_a.__setitem__, xs, repeat(stamp, k)), 0)
-            ids.update(zip(head, xs))
-            if p > ROOT:
-                if kid[p] == 0:
-                    kid[p] = xs[0]
-                else:
-                    self._add_kid(p, xs[0])
-            p = xs[-1]
-        if k < m:
-            rest = m - k
-            n0 = len(key_a)
-            tail = keys[k:]
-            key_a.extend(tail if type(tail) is list else [int(x) for x in tail])
-            par.append(p)
-            if rest > 16:  # array.extend(range) converts item by item: numpy builds the bytes
-                par.frombytes(np.arange(n0, n0 + rest - 1, dtype=np.int32).tobytes())
-                kid.frombytes(np.arange(n0 + 1, n0 + rest, dtype=np.int32).tobytes())
+            xs.sort()  # any nid can hold any block: ascending, they form few contiguous runs
+            if xs[-1] - xs[0] == k - 1:  # one run (the nids are distinct): the usual evicted tail
+                cuts = [0, k]
             else:
-                par.fromlist(list(range(n0, n0 + rest - 1)))
-                kid.fromlist(list(range(n0 + 1, n0 + rest)))
-            kid.append(0)
-            if self.max_keys:
-                stamp_a.fromlist([stamp] * rest)
-            g.extend(repeat(gv, rest))
-            c.extend(repeat(cv, rest))
-            s.extend(repeat(sv, rest))
-            ca.extend(repeat(ca_v, rest))
-            cg.extend(repeat(cg_v, rest))
-            pend.extend(repeat(waiting, rest))
-            ids.update(zip(tail, range(n0, n0 + rest)))
-            if p > ROOT:
-                if kid[p] == 0:
-                    kid[p] = n0
-                else:
-                    self._add_kid(p, n0)
-            p = n0 + rest - 1
+                cuts = [0, *(np.flatnonzero(np.diff(xs) != 1) + 1).tolist(), k]
+            if len(cuts) <= 2 + (k >> 3):  # runs of 8 blocks or more on average: slice assignments
+                for a, b in zip(cuts, cuts[1:]):
+                    p = self._write_run(xs[a], head[a:b] if b - a < k else head, p, masks, stamp)
+            else:  # fragmented: C-speed scatters
+                for arr, vals in ((key_a, head), (par, chain((p,), xs[:-1])), (kid, chain(xs[1:], (0,))),
+                                  *((arr, repeat(v, k)) for arr, v in zip((g, c, s, ca, cg, pend), masks))):
+                    deque(map(arr.__setitem__, xs, vals), 0)
+                if self.max_keys:
+                    deque(map(stamp_a.__setitem__, xs, repeat(stamp, k)), 0)
+                ids.update(zip(head, xs))
+                if p > ROOT:
+                    if kid[p] == 0:
+                        kid[p] = xs[0]
+                    else:
+                        self._add_kid(p, xs[0])
+                p = xs[-1]
+        if k < m:
+            tail = keys[k:] if k else keys
+            n0 = self._top
+            self._top = n0 + m - k
+            if self._top > len(key_a):
+                self._grow(self._top)
+            p = self._write_run(n0, tail if type(tail) is list else [int(x) for x in tail], p, masks, stamp)
         pend[p] = 0  # the last new block has no child yet
+
+    def _write_run(self, lo: int, keys: Sequence[int], p: int, masks: tuple[int, ...], stamp: int) -> int:
+        """Write the chain ``keys`` below ``p`` into the free nids ``lo .. lo + len(keys) - 1``
+        (ascending: each the parent of the next), masks ``(g, c, s, ca, cg, pend)`` on every
+        one, by slice assignments. Returns the last nid."""
+        r = len(keys)
+        hi = lo + r
+        iota, par, kid = self._iota, self._par, self._kid
+        self._key[lo:hi] = keys
+        par[lo] = p
+        par[lo + 1 : hi] = iota[lo : hi - 1]
+        kid[lo : hi - 1] = iota[lo + 1 : hi]
+        kid[hi - 1] = 0
+        for arr, v in zip((self._g, self._c, self._s, self._ca, self._cg, self._pend), masks):
+            arr[lo:hi] = [v] * r
+        if self.max_keys:
+            self._stamp[lo:hi] = array("q", [stamp]) * r
+        self._id.update(zip(keys, range(lo, hi)))
+        if p > ROOT:
+            if kid[p] == 0:
+                kid[p] = lo
+            else:
+                self._add_kid(p, lo)
+        return hi - 1
+
+    def _grow(self, need: int) -> None:
+        """Make the node arrays hold at least ``need`` nids, by a quarter of their size at least: nodes
+        are written into preallocated slots (a list grown by ``extend`` a little at a time is
+        copied to new memory over and over; this costs ~100 ns per block over 6 lists)."""
+        old = len(self._key)
+        add = max(need, old + (old >> 2), 1024) - old
+        for arr in (self._key, self._g, self._c, self._s, self._ca, self._cg, self._pend):
+            arr += [0] * add
+        zeros = bytes(4 * add)
+        self._par.frombytes(zeros)
+        self._kid.frombytes(zeros)
+        self._iota.frombytes(np.arange(old, old + add, dtype=np.int32).tobytes())
+        if self.max_keys:
+            self._stamp.frombytes(bytes(8 * add))
 
     def _refresh(self, x: int, m: int) -> None:
         """Recompute the consecutive masks for the bits of ``m`` at node ``x`` and below it.
@@ -850,7 +882,7 @@ class PrefixIndex:
         if None in nids:
             return False
         g, c, s, kid = self._g, self._c, self._s, self._kid
-        if set(map(g.__getitem__, nids)) != {bit}:  # shared, or a retired slot's bit: per-block path
+        if list(map(g.__getitem__, nids)).count(bit) != len(nids):  # shared, or a retired slot's bit
             return False
         kids = list(map(kid.__getitem__, nids))
         gone = set(nids)
@@ -1005,14 +1037,14 @@ class PrefixIndex:
             self._scrub = (ROOT + 1, self._dying)
         start, bits = self._scrub
         keep = ~bits
-        end = min(len(self._key), start + budget)
+        end = min(self._top, start + budget)
         for field in (self._g, self._c, self._s, self._ca, self._cg, self._pend):
             field[start:end] = [v & keep for v in field[start:end]]
         g, c, s, kid, key, ids = self._g, self._c, self._s, self._kid, self._key, self._id
         for n in range(start, end):
             if not (g[n] | c[n] | s[n]) and kid[n] == 0 and ids.get(key[n]) == n:
                 self._maybe_delete(n)
-        if end < len(self._key):
+        if end < self._top:
             self._scrub = (end, bits)
             return
         # a full pass is done: these slots hold no stale bit anywhere, reuse them
