@@ -244,7 +244,6 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
         device=args.device, attention_backend="triton" if args.device == "cuda" else "torch",
         num_kv_blocks=blocks, max_num_seqs=max(batches),
         max_num_batched_tokens=args.chunk, max_model_len=max(lens) + 64, cuda_graphs=True, seed=0,
-        fused_decode=args.fused_decode,
     )
     print(f"{name}: {cfg.num_params() / 1e9:.2f}B params, {blocks} KV blocks", flush=True)
     t0 = time.perf_counter()
@@ -254,7 +253,6 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
     out: dict[str, Any] = {"params": cfg.num_params(), "num_kv_blocks": blocks, "init_s": init_s,
                            "chunk": args.chunk, "decode_context": args.context}
     out["async_decode"] = engine.async_decode
-    out["fused_decode"] = engine.runner.model.fused_small_batches
     out["decode"], out["decode_profile"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
     if long_batches:  # agentic sessions decode over 4k-32k contexts: the K/V share of the bytes grows
         print(f"  decode at {args.long_context}-token contexts", flush=True)
@@ -340,8 +338,6 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (prefill chunk; default 16384)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip prefill lengths past this")
-    ap.add_argument("--fused-decode", default="auto", choices=["auto", "on", "off"],
-                    help="fused decode sub-layers (workers.fused_linear); off = the cuBLAS layer path")
     args = ap.parse_args()
     gpu_defaults = {"presets": "qwen2-0.5b,llama3-8b", "batches": BATCHES, "prompt_lens": PROMPT_LENS,
                     "context": 512, "steps": 32, "chunk": 16384, "long_context": 4096}

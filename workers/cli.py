@@ -46,8 +46,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
                    help="CPU offload tier: N blocks of host memory (pinned on CUDA) that keep evicted prefix blocks for restore; 0: off")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--fused-decode", default="auto", choices=["auto", "on", "off"],
-                   help="decode batches run fused norm/GEMM/SiLU/residual launches (CUDA, 16-bit models; auto: on there)")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-events-endpoint", default=None, metavar="ADDR", help="ZMQ PUB address, e.g. tcp://*:5557")
@@ -79,7 +77,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         cpu_offload_blocks=args.cpu_offload_blocks,
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
-        fused_decode=args.fused_decode, cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
+        cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
     )

@@ -177,9 +177,6 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: half the cores (a shared box must not oversubscribe)
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     max_graph_batch_size: int = 256
-    # Decode batches (<= 256 tokens) run fused sub-layer launches (``workers.fused_linear``):
-    # auto = on for 16-bit models on CUDA with the Triton backend; on | off force it.
-    fused_decode: str = "auto"
     seed: int = 0
     served_model_name: str | None = None  # also the namespace of block keys (mesh.keys)
     # KV events (vLLM wire format); None: no publisher.
@@ -199,8 +196,6 @@ class EngineConfig:
             raise ValueError("cpu_offload_blocks must be >= 0 (0: no CPU offload tier)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        if self.fused_decode not in ("auto", "on", "off"):
-            raise ValueError(f"fused_decode must be auto, on or off, not {self.fused_decode!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1]")
 

@@ -159,19 +159,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        return self.o_proj(self.attend_packed(positions, self.qkv_proj(x), kv_cache, meta, backend))
-
-    def attend_packed(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Rotate and store the packed ``qkv`` rows' K/V, attend; returns [T, q_size] rows
-        (before ``o_proj``)."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
         if backend.name == "triton" and kernels.enabled(qkv) and kernels.rope_supported(self.head_dim):
             # One launch: q rotated in place, k rotated and v copied into the cache.
@@ -181,7 +170,8 @@ class Attention(nn.Module):
         else:
             q, k, v = self.rotary.split_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, backend).view(t, self.q_size)
+        o = self._attend(q, k_cache, v_cache, meta, backend)
+        return self.o_proj(o.view(t, self.q_size))
 
     def _attend(
         self,

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workers import fused_linear
 from workers.attention.base import AttentionBackend
 from workers.config import ModelConfig
 from workers.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
@@ -68,10 +67,6 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    # Small batches (decode) run each sub-layer as one fused launch (``workers.fused_linear``);
-    # set by the model runner on CUDA. Same rounding points as the layer-by-layer path.
-    fused_small_batches: bool = False
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -81,33 +76,10 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.model.embed_tokens(input_ids)
-        if self.fused_small_batches and x.shape[0] <= fused_linear.MAX_FUSED_TOKENS:
-            return self._forward_fused(positions, x, kv_caches, meta, backend)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv, meta, backend)
         x, _ = self.model.norm(x, residual)
-        return x
-
-    def _forward_fused(
-        self,
-        positions: torch.Tensor,
-        h: torch.Tensor,  # the residual stream, owned here and updated in place
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Per layer four fused launches around attention: norm+qkv(+bias), o_proj+residual,
-        norm+gate_up+SiLU*up, down+residual."""
-        stream = fused_linear.ResidualStream(h)
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = stream.norm_linear(attn.qkv_proj.weight, ln1.weight, ln1.eps, bias=attn.qkv_proj.bias)
-            stream.add_linear(attn.attend_packed(positions, qkv, kv, meta, backend), attn.o_proj.weight)
-            act = stream.norm_linear(mlp.gate_up_proj.weight, ln2.weight, ln2.eps, glu=True)
-            stream.add_linear(act, mlp.down_proj.weight)
-        x, _ = self.model.norm(h, None)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,6 @@ class ModelRunner:
         self.dtype = DTYPES[model_config.dtype]
         self.backend: AttentionBackend = get_backend(self.device, config.attention_backend)
         self.model = model if model is not None else build_model(model_config, self.device, config.seed)
-        self.model.fused_small_batches = self._use_fused_decode()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         # One allocation: [layers, k|v, blocks, block_size, kv_heads, head_dim]; per-layer views
@@ -198,15 +197,6 @@ class ModelRunner:
     #          row i or its block table changed (``_g_rows`` mirrors what the device holds).
     # Host staging is pinned and double-buffered: launch j fills set j % 2 after waiting for launch
     # j - 2's event, so a launch may be enqueued while the previous one still runs.
-
-    def _use_fused_decode(self) -> bool:
-        mode = self.config.fused_decode
-        if mode == "off":
-            return False
-        able = self.device.type == "cuda" and self.backend.name == "triton"
-        if mode == "on" and not able:
-            raise ValueError("fused_decode=on needs CUDA and the Triton attention backend")
-        return able and (mode == "on" or self.dtype in (torch.bfloat16, torch.float16))
 
     def _use_graphs(self) -> bool:
         return self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
