@@ -120,54 +120,71 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 class Target:
-    """Where a request goes: ``mixed`` (least in flight) or ``disagg`` (the relay)."""
+    """Where a request goes: ``mixed`` (least in flight), ``disagg``/``disagg-tcp`` (the relay),
+    ``disagg-local`` (the relay, except prompts the decode worker would prefill in at most
+    ``--local-prefill-tokens`` uncached tokens: those go to it directly)."""
 
-    def __init__(self, mode: str, urls: dict[str, str], model: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, mode: str, urls: dict[str, str], model: str, client: httpx.AsyncClient,
+                 local_prefill_tokens: int = 0) -> None:
         self.mode, self.urls, self.model, self.client = mode, urls, model, client
         self.in_flight = {u: 0 for u in urls.values()}
         self.queue = DecodeQueue(256)
+        self.local_requests = 0
         if mode != "mixed":
             targets = {n: TargetState(id=n, worker=n, url=u, role=Role(n.rstrip("0123456789")), models=frozenset({model}),
                                       block_size=BS) for n, u in urls.items()}
-            spec = {"name": "pipeline", "params": {"profiles": {"prefill": {"scorers": ["prefill_load"]},
-                                                                "decode": {"scorers": ["load"]}}}}
-            self.router = Router(create_policy(spec), targets)
+            params: dict[str, Any] = {"profiles": {"prefill": {"scorers": ["prefill_load"]}, "decode": {"scorers": ["load"]}}}
+            if mode == "disagg-local":
+                params["local_prefill_tokens"] = local_prefill_tokens
+            self.router = Router(create_policy({"name": "pipeline", "params": params}), targets)
 
     async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
         """Send one streaming request; (time to first token, arrival time of every token event)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         t0 = time.perf_counter()
-        arrivals: list[float] = []
         if self.mode == "mixed":
-            url = min(self.in_flight, key=self.in_flight.__getitem__)
-            self.in_flight[url] += 1
-            try:
-                async with self.client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            arrivals.append(time.perf_counter())
-            finally:
-                self.in_flight[url] -= 1
+            arrivals = await self._direct(min(self.in_flight, key=self.in_flight.__getitem__), body)
         else:
             keys = block_keys(prompt, BS, namespace_seed(self.model))
             info = RequestInfo(self.model, keys, BS, len(prompt), max_tokens)
             decision = self.router.decide(info, time.monotonic())
-            resp = await relay_disaggregated(self.client, self.router, info, body, decision, queue=self.queue,
-                                             config=RelayConfig(timeout_s=3600, queue_wait_s=600))
-            try:
-                buf = b""
-                async for chunk in resp.body():
-                    now = time.perf_counter()
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    arrivals += [now for ln in lines if ln.startswith(b"data: {")]
-            finally:
-                await resp.aclose()
+            if decision.decode_target is None:  # conditional disaggregation: prefilled where it decodes
+                self.local_requests += 1
+                arrivals = await self._direct(self.urls[decision.target], body)
+            else:
+                arrivals = await self._relayed(info, body, decision)
         if not arrivals:
             raise RuntimeError("no token arrived")
         return arrivals[0] - t0, arrivals
+
+    async def _direct(self, url: str, body: dict[str, Any]) -> list[float]:
+        arrivals: list[float] = []
+        self.in_flight[url] += 1
+        try:
+            async with self.client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.perf_counter())
+        finally:
+            self.in_flight[url] -= 1
+        return arrivals
+
+    async def _relayed(self, info: RequestInfo, body: dict[str, Any], decision: Any) -> list[float]:
+        arrivals: list[float] = []
+        resp = await relay_disaggregated(self.client, self.router, info, body, decision, queue=self.queue,
+                                         config=RelayConfig(timeout_s=3600, queue_wait_s=600))
+        try:
+            buf = b""
+            async for chunk in resp.body():
+                now = time.perf_counter()
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                arrivals += [now for ln in lines if ln.startswith(b"data: {")]
+        finally:
+            await resp.aclose()
+        return arrivals
 
 
 async def run_load(target: Target, args: argparse.Namespace, vocab: int) -> Samples:
@@ -248,7 +265,7 @@ def measure(mode: str, args: argparse.Namespace, devices: list[str], log_dir: Pa
     if mode == "mixed":
         roles = [("mixed", d, f"mixed{i}", ()) for i, d in enumerate(devices)]
     else:
-        ipc = ("--kv-transfer-ipc", "off" if mode == "disagg-tcp" else "auto")
+        ipc = ("--kv-transfer-ipc", "off" if mode == "disagg-tcp" else "auto")  # disagg, disagg-local: IPC
         roles = [("prefill", devices[0], "prefill0", ()), ("decode", devices[-1], "decode0", ipc)]
     started = [start_worker(args, role, dev, log_dir, name, extra) for role, dev, name, extra in roles]
     procs, urls = [p for p, _ in started], [u for _, u in started]
@@ -259,10 +276,15 @@ def measure(mode: str, args: argparse.Namespace, devices: list[str], log_dir: Pa
         async def main() -> Samples:
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
             async with httpx.AsyncClient(limits=limits, timeout=3600) as client:
-                target = Target(mode, {n: u for (_, _, n, _), u in zip(roles, urls, strict=True)}, args.preset, client)
-                return await run_load(target, args, vocab)
+                target = Target(mode, {n: u for (_, _, n, _), u in zip(roles, urls, strict=True)}, args.preset, client,
+                                args.local_prefill_tokens)
+                samples = await run_load(target, args, vocab)
+                local[0] = target.local_requests
+                return samples
 
+        local = [0]
         out = summarize(asyncio.run(main()))
+        out["local_prefills"] = local[0]
         if mode != "mixed":
             out.update(transfer_counters(urls[-1]))
         return out
@@ -284,7 +306,10 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=16384)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, seconds (checks the harness)")
-    p.add_argument("--modes", default="mixed,disagg,disagg-tcp", help="configurations to measure (mixed first)")
+    p.add_argument("--modes", default="mixed,disagg,disagg-tcp",
+                   help="configurations to measure (mixed first; also disagg-local: conditional disaggregation)")
+    p.add_argument("--local-prefill-tokens", type=int, default=2048,
+                   help="disagg-local: prompts with at most this many uncached tokens prefill on the decode worker")
     p.add_argument("--json", default="bench/results/disagg.json")
     args = p.parse_args()
     if args.smoke:
@@ -298,8 +323,8 @@ def main() -> int:
     log_dir = Path(os.environ.get("OUT", "/tmp")) / "disagg-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or modes[0] != "mixed" or not set(modes) <= {"mixed", "disagg", "disagg-tcp"}:
-        p.error("--modes: mixed first, then any of disagg, disagg-tcp")
+    if not modes or modes[0] != "mixed" or not set(modes) <= {"mixed", "disagg", "disagg-tcp", "disagg-local"}:
+        p.error("--modes: mixed first, then any of disagg, disagg-tcp, disagg-local")
     results: dict[str, Any] = {}
     with Progress() as progress:
         task = progress.add_task("configurations", total=len(modes))
@@ -314,7 +339,7 @@ def main() -> int:
     cols = ["config", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "long TTFT p50 ms", "long TTFT p99 ms",
             "decode TTFT p50 ms", "errors"]
     for c in cols:
-        table.add_column(c)
+        table.add_column(c, no_wrap=c == "config")
     for mode in modes:
         r = results[mode]
         table.add_row(mode, *(f"{r[k]:.1f}" for k in keys), str(r["errors"]))
