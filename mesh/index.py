@@ -325,6 +325,15 @@ class PrefixIndex:
             emap = self._emap[target] = {}
         ids = self._id
         joined = keys[0] in ids  # e.g. a shared system prompt: the map shares the index's key objects
+        if not joined and not self._orphans:  # the usual agentic turn: a new chain (see _store_chain)
+            self._clock += 1
+            gpu = tier is Tier.GPU
+            self._new_chain(1 << slot, keys, self._g if gpu else self._c, gpu, parent, self._clock)
+            if self.max_keys:
+                heappush(self._lru, (self._clock, ids[keys[-1]]))
+            emap.update(zip(engine_hashes, keys))
+            self._after_store()
+            return n
         run = self._store_chain(slot, keys, tier, parent)
         if joined:
             key_a = self._key
@@ -782,8 +791,12 @@ class PrefixIndex:
         par[lo + 1 : hi] = iota[lo : hi - 1]
         kid[lo : hi - 1] = iota[lo + 1 : hi]
         kid[hi - 1] = 0
+        filled: dict[int, list[int]] = {}  # one list per distinct mask value (usually 0 and the bit)
         for arr, v in zip((self._g, self._c, self._s, self._ca, self._cg, self._pend), masks):
-            arr[lo:hi] = [v] * r
+            vals = filled.get(v)
+            if vals is None:
+                vals = filled[v] = [v] * r
+            arr[lo:hi] = vals
         if self.max_keys:
             self._stamp[lo:hi] = array("q", [stamp]) * r
         self._id.update(zip(keys, range(lo, hi)))
