@@ -59,6 +59,7 @@ def _emulate_graphs(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Non
         m.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
         m.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(pool=lambda: None))
         m.setattr(torch.cuda, "graph", lambda *a, **k: _NoCapture())
+        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
         runner._capture_graphs()
     assert runner.graphs, "the stand-in capture failed"
     for b in runner.graphs:

@@ -241,6 +241,10 @@ class ModelRunner:
         self._g_done: list[torch.cuda.Event | None] = [None, None]
         self._g_flip = 0
         pool = None
+        # A capture stream of this engine's device: torch's default one is made once per process,
+        # on the device of the first capture, and capturing on it would switch a second engine's
+        # launches to that device (Triton then loads its kernels mid-capture: not permitted).
+        capture_stream = torch.cuda.Stream(device=dev)
         try:
             for b in reversed(sizes):  # largest first: smaller graphs reuse its pool
                 meta = AttentionMetadata(self._g_slots[:b], 0, decode_block_tables=self._g_tables[:b],
@@ -252,13 +256,13 @@ class ModelRunner:
                 run()  # warm up (Triton compiles) outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     self._g_logits[b] = run()
                 pool = graph.pool()
                 self.graphs[b] = graph
             torch.cuda.synchronize()
         except Exception as exc:  # a backend that syncs on the host cannot be captured
-            log.warning("CUDA graph capture failed (%s); decode runs eagerly", exc)
+            log.warning("CUDA graph capture failed (%s); decode runs eagerly", exc, exc_info=True)
             self.graphs.clear()
             self._g_logits.clear()
 
