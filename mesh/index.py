@@ -776,13 +776,16 @@ class PrefixIndex:
             self._top = n0 + m - k
             if self._top > len(key_a):
                 self._grow(self._top)
-            p = self._write_run(n0, tail if type(tail) is list else [int(x) for x in tail], p, masks, stamp)
+            p = self._write_run(n0, tail if type(tail) is list else [int(x) for x in tail], p, masks, stamp, fresh=True)
         pend[p] = 0  # the last new block has no child yet
 
-    def _write_run(self, lo: int, keys: Sequence[int], p: int, masks: tuple[int, ...], stamp: int) -> int:
+    def _write_run(
+        self, lo: int, keys: Sequence[int], p: int, masks: tuple[int, ...], stamp: int, fresh: bool = False
+    ) -> int:
         """Write the chain ``keys`` below ``p`` into the free nids ``lo .. lo + len(keys) - 1``
         (ascending: each the parent of the next), masks ``(g, c, s, ca, cg, pend)`` on every
-        one, by slice assignments. Returns the last nid."""
+        one, by slice assignments. ``fresh``: the nids were never used (every field still 0, so
+        zero masks need no write). Returns the last nid."""
         r = len(keys)
         hi = lo + r
         iota, par, kid = self._iota, self._par, self._kid
@@ -793,6 +796,8 @@ class PrefixIndex:
         kid[hi - 1] = 0
         filled: dict[int, list[int]] = {}  # one list per distinct mask value (usually 0 and the bit)
         for arr, v in zip((self._g, self._c, self._s, self._ca, self._cg, self._pend), masks):
+            if fresh and not v:
+                continue
             vals = filled.get(v)
             if vals is None:
                 vals = filled[v] = [v] * r
