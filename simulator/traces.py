@@ -446,14 +446,20 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
 
 
 # ---------------------------------------------------------------------------- public API
+# A directory contributes its files with these endings (a README or LICENSE beside the traces is
+# not one); a file named explicitly is read whatever its name.
+TRACE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".gz")
+
+
 def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """Files named, with directories expanded to their files (sorted)."""
+    """Files named, with directories expanded to their trace files (sorted)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(x for x in p.iterdir() if x.is_file() and not x.name.startswith("."))
+            found = sorted(x for x in p.iterdir() if x.is_file() and not x.name.startswith(".")
+                           and x.name.endswith(TRACE_SUFFIXES))
             if not found:
-                raise TraceError(f"{p}: directory holds no trace files")
+                raise TraceError(f"{p}: directory holds no trace files (*{', *'.join(TRACE_SUFFIXES)})")
             files.extend(found)
         else:
             files.append(p)

@@ -161,6 +161,16 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
     expect_error([tmp_path / "empty.jsonl"], "empty.jsonl", "empty")
     (tmp_path / "dir").mkdir()
     expect_error([tmp_path / "dir"], "holds no trace files")
+    (tmp_path / "dir" / "README.md").write_text("# notes beside the traces\n")
+    expect_error([tmp_path / "dir"], "holds no trace files")
+
+
+def test_directory_skips_notes_beside_the_traces(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("# not a trace\n")
+    (tmp_path / "LICENSE").write_text("Apache-2.0\n")
+    write_lines(tmp_path / "a.jsonl", mooncake_rows())
+    trace = load_traces([tmp_path])
+    assert trace.requests and trace.formats == ["mooncake"]
 
 
 def test_malformed_line_reports_file_and_line(tmp_path: Path) -> None:
