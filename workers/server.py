@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -205,17 +206,19 @@ class WorkerAPI:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "the prompt is empty", "prompt")
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [encode_text(self.tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
-            return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+            text = self.tokenizer.render_chat(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from exc
+        return encode_text(self.tokenizer, text, "messages")
 
     def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", "n")
+        check_sampling(req)
         if max_tokens is None:  # as much as fits (vLLM's default)
             cap = min(self.max_model_len, self.engine.engine.capacity_tokens)
             max_tokens = max(1, cap - prompt_len)
@@ -269,6 +272,32 @@ class WorkerAPI:
         if last is None:
             raise APIError(500, "the request produced no output")
         return "".join(parts), last.finish_reason, last.output
+
+
+# What torch's generators and index tensors take: past these the engine loop itself would fail
+# (one request's seed or top_k killed the loop for every request until a restart).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_TOP_K = 2**31 - 1
+
+
+def check_sampling(req: _Common) -> None:
+    """Reject sampling values the engine loop cannot take (400 here, never a dead engine)."""
+    if not math.isfinite(req.temperature):
+        raise APIError(400, f"temperature must be a finite number, got {req.temperature}", "temperature")
+    if not math.isfinite(req.top_p):
+        raise APIError(400, f"top_p must lie in (0, 1], got {req.top_p}", "top_p")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise APIError(400, f"seed must lie in [-2**63, 2**64), got {req.seed}", "seed")
+    if req.top_k > MAX_TOP_K:
+        raise APIError(400, f"top_k must be at most {MAX_TOP_K}, got {req.top_k}", "top_k")
+
+
+def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenize client text; a lone surrogate (valid JSON, invalid Unicode) is a 400, not a 500."""
+    try:
+        return tokenizer.encode(text)  # type: ignore[no-any-return]
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode text (a lone surrogate?)", param, "invalid_unicode") from exc
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -390,11 +419,12 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
     async def tokenize(req: TokenizeRequest) -> Any:
         if req.messages is not None:
             try:
-                ids = tokenizer.encode(tokenizer.render_chat(req.messages, req.add_generation_prompt))
+                text = tokenizer.render_chat(req.messages, req.add_generation_prompt)
             except ChatTemplateError as exc:
                 raise APIError(400, str(exc), "messages") from exc
+            ids = encode_text(tokenizer, text, "messages")
         elif req.prompt is not None:
-            ids = tokenizer.encode(req.prompt)
+            ids = encode_text(tokenizer, req.prompt, "prompt")
         else:
             raise APIError(400, "give 'prompt' or 'messages'", "prompt")
         return {"count": len(ids), "max_model_len": api.max_model_len, "tokens": ids}
