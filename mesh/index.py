@@ -749,15 +749,10 @@ class PrefixIndex:
             xs = free[-k:]
             del free[-k:]
             head = keys[:k] if k < m else keys
-            xs.sort()  # any nid can hold any block: ascending, they form few contiguous runs
-            if xs[-1] - xs[0] == k - 1:  # one run (the nids are distinct): the usual evicted tail
-                cuts = [0, k]
-            else:
-                cuts = [0, *(np.flatnonzero(np.diff(xs) != 1) + 1).tolist(), k]
-            if len(cuts) <= 2 + (k >> 3):  # runs of 8 blocks or more on average: slice assignments
-                for a, b in zip(cuts, cuts[1:]):
-                    p = self._write_run(xs[a], head[a:b] if b - a < k else head, p, masks, stamp)
-            else:  # fragmented: C-speed scatters
+            lo = min(xs)
+            if max(xs) - lo == k - 1:  # one contiguous run (the nids are distinct): the usual evicted tail
+                p = self._write_run(lo, head, p, masks, stamp)
+            else:  # scattered (sorting them into runs cost more than it saved): C-speed scatters
                 for arr, vals in ((key_a, head), (par, chain((p,), xs[:-1])), (kid, chain(xs[1:], (0,))),
                                   *((arr, repeat(v, k)) for arr, v in zip((g, c, s, ca, cg, pend), masks))):
                     deque(map(arr.__setitem__, xs, vals), 0)
