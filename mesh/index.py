@@ -614,7 +614,7 @@ class PrefixIndex:
         g, ca, cg, pend = self._g, self._ca, self._cg, self._pend
         p = parent
         todo, joined = keys, None
-        if not spec and len(keys) >= _BULK_MIN:
+        if not spec and len(keys) >= _BULK_MIN and keys[0] in self._id:
             joined = self._join_run(bit, keys, field, gpuish, p, stamp)
             if joined is not None:
                 lo, run = joined
