@@ -28,13 +28,17 @@ collector never walks the index (a full collection over 1M list-shaped nodes too
 Usage notes: call ``expire(now)`` periodically (it ends speculation and scrubs removed targets);
 ``match`` results are plain dicts, valid as a snapshot.
 
-Event-sized work (an event carries a chain): a new chain is written by C-speed ``extend``s and
-scatters; a removal of ``_BULK_MIN`` or more blocks that only one target holds on the GPU, each a
-leaf or the single parent of another removed block (engines evict sessions' tails), is dropped by
-``_drop_tail`` in a few C-speed passes; anything else takes the per-block path, which defines the
-semantics (``tests/test_index_bulk.py`` checks the bulk paths against it). Node memory: per node
-a dict entry and key object (shared with the engine maps), 4+4-byte links, six mask pointers;
-recency stamps only with a budget.
+Event-sized work (an event carries a chain): a new chain is written by slice assignments into
+contiguous nids (fresh ones from arrays preallocated by ``_grow``, or one contiguous run of
+recycled ones; scattered recycled nids by C-speed scatters); a holder joining ``_BULK_MIN`` or
+more blocks laid out contiguously (a worker storing a shared system prompt) is added by slice
+assignments after two key lookups (``_join_run``); a removal of ``_BULK_MIN`` or more blocks that
+only one target holds on the GPU, each a leaf or the single parent of another removed block
+(engines evict sessions' tails), is dropped by ``_drop_tail`` in a few C-speed passes; anything
+else takes the per-block path, which defines the semantics (``tests/test_index_bulk.py`` checks
+the bulk paths against it). Node memory: per node a dict entry and key object (shared with the
+engine maps), 4+4-byte links, six mask pointers, a 4-byte ``_iota`` entry, up to a quarter of
+preallocated slack; recency stamps only with a budget.
 
 Invariants (ownership: only this module mutates nodes):
 - ``ca``/``cg`` are exact for live slots after every public call; ``_refresh`` restores them
