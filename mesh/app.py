@@ -45,7 +45,7 @@ from mesh.errors import MeshError, install_handlers
 from mesh.index import PrefixIndex
 from mesh.metrics import CONTENT_TYPE, Metrics
 from mesh.prompt import PromptProcessor
-from mesh.proxy import Proxy, check_bearer
+from mesh.proxy import Proxy, check_bearer, read_body
 from mesh.registry import RegistryError, Worker, WorkerRegistry
 from mesh.router import Router
 from mesh.upstream import UpstreamPool
@@ -382,7 +382,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/debug/route", tags=["debug"], dependencies=[Depends(data_auth)])
     async def debug_route(request: Request) -> dict[str, Any]:
         """The decision the router would make for this completion body; forwards and commits nothing."""
-        raw = await _bounded_body(request, gateway.config.server.max_body_bytes)
+        raw = await read_body(request.receive, request.scope["headers"], gateway.config.server.max_body_bytes)
         body_kind = "chat" if b'"messages"' in raw else "completion"
         kind = request.query_params.get("kind", body_kind)
         if kind not in ("chat", "completion"):
@@ -473,16 +473,3 @@ def _registry_call(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except RegistryError as exc:
         raise MeshError(exc.status, str(exc), code="worker_error") from exc
-
-
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
-        parts.append(chunk)
-    return b"".join(parts)

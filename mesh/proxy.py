@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import random
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from mesh.errors import MeshError, sse_error_event
 from mesh.metrics import Metrics
@@ -58,6 +61,8 @@ _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
+# Longest wait for the next bytes of a request body (MESH_BODY_IDLE_TIMEOUT_S overrides; tests).
+BODY_IDLE_TIMEOUT_S = float(os.environ.get("MESH_BODY_IDLE_TIMEOUT_S", "30"))
 
 
 class _UpstreamFailed(Exception):
@@ -123,7 +128,7 @@ class Proxy:
         try:
             headers = scope["headers"]
             self._check_auth(headers)
-            raw = await _read_body(receive, headers, self.registry.config.server.max_body_bytes)
+            raw = await read_body(receive, headers, self.registry.config.server.max_body_bytes)
             watcher = loop.call_later(WATCH_AFTER_S, _watch_disconnect, receive, state, asyncio.current_task())
             t0 = time.perf_counter()
             parsed = await self.prompts.process(raw, kind, _header(headers, self._session_header()))
@@ -253,12 +258,13 @@ class Proxy:
                 # The timeout bounds the whole exchange, streaming included.
                 resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
                 if resp.status in RETRY_STATUSES:
+                    error_headers, error_body = _worker_error(resp, await resp.read(), target)
                     raise _UpstreamFailed(
                         f"status_{resp.status}",
                         f"worker {target.worker} answered {resp.status}",
                         status=resp.status,
-                        body=await resp.read(),
-                        headers=[*_response_headers(resp), (b"x-mesh-worker", target.id.encode())],
+                        body=error_body,
+                        headers=error_headers,
                         worker_fault=resp.status >= 500,
                     )
                 if parsed.stream and resp.status == 200:
@@ -281,6 +287,9 @@ class Proxy:
             out.append((b"x-mesh-worker", target.id.encode()))
             if parsed.stream and resp.status == 200:
                 tail = await self._stream(resp, first, out, state, target)
+            elif resp.status >= 400:
+                await state.respond(resp.status, *_worker_error(resp, first, target))
+                tail = b""
             else:
                 await state.respond(resp.status, out, first)
                 tail = first
@@ -419,13 +428,26 @@ def _watch_disconnect(receive: Receive, state: _Exchange, task: asyncio.Task[Any
         state.watch_task = asyncio.get_running_loop().create_task(watch())
 
 
-async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
     declared = _header(headers, b"content-length")
     if declared is not None:
         if not declared.isdigit():
             raise MeshError(400, "invalid Content-Length header", code="invalid_header")
         if int(declared) > limit:
             raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    try:
+        # A client that stops sending mid-body (or never ends a chunked body) would hold the
+        # request forever: each wait for body bytes is bounded.
+        async with asyncio.timeout(BODY_IDLE_TIMEOUT_S) as idle:
+            return await _receive_body(receive, limit, idle)
+    except TimeoutError:
+        raise MeshError(  # the rest of the body may still come: the connection cannot be reused
+            408, f"no request body bytes arrived for {BODY_IDLE_TIMEOUT_S:g} s", code="body_timeout",
+            headers={"connection": "close"},
+        ) from None
+
+
+async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout) -> bytes:
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body"):
@@ -434,7 +456,9 @@ async def _read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit
         return body
     parts = [body]
     size = len(body)
+    loop = asyncio.get_running_loop()
     while message.get("more_body"):
+        idle.reschedule(loop.time() + BODY_IDLE_TIMEOUT_S)
         message = await receive()
         if message["type"] == "http.disconnect":
             raise MeshError(400, "client disconnected while sending the body", code="client_disconnected")
@@ -482,6 +506,33 @@ def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: b
             raise MeshError(400, "header contains a control character", code="invalid_header")
         out.append(b"%s: %s\r\n" % (key, value))
     return out
+
+
+_decode_json = msgspec.json.Decoder().decode
+_ERROR_SNIPPET = 200  # characters of a worker's non-OpenAI error body quoted in the message
+
+
+def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A worker's error answer for the client: passed through when it is in the OpenAI shape,
+    else rewrapped in it (same status) so that a client never sees an HTML page, a bare text,
+    an empty body, FastAPI's ``{"detail": ...}`` or vLLM's flat ``{"object": "error", ...}``."""
+    try:
+        value = _decode_json(body) if body else None
+    except msgspec.MsgspecError:
+        value = None
+    headers = [*_response_headers(resp), (b"x-mesh-worker", target.id.encode())]
+    if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
+        return headers, body
+    detail = value.get("message", value.get("detail")) if isinstance(value, dict) else None
+    if detail is None:
+        detail = body.decode("utf-8", "replace").strip()
+    elif not isinstance(detail, str):
+        detail = msgspec.json.encode(detail).decode()
+    message = f"worker {target.worker} answered {resp.status}" + (f": {detail[:_ERROR_SNIPPET]}" if detail else "")
+    error = MeshError(resp.status, message, code="upstream_error")
+    headers = [(k, v) for k, v in headers if k != b"content-type"]
+    headers.append((b"content-type", b"application/json"))
+    return headers, error.to_bytes()
 
 
 def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:

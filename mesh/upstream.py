@@ -28,6 +28,7 @@ from typing import Any
 import httptools
 
 HIGH_WATER = 1 << 20
+MAX_HEAD_BYTES = 64 * 1024  # a response head longer than this is refused (uvicorn/h11 limits are similar)
 IDLE_TIMEOUT_S = 4.0  # below uvicorn's 5 s keep-alive default: we close idle sockets first
 _SMALL_BODY = 1 << 16
 
@@ -52,7 +53,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "pool_key", "status", "headers", "chunks", "buffered", "complete",
         "error", "waiter", "got_bytes", "keep_alive", "paused", "closed", "idle_since", "until_close",
-        "headers_done", "timer",
+        "headers_done", "timer", "head_bytes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -77,6 +78,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.until_close = False
         self.timer: asyncio.TimerHandle | None = None
+        self.head_bytes = 0
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: Any) -> None:
@@ -90,6 +92,14 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError(f"invalid HTTP response from worker: {exc}", got_response=True))
             self.transport.close()  # type: ignore[union-attr]
             return
+        if not self.headers_done:
+            # httptools buffers a header without bound: a worker streaming an endless head would
+            # grow the gateway's memory, and a client could not parse the head if relayed.
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamError(f"worker's response head is over {MAX_HEAD_BYTES} bytes", got_response=True))
+                self.transport.close()  # type: ignore[union-attr]
+                return
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
