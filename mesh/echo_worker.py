@@ -77,12 +77,18 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.post("/admin/faults")
-    async def faults(request: Request) -> dict[str, Any]:
+    async def faults(request: Request) -> Response:
         """Change fault injection at runtime: any of fail_rate, crash_after_tokens, unhealthy, delays."""
-        for key, value in (await request.json()).items():
-            if key in ("fail_rate", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
-                setattr(settings, key, type(getattr(settings, key))(value))
-        return {"name": settings.name, "served": app.state.served}
+        try:
+            changes = msgspec.json.decode(await request.body())
+            if not isinstance(changes, dict):
+                raise ValueError("body must be a JSON object")
+            for key, value in changes.items():
+                if key in ("fail_rate", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
+                    setattr(settings, key, type(getattr(settings, key))(value))
+        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+            return _error(400, f"invalid faults: {exc}")
+        return Response(_encode({"name": settings.name, "served": app.state.served}), media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -106,10 +112,14 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
             prompt_text, echo_text = _texts(body, chat, tokenizer)
         except (ChatTemplateError, ValueError) as exc:
             return _error(400, str(exc))
+        try:
+            max_tokens = _max_tokens(body, settings.default_max_tokens)
+            include_usage = _include_usage(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
         if settings.fail_rate and random.random() < settings.fail_rate:
             return _error(500, "injected failure", "server_error")
         app.state.served += 1
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or settings.default_max_tokens
         words = _WORDS.findall(echo_text) or ["echo"]
         out = words[: int(max_tokens)]
         finish = "length" if len(words) > len(out) else "stop"
@@ -122,7 +132,6 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         headers = {"x-echo-worker": settings.name}
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             stream = _stream(rid, model, out, finish, usage if include_usage else None, chat)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         if settings.first_token_delay_s or settings.token_delay_s:
@@ -168,6 +177,31 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
     return app
 
 
+def _max_tokens(body: dict[str, Any], default: int) -> int:
+    """The words to echo: ``max_tokens`` (or ``max_completion_tokens``), a positive integer."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"'{name}' must be a positive integer")
+        return value
+    return default
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ValueError("'stream_options' must be an object")
+    return bool(options.get("include_usage"))
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
 def _texts(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> tuple[str, str]:
     """(the rendered prompt, the text to echo)."""
     if chat:
@@ -183,14 +217,14 @@ def _texts(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> tuple[
         return prompt, content if isinstance(content, str) else ""
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        if prompt and isinstance(prompt[0], int):
+        if prompt and _is_ids(prompt):
             prompt = tokenizer.decode(prompt)
-        elif prompt and isinstance(prompt[0], str):
+        elif prompt and all(isinstance(p, str) for p in prompt):
             prompt = prompt[0]
-        elif prompt and isinstance(prompt[0], list):
+        elif prompt and all(_is_ids(p) for p in prompt):
             prompt = tokenizer.decode(prompt[0])
         else:
-            prompt = ""
+            raise ValueError("'prompt' must be a string, strings, or token ids")
     if not isinstance(prompt, str):
         raise ValueError("'prompt' must be a string or token ids")
     return prompt, prompt
