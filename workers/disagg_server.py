@@ -307,6 +307,8 @@ class DisaggService:
         if keys != remote_keys:
             raise TransferError(409, "kv_key_mismatch", "the prefill worker's block keys differ from this "
                                 "worker's (another model name, tokenizer or cache salt)")
+        if n:
+            _check_peer(params)  # before any pull or release reads them
         chain = Chain(keys, [tokens[i * bs : (i + 1) * bs] for i in range(n)], seed, req.cache_salt)
         hold = Hold(self.engine)
         try:
@@ -546,7 +548,7 @@ class DisaggApp:
 
     async def _data(self, scope: Any, receive: Any, send: Any, kind: str) -> None:
         raw, more = await _read_body(receive)
-        replay = _replaying(raw, receive)
+        replay = _replaying(raw, receive, more)
         if more or b"kv_transfer_params" not in raw:
             await self.app(scope, replay, send)
             return
@@ -677,6 +679,22 @@ class DisaggApp:
         await send({"type": "http.response.body", "body": body})
 
 
+def _is_port(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def _check_peer(params: dict[str, Any]) -> None:
+    """The prefill worker's address and transfer id, as a pull and a release read them: a malformed
+    one is a 400 here (it was a bare 500 from deep in the pull, or a crashed release task)."""
+    tcp_port = params.get("remote_tcp_port")
+    if not isinstance(params.get("remote_host"), str) or not params["remote_host"]:
+        raise TransferError(400, "kv_params_invalid", "remote_host must be a non-empty string")
+    if not _is_port(params.get("remote_port")) or (tcp_port is not None and not _is_port(tcp_port)):
+        raise TransferError(400, "kv_params_invalid", "remote_port and remote_tcp_port must be ports (1-65535)")
+    if not isinstance(params.get("transfer_id"), str):
+        raise TransferError(400, "kv_params_invalid", "transfer_id must be a string")
+
+
 async def _read_body(receive: Any, limit: int = 64 << 20) -> tuple[bytes, bool]:
     """The request body (True when it was larger than ``limit`` and only a prefix was read)."""
     parts, size = [], 0
@@ -693,15 +711,16 @@ async def _read_body(receive: Any, limit: int = 64 << 20) -> tuple[bytes, bool]:
             return b"".join(parts), True
 
 
-def _replaying(raw: bytes, receive: Any) -> Any:
-    """A ``receive`` that yields the already-read body once, then the client's own messages."""
+def _replaying(raw: bytes, receive: Any, more: bool = False) -> Any:
+    """A ``receive`` that yields the already-read body once (``more``: only its first part was
+    read, the rest is still the client's), then the client's own messages."""
     sent = False
 
     async def replay() -> Any:
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
+            return {"type": "http.request", "body": raw, "more_body": more}
         return await receive()
 
     return replay

@@ -51,7 +51,8 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_re
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+    default = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": _TYPES.get(status, default),
                       "param": param, "code": code}}
 
 
