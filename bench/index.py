@@ -308,7 +308,13 @@ def load_stream(path: str, side: str) -> Stream:
     with open(path, "rb") as f:
         d = pickle.load(f)
     st = Stream(d["workers"], dynamo=d["dynamo"], blocks=d["blocks"], entries=d["entries"])
-    if side != "dynamo":
+    if side == "mesh_pre":
+        # given the keys, apply_stored reads the token ids' length only: the stream's token ids (14M
+        # ints at 1,024 workers) are not kept resident, as Dynamo's pre-hashed side keeps none
+        filler: dict[int, list[int]] = {}
+        st.ours = [("S", e[1], e[2], e[3], filler.setdefault(e[5], [0] * e[5]), e[6]) if e[0] == "S" else e
+                   for e in d["ours"]]
+    elif side != "dynamo":
         flat = array("I")
         flat.frombytes(d["tokens"])
         st.ours = [("S", e[1], e[2], e[3], flat[e[4] : e[4] + e[5]].tolist(), e[6]) if e[0] == "S" else e
