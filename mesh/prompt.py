@@ -34,6 +34,7 @@ from policies.base import RequestInfo
 
 MAX_SESSION_ID_BYTES = 256
 MAX_MODEL_CHARS = 256
+MAX_CACHED_SALT_CHARS = 256
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
 
 _decode = msgspec.json.Decoder().decode
@@ -150,7 +151,12 @@ class PromptProcessor:
         return ParsedRequest(kind, body, raw, model, stream, info)
 
     def _seed(self, model: str, salt: str | None, lora: str | None = None) -> int:
-        """The key seed of (base ``model``, LoRA adapter, salt); cached, at most ~10k entries."""
+        """The key seed of (base ``model``, LoRA adapter, salt); cached, at most ~10k entries.
+
+        A salt is the client's string, as long as the body allows: only short ones are cached
+        (distinct megabyte salts kept 10k deep would hold gigabytes)."""
+        if salt is not None and len(salt) > MAX_CACHED_SALT_CHARS:
+            return namespace_seed(model, lora, salt)
         key = (model, lora, salt)
         seed = self._seeds.get(key)
         if seed is None:

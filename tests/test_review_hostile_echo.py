@@ -5,6 +5,7 @@ as a worker fault: five of them opened the circuit and took the worker out for e
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -66,3 +67,20 @@ def test_a_client_cannot_open_the_circuit_with_bad_requests(cluster: tuple[httpx
         _is_400(gateway.post("/v1/completions", json=body))
     resp = gateway.post("/v1/completions", json={"model": "echo", "prompt": "a b"})
     assert resp.status_code == 200, resp.text
+
+
+def _rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_distinct_long_cache_salts_are_not_kept(cluster: tuple[httpx.Client, httpx.Client], module_procs: ProcessGroup) -> None:
+    _, gateway = cluster
+    pid = next(p.pid for p in module_procs.procs if p.name == "gateway")
+    for i in range(3):  # warm up: buffers, the executor, allocator arenas
+        gateway.post("/v1/completions", json={"model": "echo", "prompt": "x", "cache_salt": f"{i}" + "w" * (1 << 20)})
+    before = _rss_mib(pid)
+    for i in range(40):  # each salt held ~1 MiB for the gateway's life (10k deep: ~10 GiB)
+        resp = gateway.post("/v1/completions", json={"model": "echo", "prompt": "x", "cache_salt": f"{i}" + "s" * (1 << 20)})
+        assert resp.status_code == 200
+    assert _rss_mib(pid) - before < 20, "the gateway kept the salts"

@@ -71,3 +71,10 @@ def test_extreme_but_valid_seed_and_top_k_still_serve(worker: httpx.Client) -> N
 def test_lone_surrogates_are_400_not_500(worker: httpx.Client, path: str, raw: bytes, param: str) -> None:
     _assert_400(worker.post(path, content=raw, headers={"content-type": "application/json"}), param)
     _assert_alive(worker)
+
+
+def test_a_cache_salt_over_1024_characters_is_400(worker: httpx.Client) -> None:
+    # the engine keeps a key seed per distinct salt (4096 deep): megabyte salts held gigabytes
+    _assert_400(worker.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "cache_salt": "s" * 1025}), "cache_salt")
+    resp = worker.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "cache_salt": "s" * 1024})
+    assert resp.status_code == 200, resp.text

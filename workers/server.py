@@ -279,6 +279,7 @@ class WorkerAPI:
 # (one request's seed or top_k killed the loop for every request until a restart).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_TOP_K = 2**31 - 1
+MAX_CACHE_SALT_CHARS = 1024  # the engine keeps a seed per salt (4096 deep): megabyte salts held gigabytes
 
 
 def check_sampling(req: _Common) -> None:
@@ -289,6 +290,8 @@ def check_sampling(req: _Common) -> None:
         raise APIError(400, f"top_p must lie in (0, 1], got {req.top_p}", "top_p")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise APIError(400, f"seed must lie in [-2**63, 2**64), got {req.seed}", "seed")
+    if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT_CHARS:  # the engine caches salts
+        raise APIError(400, f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
     if req.top_k > MAX_TOP_K:
         raise APIError(400, f"top_k must be at most {MAX_TOP_K}, got {req.top_k}", "top_k")
 
