@@ -78,3 +78,12 @@ def test_a_cache_salt_over_1024_characters_is_400(worker: httpx.Client) -> None:
     _assert_400(worker.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "cache_salt": "s" * 1025}), "cache_salt")
     resp = worker.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "cache_salt": "s" * 1024})
     assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_than_1024_stop_sequences_is_400(worker: httpx.Client, stream: bool) -> None:
+    # every stop was searched over the whole text at every token: 10k stops held the event loop ~9 s
+    body = {"prompt": "abc", "max_tokens": 2, "stream": stream, "stop": [f"s{i}" for i in range(1025)]}
+    _assert_400(worker.post("/v1/completions", json=body), "stop")
+    body["stop"] = body["stop"][:1024]
+    assert worker.post("/v1/completions", json=body).status_code == 200

@@ -156,8 +156,11 @@ class StopText:
         self.sent = 0
 
     def push(self, piece: str) -> tuple[str, bool]:
+        # A new match ends in ``piece``, so it starts at most ``hold`` characters before it: only
+        # that tail is searched (the whole text, per token and stop, cost seconds of event loop).
+        start = max(0, len(self.text) - self.hold)
         self.text += piece
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             return self._emit(len(self.text)), True
@@ -279,6 +282,7 @@ class WorkerAPI:
 # (one request's seed or top_k killed the loop for every request until a restart).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_TOP_K = 2**31 - 1
+MAX_STOPS = 1024  # each is searched at every token (OpenAI takes 4)
 MAX_CACHE_SALT_CHARS = 1024  # the engine keeps a seed per salt (4096 deep): megabyte salts held gigabytes
 
 
@@ -292,6 +296,8 @@ def check_sampling(req: _Common) -> None:
         raise APIError(400, f"seed must lie in [-2**63, 2**64), got {req.seed}", "seed")
     if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT_CHARS:  # the engine caches salts
         raise APIError(400, f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
+        raise APIError(400, f"at most {MAX_STOPS} stop sequences are supported, got {len(req.stop)}", "stop")
     if req.top_k > MAX_TOP_K:
         raise APIError(400, f"top_k must be at most {MAX_TOP_K}, got {req.top_k}", "top_k")
 
