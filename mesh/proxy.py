@@ -61,6 +61,7 @@ _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
+MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
 # Longest wait for the next bytes of a request body (MESH_BODY_IDLE_TIMEOUT_S overrides; tests).
 BODY_IDLE_TIMEOUT_S = float(os.environ.get("MESH_BODY_IDLE_TIMEOUT_S", "30"))
 
@@ -258,7 +259,7 @@ class Proxy:
                 # The timeout bounds the whole exchange, streaming included.
                 resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
                 if resp.status in RETRY_STATUSES:
-                    error_headers, error_body = _worker_error(resp, await resp.read(), target)
+                    error_headers, error_body = _worker_error(resp, await _read_answer(resp, target), target)
                     raise _UpstreamFailed(
                         f"status_{resp.status}",
                         f"worker {target.worker} answered {resp.status}",
@@ -272,7 +273,7 @@ class Proxy:
                     if not first:
                         raise _UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
                 else:
-                    first = await resp.read()
+                    first = await _read_answer(resp, target)
             except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
@@ -533,6 +534,19 @@ def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> t
     headers = [(k, v) for k, v in headers if k != b"content-type"]
     headers.append((b"content-type", b"application/json"))
     return headers, error.to_bytes()
+
+
+async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:
+    """A whole (non-streamed) answer, which the gateway holds before relaying it: bounded, so a
+    worker sending an endless body cannot grow the gateway's memory until the request timeout."""
+    parts: list[bytes] = []
+    size = 0
+    while data := await resp.read_chunk():
+        size += len(data)
+        if size > MAX_ANSWER_BYTES:
+            raise _UpstreamFailed("too_large", f"worker {target.worker} answered over {MAX_ANSWER_BYTES >> 20} MiB")
+        parts.append(data)
+    return b"".join(parts)
 
 
 def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:

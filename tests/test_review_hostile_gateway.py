@@ -25,7 +25,7 @@ FAKE_WORKER = r'''
 import asyncio, json, sys
 
 MODELS = ["html500", "plain404", "empty502", "fastapi422", "vllm400", "openai400", "hugehead", "ok", "hang",
-          "hangstream"]
+          "hangstream", "endless"]
 OPENAI_400 = b'{"error":{"message":"bad temperature","type":"invalid_request_error","param":"temperature","code":null}}'
 
 
@@ -63,6 +63,12 @@ async def handle(reader, writer):
                 writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (1 << 20) + b"\r\ncontent-length: 2\r\n\r\n{}")
             elif model == "ok":
                 writer.write(answer(b"200 OK", b'{"id":"x","object":"text_completion","choices":[]}'))
+            elif model == "endless":  # a body that never ends, as fast as the gateway reads it
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+                chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+                while True:
+                    writer.write(chunk)
+                    await writer.drain()
             elif model == "hangstream":
                 event = b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -142,6 +148,14 @@ def test_endless_worker_response_head_is_a_502(gateway: httpx.Client) -> None:
     resp = gateway.post("/v1/completions", json={"model": "hugehead", "prompt": "x"})
     assert resp.status_code == 502
     assert "head" in str(_error(resp)["message"])
+    assert gateway.post("/v1/completions", json={"model": "ok", "prompt": "x"}).status_code == 200
+
+
+def test_endless_non_streamed_answer_is_a_502(gateway: httpx.Client) -> None:
+    # the gateway holds a non-streamed answer whole: it grew without bound until the request timeout
+    resp = gateway.post("/v1/completions", json={"model": "endless", "prompt": "x"})
+    assert resp.status_code == 502
+    assert "MiB" in str(_error(resp)["message"])
     assert gateway.post("/v1/completions", json={"model": "ok", "prompt": "x"}).status_code == 200
 
 
