@@ -87,3 +87,9 @@ def test_more_than_1024_stop_sequences_is_400(worker: httpx.Client, stream: bool
     _assert_400(worker.post("/v1/completions", json=body), "stop")
     body["stop"] = body["stop"][:1024]
     assert worker.post("/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("tokens", [[-1], [2**70], [104, 512]])
+def test_detokenize_out_of_vocabulary_is_400(worker: httpx.Client, tokens: list[int]) -> None:
+    _assert_400(worker.post("/detokenize", json={"tokens": tokens}), "tokens")
+    assert worker.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}

@@ -441,6 +441,10 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Any:
+        vocab = engine.engine.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:  # a Hugging Face tokenizer raised (a 500) on a negative or huge id
+            raise APIError(400, f"token id {bad} is out of vocabulary (0 <= id < {vocab})", "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.post("/reset_prefix_cache")
