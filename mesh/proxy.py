@@ -56,6 +56,9 @@ HOP_BY_HOP = frozenset(
     b"transfer-encoding upgrade host content-length expect".split()
 )
 RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
+# Set by the proxy, never taken from the client: a client's data-parallel rank would come first
+# and a vLLM worker would follow it over the router's choice.
+ROUTER_SET = frozenset({b"content-type", b"x-data-parallel-rank"})
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -499,7 +502,7 @@ def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: b
         if key == b"connection":
             named = named | {t.strip().lower() for t in value.split(b",")}
     for key, value in client:
-        if key in HOP_BY_HOP or key == b"content-type" or (key == b"authorization" and not forward_authorization):
+        if key in HOP_BY_HOP or key in ROUTER_SET or (key == b"authorization" and not forward_authorization):
             continue
         if named and key in named:
             continue

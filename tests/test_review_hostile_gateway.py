@@ -25,7 +25,7 @@ FAKE_WORKER = r'''
 import asyncio, json, sys
 
 MODELS = ["html500", "plain404", "empty502", "fastapi422", "vllm400", "openai400", "hugehead", "ok", "hang",
-          "hangstream", "endless"]
+          "hangstream", "endless", "headers"]
 OPENAI_400 = b'{"error":{"message":"bad temperature","type":"invalid_request_error","param":"temperature","code":null}}'
 
 
@@ -63,6 +63,9 @@ async def handle(reader, writer):
                 writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (1 << 20) + b"\r\ncontent-length: 2\r\n\r\n{}")
             elif model == "ok":
                 writer.write(answer(b"200 OK", b'{"id":"x","object":"text_completion","choices":[]}'))
+            elif model == "headers":  # which data-parallel rank headers arrived
+                ranks = [l.split(":", 1)[1].strip() for l in head if l.lower().startswith("x-data-parallel-rank:")]
+                writer.write(answer(b"200 OK", json.dumps({"ranks": ranks}).encode()))
             elif model == "endless":  # a body that never ends, as fast as the gateway reads it
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
                 chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
@@ -157,6 +160,11 @@ def test_endless_non_streamed_answer_is_a_502(gateway: httpx.Client) -> None:
     assert resp.status_code == 502
     assert "MiB" in str(_error(resp)["message"])
     assert gateway.post("/v1/completions", json={"model": "ok", "prompt": "x"}).status_code == 200
+
+
+def test_a_client_cannot_pick_the_data_parallel_rank(gateway: httpx.Client) -> None:
+    resp = gateway.post("/v1/completions", json={"model": "headers", "prompt": "x"}, headers={"x-data-parallel-rank": "7"})
+    assert resp.status_code == 200 and resp.json() == {"ranks": []}  # the router sets it (dp_size > 1) or nobody
 
 
 def _port(client: httpx.Client) -> int:
