@@ -93,3 +93,14 @@ def test_more_than_1024_stop_sequences_is_400(worker: httpx.Client, stream: bool
 def test_detokenize_out_of_vocabulary_is_400(worker: httpx.Client, tokens: list[int]) -> None:
     _assert_400(worker.post("/detokenize", json={"tokens": tokens}), "tokens")
     assert worker.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
+def test_a_vanishing_temperature_is_greedy(worker: httpx.Client) -> None:
+    def text(temperature: float) -> str:
+        body = {"prompt": "the same prompt", "max_tokens": 8, "ignore_eos": True, "temperature": temperature}
+        resp = worker.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["choices"][0]["text"])
+
+    greedy = text(0.0)
+    assert text(1e-300) == greedy and text(1e-6) == greedy  # was "\x00" * 8: NaN probabilities

@@ -226,8 +226,9 @@ class WorkerAPI:
         if max_tokens is None:  # as much as fits (vLLM's default)
             cap = min(self.max_model_len, self.engine.engine.capacity_tokens)
             max_tokens = max(1, cap - prompt_len)
+        temperature = 0.0 if 0 < req.temperature < GREEDY_BELOW else req.temperature  # a negative one stays a 400
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+            temperature=temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
             seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
         )
 
@@ -282,6 +283,7 @@ class WorkerAPI:
 # (one request's seed or top_k killed the loop for every request until a restart).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_TOP_K = 2**31 - 1
+GREEDY_BELOW = 1e-5  # vLLM's epsilon: logits / 1e-300 overflowed to NaN and sampled token 0 forever
 MAX_STOPS = 1024  # each is searched at every token (OpenAI takes 4)
 MAX_CACHE_SALT_CHARS = 1024  # the engine keeps a seed per salt (4096 deep): megabyte salts held gigabytes
 
