@@ -534,7 +534,7 @@ def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> t
         detail = msgspec.json.encode(detail).decode()
     message = f"worker {target.worker} answered {resp.status}" + (f": {detail[:_ERROR_SNIPPET]}" if detail else "")
     error = MeshError(resp.status, message, code="upstream_error")
-    headers = [(k, v) for k, v in headers if k != b"content-type"]
+    headers = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
     headers.append((b"content-type", b"application/json"))
     return headers, error.to_bytes()
 

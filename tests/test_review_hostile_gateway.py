@@ -24,7 +24,7 @@ ADMIN = {"authorization": "Bearer adm"}
 FAKE_WORKER = r'''
 import asyncio, json, sys
 
-MODELS = ["html500", "plain404", "empty502", "fastapi422", "vllm400", "openai400", "hugehead", "ok", "hang",
+MODELS = ["html500", "gzip500", "plain404", "empty502", "fastapi422", "vllm400", "openai400", "hugehead", "ok", "hang",
           "hangstream", "endless", "headers"]
 OPENAI_400 = b'{"error":{"message":"bad temperature","type":"invalid_request_error","param":"temperature","code":null}}'
 
@@ -49,6 +49,9 @@ async def handle(reader, writer):
             model = json.loads(body)["model"]
             if model == "html500":
                 writer.write(answer(b"500 Internal Server Error", b"<html>oops</html>", b"text/html"))
+            elif model == "gzip500":  # an error page the gateway cannot read: it must not stay "gzip"
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-encoding: gzip\r\ncontent-type: text/html\r\n"
+                             b"content-length: 4\r\n\r\n\x1f\x8b\x08\x00")
             elif model == "plain404":
                 writer.write(answer(b"404 Not Found", b"Not Found", b"text/plain"))
             elif model == "empty502":
@@ -128,7 +131,7 @@ def _error(resp: httpx.Response) -> dict[str, object]:
 
 @pytest.mark.parametrize(
     ("model", "status", "says"),
-    [("html500", 500, "oops"), ("plain404", 404, "Not Found"), ("empty502", 502, "answered 502"),
+    [("html500", 500, "oops"), ("gzip500", 500, "answered 500"), ("plain404", 404, "Not Found"), ("empty502", 502, "answered 502"),
      ("fastapi422", 422, "bad x"), ("vllm400", 400, "bad prompt")],
 )
 @pytest.mark.parametrize("stream", [False, True])
