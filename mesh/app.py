@@ -382,7 +382,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/debug/route", tags=["debug"], dependencies=[Depends(data_auth)])
     async def debug_route(request: Request) -> dict[str, Any]:
         """The decision the router would make for this completion body; forwards and commits nothing."""
-        raw = await read_body(request.receive, request.scope["headers"], gateway.config.server.max_body_bytes)
+        server = gateway.config.server
+        raw = await read_body(request.receive, request.scope["headers"], server.max_body_bytes, server.body_idle_timeout_s)
         body_kind = "chat" if b'"messages"' in raw else "completion"
         kind = request.query_params.get("kind", body_kind)
         if kind not in ("chat", "completion"):

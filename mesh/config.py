@@ -47,6 +47,7 @@ class ServerConfig(_Model):
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_prompt_tokens: int = Field(4_000_000, ge=1)
     request_timeout_s: PositiveFloat = 3600.0  # whole upstream exchange, streaming included
+    body_idle_timeout_s: PositiveFloat = 30.0  # longest wait for the next bytes of a request body (then 408)
     connect_timeout_s: PositiveFloat = 5.0
     allowed_worker_hosts: list[str] | None = None  # None = any host; else exact names/IPs
     allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"])

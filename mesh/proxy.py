@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import random
 import re
 import time
@@ -65,8 +64,6 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
-# Longest wait for the next bytes of a request body (MESH_BODY_IDLE_TIMEOUT_S overrides; tests).
-BODY_IDLE_TIMEOUT_S = float(os.environ.get("MESH_BODY_IDLE_TIMEOUT_S", "30"))
 
 
 class _UpstreamFailed(Exception):
@@ -132,7 +129,8 @@ class Proxy:
         try:
             headers = scope["headers"]
             self._check_auth(headers)
-            raw = await read_body(receive, headers, self.registry.config.server.max_body_bytes)
+            server = self.registry.config.server
+            raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s)
             watcher = loop.call_later(WATCH_AFTER_S, _watch_disconnect, receive, state, asyncio.current_task())
             t0 = time.perf_counter()
             parsed = await self.prompts.process(raw, kind, _header(headers, self._session_header()))
@@ -432,7 +430,8 @@ def _watch_disconnect(receive: Receive, state: _Exchange, task: asyncio.Task[Any
         state.watch_task = asyncio.get_running_loop().create_task(watch())
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float) -> bytes:
+    """The whole request body: 413 past ``limit`` bytes, 408 when no bytes come for ``idle_s``."""
     declared = _header(headers, b"content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -442,16 +441,16 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit:
     try:
         # A client that stops sending mid-body (or never ends a chunked body) would hold the
         # request forever: each wait for body bytes is bounded.
-        async with asyncio.timeout(BODY_IDLE_TIMEOUT_S) as idle:
-            return await _receive_body(receive, limit, idle)
+        async with asyncio.timeout(idle_s) as idle:
+            return await _receive_body(receive, limit, idle, idle_s)
     except TimeoutError:
         raise MeshError(  # the rest of the body may still come: the connection cannot be reused
-            408, f"no request body bytes arrived for {BODY_IDLE_TIMEOUT_S:g} s", code="body_timeout",
+            408, f"no request body bytes arrived for {idle_s:g} s", code="body_timeout",
             headers={"connection": "close"},
         ) from None
 
 
-async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout) -> bytes:
+async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idle_s: float) -> bytes:
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body"):
@@ -462,7 +461,7 @@ async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout) -> 
     size = len(body)
     loop = asyncio.get_running_loop()
     while message.get("more_body"):
-        idle.reschedule(loop.time() + BODY_IDLE_TIMEOUT_S)
+        idle.reschedule(loop.time() + idle_s)
         message = await receive()
         if message["type"] == "http.disconnect":
             raise MeshError(400, "client disconnected while sending the body", code="client_disconnected")

@@ -110,13 +110,13 @@ def gateway(module_procs: ProcessGroup) -> Iterator[httpx.Client]:
     module_procs.start_http([PYTHON, str(script), str(wport)], name="fake-worker", port=wport, ready_path="/health")
     config = module_procs.log_dir / "mesh.yaml"
     config.write_text(yaml.safe_dump({
-        "server": {"admin_key": "adm", "request_timeout_s": 60},
+        "server": {"admin_key": "adm", "request_timeout_s": 60, "body_idle_timeout_s": 1},
         "circuit_breaker": {"failure_threshold": 10_000, "open_s": 1},  # the fake fails on purpose, often
         "workers": [{"name": "fake", "url": f"http://127.0.0.1:{wport}"}],
     }))
     port = free_port()
     cmd = [PYTHON, "-m", "mesh.commands.serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
-    module_procs.start_http(cmd, name="gateway", port=port, ready_path="/ready", env={"MESH_BODY_IDLE_TIMEOUT_S": "1"})
+    module_procs.start_http(cmd, name="gateway", port=port, ready_path="/ready")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
         yield client
 
