@@ -8,7 +8,8 @@ last user message (or the prompt) word by word, up to ``max_tokens`` words; ``/v
 reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache).
 
 Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
-``--fail-rate P`` answers 500 before any output with probability P; ``--crash-after-tokens N``
+``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers
+500 to every request whose prompt contains TEXT (a request that crashes any worker); ``--crash-after-tokens N``
 kills the whole process after streaming N tokens; ``--unhealthy`` makes ``/health`` answer 503.
 
     python -m mesh.echo_worker --port 9001 [--model echo] [--token-delay-s 0.01]
@@ -45,6 +46,7 @@ class EchoSettings:
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0
     fail_rate: float = 0.0
+    fail_on: str = ""  # prompts containing it answer 500 ("" = never)
     crash_after_tokens: int = 0  # 0 = never
     unhealthy: bool = False
     default_max_tokens: int = 16
@@ -84,7 +86,7 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
             if not isinstance(changes, dict):
                 raise ValueError("body must be a JSON object")
             for key, value in changes.items():
-                if key in ("fail_rate", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
+                if key in ("fail_rate", "fail_on", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
                     setattr(settings, key, type(getattr(settings, key))(value))
         except (msgspec.MsgspecError, ValueError, TypeError) as exc:
             return _error(400, f"invalid faults: {exc}")
@@ -117,7 +119,8 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
             include_usage = _include_usage(body)
         except ValueError as exc:
             return _error(400, str(exc))
-        if settings.fail_rate and random.random() < settings.fail_rate:
+        if (settings.fail_rate and random.random() < settings.fail_rate) or (
+                settings.fail_on and settings.fail_on in prompt_text):
             return _error(500, "injected failure", "server_error")
         app.state.served += 1
         words = _WORDS.findall(echo_text) or ["echo"]
@@ -242,6 +245,8 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
     p.add_argument("--token-delay-s", type=float, default=float(env("MESH_ECHO_TOKEN_DELAY_S", "0")))
     p.add_argument("--first-token-delay-s", type=float, default=float(env("MESH_ECHO_FIRST_TOKEN_DELAY_S", "0")))
     p.add_argument("--fail-rate", type=float, default=float(env("MESH_ECHO_FAIL_RATE", "0")))
+    p.add_argument("--fail-on", default=env("MESH_ECHO_FAIL_ON", ""), metavar="TEXT",
+                   help="answer 500 to requests whose prompt contains TEXT")
     p.add_argument("--crash-after-tokens", type=int, default=int(env("MESH_ECHO_CRASH_AFTER_TOKENS", "0")))
     p.add_argument("--unhealthy", action="store_true", default=env("MESH_ECHO_UNHEALTHY", "") not in ("", "0"))
     args = p.parse_args(argv)
@@ -259,6 +264,7 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
         token_delay_s=args.token_delay_s,
         first_token_delay_s=args.first_token_delay_s,
         fail_rate=args.fail_rate,
+        fail_on=args.fail_on,
         crash_after_tokens=args.crash_after_tokens,
         unhealthy=args.unhealthy,
     )

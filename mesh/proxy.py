@@ -84,7 +84,8 @@ class _UpstreamFailed(Exception):
         self.status = status
         self.body = body  # a worker's own error answer, passed through if no retry is left
         self.headers = headers
-        self.worker_fault = worker_fault  # counts toward the circuit breaker
+        # Counts toward the circuit breaker at once; a 500 is only suspect (see ``_Failure``).
+        self.worker_fault = worker_fault
 
 
 @dataclass(slots=True)
@@ -96,6 +97,10 @@ class _Failure:
     message: str
     body: bytes | None = None
     headers: list[tuple[bytes, bytes]] | None = None
+    # A worker's 500 may be the request's fault (an input that crashes any worker): it counts
+    # toward that worker's circuit breaker only if another worker then serves the same request,
+    # so one poison request retried everywhere cannot open every circuit.
+    suspect: str | None = None  # target id
 
 
 class Proxy:
@@ -177,6 +182,7 @@ class Proxy:
         retries = config.retries
         out_headers = upstream_headers(client_headers, config.server.forward_authorization)
         excluded: list[str] = []
+        suspects: list[_Failure] = []
         failure: _Failure | None = None
         for attempt in range(retries.max_attempts):
             if attempt:
@@ -190,11 +196,13 @@ class Proxy:
             # A failed worker is excluded with all its data-parallel ranks.
             excluded.extend([t.id for t in worker.targets] if worker is not None else [target.id])
             try:
-                failure = await self._attempt(parsed, lease, out_headers, state, route, start)
+                failure = await self._attempt(parsed, lease, out_headers, state, route, start, suspects)
             finally:
                 lease.finish(time.monotonic())
             if failure is None:
                 return
+            if failure.suspect is not None:
+                suspects.append(failure)
         if failure is None:  # no attempt could be routed at all
             raise MeshError(503, "no healthy worker is available", code="no_healthy_worker")
         if failure.body is not None:
@@ -244,8 +252,11 @@ class Proxy:
         state: _Exchange,
         route: str,
         start: float,
+        suspects: list[_Failure],
     ) -> _Failure | None:
-        """One upstream attempt. None when the client got its answer, else the failure."""
+        """One upstream attempt. None when the client got its answer, else the failure.
+        ``suspects``: earlier attempts' 500s, blamed on their workers (and cleared) once this
+        worker answers the same request."""
         target = lease.target
         worker = self.registry.worker_of(target.id)
         if worker is not None and (worker.headers or worker.config.dp_size > 1):
@@ -285,6 +296,9 @@ class Proxy:
             lease.first_token()
             self._ttfb_hist[route].observe(time.perf_counter() - start)
             self.registry.record_success(target.id)
+            for f in suspects:  # they failed where this worker does not
+                self.registry.record_failure(f.suspect, time.monotonic(), f.message)  # type: ignore[arg-type]
+            suspects.clear()
             out = _response_headers(resp)
             out.append((b"x-mesh-worker", target.id.encode()))
             if parsed.stream and resp.status == 200:
@@ -300,9 +314,10 @@ class Proxy:
             return None
         except _UpstreamFailed as exc:
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
-            if exc.worker_fault:
+            suspect = exc.status == 500 and exc.body is not None
+            if exc.worker_fault and not suspect:
                 self.registry.record_failure(target.id, time.monotonic(), str(exc))
-            return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers)
+            return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers, target.id if suspect else None)
         finally:
             if resp is not None:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it

@@ -89,6 +89,8 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         "slow": ["--model", "slow", "--first-token-delay-s", "2"],
         "drip": ["--model", "drip", "--token-delay-s", "0.1"],
         "flaky": ["--model", "pair", "--fail-rate", "1"],
+        "poisoned-a": ["--model", "poison", "--fail-on", "POISON"],
+        "poisoned-b": ["--model", "poison", "--fail-on", "POISON"],
         "steady": ["--model", "pair"],
     }
     echo = start_echo_workers(module_procs, specs)
@@ -268,6 +270,26 @@ def test_worker_500_is_retried_elsewhere_and_opens_its_circuit(cluster: Cluster)
     finally:
         cluster.http.delete("/workers/flaky", headers=ADMIN)
         cluster.http.delete("/workers/steady", headers=ADMIN)
+
+
+def test_a_request_that_fails_everywhere_opens_no_circuit(cluster: Cluster) -> None:
+    # Both workers answer 500 to any prompt containing POISON (an input that crashes every
+    # worker). Retried on each, it fails: the client gets the worker's 500, but the workers stay
+    # in service for everyone else (threshold 2: three poison requests would have opened both).
+    assert cluster.add("poisoned-a", models=["poison"]).status_code == 201
+    assert cluster.add("poisoned-b", models=["poison"]).status_code == 201
+    try:
+        for _ in range(3):
+            out = cluster.http.post("/v1/completions", json={"model": "poison", "prompt": "a POISON b"})
+            assert out.status_code == 500 and out.json()["error"]["type"] == "server_error"
+        workers = cluster.workers()
+        assert workers["poisoned-a"]["circuit"] == "closed" and workers["poisoned-b"]["circuit"] == "closed"
+        served = {cluster.http.post("/v1/completions", json={"model": "poison", "prompt": "fine"}).headers["x-mesh-worker"]
+                  for _ in range(4)}
+        assert served == {"poisoned-a", "poisoned-b"}
+    finally:
+        cluster.http.delete("/workers/poisoned-a", headers=ADMIN)
+        cluster.http.delete("/workers/poisoned-b", headers=ADMIN)
 
 
 def raw_request(port: int, body: dict[str, Any]) -> socket.socket:
