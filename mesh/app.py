@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -384,8 +385,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         """The decision the router would make for this completion body; forwards and commits nothing."""
         server = gateway.config.server
         raw = await read_body(request.receive, request.scope["headers"], server.max_body_bytes, server.body_idle_timeout_s)
-        body_kind = "chat" if b'"messages"' in raw else "completion"
-        kind = request.query_params.get("kind", body_kind)
+        kind = request.query_params.get("kind") or _body_kind(raw)
         if kind not in ("chat", "completion"):
             raise MeshError(400, "kind must be 'chat' or 'completion'", param="kind")
         header = request.headers.get(gateway.config.sessions.header)
@@ -474,3 +474,16 @@ def _registry_call(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except RegistryError as exc:
         raise MeshError(exc.status, str(exc), code="worker_error") from exc
+
+
+class _TopLevelKeys(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"")  # not decoded: only its presence matters
+
+
+def _body_kind(raw: bytes) -> str:
+    """``chat`` when the body's top-level object has ``messages`` (what ``/v1/chat/completions``
+    takes), else ``completion``; a body that is not an object is left to the prompt parser."""
+    try:
+        return "chat" if len(msgspec.json.decode(raw, type=_TopLevelKeys).messages) else "completion"
+    except msgspec.MsgspecError:
+        return "completion"

@@ -56,3 +56,22 @@ async def test_fastapi_fallback_reaches_the_proxy() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain_fastapi), base_url="http://t") as client:
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "not_ready"  # no lifespan ran
+
+
+async def test_debug_route_tells_chat_from_completion_by_the_top_level_key() -> None:
+    config = {"workers": [{"name": "w", "url": "http://h:1", "models": ["m"]}], "health": {"interval_s": 3600}}
+    app = create_app(parse_config(config))
+    async with app.router.lifespan_context(app):
+        worker = app.state.gateway.registry.workers["w"]
+        worker.healthy = True  # no health check runs within the test (a one-hour interval)
+        worker.sync()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            # A completion whose other fields mention "messages" is still a completion...
+            body = {"model": "m", "prompt": 'say "messages"', "metadata": {"messages": [1]}}
+            resp = await client.post("/debug/route", json=body)
+            assert resp.status_code == 200 and resp.json()["request"]["kind"] == "completion"
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            resp = await client.post("/debug/route", json=chat)
+            assert resp.status_code == 200 and resp.json()["request"]["kind"] == "chat"
+            resp = await client.post("/debug/route", content=b"[1, 2")
+            assert resp.status_code == 400 and "error" in resp.json()
