@@ -19,6 +19,12 @@ from policies.base import Role
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 MIB = 1024 * 1024
+# Bounds on a decoded YAML document, aliases expanded: anchors can make a small file a huge
+# structure (billion laughs) that an error message would repr in full, and nesting deeper than
+# this is no config (the YAML parser itself recurses once per level).
+MAX_DOC_VALUES = 250_000
+MAX_DOC_DEPTH = 64
+MAX_FILE_BYTES = 16 * MIB  # a config of 1,000 workers is ~200 KiB; PyYAML parses ~1 MiB/s
 
 
 class ConfigError(ValueError):
@@ -309,6 +315,9 @@ def parse_config(data: Any, source: str | None = None, *, check_policy: bool = T
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], source)
+    problem = document_problem(data)
+    if problem is not None:
+        raise ConfigError([f"(top level): {problem}"], source)
     try:
         config = MeshConfig.model_validate(data)
     except ValidationError as exc:
@@ -327,11 +336,48 @@ def load_config(path: str | Path | None = None) -> MeshConfig:
         return MeshConfig()
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as f:  # bounded: a path may name a huge file or /dev/zero
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ConfigError([f"file larger than {MAX_FILE_BYTES // MIB} MiB: not a config"], source)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"cannot read file: {exc}"], source) from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"invalid YAML: {exc}"], source) from exc
+    except RecursionError as exc:  # the parser recurses once per nesting level
+        raise ConfigError([f"invalid YAML: nested more than the parser can follow ({exc})"], source) from exc
     return parse_config(data, source)
+
+
+def document_problem(data: Any) -> str | None:
+    """Why a decoded document is no config (too many values once aliases are expanded, too deep,
+    or recursive through an alias); None when it is fine. Iterative, and each shared container
+    is visited once, so a billion-laughs document costs its size on disk, not its expansion."""
+    sizes: dict[int, int] = {}  # id -> expanded values, containers finished
+    open_ids: set[int] = set()  # containers on the current path (a recursive alias loops back)
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        node, done = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        key = id(node)
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        if done:
+            open_ids.discard(key)
+            sizes[key] = 1 + sum(sizes.get(id(c), 1) for c in children)
+            if sizes[key] > MAX_DOC_VALUES:
+                return f"the document expands to more than {MAX_DOC_VALUES} values (YAML anchors and aliases count once per use)"
+            continue
+        if key in sizes:
+            continue
+        if key in open_ids:
+            return "a YAML alias refers to a value that contains it (recursive structure)"
+        if len(open_ids) >= MAX_DOC_DEPTH:
+            return f"values nested more than {MAX_DOC_DEPTH} levels deep"
+        open_ids.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if isinstance(c, (dict, list)) and id(c) not in sizes)
+    return None

@@ -1,0 +1,102 @@
+"""Hostile config files: YAML alias bombs, recursive aliases, deep nesting, huge files; through
+`mesh config validate` (a real process) and a real gateway's reload (POST /admin/reload and
+SIGHUP), which must keep the running config and stay up."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from mesh.config import ConfigError, load_config
+from tests.procs import ProcessGroup, free_port, wait_until
+
+ADMIN = {"authorization": "Bearer admin-secret"}
+
+
+def alias_bomb(levels: int = 7) -> str:
+    """A billion-laughs policy: a few hundred bytes that alias-expand to 9**levels strings (7: a
+    65 MB error message before the fix; 9 or 10 levels took all memory)."""
+    lines = ["policy:", "  name: round_robin", "  params:", "    junk:",
+             "      - &l0 [" + ",".join(["laughlaugh"] * 9) + "]"]
+    lines += [f"      - &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE = {
+    "alias_bomb_params": alias_bomb(),
+    "alias_bomb_spec": "policy:\n" + "\n".join(alias_bomb().splitlines()[4:]).replace("      -", "  -") + "\n",
+    "recursive_alias": "policy: {name: round_robin, params: &a {x: *a}}\n",
+    "deep_nesting": "policy: " + "[" * 5000 + "]" * 5000 + "\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_yaml_is_a_short_config_error(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "mesh.yaml"
+    path.write_text(HOSTILE[name])
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(str(info.value)) < 1000  # the error message repr-ed the whole expansion
+
+
+def test_validate_command_on_a_deep_file_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "mesh.yaml"
+    path.write_text(HOSTILE["deep_nesting"])
+    result = subprocess.run([sys.executable, "-m", "mesh.commands.config", "validate", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "RecursionError" not in result.stderr
+    assert "nested" in (result.stdout + result.stderr)
+
+
+def test_a_file_over_the_size_limit_is_refused_without_reading_it_all() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("/dev/zero")  # an endless file: was read until memory ran out
+    assert "larger than" in str(info.value)
+
+
+def test_a_large_plain_config_still_loads(tmp_path: Path) -> None:
+    workers = [{"name": f"w{i}", "url": f"http://10.0.{i // 250}.{i % 250}:8000", "models": ["m"]} for i in range(1000)]
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump({"workers": workers, "policy": "round_robin"}))
+    assert len(load_config(path).workers) == 1000
+
+
+@pytest.fixture
+def gateway(procs: ProcessGroup) -> Iterator[tuple[httpx.Client, Path, object]]:
+    config = procs.log_dir / "mesh.yaml"
+    config.write_text(yaml.safe_dump({"server": {"admin_key": "admin-secret"}, "policy": "round_robin"}))
+    proc = procs.gateway(config, port=free_port())
+    with httpx.Client(base_url=proc.url, timeout=30) as http:
+        yield http, config, proc
+
+
+def _reload_policy(http: httpx.Client) -> str:
+    resp = http.post("/admin/reload", headers=ADMIN)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["policy"]["name"])
+
+
+def test_reload_and_sighup_with_hostile_files_keep_the_running_config(gateway: tuple) -> None:
+    http, config, proc = gateway
+    original = config.read_text()
+    for name, text in HOSTILE.items():
+        config.write_text(text)
+        resp = http.post("/admin/reload", headers=ADMIN)
+        assert resp.status_code == 400, (name, resp.status_code, resp.text[:300])
+        assert resp.json()["error"]["code"] == "invalid_config" and len(resp.text) < 2000
+    config.write_text(HOSTILE["deep_nesting"])
+    proc.popen.send_signal(signal.SIGHUP)  # type: ignore[attr-defined]
+    config.write_text(HOSTILE["alias_bomb_params"])
+    proc.popen.send_signal(signal.SIGHUP)  # type: ignore[attr-defined]
+    assert wait_until(lambda: http.get("/health").status_code == 200, what="gateway up after SIGHUPs")
+    assert proc.alive()  # type: ignore[attr-defined]
+    config.write_text(original.replace("round_robin", "power_of_two"))
+    assert _reload_policy(http) == "power_of_two"  # reload still works after the hostile ones
