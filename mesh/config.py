@@ -19,6 +19,9 @@ from policies.base import Role
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 MIB = 1024 * 1024
+# What a ZMQ SUB/DEALER can connect to: tcp with a host (name, IPv4, [IPv6]) and a numeric port
+# (a data-parallel rank r connects to port + r), or a local transport.
+ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}|(ipc|inproc)://[^\s\0]+")
 # Bounds on a decoded YAML document, aliases expanded: anchors can make a small file a huge
 # structure (billion laughs) that an error message would repr in full, and nesting deeper than
 # this is no config (the YAML parser itself recurses once per level).
@@ -71,6 +74,17 @@ class KVEventsConfig(_Model):
     endpoint: str  # ZMQ SUB endpoint, e.g. tcp://host:5557
     replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
     topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str | None) -> str | None:
+        # ZMQ refuses these only when the subscriber connects (the stream then ended with a
+        # "socket error" log line and the worker's index stayed untrusted): refuse them here.
+        if endpoint is not None and not ZMQ_ENDPOINT.fullmatch(endpoint):
+            raise ValueError(f"endpoint {endpoint!r} must be tcp://HOST:PORT (a port 0-65535), ipc://PATH or inproc://NAME")
+        if endpoint is not None and endpoint.startswith("tcp://") and int(endpoint.rpartition(":")[2]) > 65535:
+            raise ValueError(f"endpoint {endpoint!r}: port out of range 0-65535")
+        return endpoint
 
 
 class WorkerConfig(_Model):

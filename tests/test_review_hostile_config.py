@@ -100,3 +100,27 @@ def test_reload_and_sighup_with_hostile_files_keep_the_running_config(gateway: t
     assert proc.alive()  # type: ignore[attr-defined]
     config.write_text(original.replace("round_robin", "power_of_two"))
     assert _reload_policy(http) == "power_of_two"  # reload still works after the hostile ones
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://10.0.0.5", "tcp:/10.0.0.5:5557", "tcp://*:5557", "udp://10.0.0.5:5557",
+                                      "tcp://10.0.0.5:99999", "10.0.0.5:5557"])
+@pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
+def test_a_kv_events_endpoint_zmq_cannot_connect_to_is_a_config_error(field: str, endpoint: str, tmp_path: Path) -> None:
+    """Was accepted; the subscriber's connect then raised, its stream ended with a "socket error"
+    log line, and the worker's prefix index stayed untrusted for good (a bad replay endpoint
+    too: the replay socket connected outside the replay's error handling)."""
+    kv = {"endpoint": "tcp://10.0.0.5:5557", field: endpoint}
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump({"workers": [{"name": "a", "url": "http://10.0.0.5:8000", "kv_events": kv}]}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert any(e.startswith(f"workers[0].kv_events.{field}:") and endpoint in e for e in info.value.errors)
+
+
+def test_admin_add_with_a_bad_kv_events_endpoint_is_a_400(gateway: tuple) -> None:
+    http, _, _ = gateway
+    body = {"name": "x", "url": "http://127.0.0.1:9", "kv_events": {"endpoint": "tcp://127.0.0.1"}}
+    resp = http.post("/workers", json=body, headers=ADMIN)
+    assert resp.status_code in (400, 422), resp.text
+    assert "endpoint" in resp.text
+    assert "x" not in {w["name"] for w in http.get("/workers", headers=ADMIN).json()["workers"]}
