@@ -182,6 +182,8 @@ def detect_format(path: Path, raw: bytes) -> str:
     first = next(_lines(raw))[1]
     try:
         obj = msgspec.json.decode(first)
+    except RecursionError:
+        raise TraceError(f"{path}:1: JSON nested too deeply") from None
     except msgspec.DecodeError:
         obj = None
         if raw.lstrip()[:1] == b"{" and b"\n" not in raw.strip():
@@ -268,6 +270,8 @@ def _json_lines(path: Path, raw: bytes, warnings: list[str]) -> Iterator[tuple[s
     for no, line in items:
         try:
             obj = msgspec.json.decode(line)
+        except RecursionError:
+            raise TraceError(f"{path}:{no}: JSON nested too deeply") from None
         except msgspec.DecodeError as exc:
             if no == last_no and truncated_tail:
                 warnings.append(f"{path}:{no}: truncated last line skipped (partial trace)")
@@ -297,6 +301,9 @@ def _bailian(path: Path, raw: bytes, block: int, warnings: list[str]) -> list[_R
         chat, parent = obj.get("chat_id"), obj.get("parent_chat_id", -1)
         if chat is None:
             raise TraceError(f"{where}: missing 'chat_id'")
+        for key, v in (("chat_id", chat), ("parent_chat_id", parent)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, str))):
+                raise TraceError(f"{where}: {key!r} must be an integer or a string, got {type(v).__name__}")
         prompt = _need_int(where, obj, "input_length", 1)
         ids = _need_ids(where, obj)
         _check_chain(where, ids, prompt, block)
@@ -385,6 +392,8 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
         raise TraceError(f"{path}: invalid WEKA/AgentX trace: {exc}") from None
     except msgspec.DecodeError as exc:
         raise TraceError(f"{path}:1: truncated or malformed JSON document ({exc})") from None
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply") from None
     block = block or doc.block_size
     if block < 1:
         raise TraceError(f"{path}: block_size must be >= 1, got {doc.block_size}")
@@ -394,6 +403,10 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
     def add(req: _WReq, t_abs: float, where: str, sess: str) -> int:
         if req.in_ < 1 or req.out < 0:
             raise TraceError(f"{where}: 'in' must be >= 1 and 'out' >= 0 (got {req.in_}, {req.out})")
+        # times count from the session's (or sub-agent's) start: a negative one made the first
+        # request finish before time 0, which the engine took for "never finished"
+        if req.t < 0 or req.api_time < 0:
+            raise TraceError(f"{where}: 't' and 'api_time' must be >= 0 (got {req.t}, {req.api_time})")
         ids = _ids_array(where, req.hash_ids)
         _check_chain(where, ids, req.in_, block)
         out.append(_Rec(sess, t_abs, [], req.in_, req.out, ids, where))
@@ -415,6 +428,8 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
         if isinstance(entry, _WSub):
             if prev is None:
                 raise TraceError(f"{where}: sub-agent {entry.agent_id!r} before any parent request")
+            if entry.t < 0 or (entry.duration_ms or 0.0) < 0:
+                raise TraceError(f"{where}: 't' and 'duration_ms' must be >= 0 (got {entry.t}, {entry.duration_ms})")
             start = entry.t - (entry.duration_ms or 0.0) / 1000.0
             sub_sess = f"{session}/{entry.agent_id or i}"
             sprev: int | None = None
