@@ -97,12 +97,17 @@ def _load_policy_arg(arg: str) -> tuple[str, Any]:
 
         if not path.is_file():
             raise PluginError(f"{arg}: no such policy file")
+        from mesh.config import document_problem
+
         try:
             data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, yaml.YAMLError, RecursionError) as exc:
             raise PluginError(f"{arg}: not a readable YAML file: {exc}") from None
         if not isinstance(data, dict) or "policy" not in data:
             raise PluginError(f"{arg}: a policy file needs a top-level 'policy:' key with a policy spec")
+        problem = document_problem(data)  # an alias bomb's error message would repr its expansion
+        if problem is not None:
+            raise PluginError(f"{arg}: {problem}")
         return path.stem, data["policy"]
     return arg, arg
 

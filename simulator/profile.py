@@ -287,7 +287,7 @@ def _from_file(path: Path) -> Profile:
         raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
         raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
     if data is None:
         raise ProfileError(f"{path}: empty profile")

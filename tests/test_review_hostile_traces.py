@@ -74,3 +74,32 @@ def test_zero_times_are_still_fine(tmp_path: Path) -> None:
     path.write_text(weka(req(0.0, api_time=0.0), req(0.0, api_time=0.0)))
     trace = load_traces([path])
     assert len(trace.requests) == 2 and trace.requests[0].arrival == 0.0
+
+
+def _bomb(head: list[str], indent: str, levels: int = 7) -> str:
+    lines = head + [f"{indent}- &l0 [" + ",".join(["laughlaugh"] * 9) + "]"]
+    lines += [f"{indent}- &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+SIM_FILES = {
+    # --policy FILE: an alias bomb printed its 65 MB expansion in the error; deep YAML a traceback
+    ("--policy", "bomb.yaml"): (_bomb(["policy:", "  name: round_robin", "  params:", "    junk:"], "      "),
+                                "expands to more than"),
+    ("--policy", "deep.yaml"): ("policy: " + "[" * 5000 + "]" * 5000 + "\n", "not a readable YAML file"),
+    # --profile FILE: deep YAML or JSON was a traceback
+    ("--profile", "deep.yaml"): ("profile: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
+    ("--profile", "deep.json"): ('{"profile": ' + DEEP + "}\n", "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize(("flag", "name"), sorted(SIM_FILES))
+def test_simulate_cli_hostile_policy_and_profile_files(flag: str, name: str, tmp_path: Path) -> None:
+    text, expected = SIM_FILES[(flag, name)]
+    path = tmp_path / name
+    path.write_text(text)
+    trace = Path(__file__).resolve().parent.parent / "examples" / "traces" / "agent_sessions.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", str(trace), "--workers", "2", flag, str(path),
+                           "--quiet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert expected in proc.stderr and len(proc.stderr) < 2000
