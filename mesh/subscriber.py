@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 _TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}
 _END_SEQ = -1
+_MAX_SEEDS = 4096  # cached (model, LoRA) seeds; LoRA names come from the publisher, unbounded in number
 _digest = xxhash.xxh3_64_intdigest
 
 
@@ -369,15 +370,17 @@ class KvEventSubscriber:
     async def _fetch_replay(self, stream: _Stream, start: int) -> list[tuple[int, bytes]] | None:
         h = stream.health
         assert h.replay_endpoint is not None  # checked by the caller  # noqa: S101
-        if stream.dealer is None:
-            stream.dealer = self._ctx.socket(zmq.DEALER)
-            stream.dealer.setsockopt(zmq.LINGER, 0)
-            stream.dealer.connect(h.replay_endpoint)
-        sock = stream.dealer
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         out: list[tuple[int, bytes]] = []
+        sock = stream.dealer
         try:
+            if sock is None:
+                sock = stream.dealer = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                # inside the try: an endpoint ZMQ refuses is a failed replay (it raised out of the
+                # stream task, which ended: the worker's events were no longer read at all)
+                sock.connect(h.replay_endpoint)
             # a DEALER without a connected peer blocks on send: bound it by the same deadline
             await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s)
             while True:
@@ -400,7 +403,8 @@ class KvEventSubscriber:
         except (TimeoutError, asyncio.TimeoutError, OverflowError, zmq.ZMQError) as exc:
             log.warning("kv events %s: replay from %d failed: %s", h.target, start, exc)
             h.bump(h.replays, "failed")
-            sock.close(linger=0)  # late replies must not mix into the next replay
+            if sock is not None:
+                sock.close(linger=0)  # late replies must not mix into the next replay
             stream.dealer = None
             return None
         h.bump(h.replays, "ok")
@@ -482,6 +486,8 @@ class KvEventSubscriber:
             return namespace_seed(model, lora, salt)
         seed = self._seeds.get((model, lora))
         if seed is None:
+            if len(self._seeds) >= _MAX_SEEDS:  # a publisher naming a new LoRA per event grew it for good
+                self._seeds.clear()
             seed = self._seeds[(model, lora)] = namespace_seed(model, lora)
         return seed
 

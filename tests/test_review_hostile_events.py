@@ -1,0 +1,66 @@
+"""KV event ingestion from a hostile or broken publisher, over real ZMQ sockets (the independent
+publisher of tests/test_subscriber.py): the stream must keep running, memory must stay bounded,
+and the index must hold exactly what the publisher's valid events say."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from mesh.index import PrefixIndex
+from mesh.keys import block_keys, namespace_seed
+from mesh.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
+from policies.base import Overlap
+from tests.test_subscriber import BS, MODEL, SEED, Publisher, caught_up, subscribed
+
+
+def _stored(h: int, tokens: list[int], lora: str | None = None) -> dict:
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": lora}
+
+
+async def test_a_replay_endpoint_zmq_refuses_is_a_failed_replay_not_a_dead_stream() -> None:
+    """The replay socket's connect raised out of the stream task: the stream ended before reading
+    one live batch, so the worker's index stayed empty and untrusted for good."""
+    rng = random.Random(7)
+    pub = Publisher(with_replay=False)
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=0.5)
+    bad_replay = "ipc:///tmp/" + "r" * 200  # longer than a unix socket path may be: ZMQ refuses it
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, bad_replay, model=MODEL, block_size=BS))
+        await subscribed(sub, target, pub, rng)
+        tokens = [rng.randrange(50) for _ in range(2 * BS)]
+        keys = block_keys(tokens, BS, SEED)
+        pub.publish(msgspec.msgpack.encode([1e12, [_stored(11, tokens[:BS])], 0]))
+        await caught_up(sub, target, pub)
+        assert index.match(keys) == {target: Overlap(1, 0)}
+        assert sub.health()[target].running and sub.health()[target].replays.get("failed", 0) >= 1
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None:
+    """Each distinct lora_name of a BlockStored was cached as a namespace seed forever."""
+    rng = random.Random(8)
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        await subscribed(sub, target, pub, rng)
+        per_batch, batches = 200, (_MAX_SEEDS * 3 // 2) // 200 + 1
+        tokens = [1] * BS
+        for b in range(batches):
+            evs = [_stored(b * per_batch + i, tokens, f"lora-{b}-{i}-" + "x" * 200) for i in range(per_batch)]
+            pub.publish(msgspec.msgpack.encode([1e12 + b, evs, 0]))
+        await caught_up(sub, target, pub)
+        assert sub.health()[target].events["stored"] == batches * per_batch
+        assert len(sub._seeds) <= _MAX_SEEDS
+        last = f"lora-{batches - 1}-{per_batch - 1}-" + "x" * 200  # still keyed in its own namespace
+        assert index.match(block_keys(tokens, BS, namespace_seed(MODEL, last))) == {target: Overlap(1, 0)}
+    finally:
+        await sub.stop()
+        pub.close()
