@@ -21,8 +21,9 @@ the index may then miss blocks the worker holds, but never claims blocks the wor
 
 Ownership: the subscriber runs on the gateway's event loop and is the only writer of the index
 for its targets' engine events (the router writes speculative entries on the same loop, so no
-lock is needed). Frames are decoded and applied in bounded slices (``yield_every``) so that a
-flooding publisher cannot starve the loop. Health per stream is exported as ``mesh_kv_events_*``
+lock is needed). Frames are decoded and applied in bounded slices (``yield_every`` frames or
+``_SLICE_BYTES`` of payload) so that a flooding publisher cannot starve the loop (one frame is
+never split: a frame of ``max_frame_bytes`` of tiny events still holds the loop for seconds). Health per stream is exported as ``mesh_kv_events_*``
 metrics on the ``CollectorRegistry`` passed in, and as ``healthy(target)``, which the gateway
 copies into ``TargetState.index_healthy``.
 """
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}
 _END_SEQ = -1
+_SLICE_BYTES = 256 << 10  # a slice of frames also ends after this much payload (~0.1 s of events)
 _MAX_SEEDS = 4096  # cached (model, LoRA) seeds; LoRA names come from the publisher, unbounded in number
 _digest = xxhash.xxh3_64_intdigest
 
@@ -236,12 +238,14 @@ class KvEventSubscriber:
             self._set_running(stream, True)
             if h.replay_endpoint:
                 await self._recover(stream, "connect")
-            n = 0
+            n = size = 0
             while True:
                 frames = await sub.recv_multipart()
                 await self._on_live(stream, frames)
                 n += 1
-                if n % self.yield_every == 0:
+                size += len(frames[-1])
+                if n >= self.yield_every or size >= _SLICE_BYTES:
+                    n = size = 0
                     await asyncio.sleep(0)  # a ready socket never suspends: let others run
         except asyncio.CancelledError:
             raise
@@ -359,10 +363,14 @@ class KvEventSubscriber:
                 if everything is None:
                     return
                 frames = everything
-            for i, (seq, payload) in enumerate(frames):
+            n = size = 0
+            for seq, payload in frames:
                 if h.last_seq is None or seq > h.last_seq:
                     self._apply_frame(stream, seq, payload)
-                if i % self.yield_every == self.yield_every - 1:
+                n += 1
+                size += len(payload)
+                if n >= self.yield_every or size >= _SLICE_BYTES:
+                    n = size = 0
                     await asyncio.sleep(0)
         finally:
             self._set_recovering(stream, False)

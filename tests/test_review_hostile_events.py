@@ -4,6 +4,7 @@ and the index must hold exactly what the publisher's valid events say."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import msgspec
@@ -61,6 +62,44 @@ async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None
         assert len(sub._seeds) <= _MAX_SEEDS
         last = f"lora-{batches - 1}-{per_batch - 1}-" + "x" * 200  # still keyed in its own namespace
         assert index.match(block_keys(tokens, BS, namespace_seed(MODEL, last))) == {target: Overlap(1, 0)}
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
+    """Slices were counted in frames only (64 between yields): 64 large frames of many small
+    events (~0.3 s each on a busy core) held the gateway's loop, and every request, ~20 s. A
+    slice now also ends after 256 KiB of payload. Checked on a replay (its frames are all in hand,
+    so the slices do not depend on network timing): another task sees the batches arrive one by
+    one, and the index ends exactly as the events say."""
+    rng = random.Random(9)
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=10.0)
+    n_frames, per_frame = 6, 8000  # ~300 KiB each
+    chains = []
+    for f in range(n_frames):
+        evs = []
+        for i in range(per_frame):
+            tokens = [f, i % 50, i // 50, 7][: BS] + [0] * (BS - 4)
+            evs.append(_stored(f * per_frame + i, tokens))
+            chains.append(tokens)
+        pub.publish(msgspec.msgpack.encode([1e12 + f, evs, 0]), live=False)  # kept for replay only
+    seen: set[int] = set()
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        h = sub.health()[target]
+
+        async def watch() -> None:
+            while h.batches < n_frames:
+                seen.add(h.batches)
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(watch(), 60)
+        assert seen & set(range(1, n_frames)), f"the loop got no turn between large frames (saw {sorted(seen)})"
+        assert h.events["stored"] == n_frames * per_frame
+        assert index.keys_of(target) == {block_keys(t, BS, SEED)[0] for t in chains}
     finally:
         await sub.stop()
         pub.close()
