@@ -23,9 +23,9 @@ Ownership: the subscriber runs on the gateway's event loop and is the only write
 for its targets' engine events (the router writes speculative entries on the same loop, so no
 lock is needed). Frames are decoded and applied in bounded slices (``yield_every`` frames or
 ``_SLICE_BYTES`` of payload) so that a flooding publisher cannot starve the loop (one frame is
-never split: a frame of ``max_frame_bytes`` of tiny events still holds the loop for seconds). Health per stream is exported as ``mesh_kv_events_*``
-metrics on the ``CollectorRegistry`` passed in, and as ``healthy(target)``, which the gateway
-copies into ``TargetState.index_healthy``.
+never split: a frame of ``max_frame_bytes`` of tiny events still holds the loop for seconds).
+Health per stream is exported as ``mesh_kv_events_*`` metrics on the ``CollectorRegistry`` passed
+in, and as ``healthy(target)``, which the gateway copies into ``TargetState.index_healthy``.
 """
 
 from __future__ import annotations
