@@ -10,8 +10,9 @@ Per stream (REFERENCE.md section 2):
   live) are told apart from restarts by a digest of the payload of each recent seq; a replay
   starts one batch early so that its first batch proves it comes from the same publisher;
 - on connect, the stream asks for the whole replay buffer (ZMQ's slow joiner misses the start);
-- a lost connection (a socket monitor sees it drop) makes the stream unhealthy until it is back,
-  and the first frame after it proves continuity through the replay socket before it is applied:
+- a lost connection (a socket monitor sees it drop) makes the stream unhealthy until it is back
+  and the first frame after it proved continuity through the replay socket (before it is applied;
+  a restarted engine that stays idle holds none of the old incarnation's blocks):
   a publisher that restarted while disconnected may resume at exactly ``last + 1`` (its own seq
   from 0), which the sequence alone cannot tell from the old publisher's next batch.
 
@@ -218,6 +219,9 @@ class KvEventSubscriber:
     def _is_healthy(self, h: StreamHealth) -> bool:
         if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
             return False
+        stream = self._streams.get(h.target)
+        if stream is not None and stream.lost and h.last_seq is not None:
+            return False  # reconnected, continuity unproven: the publisher may have restarted
         if self.stale_after_s is not None:
             return h.last_event_at is not None and self.clock() - h.last_event_at <= self.stale_after_s
         return True
@@ -290,6 +294,7 @@ class KvEventSubscriber:
             stream.lost = False  # cleared first: a disconnect during the check sets it again
             if h.last_seq is not None:
                 await self._after_reconnect(stream)
+            self._notify(stream)
         last = h.last_seq
         if last is None:
             if seq > 0 and h.replay_endpoint:  # batches before this one went by unseen

@@ -13,7 +13,9 @@ from mesh.index import PrefixIndex
 from mesh.keys import block_keys, namespace_seed
 from mesh.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
 from policies.base import Overlap
-from tests.test_subscriber import BS, MODEL, SEED, Publisher, caught_up, subscribed
+from tests.test_subscriber import (
+    BS, MODEL, SEED, Publisher, ToyEngine, caught_up, check_index, encode_events, nudge_until, sessions, subscribed, wait_until,
+)
 
 
 def _stored(h: int, tokens: list[int], lora: str | None = None) -> dict:
@@ -100,6 +102,41 @@ async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
         assert seen & set(range(1, n_frames)), f"the loop got no turn between large frames (saw {sorted(seen)})"
         assert h.events["stored"] == n_frames * per_frame
         assert index.keys_of(target) == {block_keys(t, BS, SEED)[0] for t in chains}
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def test_a_restarted_publisher_that_stays_idle_is_not_trusted_with_its_old_blocks() -> None:
+    """The stream was healthy again as soon as the SUB reconnected, though continuity is proven
+    only by the next frame: a worker that restarted (its cache empty) and sent nothing yet was
+    credited every block of its previous incarnation. Now it is untrusted (routing by load)
+    until a frame arrives, and that frame resets and rebuilds its entries."""
+    rng = random.Random(10)
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        await subscribed(sub, target, pub, rng)
+        old = ToyEngine(rng)
+        prompts = [p for c in sessions(rng, 2, 3) for p in c]
+        for p in prompts:
+            pub.publish(encode_events(old.serve(p), "map", "array3", "uint", rng))
+        await caught_up(sub, target, pub)
+        assert index.keys_of(target) == old.expected_keys() != set()
+        ports = pub.pub_port, pub.replay_port
+        pub.close()
+        h = sub.health()[target]
+        await wait_until(lambda: h.disconnects == 1)
+        pub = Publisher(*ports)  # restarted: an empty cache, nothing published yet
+        await wait_until(lambda: h.connected)
+        assert not sub.healthy(target)  # its index entries still name the old incarnation's blocks
+        new = ToyEngine(rng)
+        await nudge_until(pub, lambda: sub.healthy(target), rng)
+        pub.publish(encode_events(new.serve(prompts[0]), "map", "array3", "uint", rng))
+        await caught_up(sub, target, pub)
+        check_index(index, target, new, prompts)
     finally:
         await sub.stop()
         pub.close()
