@@ -140,3 +140,43 @@ async def test_a_restarted_publisher_that_stays_idle_is_not_trusted_with_its_old
     finally:
         await sub.stop()
         pub.close()
+
+
+def _garbage(rng: random.Random) -> object:
+    """One event a broken publisher might send amid valid ones (each must change nothing)."""
+    h = rng.getrandbits(64)
+    ok = {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": [1] * BS, "block_size": BS}
+    return rng.choice([
+        {**ok, "block_hashes": [1.5]}, {**ok, "block_hashes": [[1, 2]]}, {**ok, "token_ids": [-1] * BS},
+        {**ok, "token_ids": [1.5] * BS}, {**ok, "token_ids": [2**40] * BS}, {**ok, "token_ids": [1] * (BS + 1)},
+        {**ok, "token_ids": [1] * (2 * BS), "block_size": 2 * BS}, {**ok, "parent_block_hash": rng.getrandbits(64)},
+        {**ok, "medium": "DISK"}, {**ok, "group_idx": 3}, {**ok, "kv_cache_spec_kind": "sliding_window"},
+        {**ok, "token_ids": None},  # a tier update of a block never stored
+        {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64), -5, b"\0\0\1"], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": "nope"}, {"type": "Nope", "x": [1]}, ["BlockStored"], 42, {"type": 5},
+    ])
+
+
+async def test_garbage_events_amid_valid_ones_leave_the_index_exactly_right() -> None:
+    rng = random.Random(11)
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        await subscribed(sub, target, pub, rng)
+        engine = ToyEngine(rng)
+        prompts = [p for c in sessions(rng, 4, 5) for p in c]
+        for i, p in enumerate(prompts):
+            body = msgspec.msgpack.decode(encode_events(engine.serve(p), "map", "array3", ["uint", "int", "bytes"][i % 3], rng))
+            for _ in range(3):
+                body[1].insert(rng.randrange(len(body[1]) + 1), _garbage(rng))
+            pub.publish(msgspec.msgpack.encode(body))
+        await caught_up(sub, target, pub)
+        check_index(index, target, engine, prompts)
+        events = sub.health()[target].events
+        assert events.get("malformed", 0) + events.get("invalid", 0) + events.get("filtered", 0) > 0
+    finally:
+        await sub.stop()
+        pub.close()
