@@ -21,6 +21,7 @@ Fixed here: SGLang breaks ties by taking the first worker; every tie below is br
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from typing import Any
 
@@ -152,6 +153,13 @@ class CacheAware(Policy):
         max_tree_chars: int = 1 << 26,
         seed: int | None = None,
     ) -> None:
+        for name, value in (("cache_threshold", cache_threshold), ("balance_abs_threshold", balance_abs_threshold),
+                            ("balance_rel_threshold", balance_rel_threshold),
+                            ("eviction_interval_s", eviction_interval_s), ("max_tree_chars", max_tree_chars)):
+            # NaN passed every comparison below (never balance, never evict: the trees grew for
+            # good), and an infinite max_tree_chars raised OverflowError, not a parameter error
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:

@@ -124,3 +124,20 @@ def test_admin_add_with_a_bad_kv_events_endpoint_is_a_400(gateway: tuple) -> Non
     assert resp.status_code in (400, 422), resp.text
     assert "endpoint" in resp.text
     assert "x" not in {w["name"] for w in http.get("/workers", headers=ADMIN).json()["workers"]}
+
+
+@pytest.mark.parametrize(("param", "value"), [("eviction_interval_s", ".nan"), ("eviction_interval_s", ".inf"),
+                                              ("balance_abs_threshold", ".nan"), ("balance_rel_threshold", ".nan"),
+                                              ("max_tree_chars", ".inf")])
+def test_cache_aware_non_finite_params_are_config_errors(param: str, value: str, tmp_path: Path) -> None:
+    """NaN passed every range check (never balance, never evict: the prompt trees grew for good);
+    an infinite max_tree_chars raised OverflowError (a traceback in `mesh simulate --policy`)."""
+    path = tmp_path / "mesh.yaml"
+    path.write_text(f"policy: {{name: cache_aware, params: {{{param}: {value}}}}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{param} must be a finite number" in str(info.value)
+    trace = Path(__file__).resolve().parent.parent / "examples" / "traces" / "agent_sessions.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", str(trace), "--workers", "2", "--policy",
+                           str(path), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "finite" in proc.stderr
