@@ -264,11 +264,21 @@ class MeshConfig(_Model):
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
         seen: set[str] = set()
+        streams: dict[str, list[tuple[str, str]]] = {}  # PUB endpoint of a rank -> [(topic, worker)]
         for w in self.workers:
             if w.name in seen:
                 raise ValueError(f"duplicate worker name {w.name!r}")
             seen.add(w.name)
             check_worker_url(w.url, self.server)
+            for rank in range(w.dp_size if w.kv_events is not None else 0):
+                endpoint, topic = rank_endpoint(w.kv_events.endpoint, rank), w.kv_events.topic  # type: ignore[union-attr]
+                for other_topic, other in streams.setdefault(endpoint, []):
+                    # ZMQ topics filter by prefix: both workers would be credited with one engine's blocks
+                    if other != w.name and (topic.startswith(other_topic) or other_topic.startswith(topic)):
+                        raise ValueError(f"workers {other!r} and {w.name!r} subscribe to the same KV event stream "
+                                         f"{endpoint!r} (topics {other_topic!r} and {topic!r}, matched by prefix): "
+                                         "give each worker its own endpoint or topic")
+                streams[endpoint].append((topic, w.name))
         return self
 
     def build_policy(self) -> Any:
@@ -283,6 +293,16 @@ def build_policy(spec: Any) -> Any:
         return create_policy(spec)
     except Exception as exc:  # PluginError, or anything a third-party constructor raises
         raise ConfigError([f"policy: {exc}"]) from exc
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The PUB endpoint of data-parallel rank ``rank`` (``mesh.subscriber.offset_endpoint``'s rule)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 def normalize_url(url: str) -> str:

@@ -141,3 +141,34 @@ def test_cache_aware_non_finite_params_are_config_errors(param: str, value: str,
     proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", str(trace), "--workers", "2", "--policy",
                            str(path), "--quiet"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "finite" in proc.stderr
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ({"endpoint": "tcp://10.0.0.5:5557"}, {"endpoint": "tcp://10.0.0.5:5557"}),
+    ({"endpoint": "tcp://10.0.0.5:5557", "dp_size": 2}, {"endpoint": "tcp://10.0.0.5:5558"}),  # rank 1 = port + 1
+    ({"endpoint": "tcp://10.0.0.5:5557", "topic": "kv"}, {"endpoint": "tcp://10.0.0.5:5557", "topic": "kv-b"}),
+])
+def test_two_workers_on_one_kv_event_stream_is_a_config_error(a: dict, b: dict, tmp_path: Path) -> None:
+    """Was accepted: both workers' streams read the one engine's events, so the prefix index
+    credited the other worker with blocks it never held and routed for hits it did not have."""
+    def worker(name: str, port: int, kv: dict) -> dict:
+        dp = kv.pop("dp_size", 1)
+        return {"name": name, "url": f"http://10.0.0.5:{port}", "dp_size": dp, "kv_events": kv}
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump({"workers": [worker("a", 8000, dict(a)), worker("b", 8001, dict(b))]}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "workers 'a' and 'b' subscribe to the same KV event stream" in str(info.value)
+
+
+def test_kv_event_streams_apart_by_endpoint_or_topic_still_load(tmp_path: Path) -> None:
+    workers = [{"name": "a", "url": "http://10.0.0.5:8000", "dp_size": 2, "kv_events": {"endpoint": "tcp://10.0.0.5:5557"}},
+               {"name": "b", "url": "http://10.0.0.5:8001", "kv_events": {"endpoint": "tcp://10.0.0.5:5559"}},
+               {"name": "c", "url": "http://10.0.0.5:8002", "kv_events": {"endpoint": "tcp://10.0.0.5:5559", "topic": "c"}}]
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump({"workers": workers}))
+    with pytest.raises(ConfigError):  # b's empty topic matches every topic, c's too
+        load_config(path)
+    workers[1]["kv_events"]["topic"] = "b"
+    path.write_text(yaml.safe_dump({"workers": workers}))
+    assert [w.name for w in load_config(path).workers] == ["a", "b", "c"]
