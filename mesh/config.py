@@ -265,6 +265,7 @@ class MeshConfig(_Model):
     def _check(self) -> MeshConfig:
         seen: set[str] = set()
         streams: dict[str, list[tuple[str, str]]] = {}  # PUB endpoint of a rank -> [(topic, worker)]
+        replays: dict[str, str] = {}  # replay endpoint of a rank -> worker (a replay answers every topic)
         for w in self.workers:
             if w.name in seen:
                 raise ValueError(f"duplicate worker name {w.name!r}")
@@ -272,6 +273,12 @@ class MeshConfig(_Model):
             check_worker_url(w.url, self.server)
             for rank in range(w.dp_size if w.kv_events is not None else 0):
                 endpoint, topic = rank_endpoint(w.kv_events.endpoint, rank), w.kv_events.topic  # type: ignore[union-attr]
+                replay = w.kv_events.replay_endpoint  # type: ignore[union-attr]
+                if replay is not None:
+                    other = replays.setdefault(rank_endpoint(replay, rank), w.name)
+                    if other != w.name:  # one worker's replayed batches would be applied to the other
+                        raise ValueError(f"workers {other!r} and {w.name!r} share the KV event replay endpoint "
+                                         f"{rank_endpoint(replay, rank)!r}")
                 for other_topic, other in streams.setdefault(endpoint, []):
                     # ZMQ topics filter by prefix: both workers would be credited with one engine's blocks
                     if other != w.name and (topic.startswith(other_topic) or other_topic.startswith(topic)):

@@ -172,3 +172,16 @@ def test_kv_event_streams_apart_by_endpoint_or_topic_still_load(tmp_path: Path) 
     workers[1]["kv_events"]["topic"] = "b"
     path.write_text(yaml.safe_dump({"workers": workers}))
     assert [w.name for w in load_config(path).workers] == ["a", "b", "c"]
+
+
+def test_two_workers_sharing_a_replay_endpoint_is_a_config_error(tmp_path: Path) -> None:
+    """Was accepted: on connect and on every gap, one worker's replayed batches were applied to
+    the other's index entries."""
+    kv = {"replay_endpoint": "tcp://10.0.0.5:5600"}
+    workers = [{"name": "a", "url": "http://10.0.0.5:8000", "kv_events": {"endpoint": "tcp://10.0.0.5:5557", **kv}},
+               {"name": "b", "url": "http://10.0.0.5:8001", "kv_events": {"endpoint": "tcp://10.0.0.6:5557", **kv}}]
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump({"workers": workers}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "workers 'a' and 'b' share the KV event replay endpoint" in str(info.value)
