@@ -43,6 +43,10 @@ import xxhash
 START, DONE = 0, 1
 FORMATS = ("mooncake", "weka", "bailian", "mesh")
 DEFAULT_BLOCK = {"mooncake": 512, "weka": 64, "bailian": 16, "mesh": 16}
+# The largest time value a trace may hold (ms or s) and the largest time scale: beyond them sums
+# of arrivals and think times overflowed to inf and every latency in the report read "nan".
+MAX_TIME = 1e15
+MAX_TIME_SCALE = 1e6
 
 
 class TraceError(ValueError):
@@ -229,8 +233,8 @@ def _need_int(where: str, obj: dict[str, Any], key: str, lo: int = 0) -> int:
 
 def _need_num(where: str, obj: dict[str, Any], key: str, default: float | None = None) -> float:
     v = obj.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise TraceError(f"{where}: {key!r} must be a finite number >= 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_TIME:
+        raise TraceError(f"{where}: {key!r} must be a number in [0, {MAX_TIME:g}], got {v!r}")
     return float(v)
 
 
@@ -405,8 +409,8 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
             raise TraceError(f"{where}: 'in' must be >= 1 and 'out' >= 0 (got {req.in_}, {req.out})")
         # times count from the session's (or sub-agent's) start: a negative one made the first
         # request finish before time 0, which the engine took for "never finished"
-        if req.t < 0 or req.api_time < 0:
-            raise TraceError(f"{where}: 't' and 'api_time' must be >= 0 (got {req.t}, {req.api_time})")
+        if not (0 <= req.t <= MAX_TIME and 0 <= req.api_time <= MAX_TIME):
+            raise TraceError(f"{where}: 't' and 'api_time' must be in [0, {MAX_TIME:g}] (got {req.t}, {req.api_time})")
         ids = _ids_array(where, req.hash_ids)
         _check_chain(where, ids, req.in_, block)
         out.append(_Rec(sess, t_abs, [], req.in_, req.out, ids, where))
@@ -428,8 +432,8 @@ def _weka(path: Path, raw: bytes, block: int | None, warnings: list[str]) -> tup
         if isinstance(entry, _WSub):
             if prev is None:
                 raise TraceError(f"{where}: sub-agent {entry.agent_id!r} before any parent request")
-            if entry.t < 0 or (entry.duration_ms or 0.0) < 0:
-                raise TraceError(f"{where}: 't' and 'duration_ms' must be >= 0 (got {entry.t}, {entry.duration_ms})")
+            if not (0 <= entry.t <= MAX_TIME and 0 <= (entry.duration_ms or 0.0) <= MAX_TIME):
+                raise TraceError(f"{where}: 't' and 'duration_ms' must be in [0, {MAX_TIME:g}] (got {entry.t}, {entry.duration_ms})")
             start = entry.t - (entry.duration_ms or 0.0) / 1000.0
             sub_sess = f"{session}/{entry.agent_id or i}"
             sprev: int | None = None
@@ -485,8 +489,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
 
 def load_traces(paths: Iterable[str | os.PathLike[str]], options: LoadOptions = LoadOptions()) -> Trace:
     """Load and merge trace files (format detected per file) into one replayable ``Trace``."""
-    if options.time_scale <= 0 or not math.isfinite(options.time_scale):
-        raise TraceError(f"time scale must be a finite number > 0, got {options.time_scale}")
+    if not 0 < options.time_scale <= MAX_TIME_SCALE:  # (NaN fails it too)
+        raise TraceError(f"time scale must be a number in (0, {MAX_TIME_SCALE:g}], got {options.time_scale}")
     for name in ("block_size", "trace_block_size", "max_sessions", "max_requests"):
         v = getattr(options, name)
         if v is not None and v < 1:

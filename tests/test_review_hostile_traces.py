@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.traces import TraceError, load_traces
+from simulator.traces import LoadOptions, TraceError, load_traces
 
 DEEP = "[" * 100_000 + "]" * 100_000
 MOONCAKE = {"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]}
@@ -41,8 +41,15 @@ HOSTILE = {
     "negative_api_time.json": weka(req(5.0, api_time=-1.0), req(7.0)),
     "negative_subagent_duration.json": weka(req(1.0), {"type": "subagent", "t": 5.0, "duration_ms": -10.0,
                                                        "requests": [req(0.0)]}),
+    # giant times: arrivals plus think times overflowed to inf, and the report's latencies read
+    # "nan" (no error at all)
+    "giant_think.jsonl": json.dumps({"session": "a", "t": 1e308, "input_tokens": 32, "output_tokens": 3, "hash_ids": [1, 2]})
+    + "\n" + json.dumps({"session": "a", "think_s": 1e308, "input_tokens": 48, "output_tokens": 3, "hash_ids": [1, 2, 3]}) + "\n",
+    "giant_timestamp.jsonl": json.dumps({**MOONCAKE, "timestamp": 1e300}) + "\n",
+    "giant_weka_t.json": weka(req(1e300)),
 }
-WHAT = {"deep": "nested too deeply", "chat_id": "must be an integer or a string", "negative": "must be >= 0"}
+WHAT = {"deep": "nested too deeply", "chat_id": "must be an integer or a string", "negative": "in [0,",
+        "giant": "in [0, 1e+15]"}
 
 
 def _expected(name: str) -> str:
@@ -67,6 +74,15 @@ def test_simulate_cli_reports_a_hostile_trace_in_one_line(name: str, tmp_path: P
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "never finished" not in proc.stderr
     assert _expected(name) in proc.stderr
+
+
+def test_a_giant_time_scale_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({**MOONCAKE, "timestamp": 1e12}) + "\n")
+    with pytest.raises(TraceError) as info:
+        load_traces([path], LoadOptions(time_scale=1e300))  # 1e9 s * 1e300 = inf
+    assert "time scale" in str(info.value)
+    assert load_traces([path], LoadOptions(time_scale=1e6)).requests[0].arrival == 1e15
 
 
 def test_zero_times_are_still_fine(tmp_path: Path) -> None:
