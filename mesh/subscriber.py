@@ -127,6 +127,7 @@ class KvEventSubscriber:
         max_frame_bytes: int = 16 << 20,
         replay_timeout_s: float = 2.0,
         max_replay_batches: int = 200_000,
+        max_replay_bytes: int = 1 << 30,
         unhealthy_after_bad_frames: int = 8,
         stale_after_s: float | None = None,
         yield_every: int = 64,
@@ -140,6 +141,12 @@ class KvEventSubscriber:
         self.max_frame_bytes = max_frame_bytes
         self.replay_timeout_s = replay_timeout_s
         self.max_replay_batches = max_replay_batches
+        self.max_replay_bytes = max_replay_bytes
+        # A replayed frame this large is refused by ZMQ itself (it drops the replay connection: the
+        # replay fails, as an oversized batch would reset the stream): without it, a replay
+        # socket's 2 GB frame was received whole. Not on the SUB socket: after refusing a frame
+        # there, ZMQ did not reconnect (measured), so a giant live frame is still received whole.
+        self.max_message_bytes = max(4 * max_frame_bytes, 64 << 20)
         self.unhealthy_after_bad_frames = unhealthy_after_bad_frames
         self.stale_after_s = stale_after_s
         self.yield_every = max(1, yield_every)
@@ -386,11 +393,13 @@ class KvEventSubscriber:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         out: list[tuple[int, bytes]] = []
+        size = 0
         sock = stream.dealer
         try:
             if sock is None:
                 sock = stream.dealer = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
                 # inside the try: an endpoint ZMQ refuses is a failed replay (it raised out of the
                 # stream task, which ended: the worker's events were no longer read at all)
                 sock.connect(h.replay_endpoint)
@@ -411,8 +420,9 @@ class KvEventSubscriber:
                 if seq == _END_SEQ:
                     break
                 out.append((seq, payload))
-                if len(out) > self.max_replay_batches:
-                    raise OverflowError(f"replay longer than {self.max_replay_batches} batches")
+                size += len(payload)
+                if len(out) > self.max_replay_batches or size > self.max_replay_bytes:
+                    raise OverflowError(f"replay longer than {self.max_replay_batches} batches or {self.max_replay_bytes} bytes")
         except (TimeoutError, asyncio.TimeoutError, OverflowError, zmq.ZMQError) as exc:
             log.warning("kv events %s: replay from %d failed: %s", h.target, start, exc)
             h.bump(h.replays, "failed")

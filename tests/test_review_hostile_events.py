@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tracemalloc
 
 import msgspec
 
@@ -177,6 +178,56 @@ async def test_garbage_events_amid_valid_ones_leave_the_index_exactly_right() ->
         check_index(index, target, engine, prompts)
         events = sub.health()[target].events
         assert events.get("malformed", 0) + events.get("invalid", 0) + events.get("filtered", 0) > 0
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def test_a_giant_replayed_frame_is_refused_by_the_socket_not_received_whole() -> None:
+    """A replay socket's frame was received whole before its size was checked (a 2 GB one too).
+    The replay socket now refuses a frame over max(4 * max_frame_bytes, 64 MiB): that replay
+    fails (and the stream resets on the next gap, as an oversized batch would); live batches go on."""
+    rng = random.Random(12)
+    pub = Publisher()
+    pub.publish(b"\x90" * (65 << 20), live=False)  # allocated before tracing starts
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, max_frame_bytes=4096, replay_timeout_s=1.0)
+    tracemalloc.start()
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        h = sub.health()[target]
+        await wait_until(lambda: h.replays.get("failed", 0) >= 1 or h.replays.get("ok", 0) >= 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    try:
+        assert peak < 32 << 20, f"the giant replayed frame was received ({peak >> 20} MiB traced)"
+        assert h.replays == {"failed": 1} and h.running
+        engine = ToyEngine(rng)
+        prompt = sessions(rng, 1, 1)[0][0]
+        pub.publish(encode_events(engine.serve(prompt), "map", "array3", "uint", rng))
+        await nudge_until(pub, lambda: index.keys_of(target) == engine.expected_keys() and sub.healthy(target), rng)
+        check_index(index, target, engine, [prompt])
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def test_a_replay_over_its_byte_budget_fails_instead_of_growing() -> None:
+    """A replay was bounded in batches only (200,000, of any size)."""
+    rng = random.Random(13)
+    pub = Publisher()
+    for i in range(40):  # 40 batches of ~100 KiB, kept for replay only
+        evs = [_stored(i * 1000 + j, [1] * BS) for j in range(1500)]
+        pub.publish(msgspec.msgpack.encode([1e12 + i, evs, 0]), live=False)
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, max_replay_bytes=1 << 20, replay_timeout_s=5.0)
+    try:
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
+        h = sub.health()[target]
+        await wait_until(lambda: h.replays.get("failed", 0) >= 1)
+        assert h.batches == 0 and index.keys_of(target) == set()
+        await subscribed(sub, target, pub, rng)  # live batches still flow
     finally:
         await sub.stop()
         pub.close()
