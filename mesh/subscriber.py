@@ -370,7 +370,8 @@ class KvEventSubscriber:
             if last is not None and not _continues(frames, start, last, stream.digests):
                 # the buffer no longer reaches back, or another publisher incarnation answered
                 everything = await self._fetch_replay(stream, 0)
-                restarted = _restarted(frames, last, stream.digests) or _behind(everything or [], last)
+                restarted = _restarted(frames, last, stream.digests) or _behind(everything or [], last) \
+                    or _rewritten(everything or [], last, stream.digests)
                 self._reset(stream, "restart" if restarted else "gap_lost", forget_seq=True)
                 if everything is None:
                     return
@@ -597,6 +598,12 @@ def _continues(frames: list[tuple[int, bytes]], start: int, last: int, digests: 
 
 def _restarted(frames: list[tuple[int, bytes]], last: int, digests: dict[int, int]) -> bool:
     return any(seq <= last and digests.get(seq, -1) != _digest(p) for seq, p in frames[:1])
+
+
+def _rewritten(frames: list[tuple[int, bytes]], last: int, digests: dict[int, int]) -> bool:
+    """A whole replay buffer holding another payload at a seq already applied: a new incarnation
+    (it may have passed ``last`` between the two replay requests, so ``_behind`` cannot tell)."""
+    return any(seq <= last and seq in digests and digests[seq] != _digest(p) for seq, p in frames)
 
 
 def _behind(frames: list[tuple[int, bytes]], last: int) -> bool:
