@@ -317,14 +317,15 @@ def normalize_url(url: str) -> str:
     if not isinstance(url, str) or not url or any(c in url for c in "\r\n\t\0 "):
         raise ValueError("worker url must be a non-empty URL without whitespace or control characters")
     parsed = urllib.parse.urlsplit(url)
+    shown = redact_url(url)  # errors reach logs and admin clients: never with a password
     if not parsed.scheme or not parsed.hostname:
-        raise ValueError(f"worker url {url!r} needs a scheme and a host, e.g. http://10.0.0.5:8000")
+        raise ValueError(f"worker url {shown!r} needs a scheme and a host, e.g. http://10.0.0.5:8000")
     if parsed.query or parsed.fragment or parsed.username or parsed.password:
-        raise ValueError(f"worker url {url!r} must not carry credentials, a query or a fragment")
+        raise ValueError(f"worker url {shown!r} must not carry credentials, a query or a fragment")
     try:
         parsed.port  # noqa: B018  (raises on a bad port)
     except ValueError as exc:
-        raise ValueError(f"worker url {url!r}: {exc}") from exc
+        raise ValueError(f"worker url {shown!r}: {exc}") from exc
     return url.rstrip("/")
 
 

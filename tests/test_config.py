@@ -77,7 +77,7 @@ def test_full_file_is_parsed(tmp_path: Path) -> None:
         ("workers:\n  - {name: a, url: 'http://h:1', role: chef}\n", "workers[0].role: Input should be 'mixed', 'prefill' or 'decode'"),
         ("workers:\n  - {name: 'bad name', url: 'http://h:1'}\n", "workers[0].name: worker name must be"),
         ("workers:\n  - {name: a, url: 'h:1'}\n", "workers[0].url: worker url 'h:1' needs a scheme and a host"),
-        ("workers:\n  - {name: a, url: 'http://u:p@h:1'}\n", "workers[0].url: worker url 'http://u:p@h:1' must not carry credentials"),
+        ("workers:\n  - {name: a, url: 'http://u:p@h:1'}\n", "workers[0].url: worker url 'http://u:***@h:1' must not carry credentials"),
         ("workers:\n  - {name: a, url: 'ftp://h:1'}\n", "scheme 'ftp' not in allowed_schemes"),
         ("retries: {max_attempts: 0}\n", "retries.max_attempts: Input should be greater than or equal to 1"),
         ("frobnicate: 1\n", "frobnicate: Extra inputs are not permitted"),
