@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -264,28 +265,12 @@ class MeshConfig(_Model):
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
         seen: set[str] = set()
-        streams: dict[str, list[tuple[str, str]]] = {}  # PUB endpoint of a rank -> [(topic, worker)]
-        replays: dict[str, str] = {}  # replay endpoint of a rank -> worker (a replay answers every topic)
         for w in self.workers:
             if w.name in seen:
                 raise ValueError(f"duplicate worker name {w.name!r}")
             seen.add(w.name)
             check_worker_url(w.url, self.server)
-            for rank in range(w.dp_size if w.kv_events is not None else 0):
-                endpoint, topic = rank_endpoint(w.kv_events.endpoint, rank), w.kv_events.topic  # type: ignore[union-attr]
-                replay = w.kv_events.replay_endpoint  # type: ignore[union-attr]
-                if replay is not None:
-                    other = replays.setdefault(rank_endpoint(replay, rank), w.name)
-                    if other != w.name:  # one worker's replayed batches would be applied to the other
-                        raise ValueError(f"workers {other!r} and {w.name!r} share the KV event replay endpoint "
-                                         f"{rank_endpoint(replay, rank)!r}")
-                for other_topic, other in streams.setdefault(endpoint, []):
-                    # ZMQ topics filter by prefix: both workers would be credited with one engine's blocks
-                    if other != w.name and (topic.startswith(other_topic) or other_topic.startswith(topic)):
-                        raise ValueError(f"workers {other!r} and {w.name!r} subscribe to the same KV event stream "
-                                         f"{endpoint!r} (topics {other_topic!r} and {topic!r}, matched by prefix): "
-                                         "give each worker its own endpoint or topic")
-                streams[endpoint].append((topic, w.name))
+        check_event_streams(self.workers)
         return self
 
     def build_policy(self) -> Any:
@@ -327,6 +312,33 @@ def normalize_url(url: str) -> str:
     except ValueError as exc:
         raise ValueError(f"worker url {shown!r}: {exc}") from exc
     return url.rstrip("/")
+
+
+def check_event_streams(workers: Iterable[WorkerConfig]) -> None:
+    """Every worker reads its own KV event stream; raises ValueError when two would share one.
+
+    ZMQ topics filter by prefix, so two workers on one PUB endpoint (of some data-parallel rank)
+    with topics equal or one a prefix of the other would both be credited with one engine's
+    blocks; a replay endpoint answers every topic, so two workers may not share one either."""
+    streams: dict[str, list[tuple[str, str]]] = {}  # PUB endpoint of a rank -> [(topic, worker)]
+    replays: dict[str, str] = {}  # replay endpoint of a rank -> worker
+    for w in workers:
+        if w.kv_events is None:
+            continue
+        for rank in range(w.dp_size):
+            endpoint, topic = rank_endpoint(w.kv_events.endpoint, rank), w.kv_events.topic
+            replay = w.kv_events.replay_endpoint
+            if replay is not None:
+                other = replays.setdefault(rank_endpoint(replay, rank), w.name)
+                if other != w.name:
+                    raise ValueError(f"workers {other!r} and {w.name!r} share the KV event replay endpoint "
+                                     f"{rank_endpoint(replay, rank)!r}")
+            for other_topic, other in streams.setdefault(endpoint, []):
+                if other != w.name and (topic.startswith(other_topic) or other_topic.startswith(topic)):
+                    raise ValueError(f"workers {other!r} and {w.name!r} subscribe to the same KV event stream "
+                                     f"{endpoint!r} (topics {other_topic!r} and {topic!r}, matched by prefix): "
+                                     "give each worker its own endpoint or topic")
+            streams[endpoint].append((topic, w.name))
 
 
 def check_worker_url(url: str, server: ServerConfig) -> None:

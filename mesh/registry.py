@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, check_worker_url
+from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, check_event_streams, check_worker_url
 from mesh.metrics import Metrics
 from mesh.upstream import UpstreamPool
 from policies.base import TargetState, target_id
@@ -179,6 +179,7 @@ class WorkerRegistry:
             raise RegistryError(409, f"worker {cfg.name!r} already exists")
         try:
             check_worker_url(cfg.url, self.config.server)
+            check_event_streams([*(w.config for w in self.workers.values()), cfg])
         except ValueError as exc:
             raise RegistryError(400, str(exc)) from exc
         ids = [target_id(cfg.name, r, cfg.dp_size) for r in range(cfg.dp_size)]

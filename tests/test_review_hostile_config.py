@@ -185,3 +185,19 @@ def test_two_workers_sharing_a_replay_endpoint_is_a_config_error(tmp_path: Path)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "workers 'a' and 'b' share the KV event replay endpoint" in str(info.value)
+
+
+def test_admin_add_of_a_worker_on_another_workers_event_stream_is_a_400(gateway: tuple) -> None:
+    """The config check covers the file; the admin API adds workers one by one and must refuse
+    the same overlap (a second worker on the first's KV event stream)."""
+    http, _, _ = gateway
+    first = {"name": "ev-a", "url": "http://127.0.0.1:9", "kv_events": {"endpoint": "tcp://127.0.0.1:5999"}}
+    second = {"name": "ev-b", "url": "http://127.0.0.1:10", "kv_events": {"endpoint": "tcp://127.0.0.1:5999"}}
+    try:
+        assert http.post("/workers", json=first, headers=ADMIN).status_code == 201
+        resp = http.post("/workers", json=second, headers=ADMIN)
+        assert resp.status_code == 400 and "same KV event stream" in resp.json()["error"]["message"], resp.text
+        names = {w["name"] for w in http.get("/workers", headers=ADMIN).json()["workers"]}
+        assert "ev-a" in names and "ev-b" not in names
+    finally:
+        http.delete("/workers/ev-a", headers=ADMIN)
