@@ -171,7 +171,7 @@ class KvIngest:
             log.info("kv events of target %s not trusted for now (routing falls back to load)", target)
 
     def _on_reset(self, target: str, reason: str) -> None:
-        log.info("prefix index of target %s reset (%s)", target, reason)
+        log.debug("prefix index of target %s reset (%s)", target, reason)  # the subscriber logs it (rate-limited)
 
     @staticmethod
     def _set_index_health(worker: Worker, healthy: bool) -> None:

@@ -54,6 +54,34 @@ from policies.base import Tier, target_id
 
 log = logging.getLogger(__name__)
 
+
+class LogLimiter:
+    """At most ``burst`` log lines per key (a stream and a kind of trouble) per ``window_s``.
+
+    A publisher that sends garbage or restarts in a loop would otherwise write a line per frame:
+    the counters on ``/metrics`` count every occurrence; the log keeps a few lines and, when the
+    window turns over, one line saying how many were left out."""
+
+    def __init__(self, burst: int = 5, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self._windows: dict[tuple[str, str], list[float]] = {}  # key -> [window start, lines, left out]
+
+    def log(self, level: int, key: tuple[str, str], msg: str, *args: object) -> None:
+        now = self.clock()
+        w = self._windows.get(key)
+        if w is None or now - w[0] >= self.window_s:
+            if w is not None and w[2]:
+                log.log(level, "kv events %s: %d more %r lines left out in the last %.0f s", key[0], int(w[2]),
+                        key[1], now - w[0])
+            if len(self._windows) > 4096:  # bounded: keys come from config, but never trust that
+                self._windows.clear()
+            w = self._windows[key] = [now, 0, 0]
+        if w[1] < self.burst:
+            w[1] += 1
+            log.log(level, msg, *args)
+        else:
+            w[2] += 1
+
 _TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}
 _END_SEQ = -1
 _SLICE_BYTES = 256 << 10  # a slice of frames also ends after this much payload (~0.1 s of events)
@@ -155,6 +183,7 @@ class KvEventSubscriber:
         self.on_health = on_health
         self.on_reset = on_reset
         self.clock = clock
+        self._logs = LogLimiter(clock=clock)
         self._ctx = zmq.asyncio.Context()
         self._streams: dict[str, _Stream] = {}  # target -> stream
         self._by_worker: dict[str, list[str]] = {}
@@ -425,7 +454,8 @@ class KvEventSubscriber:
                 if len(out) > self.max_replay_batches or size > self.max_replay_bytes:
                     raise OverflowError(f"replay longer than {self.max_replay_batches} batches or {self.max_replay_bytes} bytes")
         except (TimeoutError, asyncio.TimeoutError, OverflowError, zmq.ZMQError) as exc:
-            log.warning("kv events %s: replay from %d failed: %s", h.target, start, exc)
+            self._logs.log(logging.WARNING, (h.target, "replay failed"), "kv events %s: replay from %d failed: %s",
+                           h.target, start, exc)
             h.bump(h.replays, "failed")
             if sock is not None:
                 sock.close(linger=0)  # late replies must not mix into the next replay
@@ -448,7 +478,8 @@ class KvEventSubscriber:
         batch = decode_batch(payload)
         if isinstance(batch, DecodeError):
             h.decode_errors += 1
-            log.warning("kv events %s: seq %d undecodable: %s", h.target, seq, batch.reason)
+            self._logs.log(logging.WARNING, (h.target, "undecodable"), "kv events %s: seq %d undecodable: %s",
+                           h.target, seq, batch.reason)
             self._bad(stream)
             self._reset(stream, "undecodable")
             return
@@ -519,7 +550,7 @@ class KvEventSubscriber:
     def _reset(self, stream: _Stream, reason: str, *, forget_seq: bool = False) -> None:
         h = stream.health
         h.bump(h.resets, reason)
-        log.warning("kv events %s: reset (%s)", h.target, reason)
+        self._logs.log(logging.WARNING, (h.target, "reset"), "kv events %s: reset (%s)", h.target, reason)
         self.index.clear_target(h.target)
         if self.on_reset is not None:
             self.on_reset(h.target, reason)

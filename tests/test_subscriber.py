@@ -8,6 +8,7 @@ ROUTER replay socket answering ``[b"", start]`` in either reply layout, every pa
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -592,3 +593,20 @@ def test_rank_endpoints_follow_vllms_port_offset() -> None:
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
     with pytest.raises(ValueError):
         WorkerEvents("w", "tcp://h:1", dp_size=0)
+
+
+def test_log_limiter_keeps_a_few_lines_per_window_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    from mesh.subscriber import LogLimiter
+
+    now = [0.0]
+    limiter = LogLimiter(burst=3, window_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="mesh.subscriber"):
+        for i in range(50):  # a publisher sending garbage: one line per frame without the limit
+            limiter.log(logging.WARNING, ("w0", "undecodable"), "kv events %s: seq %d undecodable", "w0", i)
+        limiter.log(logging.WARNING, ("w1", "undecodable"), "kv events %s: seq %d undecodable", "w1", 0)
+        assert len(caplog.records) == 4  # three of w0's, one of w1's: keys are limited apart
+        now[0] = 61.0
+        limiter.log(logging.WARNING, ("w0", "undecodable"), "kv events %s: seq %d undecodable", "w0", 50)
+    lines = [r.getMessage() for r in caplog.records]
+    assert "kv events w0: 47 more 'undecodable' lines left out in the last 61 s" in lines
+    assert lines[-1] == "kv events w0: seq 50 undecodable"
