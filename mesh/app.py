@@ -94,6 +94,8 @@ class Gateway:
         self.router.speculative_ttl_s = new.index.speculative_ttl_s
         if self.sessions is not None and hasattr(self.sessions, "idle_ttl_s"):
             self.sessions.idle_ttl_s = new.sessions.idle_ttl_s
+        if self.sessions is not None and hasattr(self.sessions, "resize"):
+            self.sessions.resize(new.sessions.max_sessions)
         self.registry.reconfigure(new)
         self.config = new
         self.metrics.config_reloads_total.labels("ok").inc()
@@ -115,8 +117,8 @@ class _Housekeeper:
         for t in worker.targets:
             if index is not None and hasattr(index, "clear_target"):
                 index.clear_target(t.id)
-            if sessions is not None and hasattr(sessions, "unbind_target"):
-                sessions.unbind_target(t.id)
+        if sessions is not None and hasattr(sessions, "unbind_targets"):
+            sessions.unbind_targets(t.id for t in worker.targets)  # one pass for all its ranks
 
 
 class MeshApp(FastAPI):
@@ -453,6 +455,7 @@ def _session_state(gateway: Gateway, session_id: str | None, now: float) -> dict
         "enabled": True,
         "bound_target": bound,
         "idle_ttl_s": getattr(sessions, "idle_ttl_s", None),
+        "max_sessions": getattr(sessions, "max_sessions", None),
         "live_sessions": len(sessions) if hasattr(sessions, "__len__") else None,
     }
 

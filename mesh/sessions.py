@@ -19,7 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import math
 from typing import Any, Protocol
@@ -134,11 +134,30 @@ class SessionTable:
         return True
 
     def unbind_target(self, target: str) -> int:
-        """Drop every binding of a removed target. O(bindings): an admin event, not a hot path."""
-        doomed = [sid for sid, b in self._bindings.items() if b[0] == target]
+        return self.unbind_targets((target,))
+
+    def unbind_targets(self, targets: Iterable[str]) -> int:
+        """Drop every binding of removed targets (a worker's ranks) in one pass over the bindings:
+        O(bindings), an admin event, not a hot path."""
+        gone = frozenset(targets)
+        if not gone.intersection(self._counts):
+            return 0
+        doomed = [sid for sid, b in self._bindings.items() if b[0] in gone]
         for sid in doomed:
             self.unbind(sid)
         return len(doomed)
+
+    def resize(self, max_sessions: int) -> int:
+        """A new ``max_sessions`` (config reload): evicts least recently used bindings down to it;
+        returns how many."""
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an integer >= 1, got {max_sessions!r}")
+        self.max_sessions = max_sessions
+        n = 0
+        while len(self._bindings) > max_sessions:
+            self._evict_lru()
+            n += 1
+        return n
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -335,6 +335,11 @@ def test_reload_endpoint_and_sighup(cluster: Cluster) -> None:
         assert policy() == "power_of_two"
         assert set(cluster.workers()) >= set(WORKERS)  # static workers kept
 
+        cluster.config.write_text(original + "sessions: {max_sessions: 7}\n")  # the table follows a reload
+        assert cluster.http.post("/admin/reload", headers=ADMIN).status_code == 200
+        route = cluster.http.post("/debug/route", json=CHAT, headers={"x-session-id": "r"}).json()
+        assert route["session"]["max_sessions"] == 7
+
         cluster.config.write_text(original)
         cluster.gateway.popen.send_signal(signal.SIGHUP)
         wait_until(lambda: policy() == "round_robin", what="SIGHUP reload")

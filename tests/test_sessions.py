@@ -109,6 +109,28 @@ def test_unbind_target_drops_all_its_sessions() -> None:
     assert table.stats()["per_target"] == {"b": 5}
 
 
+def test_unbind_targets_drops_a_workers_ranks_in_one_call() -> None:
+    table = SessionTable(idle_ttl_s=10, max_sessions=100)
+    for i in range(9):
+        table.bind(f"s{i}", ("w@0", "w@1", "v")[i % 3], float(i))
+    assert table.unbind_targets(["w@0", "w@1"]) == 6
+    assert len(table) == 3 and table.stats()["per_target"] == {"v": 3}
+    assert table.unbind_targets(["gone"]) == 0
+
+
+def test_resize_evicts_the_least_recently_used_down_to_the_new_limit() -> None:
+    table = SessionTable(idle_ttl_s=100, max_sessions=10)
+    for i in range(8):
+        table.bind(f"s{i}", "a", float(i))
+    table.bind("s0", "a", 9.0)  # s0 used last: it survives
+    assert table.resize(3) == 5
+    assert len(table) == 3 and table.max_sessions == 3
+    assert {s for s in (f"s{i}" for i in range(8)) if table.bound_target(s, 9.5)} == {"s0", "s6", "s7"}
+    assert table.stats()["evicted"] == 5 and table.live_sessions("a") == 3
+    table.bind("new", "a", 10.0)  # the new limit holds
+    assert len(table) == 3
+
+
 def test_memory_stays_bounded_under_a_million_one_shot_sessions() -> None:
     cap = 10_000
     table = SessionTable(idle_ttl_s=1e9, max_sessions=cap)  # nothing idles out: only the cap bounds it
