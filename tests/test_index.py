@@ -113,10 +113,13 @@ class Oracle:
         return out
 
 
-def consistent_with_holdings(index: PrefixIndex, keys: list[int]) -> dict[str, Overlap]:
-    """The match a brute force would give from the index's own ``holds``."""
+def consistent_with_holdings(
+    index: PrefixIndex, keys: list[int], targets: list[str] = TARGETS
+) -> dict[str, Overlap]:
+    """The match a brute force would give from the index's own ``holds`` (shared with
+    tests/test_index_bulk.py)."""
     out = {}
-    for t in TARGETS:
+    for t in targets:
         total = gpu = 0
         for k in keys:
             tier = index.holds(t, k)
@@ -297,18 +300,7 @@ def test_budget_eviction_leaves_no_orphan_claim() -> None:
     index.store("b", [1, 2, 3, 4, 5, 6, 7])
     assert len(index) <= 5
     got = index.match([1, 2, 3, 4, 5, 6, 7])
-    assert got == consistent_with_holdings_for(index, [1, 2, 3, 4, 5, 6, 7], ["a", "b"])
-
-
-def consistent_with_holdings_for(index: PrefixIndex, keys: list[int], targets: list[str]) -> dict:
-    out = {}
-    for t in targets:
-        n = 0
-        while n < len(keys) and index.holds(t, keys[n]) is not None:
-            n += 1
-        if n:
-            out[t] = Overlap(n, 0)
-    return out
+    assert got == consistent_with_holdings(index, [1, 2, 3, 4, 5, 6, 7], ["a", "b"])
 
 
 # ------------------------------------------------------------------------ clear_target

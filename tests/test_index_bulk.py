@@ -12,7 +12,8 @@ import pytest
 import mesh.index
 from mesh.index import PrefixIndex
 from mesh.keys import block_keys, namespace_seed
-from policies.base import Overlap, Tier
+from policies.base import Tier
+from tests.test_index import consistent_with_holdings
 
 TARGETS = ["a", "b", "c", "d"]
 
@@ -168,18 +169,7 @@ def test_bulk_paths_under_a_budget_stay_consistent_with_holdings(seed: int) -> N
         assert len(index) <= 25
     for k in keys:
         p = path(parent, k)
-        want = {}
-        for t in TARGETS:
-            gpu = total = 0
-            for key in p:
-                tier = index.holds(t, key)
-                if tier is None:
-                    break
-                gpu += gpu == total and tier is Tier.GPU
-                total += 1
-            if total:
-                want[t] = Overlap(gpu, total - gpu)
-        assert dict(index.match(p)) == want
+        assert dict(index.match(p)) == consistent_with_holdings(index, p, TARGETS)
     assert index.bulk["drop"] > 0
 
 

@@ -33,18 +33,10 @@ from mesh.state_redis import RedisStateBackend
 from policies.base import RequestInfo, TargetState
 from policies.basic import LeastLoad
 from tests.procs import ProcessGroup, free_port
-from tests.test_state_redis import RedisServer, wait_until
+from tests.test_state_redis import RedisServer, server, wait_until  # noqa: F401 (server: the redis-server fixture)
 
 TARGETS = ("w0", "w1")
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello shared load"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def server(module_procs: ProcessGroup) -> Iterator[RedisServer]:
-    srv = RedisServer(module_procs)
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 # -- unit: two replicas in one process --
