@@ -29,11 +29,21 @@ SHARED_TRACES = next(
 PYTHON = sys.executable
 
 
+_HANDED_OUT: set[int] = set()  # never the same port twice in one test run
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it; races are rare on loopback)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port that was free a moment ago (the OS picks it) and that this test run has not handed
+    out before: processes started back to back before any binds must not be given the same one
+    (two echo workers on one port answered for each other)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 100 tries")
 
 
 @dataclass

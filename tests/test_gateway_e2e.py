@@ -77,6 +77,9 @@ def start_echo_workers(procs: ProcessGroup, specs: dict[str, list[str]]) -> dict
         started[name] = procs.start(cmd, name=name, port=port)
     for proc in started.values():
         wait_http(proc.url + "/health", proc=proc, timeout_s=60)
+    for name, proc in started.items():  # each port is answered by the worker started for it
+        owner = httpx.get(proc.url + "/v1/models", timeout=10).json()["data"][0]["owned_by"]
+        assert owner == name, f"{proc.url} is served by {owner}, not {name}"
     return started
 
 
