@@ -85,7 +85,7 @@ class Gateway:
         if self.config_path is None:
             raise MeshError(400, "this gateway was started without a config file", code="no_config_file")
         try:
-            new = load_config(self.config_path)
+            new = load_config(self.config_path, allow_empty=False)
             policy = new.build_policy()
         except ConfigError as exc:
             self.metrics.config_reloads_total.labels("error").inc()

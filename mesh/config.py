@@ -384,8 +384,10 @@ def parse_config(data: Any, source: str | None = None, *, check_policy: bool = T
     return config
 
 
-def load_config(path: str | Path | None = None) -> MeshConfig:
-    """Read and validate one YAML file; ``None`` returns the embedded defaults."""
+def load_config(path: str | Path | None = None, *, allow_empty: bool = True) -> MeshConfig:
+    """Read and validate one YAML file; ``None`` returns the embedded defaults. A reload passes
+    ``allow_empty=False``: an empty file there is a write in progress or a truncated file, and
+    taking it for "all defaults" would drop every worker and the admin key."""
     if path is None:
         return MeshConfig()
     source = str(path)
@@ -403,6 +405,8 @@ def load_config(path: str | Path | None = None) -> MeshConfig:
         raise ConfigError([f"invalid YAML: {exc}"], source) from exc
     except RecursionError as exc:  # the parser recurses once per nesting level
         raise ConfigError([f"invalid YAML: nested more than the parser can follow ({exc})"], source) from exc
+    if data is None and not allow_empty:
+        raise ConfigError(["the file is empty (being written?): write the new config to another file and rename it over this one"], source)
     return parse_config(data, source)
 
 

@@ -92,14 +92,35 @@ def test_reload_and_sighup_with_hostile_files_keep_the_running_config(gateway: t
         resp = http.post("/admin/reload", headers=ADMIN)
         assert resp.status_code == 400, (name, resp.status_code, resp.text[:300])
         assert resp.json()["error"]["code"] == "invalid_config" and len(resp.text) < 2000
-    config.write_text(HOSTILE["deep_nesting"])
-    proc.popen.send_signal(signal.SIGHUP)  # type: ignore[attr-defined]
-    config.write_text(HOSTILE["alias_bomb_params"])
-    proc.popen.send_signal(signal.SIGHUP)  # type: ignore[attr-defined]
-    assert wait_until(lambda: http.get("/health").status_code == 200, what="gateway up after SIGHUPs")
+    # A SIGHUP is handled later, on the gateway's loop: each one is awaited (its log line) before
+    # the file changes again, and files are replaced whole, as an operator should.
+    for count, name in enumerate(["deep_nesting", "alias_bomb_params"], start=1):
+        _replace_file(config, HOSTILE[name])
+        proc.popen.send_signal(signal.SIGHUP)  # type: ignore[attr-defined]
+        wait_until(lambda: proc.log_path.read_text().count("SIGHUP reload failed") >= count,  # type: ignore[attr-defined]
+                   what=f"SIGHUP {count} handled")
+    assert http.get("/health").status_code == 200
     assert proc.alive()  # type: ignore[attr-defined]
-    config.write_text(original.replace("round_robin", "power_of_two"))
+    _replace_file(config, original.replace("round_robin", "power_of_two"))
     assert _reload_policy(http) == "power_of_two"  # reload still works after the hostile ones
+
+
+def test_a_reload_of_an_empty_file_keeps_the_running_config(gateway: tuple) -> None:
+    """An empty file (an editor's truncate-then-write caught halfway) was taken for "all
+    defaults": the reload dropped every worker and the admin key, locking the admin API."""
+    http, config, _ = gateway
+    original = config.read_text()
+    config.write_text("")
+    resp = http.post("/admin/reload", headers=ADMIN)
+    assert resp.status_code == 400 and "empty" in resp.json()["error"]["message"]
+    _replace_file(config, original.replace("round_robin", "power_of_two"))
+    assert _reload_policy(http) == "power_of_two"
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://10.0.0.5", "tcp:/10.0.0.5:5557", "tcp://*:5557", "udp://10.0.0.5:5557",
