@@ -12,6 +12,7 @@ and writes a timing profile for ``mesh simulate --profile``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from policies.registry import PluginError
-    from simulator.engine import SimConfig, SimulationError, Simulator
+    from simulator.engine import SimConfig, SimulationError, check_config
     from simulator.profile import ProfileError, load_profile
     from simulator.report import render_table, summarize, write_html, write_json
     from simulator.traces import LoadOptions, TraceError, load_traces
@@ -135,21 +136,23 @@ def run_simulate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     started = time.perf_counter()
     try:
-        if args.workers < 1:
-            raise SimulationError(f"--workers must be >= 1, got {args.workers}")
         policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
         labels = _unique([label for label, _ in policies])
         overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
         profile = load_profile(args.profile, **overrides)
+        config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
+                           prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
+                           speculative_ttl_s=args.speculative_ttl)
+        check_config(config)  # every flag is checked before the (possibly long) trace load and run
+        for flag, path in (("json", args.json_out), ("html", args.html_out)):
+            if path:
+                check_report_path(flag, path)
         trace = load_traces(args.traces, LoadOptions(
             block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
             max_sessions=args.max_sessions, max_requests=args.max_requests,
         ))
         for w in trace.warnings:
             console.print(f"[yellow]warning:[/] {w}")
-        config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
-                           prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
-                           speculative_ttl_s=args.speculative_ttl)
         results = {}
         for label, (_, spec) in zip(labels, policies):
             results[label] = _run_one(trace, spec, config, label, console, args.quiet)
@@ -188,6 +191,24 @@ def run_simulate(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("simulate", f"cannot write report: {exc}")
     return 0
+
+
+def check_report_path(flag: str, path: str) -> None:
+    """Raise ``SimulationError`` unless a report could be written to ``path`` (checked before the run,
+    which can take hours: a typo'd path used to fail only after it). Creates nothing."""
+    from simulator.engine import SimulationError
+
+    target = Path(path)
+    parent = target.parent
+    why = None
+    if target.is_dir():
+        why = "it is a directory"
+    elif not parent.is_dir():
+        why = f"no such directory {str(parent)!r}"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        why = "permission denied"
+    if why is not None:
+        raise SimulationError(f"cannot write {flag} report to {path}: {why}")
 
 
 def _unique(labels: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,25 @@ _STEP, _RELEASE, _TRANSFER, _WAKE = 0, 1, 2, 3
 
 class SimulationError(RuntimeError):
     """A simulation that cannot run as configured (message says why)."""
+
+
+# Each worker model costs ~5 KB before the first request: 100,000 is ~0.5 GB and seconds; a typo'd
+# 100,000,000 ran for minutes and tens of GB before failing (or the machine did).
+MAX_WORKERS = 100_000
+
+
+def check_config(config: SimConfig) -> None:
+    """Raise ``SimulationError`` (one line, named after the CLI flag) for a config that cannot run."""
+    if not 1 <= config.workers <= MAX_WORKERS:
+        raise SimulationError(f"--workers must be >= 1 and <= {MAX_WORKERS}, got {config.workers}")
+    if config.prefill_workers < 0:
+        raise SimulationError(f"--prefill-workers must be >= 0, got {config.prefill_workers}")
+    if config.prefill_workers >= config.workers or (config.prefill_workers and config.workers < 2):
+        raise SimulationError("--prefill-workers must leave at least one decode worker")
+    if not (math.isfinite(config.session_ttl_s) and config.session_ttl_s > 0):
+        raise SimulationError(f"--session-ttl must be a finite number > 0, got {config.session_ttl_s}")
+    if not (math.isfinite(config.speculative_ttl_s) and config.speculative_ttl_s >= 0):
+        raise SimulationError(f"--speculative-ttl must be a finite number >= 0, got {config.speculative_ttl_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +120,7 @@ class Simulator:
         progress: Callable[[int], None] | None = None,
         recorder: Any | None = None,
     ) -> None:
-        if config.workers < 1:
-            raise SimulationError(f"--workers must be >= 1, got {config.workers}")
-        if not 0 <= config.prefill_workers < config.workers or (config.prefill_workers and config.workers < 2):
-            raise SimulationError("--prefill-workers must leave at least one decode worker")
+        check_config(config)
         self.trace = trace
         self.config = config
         self.profile = config.profile

@@ -1,0 +1,72 @@
+"""Hostile `mesh simulate` command lines: odd numeric flags and report paths that cannot be
+written. Each must be one error line (exit 2, no traceback), found before the simulation runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "examples" / "traces" / "agent_sessions.jsonl"
+
+
+def simulate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mesh", "simulate", str(TRACE), "--quiet", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], message: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # a traceback (ValueError from the session table)
+    (["--session-ttl", "0"], "--session-ttl must be a finite number > 0"),
+    (["--session-ttl", "-1"], "--session-ttl must be a finite number > 0"),
+    (["--session-ttl", "nan"], "--session-ttl must be a finite number > 0"),
+    # accepted silently (a negative or NaN TTL)
+    (["--speculative-ttl", "-1"], "--speculative-ttl must be a finite number >= 0"),
+    (["--speculative-ttl", "nan"], "--speculative-ttl must be a finite number >= 0"),
+    (["--speculative-ttl", "inf"], "--speculative-ttl must be a finite number >= 0"),
+    # built 100 million worker models: minutes of work and tens of GB before any output
+    (["--workers", "100000000"], "--workers must be >= 1 and <= 100000"),
+    # said "must leave at least one decode worker"
+    (["--prefill-workers", "-1"], "--prefill-workers must be >= 0"),
+])
+def test_odd_numeric_flags_are_one_line_errors(args: list[str], message: str) -> None:
+    assert_one_line_error(simulate(*args, timeout=30), message)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--html"])
+@pytest.mark.parametrize("where", ["directory", "missing_parent", "parent_is_file"])
+def test_an_unwritable_report_path_fails_before_simulating(flag: str, where: str, tmp_path: Path) -> None:
+    # The report used to be written after the whole run: a typo'd path threw away hours of simulation.
+    (tmp_path / "file").write_text("x")
+    path = {"directory": tmp_path, "missing_parent": tmp_path / "nope" / "r.out",
+            "parent_is_file": tmp_path / "file" / "r.out"}[where]
+    proc = simulate(flag, str(path), "--policy", "round_robin", "--max-requests", "1")
+    assert_one_line_error(proc, f"cannot write {flag[2:]} report to {path}")
+    assert "simulating" not in proc.stderr
+
+
+def test_the_report_check_leaves_no_file_behind_on_a_later_error(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = simulate("--json", str(out), "--policy", "no_such_policy")
+    assert_one_line_error(proc, "unknown policy 'no_such_policy'")
+    assert not out.exists()
+
+
+def test_duplicate_policies_and_a_one_request_run_still_work(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = simulate("--json", str(out), "--policy", "round_robin", "--policy", "round_robin", "--max-requests", "1")
+    assert proc.returncode == 0, proc.stderr
+    import json
+    report = json.loads(out.read_text())
+    assert sorted(report["policies"]) == ["round_robin", "round_robin#2"]
+    assert report["trace"]["requests"] == 1
