@@ -327,6 +327,8 @@ class PrefixIndex:
         slot = self._slot_of(target)
         if emap is None:
             emap = self._emap[target] = {}
+        elif not emap.keys().isdisjoint(engine_hashes):
+            self._forget_renamed(target, emap, engine_hashes, keys)
         ids = self._id
         joined = keys[0] in ids  # e.g. a shared system prompt: the map shares the index's key objects
         if not joined and not self._orphans:  # the usual agentic turn: a new chain (see _store_chain)
@@ -348,6 +350,18 @@ class PrefixIndex:
         emap.update(zip(engine_hashes, keys))
         self._after_store()
         return n
+
+    def _forget_renamed(
+        self, target: str, emap: dict[int, int], engine_hashes: Sequence[int], keys: Sequence[int]
+    ) -> None:
+        """An engine hash names one block of its engine: stored again for other content (an engine
+        restarted with another hash seed and no reset, a colliding or careless publisher), the
+        block it named is gone from that engine. Its old key is removed for ``target`` on every
+        tier, as a BlockRemoved would (else the target kept claiming it for good). A hash
+        stored again for the same key is a duplicate and changes nothing."""
+        renamed = [h for h, key in zip(engine_hashes, keys) if emap.get(h, key) != key]
+        if renamed:
+            self.apply_removed(target, renamed, None)
 
     def apply_removed(
         self, target: str, engine_hashes: Sequence[int], tier: Tier | None = Tier.GPU

@@ -428,6 +428,23 @@ def test_unknown_parent_is_skipped_and_bad_token_counts_raise() -> None:
         index.apply_stored("a", [5], None, [1, 2, 3, 2**32], 4, 0)
 
 
+def test_an_engine_hash_stored_again_for_other_content_drops_the_block_it_named() -> None:
+    """Was: the target kept claiming the old block for good (no event could remove it)."""
+    index = PrefixIndex()
+    ns = namespace_seed("m")
+    old_tokens, new_tokens = list(range(32)), list(range(100, 132))
+    index.apply_stored("a", [1, 2], None, old_tokens, 16, ns)
+    index.apply_stored("b", [7, 8], None, old_tokens, 16, ns)
+    index.apply_stored("a", [1, 2], None, new_tokens, 16, ns)  # same hashes, other content
+    assert index.match(block_keys(old_tokens, 16, ns)) == {"b": Overlap(2, 0)}
+    assert index.match(block_keys(new_tokens, 16, ns)) == {"a": Overlap(2, 0)}
+    index.apply_stored("a", [1, 2], None, new_tokens, 16, ns)  # a duplicate changes nothing
+    assert index.match(block_keys(new_tokens, 16, ns)) == {"a": Overlap(2, 0)}
+    assert index.apply_removed("a", [2, 1], None) == 2
+    assert index.match(block_keys(new_tokens, 16, ns)) == {}
+    assert index.engine_map("a") == {}
+
+
 def test_chained_keys_from_an_engine_parent_continue_the_router_chain() -> None:
     index = PrefixIndex()
     ns = namespace_seed("m")
