@@ -23,8 +23,11 @@ the index may then miss blocks the worker holds, but never claims blocks the wor
 Ownership: the subscriber runs on the gateway's event loop and is the only writer of the index
 for its targets' engine events (the router writes speculative entries on the same loop, so no
 lock is needed). Frames are decoded and applied in bounded slices (``yield_every`` frames or
-``_SLICE_BYTES`` of payload) so that a flooding publisher cannot starve the loop (one frame is
-never split: a frame of ``max_frame_bytes`` of tiny events still holds the loop for seconds).
+``_SLICE_BYTES`` of payload) so that a flooding publisher cannot starve the loop, and one frame is
+sliced too (``_apply_frame``: ``_SLICE_EVENT_BYTES`` of events, ``_SLICE_BLOCKS`` blocks of one
+event), its events applied in order before the next frame is read. A frame over
+``max_frame_bytes`` (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and about
+5 s of work on one core, in slices) is counted, logged and treated as lost: the target is reset.
 Health per stream is exported as ``mesh_kv_events_*`` metrics on the ``CollectorRegistry`` passed
 in, and as ``healthy(target)``, which the gateway copies into ``TargetState.index_healthy``.
 """
@@ -49,7 +52,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mesh.index import PrefixIndex
 from mesh.keys import namespace_seed
-from mesh.kv_events import AllBlocksCleared, Batch, BlockStored, DecodeError, GroupFilter, decode_batch
+from mesh.kv_events import (AllBlocksCleared, Batch, BlockStored, DecodeError, Event, GroupFilter, decode_events,
+                            decode_lazy)
 from policies.base import Tier, target_id
 
 log = logging.getLogger(__name__)
@@ -85,6 +89,12 @@ class LogLimiter:
 _TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}
 _END_SEQ = -1
 _SLICE_BYTES = 256 << 10  # a slice of frames also ends after this much payload (~0.1 s of events)
+# Within one frame: a slice ends after this much event msgpack (~10 ms to decode and apply here)
+# or this many blocks of one event. An event is decoded whole: the one stall left is the msgspec
+# decode of the largest event (~40 ns a token: 0.2 s for one 16 MiB event of 5M tokens); a thread
+# would not help, msgspec holds the GIL for the whole call (measured: the loop stalls as long).
+_SLICE_EVENT_BYTES = 64 << 10
+_SLICE_BLOCKS = 1024
 _MAX_SEEDS = 4096  # cached (model, LoRA) seeds; LoRA names come from the publisher, unbounded in number
 _digest = xxhash.xxh3_64_intdigest
 
@@ -347,7 +357,7 @@ class KvEventSubscriber:
             if seq > 0 and h.replay_endpoint:
                 await self._recover(stream, "restart")
         if h.last_seq is None or seq > h.last_seq:
-            self._apply_frame(stream, seq, payload)
+            await self._apply_frame(stream, seq, payload)
         elif stream.digests.get(seq) == _digest(payload):
             h.duplicates += 1  # the replay already carried it
 
@@ -365,8 +375,8 @@ class KvEventSubscriber:
                 h.duplicates += 1
                 return False
             return True
-        batch = decode_batch(payload)
-        if isinstance(batch, Batch) and batch.ts > stream.last_ts:
+        batch = decode_lazy(payload)  # the envelope only: its ts
+        if not isinstance(batch, DecodeError) and batch.ts > stream.last_ts:
             return True
         h.stale += 1
         return False
@@ -408,7 +418,7 @@ class KvEventSubscriber:
             n = size = 0
             for seq, payload in frames:
                 if h.last_seq is None or seq > h.last_seq:
-                    self._apply_frame(stream, seq, payload)
+                    await self._apply_frame(stream, seq, payload)
                 n += 1
                 size += len(payload)
                 if n >= self.yield_every or size >= _SLICE_BYTES:
@@ -466,16 +476,24 @@ class KvEventSubscriber:
         return out
 
     # ------------------------------------------------------------------ applying
-    def _apply_frame(self, stream: _Stream, seq: int, payload: bytes) -> None:
+    async def _apply_frame(self, stream: _Stream, seq: int, payload: bytes) -> None:
+        """Apply one frame, in slices: the envelope is decoded at once (one pass over the bytes,
+        no event objects), then events are decoded and applied in order, yielding to the loop
+        after every ``_SLICE_EVENT_BYTES`` of events and every ``_SLICE_BLOCKS`` blocks of one
+        event. The stream task awaits this, so the next frame is never applied before this one
+        is done; ``last_seq`` moves first, so a cancelled frame is never applied twice."""
         h = stream.health
         h.last_seq = seq
         stream.remember(seq, payload, self.digest_window)
         if len(payload) > self.max_frame_bytes:
             h.bump(h.dropped, "oversized")
+            self._logs.log(logging.WARNING, (h.target, "oversized"),
+                           "kv events %s: seq %d is %d bytes, over max_frame_bytes %d: dropped as lost",
+                           h.target, seq, len(payload), self.max_frame_bytes)
             self._bad(stream)
             self._reset(stream, "oversized")  # its events are lost: stop claiming anything
             return
-        batch = decode_batch(payload)
+        batch = decode_lazy(payload)
         if isinstance(batch, DecodeError):
             h.decode_errors += 1
             self._logs.log(logging.WARNING, (h.target, "undecodable"), "kv events %s: seq %d undecodable: %s",
@@ -483,58 +501,89 @@ class KvEventSubscriber:
             self._bad(stream)
             self._reset(stream, "undecodable")
             return
-        h.batches += 1
         h.last_event_at = self.clock()
         if batch.ts > stream.last_ts:
             stream.last_ts = batch.ts
         if h.bad_streak:
             h.bad_streak = 0
             self._notify(stream)
-        self._apply_batch(stream, batch)
+        if batch.data_parallel_rank is not None and batch.data_parallel_rank != h.rank and stream.spec.dp_size > 1:
+            h.bump(h.events, "rank_mismatch")
+        size = 0
+        part = Batch(batch.ts, [], batch.data_parallel_rank)
+        for raw in batch.raw_events:
+            part.events.clear()
+            decode_events((raw,), part)
+            for ev in part.events:
+                for _ in self._apply_event(stream, ev):
+                    await asyncio.sleep(0)  # between slices of one huge event
+            size += len(raw)
+            if size >= _SLICE_EVENT_BYTES:
+                size = 0
+                await asyncio.sleep(0)
+        if part.unknown:
+            h.bump(h.events, "unknown", part.unknown)
+        if part.malformed:
+            h.bump(h.events, "malformed", part.malformed)
+        h.batches += 1  # counted once whole: a frame in progress is not an applied batch
 
-    def _apply_batch(self, stream: _Stream, batch: Batch) -> None:
+    def _apply_event(self, stream: _Stream, ev: Event) -> Iterator[None]:
+        """Apply one event; yields between slices of ``_SLICE_BLOCKS`` blocks (a long event is
+        applied as consecutive stores of its chained parts, which is the same chain)."""
         h = stream.health
         spec = stream.spec
         target = h.target
-        if batch.unknown:
-            h.bump(h.events, "unknown", batch.unknown)
-        if batch.malformed:
-            h.bump(h.events, "malformed", batch.malformed)
-        if batch.data_parallel_rank is not None and batch.data_parallel_rank != h.rank and spec.dp_size > 1:
-            h.bump(h.events, "rank_mismatch")
         index = self.index
-        for ev in batch.events:
-            if type(ev) is BlockStored:
-                tier = _TIERS.get(ev.medium)
-                if tier is None or not stream.filter.accept_stored(ev):
-                    h.bump(h.events, "filtered")
-                    continue
-                bs = ev.block_size or spec.block_size or 0
-                if bs <= 0 or (spec.block_size is not None and bs != spec.block_size):
-                    h.bump(h.events, "block_size_mismatch")
-                    continue
+        if type(ev) is BlockStored:
+            tier = _TIERS.get(ev.medium)
+            if tier is None or not stream.filter.accept_stored(ev):
+                h.bump(h.events, "filtered")
+                return
+            bs = ev.block_size or spec.block_size or 0
+            if bs <= 0 or (spec.block_size is not None and bs != spec.block_size):
+                h.bump(h.events, "block_size_mismatch")
+                return
+            hashes, tokens = ev.block_hashes, ev.token_ids
+            if tokens and len(tokens) != len(hashes) * bs:
+                h.bump(h.events, "invalid")  # checked whole: a part must not be applied alone
+                return
+            seed = self._seed(spec.model, ev.lora_name, ev.cache_salt)
+            parent, done, invalid = ev.parent_block_hash, 0, False
+            for a in range(0, len(hashes), _SLICE_BLOCKS):
+                if a:
+                    yield
+                b = min(len(hashes), a + _SLICE_BLOCKS)
                 try:
-                    n = index.apply_stored(target, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                           bs, self._seed(spec.model, ev.lora_name, ev.cache_salt), tier)
-                except ValueError:
-                    h.bump(h.events, "invalid")
-                    continue
-                h.bump(h.events, "stored")
-                h.bump(h.blocks, "stored", n)
-                if n < len(ev.block_hashes):
-                    h.bump(h.blocks, "skipped", len(ev.block_hashes) - n)
-            elif type(ev) is AllBlocksCleared:
-                index.apply_cleared(target)
-                stream.filter = GroupFilter()
-                h.bump(h.events, "cleared")
-            else:  # BlockRemoved
-                tier = _TIERS.get(ev.medium)
-                if tier is None or not stream.filter.accept_removed(ev):
-                    h.bump(h.events, "filtered")
-                    continue
-                n = index.apply_removed(target, ev.block_hashes, tier)
-                h.bump(h.events, "removed")
-                h.bump(h.blocks, "removed", n)
+                    done += index.apply_stored(target, hashes[a:b] if a or b < len(hashes) else hashes,
+                                               parent if not a else hashes[a - 1],
+                                               tokens[a * bs : b * bs] if tokens and (a or b < len(hashes)) else tokens,
+                                               bs, seed, tier)
+                except ValueError:  # a bad token id: the rest of the chain cannot be keyed either
+                    invalid = True
+                    break
+            if invalid and not done:
+                h.bump(h.events, "invalid")
+                return
+            h.bump(h.events, "invalid" if invalid else "stored")
+            h.bump(h.blocks, "stored", done)
+            if done < len(hashes):
+                h.bump(h.blocks, "skipped", len(hashes) - done)
+        elif type(ev) is AllBlocksCleared:
+            index.apply_cleared(target)
+            stream.filter = GroupFilter()
+            h.bump(h.events, "cleared")
+        else:  # BlockRemoved
+            tier = _TIERS.get(ev.medium)
+            if tier is None or not stream.filter.accept_removed(ev):
+                h.bump(h.events, "filtered")
+                return
+            hashes = ev.block_hashes
+            for a in range(0, len(hashes), _SLICE_BLOCKS):
+                if a:
+                    yield
+                part = hashes if len(hashes) <= _SLICE_BLOCKS else hashes[a : a + _SLICE_BLOCKS]
+                h.bump(h.blocks, "removed", index.apply_removed(target, part, tier))
+            h.bump(h.events, "removed")
 
     def _seed(self, model: str, lora: str | None, salt: str | None = None) -> int:
         if salt:  # one per tenant, unbounded in number: computed, never cached
