@@ -381,6 +381,7 @@ class PrefixIndex:
         live = self._live
         ids, par, kid, free = self._id, self._par, self._kid, self._free
         g, c, s = self._g, self._c, self._s
+        budget = self.max_keys
         done = 0
         for h in engine_hashes:  # in eviction order: engines free a chain's tail first
             key = emap.get(h)
@@ -399,6 +400,10 @@ class PrefixIndex:
                         kid[p] = 0
                         if not ((g[p] | c[p] | s[p]) & live):
                             self._maybe_delete(p)  # a placeholder left without children
+                        elif budget:  # the parent became a leaf: it inherits the recency (as in remove)
+                            stamp_a = self._stamp
+                            stamp_a[p] = max(stamp_a[p], stamp_a[n])
+                            heappush(self._lru, (stamp_a[p], p))
                     else:
                         self._del_kid(p, n)
                 elif p == EMPTY:

@@ -445,6 +445,19 @@ def test_an_engine_hash_stored_again_for_other_content_drops_the_block_it_named(
     assert index.engine_map("a") == {}
 
 
+def test_budget_after_engine_removals_evicts_the_cold_leftover_not_the_newest_chain() -> None:
+    """An engine's BlockRemoved left the parent a leaf without an LRU entry: the next eviction
+    took the newest chain's last block and kept the cold leftover."""
+    ns = namespace_seed("m")
+    index = PrefixIndex(max_keys=10)
+    cold, hot = list(range(40)), list(range(1000, 1040))
+    index.apply_stored("w", list(range(1, 11)), None, cold, 4, ns)
+    index.apply_removed("w", list(range(10, 1, -1)))  # leaf first: block 1 is left
+    index.apply_stored("w", list(range(101, 111)), None, hot, 4, ns)  # 11 keys: one must go
+    assert index.match(block_keys(cold, 4, ns)) == {}
+    assert index.match(block_keys(hot, 4, ns)) == {"w": Overlap(10, 0)}
+
+
 def test_chained_keys_from_an_engine_parent_continue_the_router_chain() -> None:
     index = PrefixIndex()
     ns = namespace_seed("m")
