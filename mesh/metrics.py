@@ -33,6 +33,20 @@ class _FnCollector(Collector):
         return []
 
 
+def _policy_fallbacks() -> list[Metric]:
+    """``mesh_policy_fallbacks_total{reason}``: decisions a built-in made for a misbehaving plugin
+    (``policies.guard``; process-wide, reasons a fixed set)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from policies.guard import FALLBACKS
+
+    fam = CounterMetricFamily("mesh_policy_fallbacks", "Routing decisions or hooks of a policy plugin that raised or "
+                              "chose no available candidate; a built-in policy answered", labels=["reason"])
+    for reason, n in FALLBACKS.items():
+        fam.add_metric([reason], n)
+    return [fam]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -73,6 +87,7 @@ class Metrics:
             "mesh_prefix_reported_tokens_total", "Cached prompt tokens the workers reported, by target", ["target"]
         )
         self._children: dict[tuple[str, int], Counter] = {}
+        self.add_collector(_policy_fallbacks)
 
     # -- registration helpers for other modules --
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:

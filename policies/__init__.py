@@ -30,5 +30,13 @@ __all__ = [
 
 
 def create_policy(spec, **context):  # type: ignore[no-untyped-def]
-    """Build a routing policy from its YAML spec (see ``policies.registry``)."""
-    return create("policy", spec, **context)
+    """Build a routing policy from its YAML spec (see ``policies.registry``); a spec that names a
+    plugin anywhere is wrapped in ``policies.guard.GuardedPolicy`` (falls back on a plugin's bug)."""
+    from policies.guard import GuardedPolicy, names_a_plugin
+    from policies.registry import KINDS, names
+
+    policy = create("policy", spec, **context)
+    builtin = {name for kind in KINDS for name in names(kind)}
+    if not names_a_plugin(spec, builtin):
+        return policy
+    return GuardedPolicy(policy, create("policy", "least_load", **context))

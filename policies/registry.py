@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 KINDS = ("policy", "filter", "scorer", "picker")
 ENTRY_POINT_GROUP = "mesh.policies"
+_KIND_METHODS = {"policy": "decide", "filter": "filter", "scorer": "score", "picker": "pick"}
 
 _REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
 T = TypeVar("T", bound=type)
@@ -65,6 +66,12 @@ def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
     cls = resolve(kind, name)
     if kind == "policy" and not callable(getattr(cls, "decide", None)):
         raise PluginError(f"policy {name!r} has no decide(request, cluster) method")
+    # Checked on the class, BEFORE it is called: ``module:Class`` can name any importable class,
+    # and calling one with YAML params is running code (``subprocess:Popen`` as a scorer ran a
+    # command at ``mesh config validate``). Only a class with its kind's method is ever built.
+    method = _KIND_METHODS[kind]
+    if kind != "policy" and not callable(getattr(cls, method, None)):
+        raise PluginError(f"{kind} {name!r} has no {method}() method (subclass policies.pipeline.{kind.title()})")
     sig = inspect.signature(cls)
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     extra = {k: v for k, v in context.items() if accepts_any or k in sig.parameters}

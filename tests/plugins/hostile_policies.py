@@ -1,0 +1,54 @@
+"""Policy plugins that misbehave at routing time, for tests/test_review_hostile_policies.py.
+
+``Misbehaving`` reads what to do from the prompt (``mode:NAME``), so one gateway serves every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import ClusterView, Decision, Policy, RequestInfo
+
+
+class Misbehaving(Policy):
+    name = "misbehaving"
+
+    def __init__(self, good: str = "e0", other: str = "e1") -> None:
+        self.good = good
+        self.other = other
+
+    def _mode(self, request: RequestInfo) -> str:
+        for word in request.text.split():
+            if word.startswith("mode:"):
+                return word[5:]
+        return "good"
+
+    def decide(self, request: RequestInfo, cluster: ClusterView) -> Any:
+        mode = self._mode(request)
+        if mode == "raise":
+            raise RuntimeError("plugin bug")
+        if mode == "none":
+            return None
+        if mode == "string":
+            return self.good
+        if mode == "foreign":
+            return Decision("no-such-worker", "made up")
+        if mode == "unavailable":  # a real target that does not serve the request's model
+            return Decision(self.other, "wrong model")
+        return Decision(self.good, "fine")
+
+    def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
+        if self._mode(request) == "hook":
+            raise RuntimeError("plugin hook bug")
+
+    def on_finished(self, request: RequestInfo, target: str, now: float) -> None:
+        if self._mode(request) == "hook":
+            raise RuntimeError("plugin hook bug")
+
+
+class NotAPolicy:
+    """A class without decide()."""
+
+
+def not_a_class() -> None:
+    return None
