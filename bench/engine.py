@@ -227,17 +227,6 @@ def bench_prefill(engine: LLMEngine, ceil: dict[str, float], lens: list[int], de
     return rows
 
 
-def prefetch_spec(text: str) -> dict[str, Any] | None:
-    """``off`` or ``mode[:distance[:ctas[:kv]]]`` (workers.prefetch.PrefetchConfig) -> its fields."""
-    if text == "off":
-        return None
-    keys = ("mode", "distance", "ctas", "kv")
-    parts = text.split(":")
-    if len(parts) > len(keys):
-        raise ValueError(f"--l2-prefetch {text!r}: at most mode:distance:ctas:kv")
-    return {k: (int(v) if k in ("distance", "ctas") else v) for k, v in zip(keys, parts)}
-
-
 # ---- driver -----------------------------------------------------------------------------------------
 
 
@@ -255,19 +244,15 @@ def run_preset(name: str, args: argparse.Namespace, ceil: dict[str, float], dead
         device=args.device, attention_backend="triton" if args.device == "cuda" else "torch",
         num_kv_blocks=blocks, max_num_seqs=max(batches),
         max_num_batched_tokens=args.chunk, max_model_len=max(lens) + 64, cuda_graphs=True, seed=0,
-        extra={"l2_prefetch": prefetch_spec(args.l2_prefetch)},
     )
     print(f"{name}: {cfg.num_params() / 1e9:.2f}B params, {blocks} KV blocks", flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, config)
     init_s = time.perf_counter() - t0
-    pf = engine.runner.prefetcher
-    print(f"  init {init_s:.1f} s ({len(engine.runner.graphs)} decode graphs; L2 prefetch "
-          f"{'off' if pf is None else pf.cfg})", flush=True)
+    print(f"  init {init_s:.1f} s ({len(engine.runner.graphs)} decode graphs)", flush=True)
     out: dict[str, Any] = {"params": cfg.num_params(), "num_kv_blocks": blocks, "init_s": init_s,
                            "chunk": args.chunk, "decode_context": args.context}
     out["async_decode"] = engine.async_decode
-    out["l2_prefetch"] = None if pf is None else repr(pf.cfg)
     out["decode"], out["decode_profile"] = bench_decode(engine, ceil, batches, args.context, args.steps, args.warmup)
     if long_batches:  # agentic sessions decode over 4k-32k contexts: the K/V share of the bytes grows
         print(f"  decode at {args.long_context}-token contexts", flush=True)
@@ -352,9 +337,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size (default 32)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (prefill chunk; default 16384)")
-    ap.add_argument("--l2-prefetch", default="off",
-                    help="L2 prefetch branches in the decode graphs (workers/prefetch.py): off, or "
-                         "mode[:distance[:ctas[:kv]]], e.g. line_el:2:16:down")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip prefill lengths past this")
     args = ap.parse_args()
     gpu_defaults = {"presets": "qwen2-0.5b,llama3-8b", "batches": BATCHES, "prompt_lens": PROMPT_LENS,

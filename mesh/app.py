@@ -113,12 +113,18 @@ class _Housekeeper:
         return None
 
     def on_worker_removed(self, worker: Worker) -> None:
+        self.on_workers_removed([worker])
+
+    def on_workers_removed(self, workers: list[Worker]) -> None:
+        """Several workers removed as one change (a reload): one pass over the session table
+        for all their targets, not one per worker."""
         index, sessions = self.gateway.index, self.gateway.sessions
-        for t in worker.targets:
-            if index is not None and hasattr(index, "clear_target"):
-                index.clear_target(t.id)
+        tids = [t.id for w in workers for t in w.targets]
+        if index is not None and hasattr(index, "clear_target"):
+            for tid in tids:
+                index.clear_target(tid)
         if sessions is not None and hasattr(sessions, "unbind_targets"):
-            sessions.unbind_targets(t.id for t in worker.targets)  # one pass for all its ranks
+            sessions.unbind_targets(tids)
 
 
 class MeshApp(FastAPI):

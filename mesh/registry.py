@@ -41,6 +41,10 @@ class RegistryError(ValueError):
 
 
 class RegistryListener(Protocol):
+    """A listener may also define ``on_workers_removed(workers: list[Worker])``: it then hears a
+    removal of several workers at once (``remove_many``, a reload) as one call, instead of one
+    ``on_worker_removed`` per worker."""
+
     def on_worker_added(self, worker: Worker) -> None: ...
 
     def on_worker_removed(self, worker: Worker) -> None: ...
@@ -212,17 +216,31 @@ class WorkerRegistry:
         return worker
 
     def remove(self, name: str) -> Worker:
-        worker = self.get(name)
-        del self.workers[name]
-        for t in worker.targets:
-            # In-flight leases keep their TargetState object and release it normally.
-            self.targets.pop(t.id, None)
-            self._by_target.pop(t.id, None)
+        return self.remove_many([name])[0]
+
+    def remove_many(self, names: Iterable[str]) -> list[Worker]:
+        """Remove several workers as one change: listeners with ``on_workers_removed`` hear it
+        once (one pass over the session table for all of them), the others once per worker.
+        Raises (404) before removing any when a name is unknown."""
+        workers = [self.get(name) for name in dict.fromkeys(names)]
+        for worker in workers:
+            del self.workers[worker.name]
+            for t in worker.targets:
+                # In-flight leases keep their TargetState object and release it normally.
+                self.targets.pop(t.id, None)
+                self._by_target.pop(t.id, None)
+        if not workers:
+            return workers
         self.version += 1
         self.admission_limited = any(t.max_in_flight for t in self.targets.values())
         for listener in self._listeners:
-            listener.on_worker_removed(worker)
-        return worker
+            bulk = getattr(listener, "on_workers_removed", None)
+            if bulk is not None:
+                bulk(workers)
+            else:
+                for worker in workers:
+                    listener.on_worker_removed(worker)
+        return workers
 
     def get(self, name: str) -> Worker:
         worker = self.workers.get(name)
@@ -245,9 +263,10 @@ class WorkerRegistry:
         for worker in self.workers.values():
             worker.breaker.config = config.circuit_breaker
         wanted = {w.name: w for w in config.workers}
-        for name, worker in list(self.workers.items()):
-            if worker.source == "config" and (name not in wanted or wanted[name] != worker.config):
-                self.remove(name)
+        # one removal event for all of them (a reload removing 100 workers scanned the session
+        # table 100 times)
+        self.remove_many(name for name, worker in self.workers.items()
+                         if worker.source == "config" and (name not in wanted or wanted[name] != worker.config))
         for name, cfg in wanted.items():
             if name not in self.workers:
                 self.add(cfg, source="config")

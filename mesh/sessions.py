@@ -68,6 +68,7 @@ class SessionTable:
         self.expired = 0
         self.evicted = 0
         self.unbound = 0
+        self.scans = 0  # passes over every binding (``unbind_targets``): one per removal event
 
     # -- reads (policies) --
     def bound_target(self, session_id: str, now: float) -> str | None:
@@ -137,15 +138,33 @@ class SessionTable:
         return self.unbind_targets((target,))
 
     def unbind_targets(self, targets: Iterable[str]) -> int:
-        """Drop every binding of removed targets (a worker's ranks) in one pass over the bindings:
-        O(bindings), an admin event, not a hot path."""
+        """Drop every binding of removed targets (a worker's ranks, or every worker a reload
+        removed) in one pass over the bindings: O(bindings), an admin event, not a hot path.
+        Callers gather all the targets of one change into one call (``scans`` counts passes)."""
         gone = frozenset(targets)
         if not gone.intersection(self._counts):
             return 0
+        self.scans += 1
         doomed = [sid for sid, b in self._bindings.items() if b[0] in gone]
-        for sid in doomed:
-            self.unbind(sid)
+        if len(doomed) * 8 >= len(self._bindings) and type(self).unbind is SessionTable.unbind:
+            self._unbind_bulk(doomed, gone)  # a large share: rebuild the order once
+        else:
+            for sid in doomed:
+                self.unbind(sid)
         return len(doomed)
+
+    def _unbind_bulk(self, doomed: list[str], gone: frozenset[str]) -> None:
+        """``unbind`` of each of ``doomed`` (every binding of ``gone``), with ``_order`` rebuilt
+        from the survivors (already sorted: no sort, no per-entry search)."""
+        bindings = self._bindings
+        for sid in doomed:
+            del bindings[sid]
+        self._order = SortedList(e for e in self._order if e[2] in bindings)
+        self.unbound += len(doomed)
+        for target in gone.intersection(self._counts):
+            del self._counts[target]
+            if self.count_listener is not None:
+                self.count_listener(target, 0)
 
     def resize(self, max_sessions: int) -> int:
         """A new ``max_sessions`` (config reload): evicts least recently used bindings down to it;

@@ -25,7 +25,6 @@ from workers.attention.base import AttentionBackend, get_backend
 from workers.config import EngineConfig, ModelConfig
 from workers.layers import AttentionMetadata
 from workers.model import DTYPES, CausalLM, build_model
-from workers.prefetch import L2Prefetcher, PrefetchConfig, layer_weight_bytes, worth_it
 from workers.sampler import Sampler
 from workers.scheduler import ScheduledBatch
 from workers.sequence import Sequence
@@ -92,7 +91,6 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._g_sizes: list[int] = []
         self.num_graph_replays = 0
-        self.prefetcher: L2Prefetcher | None = None  # L2 prefetch branches in the decode graphs
         if self._use_graphs():
             self._capture_graphs()
 
@@ -247,10 +245,7 @@ class ModelRunner:
         # on the device of the first capture, and capturing on it would switch a second engine's
         # launches to that device (Triton then loads its kernels mid-capture: not permitted).
         capture_stream = torch.cuda.Stream(device=dev)
-        prefetcher = self._make_prefetcher()
         try:
-            if prefetcher is not None:
-                prefetcher.armed = True  # its hooks fork prefetch branches into warm-up and capture
             for b in reversed(sizes):  # largest first: smaller graphs reuse its pool
                 meta = AttentionMetadata(self._g_slots[:b], 0, decode_block_tables=self._g_tables[:b],
                                          decode_context_lens=self._g_ctx[:b])
@@ -270,26 +265,6 @@ class ModelRunner:
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", exc, exc_info=True)
             self.graphs.clear()
             self._g_logits.clear()
-        finally:
-            if prefetcher is not None:  # the captured branches stay in the graphs; eager runs are untouched
-                prefetcher.armed = False
-                prefetcher.remove()
-                self.prefetcher = prefetcher if self.graphs else None
-
-    def _make_prefetcher(self) -> L2Prefetcher | None:
-        """``config.extra["l2_prefetch"]``: falsy = off, True = the default ``PrefetchConfig``, a dict =
-        its fields. Installed only for models whose layer fits the L2 (``prefetch.worth_it``)."""
-        spec = self.config.extra.get("l2_prefetch")
-        if not spec:
-            return None
-        cfg = PrefetchConfig(**spec) if isinstance(spec, dict) else PrefetchConfig()
-        if not worth_it(layer_weight_bytes(self.model)):
-            return None
-        try:
-            return L2Prefetcher(self.model, self.kv_caches, cfg)
-        except RuntimeError as exc:  # no Triton
-            log.warning("L2 prefetch off: %s", exc)
-            return None
 
     def launch_decode(self, seqs: list[Sequence], prev: DecodeLaunch | None = None) -> DecodeLaunch:
         """Enqueue one graph decode step of ``seqs`` and its sampling; no host sync.
