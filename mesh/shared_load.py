@@ -65,6 +65,7 @@ class SharedLoad:
         self.key = self.key_of(self.replica_id)
         self.applied: dict[str, tuple[TargetState, Load]] = {}  # target -> (state it is on, remote part)
         self.peers = 0  # other replicas seen in the last good round
+        self.bad_peers = 0  # members of the replica set whose key was not a hash in the last round
         self.rounds = 0
         self.failed_rounds = 0
 
@@ -114,7 +115,10 @@ class SharedLoad:
         async with redis.pipeline(transaction=False) as pipe:
             for m in peers:
                 pipe.hgetall(self.key_of(m))
-            hashes = await pipe.execute()
+            # One peer key holding another type (WRONGTYPE) is skipped, not the whole round's error.
+            answers = await pipe.execute(raise_on_error=False)
+        hashes = [h for h in answers if isinstance(h, dict)]
+        self.bad_peers = len(answers) - len(hashes)
         self.peers = sum(1 for h in hashes if h)
         return sum_loads(hashes)
 
@@ -166,7 +170,8 @@ class SharedLoad:
         await self.backend._call("load", op, None, backoff=False)
 
     def stats(self) -> dict[str, Any]:
-        return {"replica": self.replica_id, "peers": self.peers, "rounds": self.rounds, "failed_rounds": self.failed_rounds,
+        return {"replica": self.replica_id, "peers": self.peers, "bad_peers": self.bad_peers, "rounds": self.rounds,
+                "failed_rounds": self.failed_rounds,
                 "remote": {tid: dict(zip(LOAD_FIELDS, load)) for tid, (_, load) in self.applied.items()}}
 
 

@@ -10,7 +10,8 @@ Three parts here, one job each (plus ``mesh.shared_load`` for load):
   never raises: every Redis error or timeout is counted (``on_error(op)``, the gateway's
   ``mesh_state_backend_errors_total{op}``) and answers "no shared binding". After an error it
   skips Redis for ``retry_after_s``, so a black-holed server costs one ``timeout_s``, not one per
-  request.
+  request; except after a command error the server answered (``ResponseError``: WRONGTYPE on
+  another app's key under our prefix): that fails the one call, and the others go on.
 - ``SharedSessionTable`` is the local ``SessionTable`` that policies read (they never do I/O),
   plus: ``mirror`` copies the shared binding into it before a decision, and ``bind`` (the
   ``Router``'s commit) queues the binding for the write-behind flusher.
@@ -50,6 +51,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 from mesh.config import redact_url
 from mesh.sessions import SessionTable
@@ -164,11 +166,23 @@ class RedisStateBackend:
             raise
         except Exception as exc:  # RedisError, TimeoutError, OSError: all mean "go local"
             self.errors[op] += 1
-            self._down_until = time.monotonic() + self.retry_after_s
+            if isinstance(exc, ResponseError):
+                # The server answered: this command failed (WRONGTYPE: another app's data under our
+                # prefix), not Redis. No back-off, or one bad key stops every other call too.
+                self._log_data_error(op, exc)
+            else:
+                self._down_until = time.monotonic() + self.retry_after_s
+                log.debug("state backend %s failed: %r", op, exc)
             if self.on_error is not None:
                 self.on_error(op)
-            log.debug("state backend %s failed: %r", op, exc)
             return default
+
+    def _log_data_error(self, op: str, exc: Exception) -> None:
+        """A warning for the 1st, 2nd, 4th, ... command error of each op (bounded log volume)."""
+        n = self.errors[op]
+        if n & (n - 1) == 0:
+            log.warning("state backend %s: Redis refused a command (%d so far): %s; another app's keys under "
+                        "key_prefix %r?", op, n, str(exc)[:200], self.key_prefix)
 
 
 class SharedSessionTable(SessionTable):

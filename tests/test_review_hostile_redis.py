@@ -1,0 +1,101 @@
+"""Shared state in a Redis that holds someone else's data, against a real redis-server and a real
+gateway (``state.backend: redis``): a key under the gateway's prefix of the wrong type (another app
+sharing the prefix), or a peer entry whose load hash is not a hash, must cost that one part of the
+sharing (counted), not all of it: session bindings keep being shared and the other peers' load
+keeps being read."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import xxhash
+import yaml
+
+from tests.procs import ProcessGroup, free_port, wait_until
+from tests.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
+
+PREFIX = "hx:"
+CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello hostile redis"}], "max_tokens": 2}
+
+
+def session_key(session: str) -> str:
+    return PREFIX + "s:" + xxhash.xxh3_128_hexdigest(session.encode())
+
+
+def metric(http: httpx.Client, name: str, labels: str = "") -> float:
+    text = http.get("/metrics").text
+    found = re.findall(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@pytest.fixture(scope="module")
+def gateway(module_procs: ProcessGroup, server: RedisServer) -> Iterator[tuple[httpx.Client, RedisServer]]:  # noqa: F811
+    workers = {n: module_procs.echo_worker(n).url for n in ("e0", "e1")}
+    data = {
+        "workers": [{"name": n, "url": u} for n, u in workers.items()],
+        "health": {"interval_s": 0.3, "timeout_s": 1, "unhealthy_threshold": 1},
+        "sessions": {"idle_ttl_s": 30},
+        "policy": {"name": "session_sticky", "params": {"inner": "round_robin"}},
+        "state": {"backend": "redis", "url": server.url, "key_prefix": PREFIX, "timeout_s": 0.5, "load_sync_s": 0.1},
+    }
+    path = module_procs.log_dir / "hostile-redis.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = module_procs.gateway(path, port=free_port(), name="gateway-hostile-redis")
+    with httpx.Client(base_url=proc.url, timeout=30) as http:
+        wait_until(lambda: http.get("/health").json()["healthy_workers"] == 2, what="workers healthy")
+        yield http, server
+
+
+def chat(http: httpx.Client, session: str) -> str:
+    resp = http.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": session})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-mesh-worker"]
+
+
+def test_a_wrong_type_load_key_does_not_stop_session_sharing(gateway: tuple) -> None:
+    # Another app's string where the replica set lives: every load round failed and put the whole
+    # backend in back-off, so session bindings were (almost) never written to Redis any more.
+    http, srv = gateway
+    with srv.client() as c:
+        c.set(PREFIX + "load:replicas", "another app's string")
+    try:
+        wait_until(lambda: metric(http, "mesh_state_backend_errors_total", '{op="load"}') >= 3,
+                   what="load rounds failing on the wrong-type key")
+        for i in range(4):
+            worker = chat(http, f"wrongtype-{i}")
+            with srv.client() as c:
+                wait_until(lambda i=i, worker=worker: c.get(session_key(f"wrongtype-{i}")) == worker, timeout_s=3,
+                           what=f"binding wrongtype-{i} shared while load sync fails")
+        assert metric(http, "mesh_state_backend_errors_total", '{op="set"}') == 0
+    finally:
+        with srv.client() as c:
+            c.delete(PREFIX + "load:replicas")
+    wait_until(lambda: metric(http, "mesh_load_sync_peers") == 0 and chat(http, "after-fix"), what="load sync healthy")
+
+
+def test_a_peer_whose_load_key_is_not_a_hash_does_not_hide_the_other_peers(gateway: tuple) -> None:
+    # One bad entry in the replica set (a member whose key holds a string) failed the whole round:
+    # no remote load at all, every 0.1 s, for as long as the entry stayed (a future score: forever).
+    http, srv = gateway
+    future = int(time.time() * 1000) + 10**9
+    with srv.client() as c:
+        c.zadd(PREFIX + "load:replicas", {"bad-peer": future, "good-peer": future})
+        c.set(PREFIX + "load:bad-peer", "not a hash")
+    try:
+        def good_peer_seen() -> bool:
+            with srv.client() as c:  # a live peer refreshes its hash every round
+                c.hset(PREFIX + "load:good-peer", mapping={"_": "1", "e0": "3 0 0"})
+                c.pexpire(PREFIX + "load:good-peer", 2000)
+            return metric(http, "mesh_remote_in_flight", '{target="e0"}') == 3
+
+        wait_until(good_peer_seen, timeout_s=5, what="the good peer's load read despite the bad one")
+        assert metric(http, "mesh_load_sync_peers") == 1
+    finally:
+        with srv.client() as c:
+            c.zrem(PREFIX + "load:replicas", "bad-peer", "good-peer")
+            c.delete(PREFIX + "load:bad-peer", PREFIX + "load:good-peer")
+    wait_until(lambda: metric(http, "mesh_remote_in_flight", '{target="e0"}') == 0, what="the peer's load gone")
