@@ -158,7 +158,17 @@ def _raw_events(payload: bytes | memoryview) -> list[Any]:
 
 def decode_events(raws: Sequence[msgspec.Raw], into: Batch) -> None:
     """Decode raw events (of a ``LazyBatch``) into ``into.events``, counting unknown and malformed
-    ones on ``into``, as ``decode_batch`` does. Never raises."""
+    ones on ``into``, as ``decode_batch`` does. Never raises. Several events are decoded in one
+    call (as one msgpack array: a call per small event cost a third more in all)."""
+    if len(raws) > 1:
+        try:
+            evs = _decoder.decode(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws))
+        except Exception:
+            evs = None  # one of them is bad: each on its own below
+        if isinstance(evs, list):
+            for ev in evs:
+                _add_event(into, ev)
+            return
     for raw in raws:
         try:
             ev = _decoder.decode(raw)

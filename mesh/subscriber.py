@@ -26,8 +26,8 @@ lock is needed). Frames are decoded and applied in bounded slices (``yield_every
 ``_SLICE_BYTES`` of payload) so that a flooding publisher cannot starve the loop, and one frame is
 sliced too (``_apply_frame``: ``_SLICE_EVENT_BYTES`` of events, ``_SLICE_BLOCKS`` blocks of one
 event), its events applied in order before the next frame is read. A frame over
-``max_frame_bytes`` (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and about
-5 s of work on one core, in slices) is counted, logged and treated as lost: the target is reset.
+``max_frame_bytes`` (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and 2-3 s
+of work on one core, in slices) is counted, logged and treated as lost: the target is reset.
 Health per stream is exported as ``mesh_kv_events_*`` metrics on the ``CollectorRegistry`` passed
 in, and as ``healthy(target)``, which the gateway copies into ``TargetState.index_healthy``.
 """
@@ -509,17 +509,21 @@ class KvEventSubscriber:
             self._notify(stream)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != h.rank and stream.spec.dp_size > 1:
             h.bump(h.events, "rank_mismatch")
-        size = 0
+        raws = batch.raw_events
         part = Batch(batch.ts, [], batch.data_parallel_rank)
-        for raw in batch.raw_events:
+        i = 0
+        while i < len(raws):
+            j, size = i, 0
+            while j < len(raws) and size < _SLICE_EVENT_BYTES:
+                size += len(raws[j])
+                j += 1
             part.events.clear()
-            decode_events((raw,), part)
+            decode_events(raws[i:j], part)
             for ev in part.events:
                 for _ in self._apply_event(stream, ev):
                     await asyncio.sleep(0)  # between slices of one huge event
-            size += len(raw)
-            if size >= _SLICE_EVENT_BYTES:
-                size = 0
+            i = j
+            if i < len(raws):
                 await asyncio.sleep(0)
         if part.unknown:
             h.bump(h.events, "unknown", part.unknown)

@@ -168,3 +168,6 @@ def test_lazy_decoding_yields_what_decode_batch_does_in_every_layout() -> None:
             decode_events((raw,), got)
         assert (got.ts, got.events, got.data_parallel_rank, got.unknown, got.malformed) == \
             (whole.ts, whole.events, whole.data_parallel_rank, whole.unknown, whole.malformed), p
+        together = Batch(lazy.ts, [], lazy.data_parallel_rank)
+        decode_events(lazy.raw_events, together)  # several in one call, as the subscriber does
+        assert (together.events, together.unknown, together.malformed) == (got.events, got.unknown, got.malformed)
