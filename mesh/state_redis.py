@@ -35,15 +35,19 @@ Invariants:
   does no I/O, and awaiting would add a Redis round trip to every session request's first byte.
   One flusher task drains ``_pending`` (last write per session wins) in one pipeline per round;
   the lifespan's stop hook flushes what is left (bounded by ``timeout_s``) before closing. A
-  flush cancelled mid-write puts its batch back (newer queued writes win), so the final flush
-  sees it; the final flush and ``leave()`` ignore the error back-off (one bounded attempt each).
+  flush cancelled mid-write or failed puts its batch back (newer queued writes win; at most
+  ``MAX_PENDING`` kept; bindings expired or moved locally meanwhile are not written), so the
+  flusher's retry after ``retry_after_s`` (or the final flush) sees it; the final flush and
+  ``leave()`` ignore the error back-off (one bounded attempt each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -61,6 +65,7 @@ log = logging.getLogger("mesh.state_redis")
 
 T = TypeVar("T")
 OPS = ("get", "set", "delete", "ping", "load")
+MAX_PENDING = 100_000  # queued binding writes kept while Redis is unreachable (newest kept)
 
 
 class RedisStateBackend:
@@ -236,25 +241,50 @@ class SharedSessionTable(SessionTable):
 
     # -- write-behind --
     async def flush(self, *, final: bool = False) -> bool:
-        """Write the queued bindings in one pipeline; ``final`` (shutdown) ignores the back-off."""
+        """Write the queued bindings in one pipeline; ``final`` (shutdown) ignores the back-off.
+
+        A batch that failed (Redis down, slow, or backing off) is queued again (newer writes win)
+        for the flusher's retry, minus what has expired or moved locally meanwhile: it used to be
+        dropped, so every binding made during a blip of Redis stayed unshared until that session's
+        next request through this replica (the other replicas routed it afresh).
+        """
         if not self._pending:
             return True
         batch, self._pending = self._pending, {}
         self.backend.idle_ttl_s = self.idle_ttl_s  # a config reload changes the table's TTL
         self._flushing.append(batch)
         try:
-            return await self.backend.write_many(batch, backoff=not final)
+            ok = await self.backend.write_many(batch, backoff=not final)
         except asyncio.CancelledError:
-            self._pending = {**batch, **self._pending}  # back for the final flush; newer writes win
+            self._requeue(batch)  # back for the final flush
             raise
         finally:
             self._flushing.remove(batch)
+        if not ok and not final:
+            self._requeue(batch)
+        return ok
+
+    def _requeue(self, batch: dict[str, str | None]) -> None:
+        """Put a batch back under the newer queued writes; the queue keeps its newest MAX_PENDING.
+
+        A binding no longer held locally (expired, evicted or moved since) is not put back: a retry
+        must not bring it back to life in Redis (the table's expiry passes remove idle bindings,
+        so presence, whatever the clock, is what counts here).
+        """
+        held = {sid: t for sid, t in batch.items() if t is None or self.bound_target(sid, -math.inf) == t}
+        self._pending = {**held, **self._pending}
+        extra = len(self._pending) - MAX_PENDING
+        if extra > 0:  # oldest first (insertion order): a long outage must not grow it without bound
+            for sid in list(itertools.islice(self._pending, extra)):
+                del self._pending[sid]
 
     async def run_flusher(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self.flush()
+            if not await self.flush() and self._pending:
+                await asyncio.sleep(self.backend.retry_after_s)  # retry once the back-off is over
+                self._wake.set()
 
     def stats(self) -> dict[str, Any]:
         load = self.shared_load.stats() if self.shared_load is not None else None

@@ -28,7 +28,8 @@ def session_key(session: str) -> str:
 
 def metric(http: httpx.Client, name: str, labels: str = "") -> float:
     text = http.get("/metrics").text
-    found = re.findall(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    labels_re = re.escape(labels) if labels else r"(?:\{[^}]*\})?"  # none given: every series
+    found = re.findall(rf"^{re.escape(name)}{labels_re} (\S+)$", text, re.M)
     return sum(float(v) for v in found)
 
 
@@ -99,3 +100,44 @@ def test_a_peer_whose_load_key_is_not_a_hash_does_not_hide_the_other_peers(gatew
             c.zrem(PREFIX + "load:replicas", "bad-peer", "good-peer")
             c.delete(PREFIX + "load:bad-peer", PREFIX + "load:good-peer")
     wait_until(lambda: metric(http, "mesh_remote_in_flight", '{target="e0"}') == 0, what="the peer's load gone")
+
+
+@pytest.mark.parametrize("value", ["no-such-worker", "", "x" * 100_000, "e1\\r\\nSET evil 1"])
+def test_a_hostile_shared_binding_is_not_followed(gateway: tuple, value: str) -> None:
+    # Someone else's value at a session's key: the gateway must still answer from a real worker.
+    http, srv = gateway
+    session = f"hostile-value-{len(value)}-{value[:3]}"
+    with srv.client() as c:
+        c.set(session_key(session), value, px=30_000)
+    for _ in range(3):
+        assert chat(http, session) in ("e0", "e1")
+    route = http.post("/debug/route", json=CHAT, headers={"x-session-id": session})
+    assert route.status_code == 200 and route.json()["decision"]["target"] in ("e0", "e1"), route.text[:500]
+    assert len(route.text) < 20_000  # the hostile value is not echoed back whole
+
+
+def test_bindings_made_while_redis_stalls_are_shared_once_it_answers(gateway: tuple) -> None:
+    # A stalled Redis (CLIENT PAUSE: slow, not dead): requests answer locally meanwhile, and the
+    # bindings they made are written once Redis answers again. They were dropped (a failed or
+    # backed-off batch was thrown away): a session that went quiet stayed unknown to the other
+    # replicas, which routed its next turn afresh.
+    import threading
+
+    http, srv = gateway
+    stall = threading.Thread(target=lambda: _stall(srv, 1.5), daemon=True)
+    stall.start()
+    time.sleep(0.1)
+    bound = {f"stall-{i}": chat(http, f"stall-{i}") for i in range(5)}
+    stall.join()
+    with srv.client() as c:
+        for session, worker in bound.items():
+            wait_until(lambda s=session, w=worker: c.get(session_key(s)) == w, timeout_s=5,
+                       what=f"{session}'s binding written after the stall")
+    assert metric(http, "mesh_state_backend_errors_total") > 0  # the stall was seen, not slept through
+
+
+def _stall(srv: RedisServer, seconds: float) -> None:
+    """Every client's commands wait ``seconds`` (DEBUG SLEEP is disabled by default since Redis 7)."""
+    with srv.client() as c:
+        c.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+    time.sleep(seconds)
