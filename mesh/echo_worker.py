@@ -11,6 +11,7 @@ Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /ad
 ``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers
 500 to every request whose prompt contains TEXT (a request that crashes any worker); ``--crash-after-tokens N``
 kills the whole process after streaming N tokens; ``--unhealthy`` makes ``/health`` answer 503.
+``--repeat N`` echoes the text N times (a large answer from a small prompt, for flow-control tests).
 
     python -m mesh.echo_worker --port 9001 [--model echo] [--token-delay-s 0.01]
 """
@@ -50,6 +51,7 @@ class EchoSettings:
     crash_after_tokens: int = 0  # 0 = never
     unhealthy: bool = False
     default_max_tokens: int = 16
+    repeat: int = 1  # the echoed text, this many times over
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
@@ -123,6 +125,8 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
                 settings.fail_on and settings.fail_on in prompt_text):
             return _error(500, "injected failure", "server_error")
         app.state.served += 1
+        if settings.repeat > 1:
+            echo_text = " ".join([echo_text] * settings.repeat)
         words = _WORDS.findall(echo_text) or ["echo"]
         out = words[: int(max_tokens)]
         finish = "length" if len(words) > len(out) else "stop"
@@ -248,6 +252,7 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
     p.add_argument("--fail-on", default=env("MESH_ECHO_FAIL_ON", ""), metavar="TEXT",
                    help="answer 500 to requests whose prompt contains TEXT")
     p.add_argument("--crash-after-tokens", type=int, default=int(env("MESH_ECHO_CRASH_AFTER_TOKENS", "0")))
+    p.add_argument("--repeat", type=int, default=int(env("MESH_ECHO_REPEAT", "1")), help="echo the text N times")
     p.add_argument("--unhealthy", action="store_true", default=env("MESH_ECHO_UNHEALTHY", "") not in ("", "0"))
     args = p.parse_args(argv)
     models = tuple(args.models or [env("MESH_ECHO_MODEL", "echo")])
@@ -267,6 +272,7 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
         fail_on=args.fail_on,
         crash_after_tokens=args.crash_after_tokens,
         unhealthy=args.unhealthy,
+        repeat=max(1, args.repeat),
     )
     return settings, args.host, args.port
 

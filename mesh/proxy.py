@@ -63,6 +63,7 @@ _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
+MAX_PENDING_EVENT = 1 << 20  # an unfinished SSE event held back longer than this is relayed as is
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
 
 
@@ -286,6 +287,8 @@ class Proxy:
                         raise _UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
                 else:
                     first = await _read_answer(resp, target)
+                    if not first and resp.status == 200:  # no answer to relay: another worker may give one
+                        raise _UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
             except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
@@ -331,25 +334,44 @@ class Proxy:
         if resp.at_eof:  # the whole stream is already here: one body write instead of two
             await state.last(data)
             return data
-        await state.chunk(data)
         # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
         # [DONE] end the stream, however the reads split them.
         c4 = c3 = c2 = b""
         c1 = data
+        # Only whole SSE events are relayed: the start of one not yet ended waits for its end, so
+        # that a worker dying mid-event leaves the client whole events, then the error event.
+        pending = b""
         try:
             while True:
+                cut = _whole_events(data)
+                if cut == len(data):
+                    await state.chunk(data)
+                else:
+                    if cut:
+                        await state.chunk(data[:cut])
+                    pending = data[cut:]
+                    if len(pending) > MAX_PENDING_EVENT:  # not SSE, or one huge event: relayed as it comes
+                        await state.chunk(pending)
+                        pending = b""
                 data = await resp.read_chunk()
                 if not data:
                     break
+                if pending:
+                    data, pending = pending + data, b""
                 c4, c3, c2, c1 = c3, c2, c1, data
-                await state.chunk(data)
         except UpstreamError as exc:
+            if not pending and c1.endswith(b"data: [DONE]\n\n"):  # the client has it all: only the framing broke
+                await state.end()
+                return b"".join((c4, c3, c2, c1))
             what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
             self.metrics.stream_errors_total.inc()
             await state.stream_error(f"worker {target.worker} {what}")
             return b""
-        await state.end()
+        if pending:  # a last event without its blank line: the worker's own, relayed as sent
+            await state.last(pending)
+        else:
+            await state.end()
         return b"".join((c4, c3, c2, c1))
 
     def _count_prefix(self, lease: Lease, tail: bytes) -> None:
@@ -564,6 +586,14 @@ async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:
             raise _UpstreamFailed("too_large", f"worker {target.worker} answered over {MAX_ANSWER_BYTES >> 20} MiB")
         parts.append(data)
     return b"".join(parts)
+
+
+def _whole_events(data: bytes) -> int:
+    """How many leading bytes of ``data`` are whole SSE events (each ends with a blank line)."""
+    if data.endswith(b"\n\n") or data.endswith(b"\r\n\r\n"):  # the common case: a worker writes whole events
+        return len(data)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:

@@ -1,0 +1,199 @@
+"""Streaming, cancellation and retry semantics of a real gateway process.
+
+A raw-socket fake worker (it can break a stream anywhere) and an echo worker serve model ``m``;
+only the fake serves ``f``. The first word of a request's prompt picks the fake's misbehaviour.
+What a client must see: a stream that breaks mid-event ends with a clean SSE error event (the
+partial event is never relayed); a 200 without a body is retried elsewhere, never relayed; a
+client leaving during the retry back-off sends nothing more upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+
+ADMIN = {"authorization": "Bearer adm"}
+
+FAKE_WORKER = r'''
+import asyncio, json, sys
+
+EV = b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+posts = 0
+
+
+def chunk(data):
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def answer(status, body, extra=b""):
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (status, len(body), extra, body)
+
+
+async def handle(reader, writer):
+    global posts
+    try:
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, path = head[0].split(" ")[:2]
+            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(size) if size else b""
+            if method == "GET":
+                if path == "/v1/models":
+                    out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}, {"id": "f", "object": "model"}]})
+                else:
+                    out = json.dumps({"posts": posts})
+                writer.write(answer(b"200 OK", out.encode()))
+                await writer.drain()
+                continue
+            posts += 1
+            mode = json.loads(body)["prompt"].split()[0]
+            if mode == "partial":  # one event, the first bytes of the next, then the socket dies
+                writer.write(SSE_HEAD + chunk(EV) + chunk(EV[:30]))
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.transport.abort()
+                return
+            if mode == "donenofinal":  # a whole stream with [DONE], then a FIN without the last chunk
+                writer.write(SSE_HEAD + chunk(EV) + chunk(b"data: [DONE]\n\n"))
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.close()
+                return
+            if mode == "empty200":
+                writer.write(answer(b"200 OK", b""))
+            elif mode == "close200":  # a 200 head with no length, then the connection closes
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
+                await writer.drain()
+                writer.close()
+                return
+            elif mode == "err500":
+                writer.write(answer(b"500 Internal Server Error", b'{"error":{"message":"boom","type":"server_error","param":null,"code":null}}'))
+            else:
+                writer.write(answer(b"200 OK", b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":"fake"}]}'))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(port):
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(main(int(sys.argv[1])))
+'''
+
+
+@dataclass
+class Cluster:
+    http: httpx.Client
+    gateway: Proc
+    fake: Proc
+    echo: Proc
+
+    def metric(self, prefix: str) -> float:
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(prefix + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return {w["name"]: w for w in self.http.get("/workers", headers=ADMIN).json()["workers"]}
+
+    def fake_posts(self) -> int:
+        return int(httpx.get(self.fake.url + "/count", timeout=10).json()["posts"])
+
+    def echo_served(self) -> int:
+        return int(httpx.post(self.echo.url + "/admin/faults", json={}, timeout=10).json()["served"])
+
+
+@pytest.fixture(scope="module")
+def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
+    script = module_procs.log_dir / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    fport, eport, gport = free_port(), free_port(), free_port()
+    fake = module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport)
+    echo = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(eport), "--name", "echo", "--model", "m",
+                               "--repeat", "1"], name="echo", port=eport)
+    wait_http(fake.url + "/health", proc=fake)
+    wait_http(echo.url + "/health", proc=echo)
+    config = module_procs.log_dir / "mesh.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"admin_key": "adm", "request_timeout_s": 60},
+        "circuit_breaker": {"failure_threshold": 10_000, "open_s": 1},  # the fake fails on purpose, often
+        # a long back-off: a client leaves inside it
+        "retries": {"max_attempts": 2, "backoff_base_s": 1.0, "backoff_max_s": 1.0},
+        "policy": "round_robin",
+        "workers": [{"name": "fake", "url": fake.url, "models": ["m", "f"]}, {"name": "echo", "url": echo.url, "models": ["m"]}],
+    }))
+    gateway = module_procs.gateway(config, port=gport, ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        c = Cluster(client, gateway, fake, echo)
+        wait_until(lambda: all(w["healthy"] for w in c.workers().values()), what="both workers healthy")
+        yield c
+
+
+def sse_data(raw: bytes) -> list[str]:
+    """The data of each SSE event (events end with a blank line; a line that is not a field is garbage)."""
+    out = []
+    for event in raw.decode().split("\n\n"):
+        if not event:
+            continue
+        lines = event.split("\n")
+        assert all(line.startswith("data: ") for line in lines), f"malformed event {event!r}"
+        out.append("\n".join(line[6:] for line in lines))
+    return out
+
+
+def test_a_stream_broken_mid_event_ends_with_a_clean_error_event(cluster: Cluster) -> None:
+    # The worker died after sending the first 30 bytes of an event: those bytes were relayed and
+    # the error event glued onto them ('data: {"id":"x","object":"textdata: {"error":...').
+    before = cluster.metric("mesh_stream_errors_total")
+    with cluster.http.stream("POST", "/v1/completions", json={"model": "f", "prompt": "partial", "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = sse_data(resp.read())
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    error = json.loads(events[1])["error"]
+    assert error["type"] == "upstream_error" and "mid-stream" in error["message"]
+    assert events[2:] == ["[DONE]"]
+    assert cluster.metric("mesh_stream_errors_total") == before + 1
+    assert "stream broke" in cluster.workers()["fake"]["last_error"]  # counted toward its circuit breaker
+
+
+def test_a_complete_stream_whose_framing_breaks_after_done_is_not_an_error(cluster: Cluster) -> None:
+    # [DONE] had reached the client; an error event after it is garbage to every SSE client.
+    with cluster.http.stream("POST", "/v1/completions", json={"model": "f", "prompt": "donenofinal", "stream": True}) as resp:
+        events = sse_data(resp.read())
+    assert len(events) == 2 and events[-1] == "[DONE]", events
+
+
+@pytest.mark.parametrize("mode", ["empty200", "close200"])
+def test_a_200_without_a_body_is_retried_not_relayed(cluster: Cluster, mode: str) -> None:
+    # A non-streamed 200 with an empty body (or a head then a close) reached the client as an
+    # empty 200: unparseable, and never retried. Round robin: one of two requests meets the fake first.
+    before = cluster.fake_posts()
+    results = [cluster.http.post("/v1/completions", json={"model": "m", "prompt": f"{mode} one two"}) for _ in range(2)]
+    assert cluster.fake_posts() > before
+    for resp in results:
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-mesh-worker"] == "echo"
+        assert resp.json()["choices"][0]["text"] == f"{mode} one two"
+
+
+def test_a_200_without_a_body_and_nowhere_else_to_go_is_a_502(cluster: Cluster) -> None:
+    resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "empty200"})
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["type"] == "upstream_error"
