@@ -70,3 +70,39 @@ def test_duplicate_policies_and_a_one_request_run_still_work(tmp_path: Path) -> 
     report = json.loads(out.read_text())
     assert sorted(report["policies"]) == ["round_robin", "round_robin#2"]
     assert report["trace"]["requests"] == 1
+
+
+# -- mesh serve / mesh up: bad flags are one error line, found before anything starts --
+def mesh_cmd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mesh", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("port", ["99999"])
+def test_serve_with_a_port_out_of_range_is_one_error_line(port: str) -> None:
+    # was a pydantic ValidationError traceback
+    assert_one_line_error(mesh_cmd("serve", "--port", port), "server.port")
+
+
+@pytest.mark.parametrize("args, message", [
+    # a traceback (ConfigError), after the workers had been started (minutes for the bundled engine)
+    (["--policy", "no_such_policy"], "unknown policy 'no_such_policy'"),
+    (["--port", "99999"], "server.port"),
+    # uvicorn's bind error, after the workers had been started
+    (["--host", "bad host!"], "--host 'bad host!'"),
+    # 100,000 worker processes were started
+    (["--workers", "100000"], "--workers must be <= 64"),
+])
+def test_up_refuses_bad_flags_before_starting_any_worker(args: list[str], message: str) -> None:
+    proc = mesh_cmd("up", "--engine", "echo", "--port", "0", *args)
+    assert_one_line_error(proc, message)
+
+
+def test_up_refuses_a_port_in_use_before_starting_any_worker() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = mesh_cmd("up", "--engine", "echo", "--port", str(port))
+    assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}")

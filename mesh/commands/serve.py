@@ -30,7 +30,14 @@ def run(args: argparse.Namespace) -> int:
     config = load_or_report(args.config)
     if config is None:
         return 2
-    config = with_server(config, host=args.host, port=args.port)
+    try:
+        config = with_server(config, host=args.host, port=args.port)
+    except ValueError as exc:  # pydantic's ValidationError (--port 99999): was a traceback
+        from mesh.config import format_errors
+
+        lines = format_errors(exc) if hasattr(exc, "errors") else [str(exc)]
+        print(f"mesh serve: error: {'; '.join(lines)}", file=sys.stderr)
+        return 2
     app = create_app(config, config_path=args.config, handle_sighup=True)
     serve_app(app, config.server.host, config.server.port, log_level=args.log_level, access_log=args.access_log)
     return 0

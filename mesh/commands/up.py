@@ -31,6 +31,7 @@ from typing import Any
 from workers.transfer_auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
+MAX_LOCAL_WORKERS = 64  # processes on this one machine; 100,000 were started, one by one
 
 
 def add_parser(subparsers: Any) -> None:
@@ -174,6 +175,14 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
+    if max(args.workers, len(roles)) > MAX_LOCAL_WORKERS:
+        print(f"error: --workers must be <= {MAX_LOCAL_WORKERS} (and --prefill + --decode too): a local cluster "
+              f"on one machine; use `mesh serve` with a config for more", file=sys.stderr)
+        return 2
+    problem = preflight(args, roles)  # before any worker starts (the bundled engine takes minutes)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
         print("error: the bundled engine needs torch: pip install -e '.[engine]' (or run `mesh up --engine echo`)",
               file=sys.stderr)
@@ -193,10 +202,7 @@ def run(args: argparse.Namespace) -> int:
             "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
             "workers": [w.config() for w in workers],
         }
-        if args.policy:
-            data["policy"] = args.policy
-        elif roles:
-            data["policy"] = PD_POLICY
+        data.update(policy_data(args, roles))
         config = parse_config(data, "mesh up")
         app = create_app(config)
         server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level))
@@ -218,6 +224,40 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             stop_process(w.proc)
         print("mesh up: stopped", file=sys.stderr)
+
+
+def policy_data(args: argparse.Namespace, roles: list[str]) -> dict[str, Any]:
+    if args.policy:
+        return {"policy": args.policy}
+    return {"policy": PD_POLICY} if roles else {}
+
+
+def preflight(args: argparse.Namespace, roles: list[str]) -> str | None:
+    """What would stop the gateway from starting (config, address), found before any worker
+    starts; None when nothing. One line (``policy: ...``, ``cannot listen on ...``)."""
+    from mesh.config import ConfigError, parse_config
+
+    try:
+        parse_config({"server": {"host": args.host, "port": args.port}, **policy_data(args, roles)}, "mesh up")
+    except ConfigError as exc:
+        return "; ".join(exc.errors)
+    return bind_problem(args.host, args.port)
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on ``host:port`` (probed as uvicorn binds: SO_REUSEADDR)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"--host {host!r}: {exc}"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
