@@ -314,12 +314,12 @@ class PrefixIndex:
                 f"BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}"
             )
         if parent_engine_hash is None:
-            parent_key, parent = seed, ROOT
+            parent_key = seed
         else:
             found = emap.get(parent_engine_hash) if emap else None
             if found is None:
                 return 0
-            parent_key, parent = found, self._parent_nid(found)
+            parent_key = found
         if keys is None:
             keys = chain_keys(token_ids, block_size, parent_key)
         elif len(keys) != n:
@@ -329,7 +329,10 @@ class PrefixIndex:
             emap = self._emap[target] = {}
         elif not emap.keys().isdisjoint(engine_hashes):
             self._forget_renamed(target, emap, engine_hashes, keys)
+        # the parent's nid only now: a renamed hash may have removed the parent's node
+        parent = ROOT if parent_engine_hash is None else self._parent_nid(parent_key)
         ids = self._id
+        size = len(emap)
         joined = keys[0] in ids  # e.g. a shared system prompt: the map shares the index's key objects
         if not joined and not self._orphans:  # the usual agentic turn: a new chain (see _store_chain)
             self._clock += 1
@@ -338,6 +341,8 @@ class PrefixIndex:
             if self.max_keys:
                 heappush(self._lru, (self._clock, ids[keys[-1]]))
             emap.update(zip(engine_hashes, keys))
+            if len(emap) - size != n:  # some hash was known, or named two blocks of this event
+                self._forget_repeated(slot, engine_hashes, keys)
             self._after_store()
             return n
         run = self._store_chain(slot, keys, tier, parent)
@@ -348,6 +353,8 @@ class PrefixIndex:
             else:
                 keys = list(map(key_a.__getitem__, map(ids.__getitem__, keys)))
         emap.update(zip(engine_hashes, keys))
+        if len(emap) - size != n:  # some hash was known, or named two blocks of this event
+            self._forget_repeated(slot, engine_hashes, keys)
         self._after_store()
         return n
 
@@ -362,6 +369,17 @@ class PrefixIndex:
         renamed = [h for h, key in zip(engine_hashes, keys) if emap.get(h, key) != key]
         if renamed:
             self.apply_removed(target, renamed, None)
+
+    def _forget_repeated(self, slot: int, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
+        """A hash that names two blocks of one event names the later one (the map kept it), as a
+        hash stored again for other content does: the earlier block is gone from that engine and
+        is removed for the target on every tier (else it stayed claimed for good)."""
+        last = dict(zip(engine_hashes, keys))
+        if len(last) == len(keys):
+            return
+        for h, key in zip(reversed(engine_hashes), reversed(keys)):  # leaf first
+            if last[h] != key:
+                self._remove_key(slot, key, None)
 
     def apply_removed(
         self, target: str, engine_hashes: Sequence[int], tier: Tier | None = Tier.GPU
