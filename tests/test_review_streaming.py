@@ -9,6 +9,7 @@ client leaving during the retry back-off sends nothing more upstream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
@@ -103,6 +104,7 @@ class Cluster:
     gateway: Proc
     fake: Proc
     echo: Proc
+    big: Proc
 
     def metric(self, prefix: str) -> float:
         for line in self.http.get("/metrics").text.splitlines():
@@ -124,12 +126,15 @@ class Cluster:
 def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     script = module_procs.log_dir / "fake_worker.py"
     script.write_text(FAKE_WORKER)
-    fport, eport, gport = free_port(), free_port(), free_port()
+    fport, eport, bport, gport = free_port(), free_port(), free_port(), free_port()
     fake = module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport)
-    echo = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(eport), "--name", "echo", "--model", "m",
-                               "--repeat", "1"], name="echo", port=eport)
-    wait_http(fake.url + "/health", proc=fake)
-    wait_http(echo.url + "/health", proc=echo)
+    echo = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(eport), "--name", "echo", "--model", "m"],
+                              name="echo", port=eport)
+    # a large answer from a small prompt: each 1 KiB word, 4000 times over (about 4.5 MB of SSE per word)
+    big = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(bport), "--name", "big", "--model", "big",
+                              "--repeat", "4000"], name="big", port=bport)
+    for proc in (fake, echo, big):
+        wait_http(proc.url + "/health", proc=proc)
     config = module_procs.log_dir / "mesh.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm", "request_timeout_s": 60},
@@ -137,11 +142,12 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         # a long back-off: a client leaves inside it
         "retries": {"max_attempts": 2, "backoff_base_s": 1.0, "backoff_max_s": 1.0},
         "policy": "round_robin",
-        "workers": [{"name": "fake", "url": fake.url, "models": ["m", "f"]}, {"name": "echo", "url": echo.url, "models": ["m"]}],
+        "workers": [{"name": "fake", "url": fake.url, "models": ["m", "f"]}, {"name": "echo", "url": echo.url, "models": ["m"]},
+                    {"name": "big", "url": big.url, "models": ["big"]}],
     }))
     gateway = module_procs.gateway(config, port=gport, ready_path="/ready")
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
-        c = Cluster(client, gateway, fake, echo)
+        c = Cluster(client, gateway, fake, echo, big)
         wait_until(lambda: all(w["healthy"] for w in c.workers().values()), what="both workers healthy")
         yield c
 
@@ -197,3 +203,93 @@ def test_a_200_without_a_body_and_nowhere_else_to_go_is_a_502(cluster: Cluster) 
     resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "empty200"})
     assert resp.status_code == 502, resp.text
     assert resp.json()["error"]["type"] == "upstream_error"
+
+
+def _raw_request(port: int, body: dict[str, Any], rcvbuf: int = 0) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_during_the_retry_back_off_sends_nothing_more_upstream(cluster: Cluster, stream: bool) -> None:
+    retries = 'mesh_retries_total{reason="status_500"}'
+    body = {"model": "m", "prompt": "err500 then echo", "stream": stream}
+    for _ in range(4):  # round robin: until an attempt meets the fake (500) first
+        before, served = cluster.metric(retries), cluster.echo_served()
+        sock = _raw_request(cluster.gateway.port, body)
+        sock.settimeout(10)
+        in_back_off = wait_until(lambda: "back-off" if cluster.metric(retries) > before else
+                                 ("answered" if cluster.echo_served() > served else None), what="an attempt")
+        if in_back_off == "back-off":
+            break
+        sock.recv(65536)
+        sock.close()
+    else:
+        raise AssertionError("no attempt met the failing worker first")
+    disconnects = cluster.metric("mesh_client_disconnects_total")
+    served = cluster.echo_served()
+    sock.close()  # inside the 0.5-1 s back-off
+    wait_until(lambda: cluster.metric("mesh_client_disconnects_total") > disconnects, what="the disconnect seen")
+    # the disconnect is counted only where the handler was cancelled: no attempt came after it
+    assert cluster.echo_served() == served
+    assert all(t["in_flight"] == 0 for w in cluster.workers().values() for t in w["targets"])
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_client_that_stops_reading_holds_bounded_memory_and_stalls_nobody(cluster: Cluster) -> None:
+    word = "w" * 1024
+    body = {"model": "big", "prompt": word, "max_tokens": 4000, "stream": True}  # about 4.5 MB of SSE
+    assert cluster.http.post("/v1/completions", json={**body, "max_tokens": 100}).status_code == 200  # warm
+    base = _rss_kib(cluster.gateway.pid)
+    stalled = [_raw_request(cluster.gateway.port, {**body, "prompt": f"{word} {i}", "max_tokens": 8000}, rcvbuf=4096)
+               for i in range(4)]  # 4 x 9 MB answers nobody reads
+    try:
+        for sock in stalled:
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        peak = base
+        for i in range(40):  # meanwhile other clients are served, whole
+            peak = max(peak, _rss_kib(cluster.gateway.pid))
+            with cluster.http.stream("POST", "/v1/completions", json={**body, "prompt": f"other{i} x", "max_tokens": 2}) as resp:
+                events = sse_data(resp.read())
+            assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == f"other{i} x "
+        peak = max(peak, _rss_kib(cluster.gateway.pid))
+        assert peak - base < 24 * 1024, f"gateway RSS grew {(peak - base) >> 10} MiB for 36 MB nobody read"
+    finally:
+        for sock in stalled:
+            sock.close()
+    wait_until(lambda: cluster.workers()["big"]["targets"][0]["in_flight"] == 0, what="stalled streams cancelled")
+
+
+async def _streams(url: str, n: int) -> list[tuple[str, list[str]]]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
+        async def one(i: int) -> tuple[str, list[str]]:
+            prompt = f"req{i} alpha{i} beta{i} gamma{i}"
+            body = {"model": "big", "prompt": prompt, "max_tokens": 4, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                return prompt, sse_data(await resp.aread())
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_hundreds_of_concurrent_streams_complete_unmixed(cluster: Cluster) -> None:
+    results = asyncio.run(_streams(cluster.gateway.url, 300))
+    for prompt, events in results:
+        assert events[-1] == "[DONE]", (prompt, events[-3:])
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt + " "
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4  # the usage chunk, last
+        assert len({c["id"] for c in chunks}) == 1
