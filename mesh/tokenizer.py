@@ -11,12 +11,15 @@ block keys will not match the engine's cache. Both load tokenizers through ``loa
 from __future__ import annotations
 
 import codecs
+import datetime
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 # ChatML, the template of Qwen2 and of the byte-level default.
@@ -24,6 +27,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+GIL_FREE_CHARS = 8192  # texts at least this long are encoded with the GIL released
 
 
 class ChatTemplateError(ValueError):
@@ -51,11 +57,22 @@ class StreamDecoder(Protocol):
 
 
 class ChatRenderer:
-    """Renders OpenAI chat messages with a Jinja chat template in a sandbox."""
+    """Renders OpenAI chat messages with a Jinja chat template in a sandbox.
+
+    The environment is Hugging Face's (``transformers`` ``apply_chat_template``, which vLLM and
+    SGLang call): ``loopcontrols``, the ``{% generation %}`` tag, ``strftime_now`` and HF's
+    ``tojson`` (no HTML escaping, non-ASCII kept, key order kept). Jinja's own ``tojson``
+    rendered tool calls differently from the engine, so a prompt with tool calls never matched
+    the engine's cache past them; a template using ``{% break %}`` did not even compile.
+    """
 
     def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, **special: Any) -> None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(template)
         self._special = special
 
@@ -65,12 +82,39 @@ class ChatRenderer:
             return self._template.render(
                 messages=normalized, add_generation_prompt=add_generation_prompt, **self._special
             )
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # the template runs on client data: a TypeError ('x' + None) is the client's
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` filter (Jinja's escapes <>&' and sorts keys)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF marks assistant spans with it): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
 
 
 def normalize_message(message: Any) -> dict[str, Any]:
-    """A message with string content: text parts joined, other parts rejected."""
+    """A message with string content: text parts joined with "\\n" (as vLLM joins them for a
+    string-content template), other parts rejected."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError("each message must be an object with a string 'role'")
     content = message.get("content")
@@ -82,7 +126,7 @@ def normalize_message(message: Any) -> dict[str, Any]:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ChatTemplateError("only text content parts are supported")
             texts.append(part["text"])
-        content = "".join(texts)
+        content = "\n".join(texts)
     elif not isinstance(content, str):
         raise ChatTemplateError("message 'content' must be a string or a list of text parts")
     return {**message, "content": content}
@@ -137,6 +181,7 @@ class HFTokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         self._tok = _HF.from_file(str(file))
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         self.name = str(file)
         config = _read_json(file.parent / "tokenizer_config.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -154,7 +199,12 @@ class HFTokenizer:
         return found if found is not None else fallback
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) < GIL_FREE_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        # ``Tokenizer.encode`` holds the GIL for the whole text (an 8 MB prompt: ~4 s in which the
+        # gateway's event loop, whose executor thread this runs in, answered nothing);
+        # the batch call releases it and gives the same ids.
+        return self._encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

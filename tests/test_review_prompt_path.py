@@ -1,0 +1,244 @@
+"""The prompt path (chat rendering, tokenization, session key chains) against real processes.
+
+A gateway that renders or tokenizes a request differently from the worker computes block keys the
+worker never announces, and the prefix index never matches. Checked here: the gateway against the
+bundled worker's own ``/tokenize`` and ``cached_tokens`` for every OpenAI message shape; the chat
+template environment against Hugging Face's ``apply_chat_template`` (what vLLM and SGLang render
+with); session key chains against from-scratch tokenization with a real BPE ``tokenizer.json``;
+a template that raises on client data; a huge prompt with a ``tokenizer.json`` while the event loop
+must keep answering.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mesh.config import WorkerConfig, parse_config
+from mesh.keys import block_keys, namespace_seed
+from mesh.prompt import PromptProcessor
+from mesh.registry import WorkerRegistry
+from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, HFTokenizer, normalize_message
+from tests.e2e_bundled import start_workers
+from tests.procs import ProcessGroup, free_port, wait_until
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a Llama-3.1-like line: string concatenation with a client field ("name": null is a TypeError)
+CONCAT = "{% for m in messages %}{{ '<' + m.role + (('|' + m.name) if 'name' in m else '') + '>' + m.content }}{% endfor %}"
+
+
+def build_tokenizer(directory: Path, template: str = CHATML) -> Path:
+    """A small byte-level BPE ``tokenizer.json`` (merges cross word and turn boundaries) + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    corpus = ["hello world the quick brown fox jumps over the lazy dog user assistant system tool\n\n  "] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": template, "eos_token": "<|endoftext|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# -- the template environment is Hugging Face's (what vLLM/SGLang render with) --
+def test_tool_calls_render_as_hugging_face_renders_them(tok_dir: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    templates = [
+        CHATML,
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.content }}|{% endfor %}",
+        "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+        "{{ messages[1].tool_calls | tojson(indent=2) }}",
+    ]
+    messages = [
+        {"role": "user", "content": "héllo <b> & 'quoted'"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"zeta": "é<>&'", "alpha": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    for template in templates:
+        hf.chat_template = template
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ChatRenderer(template).render(messages) == expected, template
+
+
+def test_text_parts_are_joined_with_a_newline_as_vllm_joins_them() -> None:
+    # vLLM (chat_utils, string content format): text_prompt = "\n".join(texts)
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    assert normalize_message({"role": "user", "content": parts})["content"] == "first\nsecond"
+
+
+# -- tokenization: the GIL-free path gives the same ids; session chains equal from-scratch keys --
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
+def test_long_texts_encode_to_the_same_ids(tok_dir: Path, piece: str) -> None:
+    tok = HFTokenizer(tok_dir)
+    text = (piece + "hello world ") * (GIL_FREE_CHARS // (len(piece) + 12) + 1)
+    assert len(text) >= GIL_FREE_CHARS
+    assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def _processor(tok_dir: Path, block_size: int = 4) -> PromptProcessor:
+    reg = WorkerRegistry(parse_config({}))
+    reg.add(WorkerConfig(name="w", url="http://h:1", models=["m", "m2"], block_size=block_size,
+                         tokenizer=str(tok_dir)))
+    return PromptProcessor(reg)
+
+
+turn_text = st.text(st.sampled_from(list("helo wrd\n<|>é👍\u200d\u0301\u05d0\0")), max_size=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(turn_text, st.sampled_from(["extend", "edit", "model"])), min_size=1, max_size=6))
+async def test_session_chains_equal_from_scratch_keys_with_a_bpe_tokenizer(tok_dir: Path, turns: list[Any]) -> None:
+    """Turn after turn of one session id (extended, edited, or sent for another model): every
+    turn's keys equal those of a fresh tokenization of its whole prompt."""
+    p = _processor(tok_dir)
+    tok = HFTokenizer(tok_dir)
+    messages: list[dict[str, Any]] = []
+    for i, (text, how) in enumerate(turns):
+        if how == "edit" and messages:
+            messages[0] = {"role": "user", "content": text + messages[0]["content"]}
+        else:
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        model = "m2" if how == "model" else "m"
+        raw = json.dumps({"model": model, "messages": messages, "user": "one-session"}).encode()
+        parsed = await p.process(raw, "chat", None)
+        fresh = tok.encode(tok.render_chat(messages))
+        assert parsed.info.prompt_tokens == len(fresh)
+        assert list(parsed.info.block_keys) == block_keys(fresh, 4, namespace_seed(model))
+
+
+# -- through a real gateway --
+def _gateway(procs: ProcessGroup, tmp: Path, workers: list[dict[str, Any]]) -> str:
+    port = free_port()
+    config = {"server": {"admin_key": "adm"}, "workers": workers, "health": {"interval_s": 0.3, "timeout_s": 1}}
+    path = tmp / f"mesh-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return procs.gateway(path, port=port).url
+
+
+@pytest.fixture(scope="module")
+def echo_gateway(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A gateway over one echo worker, tokenizing with a BPE tokenizer.json whose template concatenates."""
+    tmp = tmp_path_factory.mktemp("echo-gw")
+    tok_dir = build_tokenizer(tmp / "tok", CONCAT)
+    echo = module_procs.echo_worker("e0", "--model", "m")
+    url = _gateway(module_procs, tmp, [{"name": "e0", "url": echo.url, "tokenizer": str(tok_dir), "models": ["m"]}])
+    yield url, tok_dir
+
+
+def test_a_template_that_raises_on_client_data_is_a_400_not_a_500(echo_gateway: tuple[str, Path]) -> None:
+    url, _ = echo_gateway
+    bad = {"model": "m", "messages": [{"role": "user", "name": None, "content": "hi"}], "max_tokens": 2}
+    for path in ("/debug/route", "/v1/chat/completions"):
+        r = httpx.post(url + path, json=bad, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_messages" and "TypeError" in err["message"] and err["param"] == "messages"
+    good = {"model": "m", "messages": [{"role": "user", "name": "ann", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url + "/v1/chat/completions", json=good, timeout=30).status_code == 200
+
+
+def test_a_huge_prompt_with_a_tokenizer_json_does_not_stall_the_event_loop(echo_gateway: tuple[str, Path]) -> None:
+    """~4 MB of text (over a second of BPE) to /debug/route; once its last byte is sent, 100
+    /health requests, one after another, are all answered before its reply (an ordering, not a
+    timing: while the tokenizer held the GIL the loop answered nothing until it was done)."""
+    url, _ = echo_gateway
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 330_000}]}).encode()
+    uploaded, done = threading.Event(), threading.Event()
+    result: dict[str, Any] = {}
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(raw), 1 << 20):
+            yield raw[i : i + (1 << 20)]
+        uploaded.set()
+
+    def send_big() -> None:
+        try:
+            result["response"] = httpx.post(url + "/debug/route", content=chunks(), timeout=120)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=send_big)
+    thread.start()
+    assert uploaded.wait(60)
+    with httpx.Client(timeout=120) as client:
+        statuses = [client.get(url + "/health").status_code for _ in range(100)]
+    answered_first = not done.is_set()
+    thread.join()
+    assert statuses == [200] * 100
+    assert result["response"].status_code == 200, result["response"].text
+    assert result["response"].json()["request"]["prompt_tokens"] > 600_000
+    assert answered_first, "the big prompt's reply came before 100 /health answers: the loop stalled"
+
+
+# -- the gateway's tokens equal the bundled worker's, for every message shape --
+SHAPES: dict[str, list[dict[str, Any]]] = {
+    "string": [{"role": "user", "content": "hello"}],
+    "text parts": [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}],
+    "system+developer+name": [{"role": "system", "content": "s", "name": "x"}, {"role": "developer", "content": "d"},
+                              {"role": "user", "content": "u", "name": "bob"}],
+    "tool calls, null content": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+    "unicode": [{"role": "user", "content": "a\u0000b e\u0301 \u05e9\u05dc\u05d5\u05dd \u202e 👩\u200d👩\u200d👧 \U0010ffff"}],
+}
+
+
+@pytest.fixture(scope="module")
+def bundled(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    workers = start_workers(module_procs, ["b0"])
+    url = _gateway(module_procs, tmp_path_factory.mktemp("bundled-gw"), [workers["b0"].config()])
+    return url, workers["b0"].proc.url
+
+
+def _gpu_overlap(explained: dict[str, Any]) -> int:
+    return max(c["overlap"]["gpu_blocks"] for c in explained["candidates"].values())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gateway_tokens_equal_the_bundled_workers_and_turn_two_reuses_turn_one(bundled: tuple[str, str], shape: str) -> None:
+    """Same token count as the worker's /tokenize; after turn 1 the index (fed by the worker's KV
+    events, keyed from the engine's tokens) matches every full block of the gateway's keys, and
+    turn 2 (turn 1 + the reply + a new user message) is served with those blocks cached."""
+    gateway, worker = bundled
+    messages = SHAPES[shape]
+    theirs = httpx.post(worker + "/tokenize", json={"messages": messages}, timeout=30).json()
+    turn1 = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}
+    ours = httpx.post(gateway + "/debug/route", json=turn1, timeout=30).json()["request"]
+    assert ours["prompt_tokens"] == theirs["count"]
+    full = ours["blocks"]
+    assert full == theirs["count"] // 16 and full > 0
+    reply = httpx.post(gateway + "/v1/chat/completions", json=turn1, timeout=60).json()["choices"][0]["message"]
+    turn2 = {**turn1, "messages": [*messages, reply, {"role": "user", "content": "and then?"}]}
+    wait_until(lambda: _gpu_overlap(httpx.post(gateway + "/debug/route", json=turn2, timeout=30).json()["decision"]) >= full,
+               timeout_s=10, what=f"the index matching turn 1's {full} blocks")
+    usage = httpx.post(gateway + "/v1/chat/completions", json=turn2, timeout=60).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= full * 16
