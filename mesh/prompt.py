@@ -248,7 +248,7 @@ class PromptProcessor:
             try:
                 text = render_chatml(source) if type(tok) is ByteTokenizer else tok.render_chat(source)
             except ChatTemplateError as exc:
-                raise bad_request(str(exc), "messages", "invalid_messages") from exc
+                text = _render_text_prefix(source, tok, exc)
         elif isinstance(source, str):
             text = source
         else:  # token ids, already range-checked
@@ -262,7 +262,7 @@ class PromptProcessor:
         return text, np.asarray(tok.encode(text), dtype=np.int64)
 
 
-def render_chatml(messages: list[Any]) -> str:
+def render_chatml(messages: list[Any], add_generation_prompt: bool = True) -> str:
     """``mesh.tokenizer.DEFAULT_CHAT_TEMPLATE`` (ChatML, the byte tokenizer's template) without Jinja.
 
     Jinja costs ~12 us per request, a measurable share of the gateway's per-request budget;
@@ -272,8 +272,35 @@ def render_chatml(messages: list[Any]) -> str:
     for m in messages:
         m = normalize_message(m)
         parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+
+def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError) -> str:
+    """The prompt text routed on when the messages carry a non-text part (an image, audio...).
+
+    The gateway cannot render what the engine makes of an image, but every message before the
+    first one with such a part renders (without the generation prompt) to a prefix of the
+    engine's prompt: route on that, and forward the request for the worker to accept or refuse
+    (a 400 here kept every multimodal request from a vLLM worker that serves images). Messages
+    without such a part that do not render are the client's error: the 400, as before.
+    """
+    first = next((i for i, m in enumerate(messages) if _has_non_text_part(m)), None)
+    if first is None:
+        raise bad_request(str(error), "messages", "invalid_messages") from error
+    head = messages[:first]
+    try:
+        return render_chatml(head, False) if type(tok) is ByteTokenizer else tok.render_chat(head, False)
+    except ChatTemplateError:  # e.g. a template that wants a user message last: route on load
+        return ""
+
+
+def _has_non_text_part(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] != "text" for p in content
+    )
 
 
 # -- body validation (pure functions) --

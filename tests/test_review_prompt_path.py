@@ -197,6 +197,26 @@ def test_a_huge_prompt_with_a_tokenizer_json_does_not_stall_the_event_loop(echo_
     assert answered_first, "the big prompt's reply came before 100 /health answers: the loop stalled"
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def test_an_image_part_is_routed_on_the_text_before_it_and_forwarded(echo_gateway: tuple[str, Path]) -> None:
+    """OpenAI's image_url part (vLLM serves it on a vision model): the gateway cannot render what
+    the engine makes of it, so it routes on the messages before it and lets the worker decide."""
+    url, tok_dir = echo_gateway
+    head = [{"role": "system", "content": "hello world the quick brown fox " * 4}]
+    messages = [*head, {"role": "user", "content": [{"type": "text", "text": "what is this?"}, IMAGE]}]
+    r = httpx.post(url + "/debug/route", json={"model": "m", "messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    tok = HFTokenizer(tok_dir)
+    expected = len(tok.encode(tok.render_chat(head, add_generation_prompt=False)))
+    assert r.json()["request"]["prompt_tokens"] == expected and r.json()["request"]["blocks"] == expected // 16
+    forwarded = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": messages}, timeout=30)
+    assert forwarded.headers.get("x-mesh-worker") == "e0"  # the worker's own answer (the echo worker refuses images)
+    malformed = {"model": "m", "messages": [{"role": "user", "content": [{"text": "no type"}]}]}  # still the 400
+    assert httpx.post(url + "/debug/route", json=malformed, timeout=30).status_code == 400
+
+
 # -- the gateway's tokens equal the bundled worker's, for every message shape --
 SHAPES: dict[str, list[dict[str, Any]]] = {
     "string": [{"role": "user", "content": "hello"}],
@@ -242,3 +262,14 @@ def test_gateway_tokens_equal_the_bundled_workers_and_turn_two_reuses_turn_one(b
                timeout_s=10, what=f"the index matching turn 1's {full} blocks")
     usage = httpx.post(gateway + "/v1/chat/completions", json=turn2, timeout=60).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= full * 16
+
+
+def test_an_image_turn_still_matches_the_text_turns_before_it(bundled: tuple[str, str]) -> None:
+    gateway, _ = bundled
+    text_turn = [{"role": "system", "content": "you look at pictures " * 3}, {"role": "user", "content": "ready?"}]
+    turn1 = {"model": "tiny", "messages": text_turn, "max_tokens": 2, "temperature": 0}
+    full = httpx.post(gateway + "/debug/route", json=turn1, timeout=30).json()["request"]["blocks"]
+    reply = httpx.post(gateway + "/v1/chat/completions", json=turn1, timeout=60).json()["choices"][0]["message"]
+    image_turn = {**turn1, "messages": [*text_turn, reply, {"role": "user", "content": [IMAGE]}]}
+    wait_until(lambda: _gpu_overlap(httpx.post(gateway + "/debug/route", json=image_turn, timeout=30).json()["decision"]) >= full,
+               timeout_s=10, what=f"the image turn matching the text turn's {full} blocks")
