@@ -188,7 +188,9 @@ class HFTokenizer:
         self.eos_token_id = self._special_id(config.get("eos_token"), fallback=self.vocab_size - 1)
         bos = config.get("bos_token")
         self.bos_token_id = self._special_id(bos, fallback=None) if bos else None
-        template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        # transformers (and so vLLM/SGLang) give chat_template.jinja priority over the config's entry;
+        # recent model directories ship only the file (without it a Llama model rendered as ChatML)
+        template = _read_text(file.parent / "chat_template.jinja") or config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         if isinstance(template, list):  # [{name, template}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         self._chat = ChatRenderer(template, bos_token=_token_text(bos), eos_token=_token_text(config.get("eos_token")))
@@ -237,6 +239,13 @@ def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token if isinstance(token, str) else None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

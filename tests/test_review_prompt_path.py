@@ -92,6 +92,21 @@ def test_text_parts_are_joined_with_a_newline_as_vllm_joins_them() -> None:
     assert normalize_message({"role": "user", "content": parts})["content"] == "first\nsecond"
 
 
+def test_a_chat_template_jinja_file_is_the_template_as_transformers_loads_it(tmp_path: Path) -> None:
+    """Model directories saved by recent transformers carry the template in chat_template.jinja
+    (it wins over tokenizer_config.json's entry): the gateway's ids equal apply_chat_template's."""
+    from transformers import AutoTokenizer
+
+    directory = build_tokenizer(tmp_path / "model", "{{ 'stale config template' }}")
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
+    messages = [{"role": "system", "content": "the quick brown fox"}, {"role": "user", "content": "hello world"}]
+    expected = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ours = HFTokenizer(directory)
+    assert ours.encode(ours.render_chat(messages)) == list(expected)
+
+
 # -- tokenization: the GIL-free path gives the same ids; session chains equal from-scratch keys --
 @settings(max_examples=60, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
