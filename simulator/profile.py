@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -277,11 +278,19 @@ def _validate(source: str, p: Profile) -> None:
         raise ProfileError(f"{source}: transfer costs must be >= 0")
 
 
+MAX_PROFILE_BYTES = 16 << 20
+
+
 def _from_file(path: Path) -> Profile:
     if not path.exists():
         known = ", ".join(BUILTIN)
         raise ProfileError(f"{path}: no such profile file (built-in profiles: {known})")
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # /dev/zero was read forever; a FIFO blocked forever
+            raise ProfileError(f"{path}: not a regular file")
+        if st.st_size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"{path}: {st.st_size:,} bytes, over the {MAX_PROFILE_BYTES:,} a profile may hold")
         text = path.read_text()
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None

@@ -27,9 +27,9 @@ Errors are ``TraceError`` with ``file:line`` (or ``file: $.json.path``), never a
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -153,8 +153,20 @@ def _scope_seed(namespace: str, scope: str) -> int:
 
 
 # ---------------------------------------------------------------------------- file reading
+# One trace file, read whole, at most this many bytes (on disk and once decompressed): a gzip bomb
+# (2 GiB of zeros in 2 MB) was inflated whole, and the machine ran out of memory.
+MAX_TRACE_BYTES = 1 << 30
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
+        st = path.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise TraceError(f"{path}: is a directory")
+        if not stat.S_ISREG(st.st_mode):  # /dev/zero was read forever; a FIFO blocked forever
+            raise TraceError(f"{path}: not a regular file")
+        if st.st_size > MAX_TRACE_BYTES:
+            raise TraceError(f"{path}: {st.st_size:,} bytes, over the {MAX_TRACE_BYTES:,} of one trace file: split it")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
@@ -163,13 +175,29 @@ def _read_bytes(path: Path) -> bytes:
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise TraceError(f"{path}: truncated or corrupt gzip data ({exc})") from None
+        raw = _gunzip(path, raw)
     if not raw.strip():
         raise TraceError(f"{path}: empty trace file")
     return raw
+
+
+def _gunzip(path: Path, raw: bytes) -> bytes:
+    """Every gzip member of ``raw``, inflated up to ``MAX_TRACE_BYTES`` (then a ``TraceError``)."""
+    out = bytearray()
+    data = raw
+    try:
+        while True:
+            d = zlib.decompressobj(31)
+            out += d.decompress(data, MAX_TRACE_BYTES + 1 - len(out))
+            if len(out) > MAX_TRACE_BYTES:
+                raise TraceError(f"{path}: decompresses to over {MAX_TRACE_BYTES:,} bytes (a gzip bomb, or split it)")
+            if not d.eof:
+                raise TraceError(f"{path}: truncated or corrupt gzip data (end of stream not reached)")
+            data = d.unused_data
+            if not data.strip(b"\0"):  # nothing but padding left (else: the next gzip member)
+                return bytes(out)
+    except zlib.error as exc:
+        raise TraceError(f"{path}: truncated or corrupt gzip data ({exc})") from None
 
 
 def _lines(raw: bytes) -> Iterator[tuple[int, bytes]]:

@@ -106,3 +106,46 @@ def test_up_refuses_a_port_in_use_before_starting_any_worker() -> None:
         port = busy.getsockname()[1]
         proc = mesh_cmd("up", "--engine", "echo", "--port", str(port))
     assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}")
+
+
+# -- trace and profile files that are not files, or explode --
+def test_a_gzip_bomb_trace_is_refused_without_inflating_it(tmp_path: Path) -> None:
+    # 2 GiB of zeros in a ~2 MB .gz: gzip.decompress inflated it whole (then the next copy, and
+    # the split into lines): the machine ran out of memory instead of an error line.
+    import zlib
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = b"\0" * (1 << 24)
+    with bomb.open("wb") as f:
+        for _ in range(128):
+            f.write(comp.compress(zeros))
+        f.write(comp.flush())
+    proc = subprocess.run(["prlimit", f"--as={3 << 30}", sys.executable, "-m", "mesh", "simulate", str(bomb), "--quiet"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert_one_line_error(proc, "decompresses to over")
+
+
+def test_a_multi_member_gzip_trace_still_loads(tmp_path: Path) -> None:
+    import gzip
+
+    lines = TRACE.read_bytes().splitlines(keepends=True)
+    gz = tmp_path / "two.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"".join(lines[:4])) + gzip.compress(b"".join(lines[4:])))
+    proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", str(gz), "--quiet", "--policy", "round_robin"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["trace", "--profile"])
+def test_a_device_or_fifo_is_not_read_forever(flag: str, tmp_path: Path) -> None:
+    # /dev/zero was read until memory ran out; a FIFO with no writer blocked forever
+    import os
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        args = [path] if flag == "trace" else [str(TRACE), "--profile", path]
+        proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", *args, "--quiet"],
+                              capture_output=True, text=True, timeout=30, cwd=ROOT)
+        assert_one_line_error(proc, "not a regular file")
