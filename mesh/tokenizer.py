@@ -29,6 +29,7 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GIL_FREE_CHARS = 8192  # texts at least this long are encoded with the GIL released
 
 
@@ -193,7 +194,10 @@ class HFTokenizer:
         template = _read_text(file.parent / "chat_template.jinja") or config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         if isinstance(template, list):  # [{name, template}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        self._chat = ChatRenderer(template, bos_token=_token_text(bos), eos_token=_token_text(config.get("eos_token")))
+        # as transformers passes them: every special token the config names; an absent or null one
+        # stays undefined (rendered "", where a None rendered "None")
+        special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        self._chat = ChatRenderer(template, **{k: v for k, v in special.items() if v is not None})
 
     def _special_id(self, token: Any, fallback: int | None) -> Any:
         text = _token_text(token)

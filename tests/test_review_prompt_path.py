@@ -107,6 +107,19 @@ def test_a_chat_template_jinja_file_is_the_template_as_transformers_loads_it(tmp
     assert ours.encode(ours.render_chat(messages)) == list(expected)
 
 
+def test_special_tokens_reach_the_template_as_transformers_passes_them(tmp_path: Path) -> None:
+    """A null bos_token (Qwen's configs) rendered "None" into the prompt; pad/unk were missing."""
+    from transformers import AutoTokenizer
+
+    directory = build_tokenizer(tmp_path / "model")
+    template = "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    config = {"chat_template": template, "bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hello"}]
+    expected = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(messages, tokenize=False)
+    assert HFTokenizer(directory).render_chat(messages) == expected
+
+
 # -- tokenization: the GIL-free path gives the same ids; session chains equal from-scratch keys --
 @settings(max_examples=60, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
