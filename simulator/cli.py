@@ -198,17 +198,40 @@ def check_report_path(flag: str, path: str) -> None:
     which can take hours: a typo'd path used to fail only after it). Creates nothing."""
     from simulator.engine import SimulationError
 
-    target = Path(path)
-    parent = target.parent
-    why = None
-    if target.is_dir():
-        why = "it is a directory"
-    elif not parent.is_dir():
-        why = f"no such directory {str(parent)!r}"
-    elif not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        why = "permission denied"
+    why = write_problem(path)
     if why is not None:
         raise SimulationError(f"cannot write {flag} report to {path}: {why}")
+
+
+def write_problem(path: str) -> str | None:
+    """Why a file could not be written at ``path`` (None: it could); creates nothing."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        return "it is a directory"
+    if not parent.is_dir():
+        return f"no such directory {str(parent)!r}"
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "permission denied"
+    return None
+
+
+def calibrate_args_problem(args: argparse.Namespace) -> str | None:
+    """The first bad ``mesh calibrate`` flag, found before any measurement (they take minutes on a
+    GPU endpoint; --out was only tried at the end, and 0 or negative counts were clamped or written
+    into the profile silently)."""
+    import math
+
+    at_least = {"--repeats": (args.repeats, 1), "--max-prompt": (args.max_prompt, 16), "--max-batch": (args.max_batch, 1),
+                "--ttft-max-tokens": (args.ttft_max_tokens, 1), "--token-ids": (args.token_ids, 2),
+                "--kv-blocks": (args.kv_blocks, 0), "--block-size": (args.block_size, 1)}
+    for flag, (value, low) in at_least.items():
+        if value is not None and value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
+    why = write_problem(args.out)
+    return None if why is None else f"cannot write the profile to {args.out}: {why}"
 
 
 def _unique(labels: list[str]) -> list[str]:
@@ -237,6 +260,9 @@ def _run_one(trace: Any, spec: Any, config: Any, label: str, console: Any, quiet
 def run_calibrate(args: argparse.Namespace) -> int:
     from simulator.calibrate import CalibrationError, calibrate
 
+    problem = calibrate_args_problem(args)
+    if problem is not None:
+        return _fail("calibrate", problem)
     try:
         calibrate(args)
     except CalibrationError as exc:

@@ -144,3 +144,21 @@ def test_a_device_or_fifo_is_not_read_forever(flag: str, tmp_path: Path) -> None
         proc = subprocess.run([sys.executable, "-m", "mesh", "simulate", *args, "--quiet"],
                               capture_output=True, text=True, timeout=30, cwd=ROOT)
         assert_one_line_error(proc, "not a regular file")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "/"], "cannot write the profile to /: it is a directory"),
+    (["--out", "/nonexistent/dir/p.yaml"], "no such directory"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--kv-blocks", "-5"], "--kv-blocks must be >= 0"),
+    (["--timeout", "0"], "--timeout must be a finite number"),
+    (["--token-ids", "1"], "--token-ids must be >= 2"),
+])
+def test_calibrate_checks_its_flags_before_measuring(args: list[str], message: str, tmp_path: Path) -> None:
+    # The endpoint does not exist: an error about the flag (not the endpoint) proves it came first.
+    # --out used to be tried after all the measurements (minutes on a GPU endpoint); the counts
+    # were clamped or written into the profile silently (--kv-blocks -5: a profile that won't load).
+    out = ["--out", str(tmp_path / "p.yaml")] if "--out" not in args else []
+    proc = mesh_cmd("calibrate", "--url", "http://127.0.0.1:9", "--quick", *out, *args)
+    assert_one_line_error(proc, message)
