@@ -208,6 +208,9 @@ class PrefixIndex:
                             heappush(self._lru, (stamp_a[p], p))
                     else:
                         self._del_kid(p, n)
+                        if budget:  # a parent keeps its subtree's recency for when it is a leaf
+                            stamp_a = self._stamp
+                            stamp_a[p] = max(stamp_a[p], stamp_a[n])
                 elif p == EMPTY:
                     self._orphans.discard(n)
                 free.append(n)
@@ -424,6 +427,9 @@ class PrefixIndex:
                             heappush(self._lru, (stamp_a[p], p))
                     else:
                         self._del_kid(p, n)
+                        if budget:  # a parent keeps its subtree's recency for when it is a leaf
+                            stamp_a = self._stamp
+                            stamp_a[p] = max(stamp_a[p], stamp_a[n])
                 elif p == EMPTY:
                     self._orphans.discard(n)
                 free.append(n)
@@ -964,6 +970,9 @@ class PrefixIndex:
                         heappush(self._lru, (stamp_a[p], p))
                 else:
                     self._del_kid(p, top)
+                    if budget:  # a parent keeps its subtree's recency for when it is a leaf
+                        stamp_a = self._stamp
+                        stamp_a[p] = max(stamp_a[p], max(map(stamp_a.__getitem__, nids)))
             elif p == EMPTY:
                 self._orphans.discard(top)
         return True
@@ -1040,9 +1049,10 @@ class PrefixIndex:
             self._free_node(n)
             if parent <= ROOT:
                 return
-            if self._kid[parent] == 0 and self.max_keys:
+            if self.max_keys:  # the parent inherits the recency (kept until it is a leaf)
                 self._stamp[parent] = max(self._stamp[parent], stamp)
-                heappush(self._lru, (self._stamp[parent], parent))
+                if self._kid[parent] == 0:
+                    heappush(self._lru, (self._stamp[parent], parent))
             n = parent
 
     # ------------------------------------------------------------------ budget
