@@ -114,10 +114,19 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 def normalize_message(message: Any) -> dict[str, Any]:
-    """A message with string content: text parts joined with "\\n" (as vLLM joins them for a
-    string-content template), other parts rejected."""
+    """The message a chat template sees, built as vLLM builds it (``_parse_chat_message_content``
+    and ``_postprocess_messages`` in ``vllm/entrypoints/chat_utils``), so that a template renders
+    the engine's prompt:
+
+    - content: a string; text parts joined with "\\n"; other parts rejected; null is "";
+    - role, content, and only: ``tool_calls`` (assistant, when not null; a JSON-string
+      ``arguments`` parsed to an object, a missing/empty one ``{}``, an empty list dropped),
+      ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``), ``tool_call_id`` (tool),
+      ``name`` (when a string), ``tools`` (developer).
+    """
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError("each message must be an object with a string 'role'")
+    role = message["role"]
     content = message.get("content")
     if content is None:
         content = ""
@@ -130,7 +139,52 @@ def normalize_message(message: Any) -> dict[str, Any]:
         content = "\n".join(texts)
     elif not isinstance(content, str):
         raise ChatTemplateError("message 'content' must be a string or a list of text parts")
-    return {**message, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    if len(message) == 2:  # the common case: role and content only
+        return out
+    if role == "assistant":
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            tool_calls = _template_tool_calls(tool_calls)
+            if tool_calls is not None:
+                out["tool_calls"] = tool_calls
+        reasoning = message.get("reasoning")
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    name = message.get("name")
+    if isinstance(name, str):
+        out["name"] = name
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _template_tool_calls(tool_calls: Any) -> Any:
+    """vLLM's tool-call rewrite (templates expect ``arguments`` as an object); the client's
+    objects are copied, never changed. None when the list is empty (the plain assistant path)."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    if not tool_calls:
+        return None
+    out = []
+    for item in tool_calls:
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict):
+            raise ChatTemplateError("each tool call must be an object with a 'function' object")
+        arguments = function.get("arguments")
+        if not arguments:
+            arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            if not isinstance(arguments, str):
+                raise ChatTemplateError("a tool call's 'arguments' must be a JSON string")
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                raise ChatTemplateError(f"a tool call's 'arguments' is not valid JSON: {exc}") from exc
+        out.append({**item, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def _raise_template_error(message: str) -> None:

@@ -27,7 +27,7 @@ from mesh.config import WorkerConfig, parse_config
 from mesh.keys import block_keys, namespace_seed
 from mesh.prompt import PromptProcessor
 from mesh.registry import WorkerRegistry
-from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, HFTokenizer, normalize_message
+from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, ChatTemplateError, HFTokenizer, normalize_message
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until
 
@@ -36,8 +36,9 @@ CHATML = (
     "{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function | tojson }}</tool_call>{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# a Llama-3.1-like line: string concatenation with a client field ("name": null is a TypeError)
-CONCAT = "{% for m in messages %}{{ '<' + m.role + (('|' + m.name) if 'name' in m else '') + '>' + m.content }}{% endfor %}"
+# a Llama-3.1-like line: string concatenation with a client field ("tool_call_id": null is a TypeError)
+CONCAT = ("{% for m in messages %}{{ '<' + m.role + (('|' + m.tool_call_id) if 'tool_call_id' in m else '') + '>'"
+          " + m.content }}{% endfor %}")
 
 
 def build_tokenizer(directory: Path, template: str = CHATML) -> Path:
@@ -120,6 +121,32 @@ def test_special_tokens_reach_the_template_as_transformers_passes_them(tmp_path:
     assert HFTokenizer(directory).render_chat(messages) == expected
 
 
+def test_messages_reach_the_template_as_vllm_builds_them() -> None:
+    """vLLM (chat_utils ``_parse_chat_message_content`` + ``_postprocess_messages``) hands the
+    template a rebuilt message: tool-call ``arguments`` parsed from their JSON string, only the
+    known fields. A Qwen2.5-style ``tool_call.arguments | tojson`` rendered the string quoted and
+    escaped, so every agent turn after a tool call diverged from the engine's prompt."""
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for tc in m.tool_calls or [] %}"
+                "<{{ tc.function.name }} {{ tc.function.arguments | tojson }}>{% endfor %}"
+                "{{ m | length }}{{ m.name is defined }}\n{% endfor %}")
+    messages = [
+        {"role": "user", "content": "hi", "name": None, "cache_control": {"type": "ephemeral"}},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "t", "arguments": ""}}]},
+        {"role": "assistant", "content": "ok", "tool_calls": []},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny", "name": "w"},
+    ]
+    before = json.dumps(messages)
+    expected = ('user:hi2False\nassistant:<w {"city": "Paris"}><t {}>3False\nassistant:ok2False\n'
+                "tool:sunny4True\n")
+    assert ChatRenderer(template).render(messages, add_generation_prompt=False) == expected
+    assert json.dumps(messages) == before  # the client's objects are not changed
+    bad = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}]
+    with pytest.raises(ChatTemplateError, match="not valid JSON"):
+        ChatRenderer(template).render(bad)
+
+
 # -- tokenization: the GIL-free path gives the same ids; session chains equal from-scratch keys --
 @settings(max_examples=60, deadline=None)
 @given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30))
@@ -182,13 +209,13 @@ def echo_gateway(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFa
 
 def test_a_template_that_raises_on_client_data_is_a_400_not_a_500(echo_gateway: tuple[str, Path]) -> None:
     url, _ = echo_gateway
-    bad = {"model": "m", "messages": [{"role": "user", "name": None, "content": "hi"}], "max_tokens": 2}
+    bad = {"model": "m", "messages": [{"role": "tool", "tool_call_id": None, "content": "hi"}], "max_tokens": 2}
     for path in ("/debug/route", "/v1/chat/completions"):
         r = httpx.post(url + path, json=bad, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "invalid_messages" and "TypeError" in err["message"] and err["param"] == "messages"
-    good = {"model": "m", "messages": [{"role": "user", "name": "ann", "content": "hi"}], "max_tokens": 2}
+    good = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "c1", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(url + "/v1/chat/completions", json=good, timeout=30).status_code == 200
 
 
