@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import mesh.index
 from mesh.index import PrefixIndex
 from mesh.keys import block_keys, namespace_seed
 from policies.base import Overlap, Tier
@@ -524,3 +525,35 @@ def test_an_engine_removal_below_a_shared_prefix_keeps_the_prefix_recency(bulk: 
     keys = block_keys(prefix, 2, NS)
     assert index.match(keys) == {"w": Overlap(1, 0)}
     assert index.match(block_keys(other, 2, NS)) == {}
+
+
+# ------------------------------------------------------------------------ the random sequences
+@pytest.fixture(params=[16, 3], ids=["bulk_at_16", "bulk_at_3"])
+def bulk_min(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The default bulk threshold (the 20-block system prompt and long sessions reach it), and a
+    low one so that most events take _join_run, _drop_tail and the recycled-nid runs."""
+    monkeypatch.setattr(mesh.index, "_BULK_MIN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_engine_events_match_the_model_exactly(seed: int, bulk_min: int) -> None:
+    run_exact(seed, ["a", "b", "c", "d"], 300, scrub_budget=4096 if seed % 2 else 7)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_engine_events_over_more_than_64_targets_match_the_model(seed: int, bulk_min: int) -> None:
+    run_exact(seed, [f"w{i}@{i % 3}" for i in range(90)], 900, every=3, scrub_budget=64)
+
+
+def test_engine_events_over_more_than_1024_slots_match_the_model(bulk_min: int) -> None:
+    """Cleared targets leave their slots dying until a scrub pass: fresh ones come from the top,
+    then the scrubbed ones are reused."""
+    w = run_exact(5, [f"w{i}" for i in range(1500)], 9000, every=50)
+    assert len(w.index._tids) > 1024  # slots handed out: masks of several 64-bit words
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_engine_events_under_a_key_budget_never_overclaim(seed: int, bulk_min: int) -> None:
+    w = run_bounded(seed, ["a", "b", "c", "d"], 300, max_keys=25 + 10 * (seed % 4))
+    assert w.index.evicted > 0
