@@ -157,6 +157,16 @@ def test_long_texts_encode_to_the_same_ids(tok_dir: Path, piece: str) -> None:
     assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=60))
+def test_streamed_text_equals_the_decoded_text(tok_dir: Path, text: str) -> None:
+    """The worker's stream decoder (incremental, with offsets) emits exactly decode(all ids)."""
+    tok = HFTokenizer(tok_dir)
+    ids = tok.encode(text + " the quick brown fox")
+    decoder = tok.stream_decoder()
+    assert "".join(decoder.push(i) for i in ids) == tok.decode(ids)
+
+
 def _processor(tok_dir: Path, block_size: int = 4) -> PromptProcessor:
     reg = WorkerRegistry(parse_config({}))
     reg.add(WorkerConfig(name="w", url="http://h:1", models=["m", "m2"], block_size=block_size,
