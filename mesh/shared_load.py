@@ -14,7 +14,10 @@ and moves a target's fields by deltas (``t.in_flight += new - old``), so for eve
 goes negative. A failed or skipped round (Redis down, timeout, back-off) withdraws every applied
 remote part at once (local-only load) and counts ``op="load"``; so does stopping. A target that
 leaves the registry (or is replaced under the same id) has its remote part taken off its old
-state and forgotten; remote ids this replica does not route to are ignored.
+state and forgotten; remote ids this replica does not route to are ignored (not even read: HMGET
+of this replica's targets). A round's work is bounded whatever Redis holds: at most ``MAX_PEERS``
+peers (the most recently seen), members dated over ``PRUNE_MEMBERS_MS`` ahead are pruned like
+those as far behind, and a peer key of another type is skipped (``bad_peers``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ Load = tuple[int, int, int]  # (in_flight, prefill_tokens, decode_tokens)
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_tokens")
 ZERO: Load = (0, 0, 0)
 PRUNE_MEMBERS_MS = 60_000  # a replica silent this long leaves the member set (its hash left long before)
+MAX_PEERS = 256  # other replicas read per round (the most recently seen): a round's work stays bounded
 
 
 class SharedLoad:
@@ -106,18 +110,22 @@ class SharedLoad:
             pipe.pexpire(self.key, self.ttl_ms)
             pipe.zadd(self.members_key, {self.replica_id: now_ms})
             pipe.zremrangebyscore(self.members_key, "-inf", now_ms - PRUNE_MEMBERS_MS)
-            pipe.zrange(self.members_key, 0, -1)
+            # Dated over a minute ahead: no live replica (the rule above already assumes clocks
+            # within a minute); such an entry was never pruned.
+            pipe.zremrangebyscore(self.members_key, f"({now_ms + PRUNE_MEMBERS_MS}", "+inf")
+            pipe.zrevrangebyscore(self.members_key, "+inf", "-inf", start=0, num=MAX_PEERS + 1)  # the newest
             members = (await pipe.execute())[-1]
-        peers = [m for m in members if m != self.replica_id]
+        peers = [m for m in members if m != self.replica_id][:MAX_PEERS]
         if not peers:
             self.peers = 0
             return {}
+        fields = ["_", *self.targets]  # only the targets routed here: a peer's hash may be huge
         async with redis.pipeline(transaction=False) as pipe:
             for m in peers:
-                pipe.hgetall(self.key_of(m))
+                pipe.hmget(self.key_of(m), fields)
             # One peer key holding another type (WRONGTYPE) is skipped, not the whole round's error.
             answers = await pipe.execute(raise_on_error=False)
-        hashes = [h for h in answers if isinstance(h, dict)]
+        hashes = [{f: v for f, v in zip(fields, a) if v is not None} for a in answers if isinstance(a, list)]
         self.bad_peers = len(answers) - len(hashes)
         self.peers = sum(1 for h in hashes if h)
         return sum_loads(hashes)

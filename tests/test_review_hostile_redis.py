@@ -80,15 +80,15 @@ def test_a_wrong_type_load_key_does_not_stop_session_sharing(gateway: tuple) -> 
 
 def test_a_peer_whose_load_key_is_not_a_hash_does_not_hide_the_other_peers(gateway: tuple) -> None:
     # One bad entry in the replica set (a member whose key holds a string) failed the whole round:
-    # no remote load at all, every 0.1 s, for as long as the entry stayed (a future score: forever).
+    # no remote load at all, every 0.1 s, for as long as the entry stayed.
     http, srv = gateway
-    future = int(time.time() * 1000) + 10**9
     with srv.client() as c:
-        c.zadd(PREFIX + "load:replicas", {"bad-peer": future, "good-peer": future})
         c.set(PREFIX + "load:bad-peer", "not a hash")
     try:
         def good_peer_seen() -> bool:
-            with srv.client() as c:  # a live peer refreshes its hash every round
+            with srv.client() as c:  # live entries are refreshed, as a replica does every round
+                now_ms = int(time.time() * 1000)
+                c.zadd(PREFIX + "load:replicas", {"bad-peer": now_ms, "good-peer": now_ms})
                 c.hset(PREFIX + "load:good-peer", mapping={"_": "1", "e0": "3 0 0"})
                 c.pexpire(PREFIX + "load:good-peer", 2000)
             return metric(http, "mesh_remote_in_flight", '{target="e0"}') == 3
@@ -141,3 +141,27 @@ def _stall(srv: RedisServer, seconds: float) -> None:
     with srv.client() as c:
         c.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
     time.sleep(seconds)
+
+
+def test_a_flood_of_future_dated_replica_entries_is_pruned_and_peers_still_read(gateway: tuple) -> None:
+    # Entries dated in the future were never pruned, and every round read every member's whole
+    # hash: junk in the replica set grew each round's work for good.
+    http, srv = gateway
+    future = int(time.time() * 1000) + 10**9
+    with srv.client() as c:
+        c.zadd(PREFIX + "load:replicas", {f"junk-{i}": future for i in range(2000)})
+    try:
+        def pruned_and_peer_seen() -> bool:
+            with srv.client() as c:
+                c.zadd(PREFIX + "load:replicas", {"good-peer": int(time.time() * 1000)})
+                c.hset(PREFIX + "load:good-peer", mapping={"_": "1", "e1": "2 0 0", **{f"x{i}": "1 1 1" for i in range(50)}})
+                c.pexpire(PREFIX + "load:good-peer", 2000)
+                junk = c.zcount(PREFIX + "load:replicas", future, future)
+            return junk == 0 and metric(http, "mesh_remote_in_flight", '{target="e1"}') == 2
+
+        wait_until(pruned_and_peer_seen, timeout_s=5, what="future entries pruned and the live peer read")
+    finally:
+        with srv.client() as c:
+            c.zrem(PREFIX + "load:replicas", "good-peer", *[f"junk-{i}" for i in range(2000)])
+            c.delete(PREFIX + "load:good-peer")
+    wait_until(lambda: metric(http, "mesh_remote_in_flight", '{target="e1"}') == 0, what="the peer's load gone")

@@ -443,7 +443,9 @@ def test_with_redis_down_both_replicas_answer_locally_and_count_errors_then_shar
         assert sum(errors.values()) > errors_before and all(v > 0 for v in errors.values()), errors
     finally:
         replicas.server.start()  # same port, empty: nothing was persisted
-    assert replicas.shared("down-1") is None
+    # Empty, unless A's retry of the writes that failed during the outage already landed (they are
+    # queued again and retried, not dropped).
+    assert replicas.shared("down-1") in (None, worker)
     # Sharing heals: A's next use writes its local binding back (after its short back-off).
     wait_until(lambda: replicas.a.chat("down-1") == worker and replicas.shared("down-1") == worker,
                what="A writing its binding to the restarted Redis")
