@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from policies.base import RequestInfo
 MAX_SESSION_ID_BYTES = 256
 MAX_MODEL_CHARS = 256
 MAX_CACHED_SALT_CHARS = 256
+TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again for this long
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
 
 _decode = msgspec.json.Decoder().decode
@@ -109,6 +111,9 @@ class PromptProcessor:
         self.registry = registry
         self.chains = chain_cache or ChainCache()
         self._tokenizers: dict[str | None, Any] = {}
+        self._load_failures: dict[str | None, tuple[float, str]] = {}  # spec -> (when, message)
+        self._load_lock = threading.Lock()
+        self.clock = time.monotonic
         self._pools: dict[str, Namespace | None] = {}  # per requested model name, for one registry version
         self._pools_version = -1
         self._seeds: dict[tuple[str, str | None, str | None], int] = {}  # (base, adapter, salt), bounded
@@ -219,13 +224,32 @@ class PromptProcessor:
         return fallback
 
     def tokenizer(self, spec: str | None) -> Any:
+        """The loaded tokenizer of ``spec``; MeshError 503 when it cannot be loaded.
+
+        A failed load is remembered for ``TOKENIZER_RETRY_S``: loading holds the GIL (an 18 MB
+        tokenizer.json cut short took 59 ms to refuse), and every request for the model retried
+        it, stalling the event loop and every other model's requests once per request. One load
+        at a time (requests hashed in executor threads would each parse the same file)."""
         tok = self._tokenizers.get(spec)
-        if tok is None:
+        if tok is not None:
+            return tok
+        with self._load_lock:
+            tok = self._tokenizers.get(spec)
+            if tok is not None:
+                return tok
+            now = self.clock()
+            failed = self._load_failures.get(spec)
+            if failed is not None and now - failed[0] < TOKENIZER_RETRY_S:
+                raise MeshError(503, failed[1], code="tokenizer_unavailable")
             try:
-                tok = self._tokenizers[spec] = load_tokenizer(spec)
+                tok = load_tokenizer(spec)
             except Exception as exc:
-                raise MeshError(503, f"cannot load tokenizer {spec!r}: {exc}", code="tokenizer_unavailable") from exc
-        return tok
+                message = f"cannot load tokenizer {spec!r}: {exc}"
+                self._load_failures[spec] = (now, message)
+                raise MeshError(503, message, code="tokenizer_unavailable") from exc
+            self._load_failures.pop(spec, None)
+            self._tokenizers[spec] = tok
+            return tok
 
     # -- tokens and keys (runs on the loop or in a thread) --
     def _prepare(

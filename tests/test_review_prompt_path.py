@@ -24,10 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh.config import WorkerConfig, parse_config
+from mesh.errors import MeshError
 from mesh.keys import block_keys, namespace_seed
-from mesh.prompt import PromptProcessor
+from mesh.prompt import TOKENIZER_RETRY_S, PromptProcessor
 from mesh.registry import WorkerRegistry
-from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, ChatTemplateError, HFTokenizer, normalize_message
+from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, ChatTemplateError, HFTokenizer, load_tokenizer, normalize_message
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until
 
@@ -196,6 +197,37 @@ async def test_session_chains_equal_from_scratch_keys_with_a_bpe_tokenizer(tok_d
         fresh = tok.encode(tok.render_chat(messages))
         assert parsed.info.prompt_tokens == len(fresh)
         assert list(parsed.info.block_keys) == block_keys(fresh, 4, namespace_seed(model))
+
+
+async def test_a_tokenizer_that_fails_to_load_is_not_reloaded_by_every_request(tmp_path: Path, tok_dir: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import mesh.prompt
+
+    broken = tmp_path / "tokenizer.json"
+    good = (tok_dir / "tokenizer.json").read_text()
+    broken.write_text(good[:-50])  # cut short, as a copy caught halfway
+    loads: list[str | None] = []
+
+    def counting_load(spec: str | None) -> Any:
+        loads.append(spec)
+        return load_tokenizer(spec)
+
+    monkeypatch.setattr(mesh.prompt, "load_tokenizer", counting_load)
+    reg = WorkerRegistry(parse_config({}))
+    reg.add(WorkerConfig(name="w", url="http://h:1", models=["m"], tokenizer=str(broken)))
+    p = PromptProcessor(reg)
+    now = [100.0]
+    p.clock = lambda: now[0]
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    for _ in range(5):
+        with pytest.raises(MeshError) as err:
+            await p.process(raw, "chat", None)
+        assert err.value.status == 503 and err.value.code == "tokenizer_unavailable"
+    assert len(loads) == 1
+    broken.write_text(good)  # repaired: used once the retry interval has passed
+    now[0] += TOKENIZER_RETRY_S + 1
+    assert (await p.process(raw, "chat", None)).info.prompt_tokens > 0
+    assert len(loads) == 2
 
 
 # -- through a real gateway --
