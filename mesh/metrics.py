@@ -47,6 +47,21 @@ def _policy_fallbacks() -> list[Metric]:
     return [fam]
 
 
+def _remove_where(metric: Counter, label: str, values: set[str]) -> None:
+    """Remove every child of ``metric`` whose ``label`` is in ``values`` (public API only)."""
+    names = list(metric._labelnames)  # noqa: SLF001  (the names it was built with)
+    doomed = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.labels.get(label) in values:
+                doomed.add(tuple(sample.labels[n] for n in names))
+    for labelvalues in doomed:
+        try:
+            metric.remove(*labelvalues)
+        except KeyError:
+            pass
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -111,6 +126,22 @@ class Metrics:
         if child is None:
             child = self._children[(route, status)] = self.requests_total.labels(route, str(status))
         child.inc()
+
+    # -- registry listener (``registry.add_listener(metrics)``): a removed worker's series leave --
+    # Only the series written through ``.labels()`` at each use; ``mesh_prefix_*_tokens_total``
+    # children are cached by the proxy per target, so removing them would orphan its cache.
+    def on_worker_added(self, worker: object) -> None:
+        return None
+
+    def on_worker_removed(self, worker: object) -> None:
+        self.on_workers_removed([worker])
+
+    def on_workers_removed(self, workers: Iterable[object]) -> None:
+        """Drop every series labelled with a removed worker: an autoscaler that names workers after
+        pods (a new name each time) grew the registry by a few series per pod, for good."""
+        names = {str(getattr(w, "name", w)) for w in workers}
+        for metric in (self.health_checks_total, self.upstream_errors_total):
+            _remove_where(metric, "worker", names)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
