@@ -236,6 +236,10 @@ class HFTokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         self._tok = _HF.from_file(str(file))
+        # a tokenizer.json may be saved with truncation/padding on (max_length 512...): transformers,
+        # hence vLLM, turns both off per call; left on, every prompt was cut or padded to that length
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         self.name = str(file)
         config = _read_json(file.parent / "tokenizer_config.json")

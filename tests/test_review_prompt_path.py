@@ -42,7 +42,7 @@ CONCAT = ("{% for m in messages %}{{ '<' + m.role + (('|' + m.tool_call_id) if '
           " + m.content }}{% endfor %}")
 
 
-def build_tokenizer(directory: Path, template: str = CHATML) -> Path:
+def build_tokenizer(directory: Path, template: str = CHATML, saved_limits: bool = False) -> Path:
     """A small byte-level BPE ``tokenizer.json`` (merges cross word and turn boundaries) + config."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -54,6 +54,9 @@ def build_tokenizer(directory: Path, template: str = CHATML) -> Path:
                                   special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     corpus = ["hello world the quick brown fox jumps over the lazy dog user assistant system tool\n\n  "] * 20
     tok.train_from_iterator(corpus, trainer)
+    if saved_limits:  # as some exported tokenizers are saved: transformers ignores both unless asked
+        tok.enable_truncation(8)
+        tok.enable_padding(length=12, pad_id=2, pad_token="<|endoftext|>")
     tok.save(str(directory / "tokenizer.json"))
     config = {"chat_template": template, "eos_token": "<|endoftext|>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
@@ -243,7 +246,7 @@ def _gateway(procs: ProcessGroup, tmp: Path, workers: list[dict[str, Any]]) -> s
 def echo_gateway(module_procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A gateway over one echo worker, tokenizing with a BPE tokenizer.json whose template concatenates."""
     tmp = tmp_path_factory.mktemp("echo-gw")
-    tok_dir = build_tokenizer(tmp / "tok", CONCAT)
+    tok_dir = build_tokenizer(tmp / "tok", CONCAT, saved_limits=True)
     echo = module_procs.echo_worker("e0", "--model", "m")
     url = _gateway(module_procs, tmp, [{"name": "e0", "url": echo.url, "tokenizer": str(tok_dir), "models": ["m"]}])
     yield url, tok_dir
@@ -259,6 +262,21 @@ def test_a_template_that_raises_on_client_data_is_a_400_not_a_500(echo_gateway: 
         assert err["code"] == "invalid_messages" and "TypeError" in err["message"] and err["param"] == "messages"
     good = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "c1", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(url + "/v1/chat/completions", json=good, timeout=30).status_code == 200
+
+
+def test_a_tokenizer_json_saved_with_truncation_and_padding_counts_every_token(echo_gateway: tuple[str, Path]) -> None:
+    """The gateway's tokenizer.json was saved with truncation at 8 and padding to 12: transformers
+    (vLLM) encodes the whole prompt; the gateway cut every prompt to 8-12 tokens (one key for
+    every prompt, and max_prompt_tokens never reached)."""
+    from transformers import AutoTokenizer
+
+    url, tok_dir = echo_gateway
+    messages = [{"role": "user", "content": "hello world the quick brown fox " * 20}]
+    rendered = HFTokenizer(tok_dir).render_chat(messages)
+    expected = len(AutoTokenizer.from_pretrained(str(tok_dir)).encode(rendered, add_special_tokens=False))
+    r = httpx.post(url + "/debug/route", json={"model": "m", "messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["request"]["prompt_tokens"] == expected > 100
 
 
 def test_a_huge_prompt_with_a_tokenizer_json_does_not_stall_the_event_loop(echo_gateway: tuple[str, Path]) -> None:
