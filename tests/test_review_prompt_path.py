@@ -200,6 +200,11 @@ async def test_session_chains_equal_from_scratch_keys_with_a_bpe_tokenizer(tok_d
         fresh = tok.encode(tok.render_chat(messages))
         assert parsed.info.prompt_tokens == len(fresh)
         assert list(parsed.info.block_keys) == block_keys(fresh, 4, namespace_seed(model))
+        # a completion session: raw text extended turn by turn, BPE merging across the boundary
+        prompt = "".join(m["content"] for m in messages)
+        raw = json.dumps({"model": model, "prompt": prompt, "user": "text-session"}).encode()
+        parsed = await p.process(raw, "completion", None)
+        assert list(parsed.info.block_keys) == block_keys(tok.encode(prompt), 4, namespace_seed(model))
 
 
 async def test_a_tokenizer_that_fails_to_load_is_not_reloaded_by_every_request(tmp_path: Path, tok_dir: Path,
