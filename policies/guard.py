@@ -61,7 +61,7 @@ class GuardedPolicy(Policy):
             decision = self.plugin.decide(request, cluster)
         except NoCandidate:
             raise
-        except Exception as exc:  # the plugin's bug, whatever it is
+        except (Exception, SystemExit) as exc:  # the plugin's bug, whatever it is (sys.exit: a 500)
             return self._fall_back("raised", f"{type(exc).__name__}: {str(exc)[:200]}", request, cluster)
         if not isinstance(decision, Decision):
             return self._fall_back("not_a_decision", f"returned {type(decision).__name__}", request, cluster)
@@ -92,7 +92,7 @@ class GuardedPolicy(Policy):
             return
         try:
             hook(request, target, now)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             _count("hook_raised", self.label, f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
 
     def describe(self) -> dict[str, Any]:

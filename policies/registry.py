@@ -54,7 +54,7 @@ def resolve(kind: str, name: str) -> type:
         if ep.name == name:
             try:
                 return ep.load()
-            except Exception as exc:  # a broken third-party plugin must not crash the gateway
+            except (Exception, SystemExit) as exc:  # a broken third-party plugin must not crash the gateway
                 raise PluginError(f"{kind} {name!r}: entry point failed to load: {exc}") from exc
     known = ", ".join(sorted(_REGISTRY[kind])) or "none"
     raise PluginError(f"unknown {kind} {name!r} (built-in: {known}; or use module:Class)")
@@ -81,6 +81,8 @@ def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
         raise
     except (TypeError, ValueError) as exc:
         raise PluginError(f"{kind} {name!r}: bad parameters {params}: {exc}") from exc
+    except SystemExit as exc:  # not an Exception: it would end the gateway (a reload) or the CLI silently
+        raise PluginError(f"{kind} {name!r}: its constructor exited (code {exc.code!r})") from None
     return obj
 
 
@@ -99,6 +101,8 @@ def _import_path(kind: str, path: str) -> type:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:  # not an Exception: a script's sys.exit/argparse ended `mesh config validate` silently
+        raise PluginError(f"{kind} {path!r}: {module_name!r} exited at import (code {exc.code!r}): not a plugin module") from None
     except Exception as exc:
         raise PluginError(f"{kind} {path!r}: cannot import {module_name!r}: {exc}") from exc
     obj = getattr(module, attr, None)

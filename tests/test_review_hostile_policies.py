@@ -39,7 +39,7 @@ def ask(http: httpx.Client, mode: str) -> httpx.Response:
     return http.post("/v1/completions", json={"model": "echo", "prompt": f"hello mode:{mode}", "max_tokens": 2})
 
 
-@pytest.mark.parametrize("mode", ["raise", "none", "string", "foreign", "unavailable", "hook"])
+@pytest.mark.parametrize("mode", ["raise", "exit", "none", "string", "foreign", "unavailable", "hook"])
 def test_a_misbehaving_plugin_falls_back_and_answers(gateway: httpx.Client, mode: str) -> None:
     for _ in range(3):  # not a one-off: every request, not only the first
         resp = ask(gateway, mode)
@@ -93,3 +93,22 @@ def test_a_config_cannot_make_the_gateway_instantiate_an_arbitrary_class(kind_ke
     assert "Popen" in proc.stdout + proc.stderr and "has no" in proc.stdout + proc.stderr
     time.sleep(0.2)  # a spawned `touch` would have run by now
     assert not marker.exists(), "the config ran a command"
+
+
+def test_a_plugin_module_that_exits_at_import_is_an_error_not_an_exit(procs: ProcessGroup, tmp_path: Path) -> None:
+    # SystemExit is not an Exception: `mesh config validate` exited 3 without a word, and a reload
+    # naming such a module ended the gateway.
+    spec = {"name": "tests.plugins.exiting_plugin:Anything"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"policy": spec}))
+    proc = subprocess.run([sys.executable, "-m", "mesh", "config", "validate", str(bad)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1 and "exiting_plugin" in proc.stderr and "exited" in proc.stderr, proc.stderr
+    config = tmp_path / "mesh.yaml"
+    config.write_text(yaml.safe_dump({"server": {"admin_key": "admin-secret"}, "policy": "round_robin"}))
+    gw = procs.gateway(config, port=free_port())
+    config.write_text(yaml.safe_dump({"server": {"admin_key": "admin-secret"}, "policy": spec}))
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        resp = http.post("/admin/reload", headers={"authorization": "Bearer admin-secret"})
+        assert resp.status_code == 400 and "exiting_plugin" in resp.text, resp.text
+        assert http.get("/health").status_code == 200 and gw.alive

@@ -29,6 +29,8 @@ class Misbehaving(Policy):
             raise RuntimeError("plugin bug")
         if mode == "none":
             return None
+        if mode == "exit":  # a plugin calling sys.exit (or argparse failing) at routing time
+            raise SystemExit(1)
         if mode == "string":
             return self.good
         if mode == "foreign":
