@@ -29,9 +29,10 @@ __all__ = [
 ]
 
 
-def create_policy(spec, **context):  # type: ignore[no-untyped-def]
+def create_policy(spec, *, strict=False, **context):  # type: ignore[no-untyped-def]
     """Build a routing policy from its YAML spec (see ``policies.registry``); a spec that names a
-    plugin anywhere is wrapped in ``policies.guard.GuardedPolicy`` (falls back on a plugin's bug)."""
+    plugin anywhere is wrapped in ``policies.guard.GuardedPolicy`` (falls back on a plugin's bug;
+    ``strict``: raises ``PluginError`` instead)."""
     from policies.guard import GuardedPolicy, names_a_plugin
     from policies.registry import KINDS, names
 
@@ -39,4 +40,4 @@ def create_policy(spec, **context):  # type: ignore[no-untyped-def]
     builtin = {name for kind in KINDS for name in names(kind)}
     if not names_a_plugin(spec, builtin):
         return policy
-    return GuardedPolicy(policy, create("policy", "least_load", **context))
+    return GuardedPolicy(policy, create("policy", "least_load", **context), strict=strict)

@@ -17,6 +17,8 @@ Invariants:
 - Every fallback is counted in ``FALLBACKS[reason]`` (process-wide, monotonic; ``mesh.metrics``
   shows it as ``mesh_policy_fallbacks_total{reason}``; reasons are this module's fixed set, never
   plugin text). The guard logs the 1st, 10th, 100th, ... of each reason, never one line a request.
+- ``strict`` (``mesh simulate``) raises ``PluginError`` instead of falling back: a simulated
+  comparison must not report the fallback's numbers under the plugin's name.
 - A slow plugin cannot be cut short here: policies run synchronously on the gateway's loop.
 
 Trust rule for configs (``policies.registry``): a config names code. ``module:Class`` imports that
@@ -32,6 +34,7 @@ import logging
 from typing import Any
 
 from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo
+from policies.registry import PluginError
 
 log = logging.getLogger("mesh.policies.guard")
 
@@ -50,9 +53,10 @@ def _count(reason: str, plugin: str, detail: str) -> None:
 class GuardedPolicy(Policy):
     """A plugin policy checked on every decision; ``fallback`` answers when it misbehaves."""
 
-    def __init__(self, plugin: Any, fallback: Policy) -> None:
+    def __init__(self, plugin: Any, fallback: Policy, *, strict: bool = False) -> None:
         self.plugin = plugin
         self.fallback = fallback
+        self.strict = strict  # mesh simulate: a plugin bug is an error (its numbers would be the fallback's)
         self.name = str(getattr(plugin, "name", type(plugin).__name__))
         self.label = f"{type(plugin).__module__}:{type(plugin).__qualname__}"
 
@@ -75,6 +79,7 @@ class GuardedPolicy(Policy):
         return decision
 
     def _fall_back(self, reason: str, detail: str, request: RequestInfo, cluster: ClusterView) -> Decision:
+        self._check_strict(reason, detail)
         _count(reason, self.label, detail)
         decision = self.fallback.decide(request, cluster)  # NoCandidate here: truly nothing can serve
         decision.reason = f"fallback to {self.fallback.name}: plugin {self.name} {reason} ({detail}); {decision.reason}"
@@ -93,7 +98,13 @@ class GuardedPolicy(Policy):
         try:
             hook(request, target, now)
         except (Exception, SystemExit) as exc:
-            _count("hook_raised", self.label, f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
+            detail = f"{name}: {type(exc).__name__}: {str(exc)[:200]}"
+            self._check_strict("hook_raised", detail)
+            _count("hook_raised", self.label, detail)
+
+    def _check_strict(self, reason: str, detail: str) -> None:
+        if self.strict:
+            raise PluginError(f"policy plugin {self.label}: {reason} ({detail})")
 
     def describe(self) -> dict[str, Any]:
         describe = getattr(self.plugin, "describe", None)

@@ -124,7 +124,8 @@ class Simulator:
         self.trace = trace
         self.config = config
         self.profile = config.profile
-        self.policy = create_policy(policy_spec, seed=config.seed)
+        # strict: a plugin that raises or picks no candidate is an error, not least_load's numbers under its name
+        self.policy = create_policy(policy_spec, seed=config.seed, strict=True)
         self.policy_spec = policy_spec
         self.bs = trace.block_size
         self.index = PrefixIndex()

@@ -162,3 +162,10 @@ def test_calibrate_checks_its_flags_before_measuring(args: list[str], message: s
     out = ["--out", str(tmp_path / "p.yaml")] if "--out" not in args else []
     proc = mesh_cmd("calibrate", "--url", "http://127.0.0.1:9", "--quick", *out, *args)
     assert_one_line_error(proc, message)
+
+
+def test_a_misbehaving_plugin_policy_is_an_error_in_simulate_not_the_fallbacks_numbers() -> None:
+    # The gateway falls back to least_load when a plugin misbehaves; a simulation did too, and
+    # reported least_load's numbers under the plugin's name (only a log line said otherwise).
+    proc = simulate("--policy", "tests.plugins.hostile_policies:Misbehaving", "--max-requests", "2")
+    assert_one_line_error(proc, "policy plugin tests.plugins.hostile_policies:Misbehaving: bad_target")
