@@ -407,110 +407,127 @@ def run_bounded(seed: int, targets: list[str], steps: int, max_keys: int, spec: 
 
 # ------------------------------------------------------------------------ LRU order
 class LruModel:
-    """The budget's documented order for one engine on one tier: a store stamps each of its blocks,
-    a match stamps the deepest block it matched; the leaf with the oldest stamp goes first and its
-    parent, once a leaf, inherits its stamp (a node without a holder goes with its last child).
-    Nodes are keys; ``placeholder`` marks a parent key known only as a parent."""
+    """The budget's documented order, for engines on one tier: a store stamps each of its blocks,
+    a match stamps the deepest block any target matched; the leaf with the oldest stamp goes
+    first (for every holder), and a parent's recency is its subtree's; a node without a holder
+    goes with its last child. Nodes are keys; a parent key known only as a parent has no holder."""
 
     def __init__(self, max_keys: int) -> None:
         self.max_keys = max_keys
         self.parent: dict[int, int | None] = {}
         self.kids: dict[int, set[int]] = {}
         self.stamp: dict[int, int] = {}
-        self.placeholder: set[int] = set()
+        self.holders: dict[int, set[str]] = {}
         self.clock = 0
 
     def _add(self, k: int, parent: int | None, stamp: int) -> None:
         if k not in self.parent:
+            self.parent[k], self.kids[k], self.holders[k] = None, set(), set()
+        if self.parent[k] is None and parent is not None:  # new, or a placeholder's parent is known now
             self.parent[k] = parent
-            self.kids[k] = set()
-            if parent is not None:
-                self.kids[parent].add(k)
+            self.kids[parent].add(k)
         self.stamp[k] = stamp
 
-    def store(self, keys: list[int], parent: int | None) -> None:
+    def store(self, target: str, keys: list[int], parent: int | None) -> None:
         if parent is not None and parent not in self.parent:  # evicted: a placeholder comes back
             self._add(parent, None, self.clock)
-            self.placeholder.add(parent)
         self.clock += 1
         for k in keys:
-            self.placeholder.discard(k)
             self._add(k, parent, self.clock)
+            self.holders[k].add(target)
             parent = k
         while len(self.parent) > self.max_keys:
             self._drop(min((s, k) for k, s in self.stamp.items() if not self.kids[k])[1])
 
     def _drop(self, k: int) -> None:
         p = self.parent.pop(k)
-        del self.kids[k]
-        self.placeholder.discard(k)
+        del self.kids[k], self.holders[k]
         s = self.stamp.pop(k)
         if p is not None:
             self.kids[p].discard(k)
             self.stamp[p] = max(self.stamp[p], s)  # the parent's recency is its subtree's
-            if not self.kids[p] and p in self.placeholder:
+            if not self.kids[p] and not self.holders[p]:
                 self._drop(p)
 
-    def remove_leaf(self, k: int) -> None:
-        if k in self.parent and not self.kids[k]:
-            self._drop(k)
+    def remove(self, target: str, k: int) -> None:
+        if k in self.parent:
+            self.holders[k].discard(target)
+            if not self.kids[k] and not self.holders[k]:
+                self._drop(k)
 
-    def match(self, keys: list[int]) -> int:
-        d = 0
-        while d < len(keys) and keys[d] in self.parent and keys[d] not in self.placeholder:
-            d += 1
-        if d:
+    def match(self, keys: list[int]) -> dict[str, int]:
+        out = {}
+        for t in set().union(*self.holders.values()):
+            d = 0
+            while d < len(keys) and t in self.holders.get(keys[d], ()):
+                d += 1
+            if d:
+                out[t] = d
+        if out:
             self.clock += 1
-            self.stamp[keys[d - 1]] = self.clock
-        return d
+            self.stamp[keys[max(out.values()) - 1]] = self.clock
+        return out
+
+    def keys_of(self, target: str) -> set[int]:
+        return {k for k, hs in self.holders.items() if target in hs}
 
 
 @pytest.mark.parametrize("seed", range(32))
 def test_budget_evicts_the_least_recently_stored_or_matched_leaf_first(seed: int) -> None:
-    """One engine storing sessions (new prompts and turns below a known parent hash), matches
-    that refresh a prefix, removals of leaves; the index's keys equal the model's after every
-    step, so every eviction took the leaf the documented order names."""
+    """Engines storing sessions (new prompts, turns and forks below a known parent hash, and
+    another engine's prompts again under its own hashes), matches that refresh a prefix, engine
+    removals of leaves; the index's keys equal the model's after every step, so every eviction
+    took the leaf the documented order names."""
     rng = random.Random(seed)
+    targets = ["w"] if seed % 2 else ["a", "b", "c"]
     index, model = PrefixIndex(max_keys=40), LruModel(40)
-    chains: list[tuple[list[int], list[int]]] = []  # (hashes, keys) of each session so far
+    chains: dict[str, list[tuple[list[int], list[int], list[int]]]] = {t: [] for t in targets}  # hashes, keys, tokens
     for step in range(300):
+        t = rng.choice(targets)
+        mine = chains[t]
         r = rng.random()
-        if r < 0.45 or not chains:
+        if r < 0.45 or not mine:
             n = rng.choice([1, 3, 8, 18])
             tokens = [rng.randrange(1 << 30) for _ in range(2 * n)]
             hashes = [rng.getrandbits(64) for _ in range(n)]
-            if chains and rng.random() < 0.5:  # the next turn of a session, or a fork of it
-                i = rng.randrange(len(chains))
-                ph, pk = chains[i]
+            others = [c for u in targets if u != t for c in chains[u]]
+            if mine and rng.random() < 0.5:  # the next turn of a session, or a fork of it
+                i = rng.randrange(len(mine))
+                ph, pk, pt = mine[i]
                 j = len(pk) if rng.random() < 0.6 else rng.randint(1, len(pk))
-                ph, pk = ph[:j], pk[:j]
+                ph, pk, pt = ph[:j], pk[:j], pt[: 2 * j]
                 keys = block_keys(tokens, 2, pk[-1])
-                assert index.apply_stored("w", hashes, ph[-1], tokens, 2, NS) == n
-                model.store(keys, pk[-1])
-                if j == len(chains[i][1]):
-                    chains[i] = (ph + hashes, pk + keys)
+                assert index.apply_stored(t, hashes, ph[-1], tokens, 2, NS) == n
+                model.store(t, keys, pk[-1])
+                if j == len(mine[i][1]):
+                    mine[i] = (ph + hashes, pk + keys, pt + tokens)
                 else:
-                    chains.append((ph + hashes, pk + keys))
+                    mine.append((ph + hashes, pk + keys, pt + tokens))
             else:
+                if others and rng.random() < 0.5:  # another engine's prompt: shared nodes
+                    _, okeys, otokens = rng.choice(others)
+                    if any(okeys[0] == c[1][0] for c in mine):
+                        continue
+                    m = rng.randint(1, len(okeys))
+                    tokens, hashes = otokens[: 2 * m], [rng.getrandbits(64) for _ in range(m)]
                 keys = block_keys(tokens, 2, NS)
-                index.apply_stored("w", hashes, None, tokens, 2, NS)
-                model.store(keys, None)
-                chains.append((hashes, keys))
+                index.apply_stored(t, hashes, None, tokens, 2, NS)
+                model.store(t, keys, None)
+                mine.append((hashes, keys, tokens))
         elif r < 0.8:
-            _, keys = rng.choice(chains)
+            _, keys, _ = rng.choice([c for u in targets for c in chains[u]])
             q = keys[: rng.randint(1, len(keys))]
-            assert index.match(q).get("w", Overlap()).blocks == model.match(q), step
+            assert {u: ov.blocks for u, ov in index.match(q).items()} == model.match(q), step
         else:  # the engine evicts a leaf (it holds every block of its sessions)
-            inner = {k for _, pk in chains for k in pk[:-1]}
-            leaves = [i for i, (_, pk) in enumerate(chains) if pk[-1] not in inner]
-            i = rng.choice(leaves)
-            ph, pk = chains[i]
-            index.apply_removed("w", [ph[-1]])
-            model.remove_leaf(pk[-1])
-            chains = [c for c in chains if c[1] != pk]  # the session and any equal fork
-            if pk[:-1] and all(c[1] != pk[:-1] for c in chains):
-                chains.append((ph[:-1], pk[:-1]))
-        assert index.keys_of("w") == set(model.parent) - model.placeholder, step
+            inner = {k for _, pk, _ in mine for k in pk[:-1]}
+            ph, pk, pt = rng.choice([c for c in mine if c[1][-1] not in inner])
+            index.apply_removed(t, [ph[-1]])
+            model.remove(t, pk[-1])
+            chains[t] = mine = [c for c in mine if c[1] != pk]  # the session and any equal fork
+            if pk[:-1] and all(c[1] != pk[:-1] for c in mine):
+                mine.append((ph[:-1], pk[:-1], pt[:-2]))
+        for u in targets:
+            assert index.keys_of(u) == model.keys_of(u), step
         assert len(index) == len(model.parent), step
 
 
