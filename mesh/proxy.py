@@ -363,9 +363,14 @@ class Proxy:
             if not pending and c1.endswith(b"data: [DONE]\n\n"):  # the client has it all: only the framing broke
                 await state.end()
                 return b"".join((c4, c3, c2, c1))
+            self.metrics.stream_errors_total.inc()
+            if isinstance(exc, UpstreamTimeout) and exc.reader_behind:
+                # The gateway had stopped reading the worker because this client did not read:
+                # the worker is not to blame (slow readers would open a healthy worker's circuit).
+                await state.stream_error(f"request timed out: the client read the stream too slowly ({exc})")
+                return b""
             what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
-            self.metrics.stream_errors_total.inc()
             await state.stream_error(f"worker {target.worker} {what}")
             return b""
         if pending:  # a last event without its blank line: the worker's own, relayed as sent

@@ -46,7 +46,13 @@ class ConnectError(UpstreamError):
 
 
 class UpstreamTimeout(UpstreamError):
-    """The whole exchange took longer than its timeout (the connection is closed)."""
+    """The whole exchange took longer than its timeout (the connection is closed).
+    ``reader_behind``: body bytes were waiting for the reader when it fired (its client read
+    too slowly to keep up: the worker was not the slow one)."""
+
+    def __init__(self, message: str, *, got_response: bool = False, reader_behind: bool = False) -> None:
+        super().__init__(message, got_response=got_response)
+        self.reader_behind = reader_behind
 
 
 class _Connection(asyncio.Protocol):
@@ -155,7 +161,9 @@ class _Connection(asyncio.Protocol):
     def on_timeout(self, timeout_s: float) -> None:
         self.timer = None
         if not self.complete:
-            self._fail(UpstreamTimeout(f"no complete answer within {timeout_s:g} s", got_response=self.got_bytes))
+            behind = self.paused or bool(self.chunks)
+            self._fail(UpstreamTimeout(f"no complete answer within {timeout_s:g} s", got_response=self.got_bytes,
+                                       reader_behind=behind))
             if self.transport is not None:
                 self.transport.close()
 

@@ -30,6 +30,7 @@ import asyncio, json, sys
 EV = b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 posts = 0
+flood_closed = 0
 
 
 def chunk(data):
@@ -41,7 +42,7 @@ def answer(status, body, extra=b""):
 
 
 async def handle(reader, writer):
-    global posts
+    global posts, flood_closed
     try:
         while True:
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
@@ -52,7 +53,7 @@ async def handle(reader, writer):
                 if path == "/v1/models":
                     out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}, {"id": "f", "object": "model"}]})
                 else:
-                    out = json.dumps({"posts": posts})
+                    out = json.dumps({"posts": posts, "flood_closed": flood_closed})
                 writer.write(answer(b"200 OK", out.encode()))
                 await writer.drain()
                 continue
@@ -64,6 +65,15 @@ async def handle(reader, writer):
                 await asyncio.sleep(0.3)
                 writer.transport.abort()
                 return
+            if mode == "flood":  # an endless stream, as fast as it is read
+                writer.write(SSE_HEAD)
+                try:
+                    while True:
+                        writer.write(chunk(EV * 64))
+                        await writer.drain()
+                except ConnectionError:
+                    flood_closed += 1
+                    return
             if mode == "donenofinal":  # a whole stream with [DONE], then a FIN without the last chunk
                 writer.write(SSE_HEAD + chunk(EV) + chunk(b"data: [DONE]\n\n"))
                 await writer.drain()
@@ -115,8 +125,8 @@ class Cluster:
     def workers(self) -> dict[str, dict[str, Any]]:
         return {w["name"]: w for w in self.http.get("/workers", headers=ADMIN).json()["workers"]}
 
-    def fake_posts(self) -> int:
-        return int(httpx.get(self.fake.url + "/count", timeout=10).json()["posts"])
+    def fake_count(self, what: str = "posts") -> int:
+        return int(httpx.get(self.fake.url + "/count", timeout=10).json()[what])
 
     def echo_served(self) -> int:
         return int(httpx.post(self.echo.url + "/admin/faults", json={}, timeout=10).json()["served"])
@@ -190,9 +200,9 @@ def test_a_complete_stream_whose_framing_breaks_after_done_is_not_an_error(clust
 def test_a_200_without_a_body_is_retried_not_relayed(cluster: Cluster, mode: str) -> None:
     # A non-streamed 200 with an empty body (or a head then a close) reached the client as an
     # empty 200: unparseable, and never retried. Round robin: one of two requests meets the fake first.
-    before = cluster.fake_posts()
+    before = cluster.fake_count()
     results = [cluster.http.post("/v1/completions", json={"model": "m", "prompt": f"{mode} one two"}) for _ in range(2)]
-    assert cluster.fake_posts() > before
+    assert cluster.fake_count() > before
     for resp in results:
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-mesh-worker"] == "echo"
@@ -293,3 +303,33 @@ def test_hundreds_of_concurrent_streams_complete_unmixed(cluster: Cluster) -> No
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt + " "
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4  # the usage chunk, last
         assert len({c["id"] for c in chunks}) == 1
+
+
+def test_a_slow_reader_timing_out_does_not_count_against_its_worker(cluster: Cluster, module_procs: ProcessGroup) -> None:
+    # The request timeout fired while the gateway had stopped reading the worker (its client did
+    # not read): the worker was charged 'stream broke: UpstreamTimeout', and two such clients
+    # opened a healthy worker's circuit for everybody.
+    config = module_procs.log_dir / "short.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"admin_key": "adm", "request_timeout_s": 1},
+        "circuit_breaker": {"failure_threshold": 1, "open_s": 60},
+        "workers": [{"name": "fake", "url": cluster.fake.url, "models": ["f"]}],
+    }))
+    gateway = module_procs.gateway(config, port=free_port(), name="short-gateway", ready_path="/ready")
+    closed = cluster.fake_count("flood_closed")
+    sock = _raw_request(gateway.port, {"model": "f", "prompt": "flood", "stream": True}, rcvbuf=4096)
+    with sock:
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        # the endless stream ends only by the timeout, which closes the worker's connection
+        wait_until(lambda: cluster.fake_count("flood_closed") > closed, what="the timeout")
+        sock.settimeout(20)
+        data = b""
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            more = sock.recv(1 << 20)
+            assert more, "closed before the end of the response"
+            data += more
+    assert b"the client read the stream too slowly" in data[-400:] and data[-400:].count(b"data: [DONE]") == 1
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        worker = client.get("/workers", headers=ADMIN).json()["workers"][0]
+        assert worker["circuit"] == "closed" and worker["last_error"] is None, worker
+        assert client.post("/v1/completions", json={"model": "f", "prompt": "ok"}).status_code == 200
