@@ -328,6 +328,8 @@ def run_exact(seed: int, targets: list[str], steps: int, every: int = 1, scrub_b
         w.step()
         if i % every == 0:
             check_exact(w, pick.sample(w.pkeys, 3))
+        if len(targets) <= 4 and i % 25 == 0:  # every holding, below any parent
+            check_maps(w)
     check_exact(w, w.pkeys)
     check_maps(w)
     return w
