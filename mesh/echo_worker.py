@@ -33,7 +33,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mesh.tokenizer import ByteTokenizer, ChatTemplateError
+from mesh.chat import ChatTemplateError
+from mesh.tokenizer import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode
 _WORDS = re.compile(r"\S+\s*")

@@ -30,7 +30,8 @@ import xxhash
 from mesh.errors import MeshError, bad_request
 from mesh.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
 from mesh.registry import WorkerRegistry
-from mesh.tokenizer import ByteTokenizer, ChatTemplateError, load_tokenizer, normalize_message
+from mesh.chat import DEFAULT_OPTIONS, ChatOptions, ChatTemplateError, continue_final, normalize_message
+from mesh.tokenizer import ByteTokenizer, load_tokenizer
 from policies.base import RequestInfo
 
 MAX_SESSION_ID_BYTES = 256
@@ -126,13 +127,13 @@ class PromptProcessor:
             raise bad_request("kv_transfer_params are set by the gateway for disaggregated requests, "
                               "not by clients", "kv_transfer_params")
         model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
-        source = chat_messages(body) if kind == "chat" else completion_prompt(body)
+        source = prompt_source(body, kind)
         session_id = self.session_id(body, session_header)
         ns = self.namespace_for(model)
         pool = ns.pool
         salt = body.get("cache_salt")
         seed = self._seed(ns.base, salt if isinstance(salt, str) else None, ns.lora)
-        args = (kind, source, pool, seed, session_id)
+        args = (source, pool, seed, session_id)
         if len(raw) > OFFLOAD_CHARS:
             tokens_text, keys, n_tokens = await asyncio.get_running_loop().run_in_executor(None, self._prepare, *args)
         else:
@@ -253,10 +254,10 @@ class PromptProcessor:
 
     # -- tokens and keys (runs on the loop or in a thread) --
     def _prepare(
-        self, kind: str, source: Any, pool: Pool, seed: int, session_id: str | None
+        self, source: PromptSource, pool: Pool, seed: int, session_id: str | None
     ) -> tuple[str, list[int], int]:
         tok = self.tokenizer(pool.tokenizer)
-        text, tokens = self._tokens(kind, source, tok)
+        text, tokens = self._tokens(source, tok)
         n_tokens = int(tokens.size)
         if session_id is None:
             return text, block_keys(tokens, pool.block_size, seed), n_tokens
@@ -267,27 +268,63 @@ class PromptProcessor:
         return text, keys, n_tokens
 
     @staticmethod
-    def _tokens(kind: str, source: Any, tok: Any) -> tuple[str, np.ndarray]:
-        if kind == "chat":
+    def _tokens(source: PromptSource, tok: Any) -> tuple[str, np.ndarray]:
+        chat = source.kind == "chat"
+        if chat:
             try:
-                text = render_chatml(source) if type(tok) is ByteTokenizer else tok.render_chat(source)
+                text = _render(source.content, tok, source.options)
             except ChatTemplateError as exc:
-                text = _render_text_prefix(source, tok, exc)
-        elif isinstance(source, str):
-            text = source
+                text = _render_text_prefix(source.content, tok, exc)
+        elif isinstance(source.content, str):
+            text = source.content
         else:  # token ids, already range-checked
-            return "", np.asarray(source, dtype=np.int64)
+            return "", np.asarray(source.content, dtype=np.int64)
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise bad_request("prompt is not valid Unicode text", "messages" if kind == "chat" else "prompt") from exc
+            raise bad_request("prompt is not valid Unicode text", "messages" if chat else "prompt") from exc
         if isinstance(tok, ByteTokenizer):
             return text, np.frombuffer(data, dtype=np.uint8)
-        return text, np.asarray(tok.encode(text), dtype=np.int64)
+        return text, np.asarray(tok.encode(text, source.add_special_tokens), dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSource:
+    """What the engine will tokenize for a request: chat messages with the template options, or
+    a completion prompt (text or token ids), and whether the tokenizer adds its special tokens
+    (vLLM's ``add_special_tokens``: on for completions, off for chat, where the template has them)."""
+
+    kind: str
+    content: Any
+    options: ChatOptions = DEFAULT_OPTIONS
+    add_special_tokens: bool = False
+
+
+def prompt_source(body: dict[str, Any], kind: str) -> PromptSource:
+    """The request's ``PromptSource``; a 400 on a bad prompt, messages or option."""
+    chat = kind == "chat"
+    special = body.get("add_special_tokens", not chat)
+    if not isinstance(special, bool):
+        raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+    if not chat:
+        return PromptSource(kind, completion_prompt(body), DEFAULT_OPTIONS, special)
+    messages = chat_messages(body)
+    try:
+        options = ChatOptions.from_body(body)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages", "invalid_chat_options") from exc
+    return PromptSource(kind, messages, options, special)
+
+
+def _render(messages: list[Any], tok: Any, options: ChatOptions) -> str:
+    if type(tok) is ByteTokenizer and options.plain:
+        text = render_chatml(messages, options.add_generation_prompt)
+        return continue_final(text, [normalize_message(messages[-1])]) if options.continue_final_message else text
+    return str(tok.render_chat(messages, options))
 
 
 def render_chatml(messages: list[Any], add_generation_prompt: bool = True) -> str:
-    """``mesh.tokenizer.DEFAULT_CHAT_TEMPLATE`` (ChatML, the byte tokenizer's template) without Jinja.
+    """``mesh.chat.DEFAULT_CHAT_TEMPLATE`` (ChatML, the byte tokenizer's template) without Jinja.
 
     Jinja costs ~12 us per request, a measurable share of the gateway's per-request budget;
     ``tests/test_prompt.py`` checks that this equals the template's output.
@@ -315,7 +352,7 @@ def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError)
         raise bad_request(str(error), "messages", "invalid_messages") from error
     head = messages[:first]
     try:
-        return render_chatml(head, False) if type(tok) is ByteTokenizer else tok.render_chat(head, False)
+        return _render(head, tok, ChatOptions(add_generation_prompt=False))
     except ChatTemplateError:  # e.g. a template that wants a user message last: route on load
         return ""
 

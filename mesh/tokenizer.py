@@ -6,35 +6,22 @@ block keys will not match the engine's cache. Both load tokenizers through ``loa
 - ``byte``: a byte-level tokenizer that needs no files (ids 0-255 are bytes; 256 BOS, 257 EOS).
 - a ``tokenizer.json`` (Hugging Face ``tokenizers``), with the chat template, BOS and EOS from a
   ``tokenizer_config.json`` beside it when present.
+
+Chat templates are rendered by ``mesh.chat``; ``encode`` adds the tokenizer's special tokens (a
+Llama BOS) only when asked, as vLLM does per request (completions: on by default, chat: off).
 """
 
 from __future__ import annotations
 
 import codecs
-import datetime
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
+from mesh.chat import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKEN_NAMES, ChatOptions, ChatRenderer
 
-# ChatML, the template of Qwen2 and of the byte-level default.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GIL_FREE_CHARS = 8192  # texts at least this long are encoded with the GIL released
-
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (bad shape, or the template raised)."""
 
 
 class Tokenizer(Protocol):
@@ -42,153 +29,19 @@ class Tokenizer(Protocol):
     eos_token_id: int
     bos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def stream_decoder(self) -> StreamDecoder: ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str: ...
 
 
 class StreamDecoder(Protocol):
     def push(self, token_id: int) -> str:
         """Text completed by this token (may be empty while a multi-byte character is open)."""
         ...
-
-
-class ChatRenderer:
-    """Renders OpenAI chat messages with a Jinja chat template in a sandbox.
-
-    The environment is Hugging Face's (``transformers`` ``apply_chat_template``, which vLLM and
-    SGLang call): ``loopcontrols``, the ``{% generation %}`` tag, ``strftime_now`` and HF's
-    ``tojson`` (no HTML escaping, non-ASCII kept, key order kept). Jinja's own ``tojson``
-    rendered tool calls differently from the engine, so a prompt with tool calls never matched
-    the engine's cache past them; a template using ``{% break %}`` did not even compile.
-    """
-
-    def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, **special: Any) -> None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = _strftime_now
-        self._template = env.from_string(template)
-        self._special = special
-
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        normalized = [normalize_message(m) for m in messages]
-        try:
-            return self._template.render(
-                messages=normalized, add_generation_prompt=add_generation_prompt, **self._special
-            )
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # the template runs on client data: a TypeError ('x' + None) is the client's
-            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    """Hugging Face's ``tojson`` filter (Jinja's escapes <>&' and sorts keys)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (HF marks assistant spans with it): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return str(caller())
-
-
-def normalize_message(message: Any) -> dict[str, Any]:
-    """The message a chat template sees, built as vLLM builds it (``_parse_chat_message_content``
-    and ``_postprocess_messages`` in ``vllm/entrypoints/chat_utils``), so that a template renders
-    the engine's prompt:
-
-    - content: a string; text parts joined with "\\n"; other parts rejected; null is "";
-    - role, content, and only: ``tool_calls`` (assistant, when not null; a JSON-string
-      ``arguments`` parsed to an object, a missing/empty one ``{}``, an empty list dropped),
-      ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``), ``tool_call_id`` (tool),
-      ``name`` (when a string), ``tools`` (developer).
-    """
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ChatTemplateError("each message must be an object with a string 'role'")
-    role = message["role"]
-    content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatTemplateError("only text content parts are supported")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise ChatTemplateError("message 'content' must be a string or a list of text parts")
-    out: dict[str, Any] = {"role": role, "content": content}
-    if len(message) == 2:  # the common case: role and content only
-        return out
-    if role == "assistant":
-        tool_calls = message.get("tool_calls")
-        if tool_calls is not None:
-            tool_calls = _template_tool_calls(tool_calls)
-            if tool_calls is not None:
-                out["tool_calls"] = tool_calls
-        reasoning = message.get("reasoning")
-        if reasoning is not None:
-            out["reasoning"] = out["reasoning_content"] = reasoning
-    elif role == "tool" and "tool_call_id" in message:
-        out["tool_call_id"] = message["tool_call_id"]
-    name = message.get("name")
-    if isinstance(name, str):
-        out["name"] = name
-    if role == "developer":
-        out["tools"] = message.get("tools")
-    return out
-
-
-def _template_tool_calls(tool_calls: Any) -> Any:
-    """vLLM's tool-call rewrite (templates expect ``arguments`` as an object); the client's
-    objects are copied, never changed. None when the list is empty (the plain assistant path)."""
-    if not isinstance(tool_calls, list):
-        return tool_calls
-    if not tool_calls:
-        return None
-    out = []
-    for item in tool_calls:
-        function = item.get("function") if isinstance(item, dict) else None
-        if not isinstance(function, dict):
-            raise ChatTemplateError("each tool call must be an object with a 'function' object")
-        arguments = function.get("arguments")
-        if not arguments:
-            arguments = {}
-        elif not isinstance(arguments, (dict, list)):
-            if not isinstance(arguments, str):
-                raise ChatTemplateError("a tool call's 'arguments' must be a JSON string")
-            try:
-                arguments = json.loads(arguments)
-            except ValueError as exc:
-                raise ChatTemplateError(f"a tool call's 'arguments' is not valid JSON: {exc}") from exc
-        out.append({**item, "function": {**function, "arguments": arguments}})
-    return out
-
-
-def _raise_template_error(message: str) -> None:
-    raise ChatTemplateError(message)
 
 
 class ByteTokenizer:
@@ -204,8 +57,8 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self._chat = ChatRenderer()
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # no special token is ever added: ids == the text's bytes
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -213,8 +66,8 @@ class ByteTokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return _ByteStreamDecoder()
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self._chat.render(messages, add_generation_prompt)
+    def render_chat(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str:
+        return self._chat.render(messages, options)
 
 
 class _ByteStreamDecoder:
@@ -262,13 +115,13 @@ class HFTokenizer:
         found = self._tok.token_to_id(text) if text else None
         return found if found is not None else fallback
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) < GIL_FREE_CHARS:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         # ``Tokenizer.encode`` holds the GIL for the whole text (an 8 MB prompt: ~4 s in which the
         # gateway's event loop, whose executor thread this runs in, answered nothing);
         # the batch call releases it and gives the same ids.
-        return self._encode_batch([text], add_special_tokens=False)[0].ids
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -276,8 +129,8 @@ class HFTokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return _HFStreamDecoder(self)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self._chat.render(messages, add_generation_prompt)
+    def render_chat(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str:
+        return self._chat.render(messages, options)
 
 
 class _HFStreamDecoder:

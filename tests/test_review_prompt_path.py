@@ -28,7 +28,8 @@ from mesh.errors import MeshError
 from mesh.keys import block_keys, namespace_seed
 from mesh.prompt import TOKENIZER_RETRY_S, PromptProcessor
 from mesh.registry import WorkerRegistry
-from mesh.tokenizer import GIL_FREE_CHARS, ChatRenderer, ChatTemplateError, HFTokenizer, load_tokenizer, normalize_message
+from mesh.chat import ChatOptions, ChatRenderer, ChatTemplateError, normalize_message
+from mesh.tokenizer import GIL_FREE_CHARS, HFTokenizer, load_tokenizer
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until
 
@@ -144,7 +145,7 @@ def test_messages_reach_the_template_as_vllm_builds_them() -> None:
     before = json.dumps(messages)
     expected = ('user:hi2False\nassistant:<w {"city": "Paris"}><t {}>3False\nassistant:ok2False\n'
                 "tool:sunny4True\n")
-    assert ChatRenderer(template).render(messages, add_generation_prompt=False) == expected
+    assert ChatRenderer(template).render(messages, ChatOptions(add_generation_prompt=False)) == expected
     assert json.dumps(messages) == before  # the client's objects are not changed
     bad = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}]
     with pytest.raises(ChatTemplateError, match="not valid JSON"):
@@ -329,7 +330,7 @@ def test_an_image_part_is_routed_on_the_text_before_it_and_forwarded(echo_gatewa
     r = httpx.post(url + "/debug/route", json={"model": "m", "messages": messages}, timeout=30)
     assert r.status_code == 200, r.text
     tok = HFTokenizer(tok_dir)
-    expected = len(tok.encode(tok.render_chat(head, add_generation_prompt=False)))
+    expected = len(tok.encode(tok.render_chat(head, ChatOptions(add_generation_prompt=False))))
     assert r.json()["request"]["prompt_tokens"] == expected and r.json()["request"]["blocks"] == expected // 16
     forwarded = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": messages}, timeout=30)
     assert forwarded.headers.get("x-mesh-worker") == "e0"  # the worker's own answer (the echo worker refuses images)

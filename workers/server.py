@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mesh.tokenizer import ChatTemplateError
+from mesh.chat import ChatOptions, ChatTemplateError
 from workers.engine import AsyncLLMEngine, EngineDeadError, RequestOutput, RequestRejected
 from workers.sequence import SamplingParams
 
@@ -135,7 +135,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: vLLM's default (True), unless continue_final_message
 
 
 class DetokenizeRequest(BaseModel):
@@ -201,7 +201,7 @@ class WorkerAPI:
         if model and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -210,14 +210,17 @@ class WorkerAPI:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "the prompt is empty", "prompt")
-        return [encode_text(self.tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+        return [encode_text(self.tokenizer, p, "prompt", add_special_tokens) if isinstance(p, str) else list(p)
+                for p in prompts]
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> list[int]:
+        """Rendered with the request's template options (``mesh.chat.ChatOptions``, as the gateway
+        renders it), encoded without special tokens unless the body asks (vLLM's chat default)."""
         try:
-            text = self.tokenizer.render_chat(messages)
+            text = self.tokenizer.render_chat(messages, ChatOptions.from_body(body))
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from exc
-        return encode_text(self.tokenizer, text, "messages")
+        return encode_text(self.tokenizer, text, "messages", special_tokens(body, default=False))
 
     def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         if req.n != 1:
@@ -304,10 +307,18 @@ def check_sampling(req: _Common) -> None:
         raise APIError(400, f"top_k must be at most {MAX_TOP_K}, got {req.top_k}", "top_k")
 
 
-def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
+def special_tokens(body: dict[str, Any], default: bool) -> bool:
+    """The body's ``add_special_tokens`` (vLLM: completions default on, chat off)."""
+    value = body.get("add_special_tokens", default)
+    if not isinstance(value, bool):
+        raise APIError(400, "'add_special_tokens' must be a boolean", "add_special_tokens")
+    return value
+
+
+def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
     """Tokenize client text; a lone surrogate (valid JSON, invalid Unicode) is a 400, not a 500."""
     try:
-        return tokenizer.encode(text)  # type: ignore[no-any-return]
+        return tokenizer.encode(text, add_special_tokens)  # type: ignore[no-any-return]
     except UnicodeEncodeError as exc:
         raise APIError(400, f"{param} is not valid Unicode text (a lone surrogate?)", param, "invalid_unicode") from exc
 
@@ -367,7 +378,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         api.check_model(req.model)
         if req.echo or req.logprobs is not None:
             raise APIError(400, "echo and logprobs are not supported", "echo" if req.echo else "logprobs")
-        prompts = api.completion_prompts(req.prompt)
+        prompts = api.completion_prompts(req.prompt, special_tokens(req.model_extra or {}, default=True))
         plist = [api.params(req, req.max_tokens, len(ids)) for ids in prompts]
         for ids, p in zip(prompts, plist, strict=True):
             api.validate(ids, p, "prompt")
@@ -393,7 +404,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         api.check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        ids = api.chat_prompt(req.messages)
+        ids = api.chat_prompt(req.messages, req.model_extra or {})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = api.params(req, max_tokens, len(ids))
         api.validate(ids, params, "messages")
@@ -429,14 +440,13 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Any:
+        body = dict(req.model_extra or {})
+        if req.add_generation_prompt is not None:
+            body["add_generation_prompt"] = req.add_generation_prompt
         if req.messages is not None:
-            try:
-                text = tokenizer.render_chat(req.messages, req.add_generation_prompt)
-            except ChatTemplateError as exc:
-                raise APIError(400, str(exc), "messages") from exc
-            ids = encode_text(tokenizer, text, "messages")
+            ids = api.chat_prompt(req.messages, body)
         elif req.prompt is not None:
-            ids = encode_text(tokenizer, req.prompt, "prompt")
+            ids = encode_text(tokenizer, req.prompt, "prompt", special_tokens(body, default=True))
         else:
             raise APIError(400, "give 'prompt' or 'messages'", "prompt")
         return {"count": len(ids), "max_model_len": api.max_model_len, "tokens": ids}

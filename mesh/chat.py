@@ -1,0 +1,268 @@
+"""Chat rendering shared by the gateway and the bundled engine: OpenAI chat messages and the
+request's template options -> the prompt text an engine would tokenize.
+
+Mesh routes on the engine's prompt, so it renders exactly as vLLM and SGLang do through Hugging
+Face's ``apply_chat_template``: messages rebuilt as vLLM's ``chat_utils`` builds them
+(``normalize_message``), tools as vLLM dumps its ``ChatCompletionToolsParam`` (``template_tools``),
+the request's ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
+``chat_template_kwargs`` (``ChatOptions``: Qwen3's ``enable_thinking`` lives there), and HF's
+Jinja environment (``ChatRenderer``). A difference anywhere shifts every block key after it, and
+the router never matches the engine's cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+
+# ChatML, the template of Qwen2 and of the byte-level default.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (bad shape, or the template raised)."""
+
+
+
+class ChatRenderer:
+    """Renders OpenAI chat messages with a Jinja chat template in a sandbox.
+
+    The environment is Hugging Face's (``transformers`` ``apply_chat_template``, which vLLM and
+    SGLang call): ``loopcontrols``, the ``{% generation %}`` tag, ``strftime_now`` and HF's
+    ``tojson`` (no HTML escaping, non-ASCII kept, key order kept). Jinja's own ``tojson``
+    rendered tool calls differently from the engine, so a prompt with tool calls never matched
+    the engine's cache past them; a template using ``{% break %}`` did not even compile.
+    """
+
+    def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, **special: Any) -> None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = _strftime_now
+        self._template = env.from_string(template)
+        self._special = special
+
+    def render(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str:
+        """As HF's ``apply_chat_template(tokenize=False)`` with vLLM's arguments: special tokens,
+        ``tools``/``documents`` (passed even when None: a template may test ``tools is defined``)
+        and the generation flag, then the request's ``chat_template_kwargs`` over them (vLLM
+        merges them last)."""
+        opts = options or DEFAULT_OPTIONS
+        normalized = [normalize_message(m) for m in messages]
+        try:
+            text = self._template.render(messages=normalized, **{
+                **self._special, "tools": opts.tools, "documents": opts.documents,
+                "add_generation_prompt": opts.add_generation_prompt, **opts.template_kwargs,
+            })
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # the template runs on client data: a TypeError ('x' + None) is the client's
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        return continue_final(text, normalized) if opts.continue_final_message else text
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` filter (Jinja's escapes <>&' and sorts keys)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF marks assistant spans with it): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def normalize_message(message: Any) -> dict[str, Any]:
+    """The message a chat template sees, built as vLLM builds it (``_parse_chat_message_content``
+    and ``_postprocess_messages`` in ``vllm/entrypoints/chat_utils``), so that a template renders
+    the engine's prompt:
+
+    - content: a string; text parts joined with "\\n"; other parts rejected; null is "";
+    - role, content, and only: ``tool_calls`` (assistant, when not null; a JSON-string
+      ``arguments`` parsed to an object, a missing/empty one ``{}``, an empty list dropped),
+      ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``), ``tool_call_id`` (tool),
+      ``name`` (when a string), ``tools`` (developer).
+    """
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError("each message must be an object with a string 'role'")
+    role = message["role"]
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError("only text content parts are supported")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ChatTemplateError("message 'content' must be a string or a list of text parts")
+    out: dict[str, Any] = {"role": role, "content": content}
+    if len(message) == 2:  # the common case: role and content only
+        return out
+    if role == "assistant":
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            tool_calls = _template_tool_calls(tool_calls)
+            if tool_calls is not None:
+                out["tool_calls"] = tool_calls
+        reasoning = message.get("reasoning")
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    name = message.get("name")
+    if isinstance(name, str):
+        out["name"] = name
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _template_tool_calls(tool_calls: Any) -> Any:
+    """vLLM's tool-call rewrite (templates expect ``arguments`` as an object); the client's
+    objects are copied, never changed. None when the list is empty (the plain assistant path)."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    if not tool_calls:
+        return None
+    out = []
+    for item in tool_calls:
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict):
+            raise ChatTemplateError("each tool call must be an object with a 'function' object")
+        arguments = function.get("arguments")
+        if not arguments:
+            arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            if not isinstance(arguments, str):
+                raise ChatTemplateError("a tool call's 'arguments' must be a JSON string")
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                raise ChatTemplateError(f"a tool call's 'arguments' is not valid JSON: {exc}") from exc
+        out.append({**item, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _raise_template_error(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+# Template variables a request may not set through chat_template_kwargs (they are the call's own).
+_RESERVED_KWARGS = frozenset({"messages", "chat_template", "tokenize"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The request fields that change the rendered prompt (vLLM's defaults)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[Any] | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing a ChatML template would render differently from the defaults but the flags."""
+        return self.tools is None and self.documents is None and not self.template_kwargs
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ChatOptions:
+        """Parse a chat request body's options; ChatTemplateError (a 400) on a bad field."""
+        if _OPTION_FIELDS.isdisjoint(body):  # the usual request: no option set
+            return DEFAULT_OPTIONS
+        add_gen = _flag(body, "add_generation_prompt", True)
+        cont = _flag(body, "continue_final_message", False)
+        if add_gen and cont and "add_generation_prompt" in body:
+            raise ChatTemplateError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true")
+        if cont:
+            add_gen = False  # vLLM: continuing the last message means no new assistant turn
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise ChatTemplateError("'chat_template_kwargs' must be an object whose keys are identifiers")
+        elif _RESERVED_KWARGS & kwargs.keys():
+            raise ChatTemplateError(f"'chat_template_kwargs' may not set {sorted(_RESERVED_KWARGS & kwargs.keys())}")
+        documents = body.get("documents")
+        if documents is not None and not isinstance(documents, list):
+            raise ChatTemplateError("'documents' must be an array")
+        return cls(add_gen, cont, template_tools(body.get("tools")), documents, kwargs)
+
+
+_OPTION_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template_kwargs"})
+DEFAULT_OPTIONS = ChatOptions()
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ChatTemplateError(f"'{name}' must be a boolean")
+    return value
+
+
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """``tools`` as a template sees them from vLLM: each ``ChatCompletionToolsParam.model_dump()``,
+    i.e. ``{"type", "function": {"name", "description", "parameters", <extra fields>}, <extras>}``
+    with absent optional fields as null (templates ``tojson`` whole tools, so every key counts)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatTemplateError("'tools' must be an array")
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError("each tool must be an object with a 'function' object that has a string 'name'")
+        dumped = {"name": function["name"], "description": function.get("description"),
+                  "parameters": function.get("parameters")}
+        dumped.update((k, v) for k, v in function.items() if k not in dumped)
+        entry = {"type": tool.get("type", "function"), "function": dumped}
+        entry.update((k, v) for k, v in tool.items() if k not in entry)
+        out.append(entry)
+    return out
+
+
+def continue_final(rendered: str, messages: Sequence[dict[str, Any]]) -> str:
+    """HF's ``continue_final_message``: cut the rendering right after the final message's text
+    (its stripped content, last occurrence), so that the engine continues that message."""
+    final = str(messages[-1].get("content", "")).strip() if messages else ""
+    end = rendered.rfind(final)
+    if not final or end < 0:
+        raise ChatTemplateError("continue_final_message is set but the final message does not appear "
+                                "in the rendered chat")
+    return rendered[: end + len(final)]
