@@ -59,7 +59,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "pool_key", "status", "headers", "chunks", "buffered", "complete",
         "error", "waiter", "got_bytes", "keep_alive", "paused", "closed", "idle_since", "until_close",
-        "headers_done", "timer", "head_bytes",
+        "headers_done", "timer", "head_bytes", "interim", "stray",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -85,6 +85,8 @@ class _Connection(asyncio.Protocol):
         self.until_close = False
         self.timer: asyncio.TimerHandle | None = None
         self.head_bytes = 0
+        self.interim = False  # parsing a 1xx response (skipped: the answer follows it)
+        self.stray = False  # the worker sent a response after the answer (dropped; no reuse)
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: Any) -> None:
@@ -121,11 +123,24 @@ class _Connection(asyncio.Protocol):
         self._fail(UpstreamError(f"worker closed the connection{': ' + str(exc) if exc else ''}", got_response=self.got_bytes))
 
     # -- httptools callbacks --
+    def on_message_begin(self) -> None:
+        if self.complete:  # a response nobody asked for: never relayed, and the connection is not reused
+            self.stray = True
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        if not self.stray:
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        if self.stray:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the answer follows
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         delimited = self.status in (204, 304)
         for name, _ in self.headers:
@@ -137,11 +152,18 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.stray:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        if self.stray:
+            return
         self.complete = True
         self._wake()
 
@@ -301,7 +323,7 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_TIMEOUT_S:
+            if not conn.closed and conn.keep_alive and now - conn.idle_since < IDLE_TIMEOUT_S:
                 conn._reset()
                 self._busy.add(conn)
                 return conn, True

@@ -80,7 +80,15 @@ async def handle(reader, writer):
                 await asyncio.sleep(0.3)
                 writer.close()
                 return
-            if mode == "empty200":
+            if mode == "double":  # a second, unrequested response right behind the answer
+                writer.write(answer(b"200 OK", b'{"id":"one","object":"text_completion","choices":[]}') +
+                             answer(b"200 OK", b'{"id":"two","object":"text_completion","choices":[]}'))
+            elif mode == "early103":  # an informational response before the answer
+                writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+                writer.write(answer(b"200 OK", b'{"id":"hinted","object":"text_completion","choices":[]}'))
+            elif mode == "empty200":
                 writer.write(answer(b"200 OK", b""))
             elif mode == "close200":  # a 200 head with no length, then the connection closes
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
@@ -333,3 +341,20 @@ def test_a_slow_reader_timing_out_does_not_count_against_its_worker(cluster: Clu
         worker = client.get("/workers", headers=ADMIN).json()["workers"][0]
         assert worker["circuit"] == "closed" and worker["last_error"] is None, worker
         assert client.post("/v1/completions", json={"model": "f", "prompt": "ok"}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_unrequested_response_is_not_mixed_into_the_answer_or_the_next(cluster: Cluster, stream: bool) -> None:
+    # The worker sent a response nobody asked for right behind its answer (one write): its body
+    # was appended to the answer ('{"id":"one",...}{"id":"two",...}').
+    resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "double", "stream": stream})
+    assert resp.status_code == 200 and resp.json()["id"] == "one", resp.text
+    for _ in range(3):  # the pooled connection is not reused with the stray answer on it
+        resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "fine"})
+        assert resp.json()["choices"][0]["text"] == "fake", resp.text
+
+
+def test_an_informational_response_before_the_answer_is_skipped(cluster: Cluster) -> None:
+    # a 103 Early Hints reached the client as the status of its answer (an empty 103)
+    resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "early103"})
+    assert resp.status_code == 200 and resp.json()["id"] == "hinted", (resp.status_code, resp.text)
