@@ -305,6 +305,8 @@ class Proxy:
             out = _response_headers(resp)
             out.append((b"x-mesh-worker", target.id.encode()))
             if parsed.stream and resp.status == 200:
+                # a client that stops reading holds its lease only until the request timeout
+                resp.on_stall(lease.finish)
                 tail = await self._stream(resp, first, out, state, target)
             elif resp.status >= 400:
                 await state.respond(resp.status, *_worker_error(resp, first, target))

@@ -22,7 +22,7 @@ import collections
 import ssl
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httptools
@@ -59,7 +59,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "pool_key", "status", "headers", "chunks", "buffered", "complete",
         "error", "waiter", "got_bytes", "keep_alive", "paused", "closed", "idle_since", "until_close",
-        "headers_done", "timer", "head_bytes", "interim", "stray",
+        "headers_done", "timer", "head_bytes", "interim", "stray", "on_stall",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -87,6 +87,7 @@ class _Connection(asyncio.Protocol):
         self.head_bytes = 0
         self.interim = False  # parsing a 1xx response (skipped: the answer follows it)
         self.stray = False  # the worker sent a response after the answer (dropped; no reuse)
+        self.on_stall: Callable[[float], None] | None = None  # called (with now) on a timeout while the reader is behind
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: Any) -> None:
@@ -188,6 +189,9 @@ class _Connection(asyncio.Protocol):
                                        reader_behind=behind))
             if self.transport is not None:
                 self.transport.close()
+            if behind and self.on_stall is not None:
+                # The reader waits on its own client, maybe for good: the worker is done with now.
+                self.on_stall(time.monotonic())
 
     async def wait(self) -> None:
         self.waiter = asyncio.get_running_loop().create_future()
@@ -239,6 +243,11 @@ class UpstreamResponse:
             conn.paused = False
             conn.transport.resume_reading()
         return data
+
+    def on_stall(self, hook: Callable[[float], None]) -> None:
+        """Call ``hook(now)`` if the timeout fires while body bytes wait for the reader (its own
+        client has stopped reading: the reader may never come back to see the error)."""
+        self._conn.on_stall = hook
 
     @property
     def at_eof(self) -> bool:

@@ -313,10 +313,11 @@ def test_hundreds_of_concurrent_streams_complete_unmixed(cluster: Cluster) -> No
         assert len({c["id"] for c in chunks}) == 1
 
 
-def test_a_slow_reader_timing_out_does_not_count_against_its_worker(cluster: Cluster, module_procs: ProcessGroup) -> None:
+def test_a_slow_reader_timing_out_frees_its_worker_and_does_not_count_against_it(cluster: Cluster, module_procs: ProcessGroup) -> None:
     # The request timeout fired while the gateway had stopped reading the worker (its client did
     # not read): the worker was charged 'stream broke: UpstreamTimeout', and two such clients
-    # opened a healthy worker's circuit for everybody.
+    # opened a healthy worker's circuit for everybody. And the stalled client's lease was held
+    # (in_flight 1, an admission slot) until it read again or closed: forever for a hung client.
     config = module_procs.log_dir / "short.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm", "request_timeout_s": 1},
@@ -330,6 +331,10 @@ def test_a_slow_reader_timing_out_does_not_count_against_its_worker(cluster: Clu
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         # the endless stream ends only by the timeout, which closes the worker's connection
         wait_until(lambda: cluster.fake_count("flood_closed") > closed, what="the timeout")
+        # the client still reads nothing, maybe never again: its worker slot is free all the same
+        with httpx.Client(base_url=gateway.url, timeout=10) as client:
+            in_flight = lambda: client.get("/workers", headers=ADMIN).json()["workers"][0]["targets"][0]["in_flight"]  # noqa: E731
+            wait_until(lambda: in_flight() == 0, what="the stalled client's slot released")
         sock.settimeout(20)
         data = b""
         while not data.endswith(b"\r\n0\r\n\r\n"):
