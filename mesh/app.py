@@ -243,6 +243,8 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         prompts=PromptProcessor(registry),
     )
     registry.add_listener(_Housekeeper(gateway))
+    registry.add_listener(metrics)  # a removed worker's labelled series leave /metrics with it
+    registry.add_listener(gateway.prompts)  # a worker's tokenizer is loaded when it joins
     if config.state.backend == "redis":
         from mesh import state_redis
 

@@ -17,6 +17,7 @@ Long prompts are rendered and hashed off the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +42,7 @@ TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again f
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
 
 _decode = msgspec.json.Decoder().decode
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -251,6 +253,19 @@ class PromptProcessor:
             self._load_failures.pop(spec, None)
             self._tokenizers[spec] = tok
             return tok
+
+    # -- registry listener --
+    def on_worker_added(self, worker: Any) -> None:
+        """Load the worker's tokenizer as it joins (start-up, reload, admin API), not in the first
+        request: parsing a large ``tokenizer.json`` holds the GIL (18 MB: ~2 s), in a thread too.
+        One that fails is logged here and answered 503 per request (``tokenizer``)."""
+        try:
+            self.tokenizer(worker.config.tokenizer)
+        except MeshError as exc:
+            log.warning("%s", exc.message)
+
+    def on_worker_removed(self, worker: Any) -> None:
+        return None
 
     # -- tokens and keys (runs on the loop or in a thread) --
     def _prepare(

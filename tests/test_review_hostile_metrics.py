@@ -49,3 +49,26 @@ def test_churned_workers_leave_no_series_behind(procs: ProcessGroup) -> None:
     reg.add(WorkerConfig(name="goes", url=echo.url))
     reg.remove("goes")
     assert series(metrics, "stays")
+
+
+def test_a_gateway_drops_a_removed_workers_series(procs: ProcessGroup, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The gateway itself registers ``Metrics`` as a listener: workers added and removed through
+    the admin API leave no health-check series behind on its /metrics."""
+    import httpx
+    import yaml
+
+    from tests.procs import free_port, wait_until
+
+    echo = procs.echo_worker("e0")
+    config = tmp_path / "mesh.yaml"
+    config.write_text(yaml.safe_dump({"server": {"admin_key": "k"}, "health": {"interval_s": 0.2}}))
+    gateway = procs.gateway(config, port=free_port())
+    admin = {"authorization": "Bearer k"}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for i in range(3):
+            added = http.post("/workers", headers=admin, json={"name": f"pod-{i}", "url": echo.url})
+            assert added.status_code in (200, 201), added.text
+            checked = f'mesh_health_checks_total{{result="ok",worker="pod-{i}"}}'
+            wait_until(lambda checked=checked: checked in http.get("/metrics").text, what=f"pod-{i} health-checked")
+            assert http.delete(f"/workers/pod-{i}", headers=admin).status_code in (200, 204)
+        wait_until(lambda: "pod-" not in http.get("/metrics").text, what="series of removed workers gone")

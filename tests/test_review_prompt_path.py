@@ -394,3 +394,19 @@ def test_an_image_turn_still_matches_the_text_turns_before_it(bundled: tuple[str
     image_turn = {**turn1, "messages": [*text_turn, reply, {"role": "user", "content": [IMAGE]}]}
     wait_until(lambda: _gpu_overlap(httpx.post(gateway + "/debug/route", json=image_turn, timeout=30).json()["decision"]) >= full,
                timeout_s=10, what=f"the image turn matching the text turn's {full} blocks")
+
+
+def test_a_workers_tokenizer_is_loaded_when_it_joins_not_by_the_first_request(
+        tok_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Parsing a large tokenizer.json holds the GIL for seconds: the gateway loads each worker's
+    tokenizer as the worker joins (config, reload, admin API), and a broken one is logged then."""
+    from mesh.app import build_gateway
+
+    gateway = build_gateway(parse_config({"workers": [{"name": "w", "url": "http://h:1", "tokenizer": str(tok_dir)}]}))
+    assert isinstance(gateway.prompts._tokenizers.get(str(tok_dir)), HFTokenizer)  # before any request
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{")
+    with caplog.at_level("WARNING"):
+        gateway.registry.add(WorkerConfig(name="b", url="http://h:2", tokenizer=str(broken)))
+    assert any("cannot load tokenizer" in r.getMessage() for r in caplog.records)
