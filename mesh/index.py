@@ -1087,10 +1087,10 @@ class PrefixIndex:
         self.evicted += 1
         if parent <= ROOT or self._kid[parent] != 0:
             return
+        self._stamp[parent] = max(self._stamp[parent], stamp)  # passed on past a holder-less parent too
         if not ((self._g[parent] | self._c[parent] | self._s[parent]) & self._live):
             self._drop(parent)
             return
-        self._stamp[parent] = max(self._stamp[parent], stamp)
         heappush(self._lru, (self._stamp[parent], parent))
 
     # ------------------------------------------------------------------ scrubbing

@@ -419,7 +419,8 @@ class LruModel:
         self.parent: dict[int, int | None] = {}
         self.kids: dict[int, set[int]] = {}
         self.stamp: dict[int, int] = {}
-        self.holders: dict[int, set[str]] = {}
+        self.holders: dict[int, set[str]] = {}  # "t": its engine's block, "~t": speculated for t
+        self.deadline: dict[tuple[str, int], float] = {}
         self.clock = 0
 
     def _add(self, k: int, parent: int | None, stamp: int) -> None:
@@ -437,9 +438,39 @@ class LruModel:
         for k in keys:
             self._add(k, parent, self.clock)
             self.holders[k].add(target)
+            self.holders[k].discard("~" + target)  # the engine confirms a speculation
+            self.deadline.pop((target, k), None)
             parent = k
+        self._evict()
+
+    def _evict(self) -> None:
         while len(self.parent) > self.max_keys:
             self._drop(min((s, k) for k, s in self.stamp.items() if not self.kids[k])[1])
+
+    def _held(self, target: str, k: int) -> bool:
+        return bool(self.holders.get(k, set()) & {target, "~" + target})
+
+    def speculate(self, target: str, keys: list[int], deadline: float) -> None:
+        d = 0
+        while d < len(keys) and self._held(target, keys[d]):
+            d += 1
+        if d == len(keys):
+            return
+        self.clock += 1
+        parent = keys[d - 1] if d else None
+        for k in keys[d:]:
+            self._add(k, parent, self.clock)
+            self.holders[k].add("~" + target)
+            self.deadline[(target, k)] = deadline
+            parent = k
+        self._evict()
+
+    def expire(self, now: float) -> None:
+        for (t, k), d in list(self.deadline.items()):
+            if d <= now:
+                del self.deadline[(t, k)]
+                if k in self.parent:
+                    self.remove("~" + t, k)
 
     def _drop(self, k: int) -> None:
         p = self.parent.pop(k)
@@ -454,14 +485,17 @@ class LruModel:
     def remove(self, target: str, k: int) -> None:
         if k in self.parent:
             self.holders[k].discard(target)
+            if not target.startswith("~"):  # the engine's removal ends a speculation too
+                self.holders[k].discard("~" + target)
+                self.deadline.pop((target, k), None)
             if not self.kids[k] and not self.holders[k]:
                 self._drop(k)
 
     def match(self, keys: list[int]) -> dict[str, int]:
         out = {}
-        for t in set().union(*self.holders.values()):
+        for t in {h.lstrip("~") for hs in self.holders.values() for h in hs}:
             d = 0
-            while d < len(keys) and t in self.holders.get(keys[d], ()):
+            while d < len(keys) and self._held(t, keys[d]):
                 d += 1
             if d:
                 out[t] = d
@@ -471,19 +505,20 @@ class LruModel:
         return out
 
     def keys_of(self, target: str) -> set[int]:
-        return {k for k, hs in self.holders.items() if target in hs}
+        return {k for k in self.holders if self._held(target, k)}
 
 
-@pytest.mark.parametrize("seed", range(32))
+@pytest.mark.parametrize("seed", [*range(32), 257])  # 257: an eviction through holder-less parents
 def test_budget_evicts_the_least_recently_stored_or_matched_leaf_first(seed: int) -> None:
     """Engines storing sessions (new prompts, turns and forks below a known parent hash, and
-    another engine's prompts again under its own hashes), matches that refresh a prefix, engine
-    removals of leaves; the index's keys equal the model's after every step, so every eviction
-    took the leaf the documented order names."""
+    another engine's prompts again under its own hashes), matches that refresh a prefix,
+    speculation and its expiry, engine removals of leaves; the index's keys equal the model's
+    after every step, so every eviction took the leaf the documented order names."""
     rng = random.Random(seed)
     targets = ["w"] if seed % 2 else ["a", "b", "c"]
     index, model = PrefixIndex(max_keys=40), LruModel(40)
     chains: dict[str, list[tuple[list[int], list[int], list[int]]]] = {t: [] for t in targets}  # hashes, keys, tokens
+    now = 0.0
     for step in range(300):
         t = rng.choice(targets)
         mine = chains[t]
@@ -516,10 +551,19 @@ def test_budget_evicts_the_least_recently_stored_or_matched_leaf_first(seed: int
                 index.apply_stored(t, hashes, None, tokens, 2, NS)
                 model.store(t, keys, None)
                 mine.append((hashes, keys, tokens))
-        elif r < 0.8:
+        elif r < 0.72:
             _, keys, _ = rng.choice([c for u in targets for c in chains[u]])
             q = keys[: rng.randint(1, len(keys))]
             assert {u: ov.blocks for u, ov in index.match(q).items()} == model.match(q), step
+        elif r < 0.8:  # a request routed here: its keys count as held until confirmed or expired
+            _, keys, _ = rng.choice([c for u in targets for c in chains[u]])
+            deadline = now + rng.uniform(1, 20)
+            index.store_speculative(t, keys, deadline)
+            model.speculate(t, keys, deadline)
+        elif r < 0.84:
+            now += rng.uniform(0, 6)
+            index.expire(now)
+            model.expire(now)
         else:  # the engine evicts a leaf (it holds every block of its sessions)
             inner = {k for _, pk, _ in mine for k in pk[:-1]}
             ph, pk, pt = rng.choice([c for c in mine if c[1][-1] not in inner])
@@ -587,3 +631,23 @@ def test_engine_events_over_more_than_1024_slots_match_the_model(bulk_min: int) 
 def test_engine_events_under_a_key_budget_never_overclaim(seed: int, bulk_min: int) -> None:
     w = run_bounded(seed, ["a", "b", "c", "d"], 300, max_keys=25 + 10 * (seed % 4))
     assert w.index.evicted > 0
+
+
+def test_an_evicted_leaf_hands_its_recency_past_holderless_parents() -> None:
+    """Was: an eviction that took a leaf's holder-less parents along (blocks an engine freed from
+    the middle of a chain, expired speculation) dropped each with its own stamp, not the newest
+    below it: the prefix above inherited the oldest, and went before a newer unrelated session.
+    (The key layer is the shortest route to such parents; the random LRU sequences reach it
+    through speculation.)"""
+    index = PrefixIndex(max_keys=5)
+    g, p2, p1, leaf = block_keys(list(range(8)), 2, NS)
+    index.store("w", [g, p2, p1, leaf])
+    index.remove("w", [p2, p1])  # the middle blocks freed: holder-less parents of the leaf
+    x = block_keys([100, 101], 2, NS)
+    index.store("w", x)  # an unrelated session
+    index.store("v", [p1], parent=p2)  # the newest use below the prefix
+    index.remove("v", [p1])
+    index.store("w", block_keys([200, 201], 2, NS))  # 6 keys: the leaf goes, with p1 and p2
+    index.store("w", block_keys(list(range(300, 306)), 2, NS))  # 6 keys: one more must go
+    assert index.holds("w", g) is Tier.GPU  # it inherited the newest stamp below it
+    assert index.holds("w", x[0]) is None
