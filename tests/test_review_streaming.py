@@ -123,6 +123,7 @@ class Cluster:
     fake: Proc
     echo: Proc
     big: Proc
+    tiny: Proc
 
     def metric(self, prefix: str) -> float:
         for line in self.http.get("/metrics").text.splitlines():
@@ -144,15 +145,19 @@ class Cluster:
 def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     script = module_procs.log_dir / "fake_worker.py"
     script.write_text(FAKE_WORKER)
-    fport, eport, bport, gport = free_port(), free_port(), free_port(), free_port()
+    fport, eport, bport, tport, gport = free_port(), free_port(), free_port(), free_port(), free_port()
+    # a bundled engine worker (started first: it takes longest)
+    tiny = module_procs.start([PYTHON, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(tport),
+                               "--block-size", "16", "--num-kv-blocks", "512", "--cpu-threads", "1",
+                               "--max-model-len", "8192", "--log-level", "warning"], name="tiny", port=tport)
     fake = module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport)
     echo = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(eport), "--name", "echo", "--model", "m"],
                               name="echo", port=eport)
     # a large answer from a small prompt: each 1 KiB word, 4000 times over (about 4.5 MB of SSE per word)
     big = module_procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(bport), "--name", "big", "--model", "big",
                               "--repeat", "4000"], name="big", port=bport)
-    for proc in (fake, echo, big):
-        wait_http(proc.url + "/health", proc=proc)
+    for proc in (fake, echo, big, tiny):
+        wait_http(proc.url + "/health", proc=proc, timeout_s=120)
     config = module_procs.log_dir / "mesh.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm", "request_timeout_s": 60},
@@ -161,11 +166,12 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         "retries": {"max_attempts": 2, "backoff_base_s": 1.0, "backoff_max_s": 1.0},
         "policy": "round_robin",
         "workers": [{"name": "fake", "url": fake.url, "models": ["m", "f"]}, {"name": "echo", "url": echo.url, "models": ["m"]},
-                    {"name": "big", "url": big.url, "models": ["big"]}],
+                    {"name": "big", "url": big.url, "models": ["big"]},
+                    {"name": "tiny", "url": tiny.url, "models": ["tiny"], "block_size": 16}],
     }))
     gateway = module_procs.gateway(config, port=gport, ready_path="/ready")
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
-        c = Cluster(client, gateway, fake, echo, big)
+        c = Cluster(client, gateway, fake, echo, big, tiny)
         wait_until(lambda: all(w["healthy"] for w in c.workers().values()), what="both workers healthy")
         yield c
 
@@ -363,3 +369,22 @@ def test_an_informational_response_before_the_answer_is_skipped(cluster: Cluster
     # a 103 Early Hints reached the client as the status of its answer (an empty 103)
     resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "early103"})
     assert resp.status_code == 200 and resp.json()["id"] == "hinted", (resp.status_code, resp.text)
+
+
+def _engine(cluster: Cluster) -> dict[str, float]:
+    text = httpx.get(cluster.tiny.url + "/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith(("mesh_worker_num_requests_running ", "mesh_worker_kv_blocks_used "))}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_frees_the_request_on_a_bundled_worker(cluster: Cluster, stream: bool) -> None:
+    body = {"model": "tiny", "prompt": "hello world " * 40, "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    with _raw_request(cluster.gateway.port, body) as sock:
+        if stream:
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: _engine(cluster)["mesh_worker_num_requests_running"] == 1, what="the request running")
+        assert _engine(cluster)["mesh_worker_kv_blocks_used"] > 0
+    wait_until(lambda: _engine(cluster) == {"mesh_worker_num_requests_running": 0, "mesh_worker_kv_blocks_used": 0},
+               what="the engine freeing the request and its KV blocks")
+    assert cluster.workers()["tiny"]["targets"][0]["in_flight"] == 0
