@@ -115,11 +115,16 @@ class GuardedPolicy(Policy):
         return {**out, "guarded": True, "fallback": self.fallback.name}
 
     def __getattr__(self, name: str) -> Any:
-        """Other attributes a caller reads come from the plugin, except ``inner``: the gateway's
-        /debug/route calls a wrapper's ``inner.decide`` directly, which would bypass this guard."""
+        """Other attributes a caller reads come from the plugin; a wrapper's ``inner`` (which the
+        gateway's /debug/route dry-runs) comes guarded too, never bare."""
         plugin = self.__dict__.get("plugin")
-        if plugin is None or name == "inner":
+        if plugin is None:
             raise AttributeError(name)
+        if name == "inner":
+            inner = getattr(plugin, "inner", None)
+            if inner is None:
+                raise AttributeError(name)
+            return GuardedPolicy(inner, self.fallback, strict=self.strict)
         return getattr(plugin, name)
 
 

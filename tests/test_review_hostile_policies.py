@@ -112,3 +112,25 @@ def test_a_plugin_module_that_exits_at_import_is_an_error_not_an_exit(procs: Pro
         resp = http.post("/admin/reload", headers={"authorization": "Bearer admin-secret"})
         assert resp.status_code == 400 and "exiting_plugin" in resp.text, resp.text
         assert http.get("/health").status_code == 200 and gw.alive
+
+
+def test_debug_route_dry_runs_a_wrapped_plugin_behind_the_guard(procs: ProcessGroup, tmp_path: Path) -> None:
+    """session_sticky around a plugin: /debug/route shows the inner policy's dry run for a session
+    kept on its target. The guard hid the plugin (no dry run shown); calling it bare would have
+    let its bug through as a 500. Now the dry run is guarded: the fallback shows, with a 200."""
+    e0, e1 = procs.echo_worker("e0"), procs.echo_worker("e1")
+    config = tmp_path / "mesh.yaml"
+    config.write_text(yaml.safe_dump({
+        "workers": [{"name": "e0", "url": e0.url}, {"name": "e1", "url": e1.url}],
+        "policy": {"name": "session_sticky", "params": {"inner": {"name": PLUGIN}}},
+    }))
+    gw = procs.gateway(config, port=free_port())
+    session = {"x-session-id": "s1"}
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        first = http.post("/v1/completions", headers=session, json={"model": "echo", "prompt": "hello", "max_tokens": 2})
+        assert first.status_code == 200, first.text
+        resp = http.post("/debug/route", headers=session, json={"model": "echo", "prompt": "hello mode:raise"})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["session"]["bound_target"] == body["decision"]["target"]
+        assert "fallback" in str(body["inner_decision"]).lower() and "RuntimeError" in str(body["inner_decision"])
