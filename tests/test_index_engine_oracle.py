@@ -491,6 +491,13 @@ class LruModel:
             if not self.kids[k] and not self.holders[k]:
                 self._drop(k)
 
+    def clear(self, target: str) -> None:
+        for hs in self.holders.values():
+            hs -= {target, "~" + target}
+        self.deadline = {tk: d for tk, d in self.deadline.items() if tk[0] != target}
+        for k in [k for k, hs in self.holders.items() if not hs and not self.kids[k]]:
+            self._drop(k)  # (a holder-less parent goes with its last child)
+
     def match(self, keys: list[int]) -> dict[str, int]:
         out = {}
         for t in {h.lstrip("~") for hs in self.holders.values() for h in hs}:
@@ -564,6 +571,11 @@ def test_budget_evicts_the_least_recently_stored_or_matched_leaf_first(seed: int
             now += rng.uniform(0, 6)
             index.expire(now)
             model.expire(now)
+        elif r < 0.86:  # AllBlocksCleared: scrubbed at once, the slot is free for the next store
+            index.apply_cleared(t)
+            index.compact()
+            model.clear(t)
+            chains[t] = []
         else:  # the engine evicts a leaf (it holds every block of its sessions)
             inner = {k for _, pk, _ in mine for k in pk[:-1]}
             ph, pk, pt = rng.choice([c for c in mine if c[1][-1] not in inner])
