@@ -46,7 +46,7 @@ from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.transfer_auth import SIGNATURE, SECRET_ENV, sign, verify
 from workers.kv_layout import Layout, TransferError
 from workers.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
-from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body
+from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body, special_tokens
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -181,9 +181,9 @@ class DisaggService:
             raise APIError(400, f"invalid request: {first.get('msg', exc)}") from exc
         self.api.check_model(req.model)
         if kind == "chat":
-            ids = self.api.chat_prompt(req.messages)
+            ids = self.api.chat_prompt(req.messages, body)
         else:
-            prompts = self.api.completion_prompts(req.prompt)
+            prompts = self.api.completion_prompts(req.prompt, special_tokens(body, default=True))
             if len(prompts) != 1:
                 raise APIError(400, "disaggregated requests take exactly one prompt", "prompt")
             ids = prompts[0]
