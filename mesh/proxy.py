@@ -298,16 +298,20 @@ class Proxy:
                 raise _UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
             lease.first_token()
             self._ttfb_hist[route].observe(time.perf_counter() - start)
-            self.registry.record_success(target.id)
+            streaming = parsed.stream and resp.status == 200
+            if not streaming:  # a stream is a success once it ended whole (below), not at its first byte
+                self.registry.record_success(target.id)
             for f in suspects:  # they failed where this worker does not
                 self.registry.record_failure(f.suspect, time.monotonic(), f.message)  # type: ignore[arg-type]
             suspects.clear()
             out = _response_headers(resp)
             out.append((b"x-mesh-worker", target.id.encode()))
-            if parsed.stream and resp.status == 200:
+            if streaming:
                 # a client that stops reading holds its lease only until the request timeout
                 resp.on_stall(lease.finish)
                 tail = await self._stream(resp, first, out, state, target)
+                if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
+                    self.registry.record_success(target.id)
             elif resp.status >= 400:
                 await state.respond(resp.status, *_worker_error(resp, first, target))
                 tail = b""

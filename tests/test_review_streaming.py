@@ -388,3 +388,21 @@ def test_a_client_leaving_frees_the_request_on_a_bundled_worker(cluster: Cluster
     wait_until(lambda: _engine(cluster) == {"mesh_worker_num_requests_running": 0, "mesh_worker_kv_blocks_used": 0},
                what="the engine freeing the request and its KV blocks")
     assert cluster.workers()["tiny"]["targets"][0]["in_flight"] == 0
+
+
+def test_streams_that_break_mid_way_open_the_workers_circuit(cluster: Cluster, module_procs: ProcessGroup) -> None:
+    # Each stream recorded a success at its first byte, then its failure: the consecutive count
+    # went 1, 0, 1, 0... and a worker that broke every stream never had its circuit opened.
+    config = module_procs.log_dir / "strict.yaml"
+    config.write_text(yaml.safe_dump({
+        "server": {"admin_key": "adm"},
+        "circuit_breaker": {"failure_threshold": 2, "open_s": 60},
+        "workers": [{"name": "fake", "url": cluster.fake.url, "models": ["f"]}],
+    }))
+    gateway = module_procs.gateway(config, port=free_port(), name="strict-gateway", ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for _ in range(2):
+            with client.stream("POST", "/v1/completions", json={"model": "f", "prompt": "partial", "stream": True}) as resp:
+                assert json.loads(sse_data(resp.read())[-2])["error"]["type"] == "upstream_error"
+        worker = client.get("/workers", headers=ADMIN).json()["workers"][0]
+        assert worker["circuit"] == "open" and "stream broke" in worker["last_error"], worker
