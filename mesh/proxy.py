@@ -14,6 +14,10 @@ Invariants:
   event and ``[DONE]``.
 - A client disconnect cancels the upstream request: a watcher task reads the ASGI ``receive``
   channel and cancels the handler, whose ``finally`` blocks close the upstream response.
+- A stream relays whole SSE events only (an unfinished one waits for its end), so a stream that
+  breaks ends with whole events, the error event and ``[DONE]``. It counts as its worker's
+  success once it ended whole; a break counts as a failure, a client too slow to read does not,
+  and that client's lease ends at the request timeout even if it never reads again.
 - Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
   cached tokens, from the decision's overlap on the chosen target) and the worker's
   ``usage.prompt_tokens_details.cached_tokens``. Only the end of the answer is searched (a JSON
