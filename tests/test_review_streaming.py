@@ -290,7 +290,7 @@ def test_a_client_that_stops_reading_holds_bounded_memory_and_stalls_nobody(clus
                 events = sse_data(resp.read())
             assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == f"other{i} x "
         peak = max(peak, _rss_kib(cluster.gateway.pid))
-        assert peak - base < 24 * 1024, f"gateway RSS grew {(peak - base) >> 10} MiB for answers nobody read"
+        assert peak - base < 64 * 1024, f"gateway RSS grew {(peak - base) >> 10} MiB for answers nobody read"
     finally:
         for sock in stalled:
             sock.close()
