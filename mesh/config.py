@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf: a TTL never ending, a timeout never firing
 
 
 PositiveFloat = Annotated[float, Field(gt=0)]

@@ -84,6 +84,9 @@ def test_full_file_is_parsed(tmp_path: Path) -> None:
         ("policy: no_such_policy\n", "policy: unknown policy 'no_such_policy'"),
         ("- a\n- b\n", "(top level): expected a mapping of sections, got list"),
         ("server: [\n", "invalid YAML"),
+        # YAML's .inf passed ge=0: speculation never confirmed would never expire
+        ("index: {speculative_ttl_s: .inf}\n", "index.speculative_ttl_s: Input should be a finite number"),
+        ("sessions: {idle_ttl_s: .nan}\n", "sessions.idle_ttl_s: Input should be a finite number"),
     ],
 )
 def test_errors_name_the_yaml_path(tmp_path: Path, text: str, expected: str) -> None:
