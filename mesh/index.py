@@ -129,6 +129,10 @@ class PrefixIndex:
         self._scrub: tuple[int, int] | None = None  # (next nid, bits being scrubbed)
         # engine layer and speculation
         self._emap: dict[str, dict[int, int]] = {}  # target -> engine hash -> key
+        # With a budget only: target -> engine hashes the engine holds on its CPU tier. A node the
+        # budget evicted takes its CPU bit with it, and the engine's later GPU removal must not
+        # forget the hash (children stored below the CPU copy need it as their parent).
+        self._offloaded: dict[str, set[int]] = {}
         self._spec: dict[int, dict[int, float]] = {}  # slot -> key -> speculative deadline
         self._spec_heap: list[tuple[float, int, int, int, Sequence[int]]] = []
         self._spec_seq = 0
@@ -220,6 +224,7 @@ class PrefixIndex:
     def clear_target(self, target: str) -> None:
         """Drop every entry of ``target`` at once (O(1); nodes are scrubbed incrementally)."""
         self._emap.pop(target, None)
+        self._offloaded.pop(target, None)
         slot = self._slot.pop(target, None)
         if slot is None:
             return
@@ -332,6 +337,8 @@ class PrefixIndex:
             emap = self._emap[target] = {}
         elif not emap.keys().isdisjoint(engine_hashes):
             self._forget_renamed(target, emap, engine_hashes, keys)
+        if tier is Tier.CPU and self.max_keys:
+            self._offloaded.setdefault(target, set()).update(engine_hashes)
         # the parent's nid only now: a renamed hash may have removed the parent's node
         parent = ROOT if parent_engine_hash is None else self._parent_nid(parent_key)
         ids = self._id
@@ -435,8 +442,12 @@ class PrefixIndex:
                 free.append(n)
                 continue
             n = self._remove_key(slot, key, tier)
+            if n is None and tier is Tier.GPU and h in self._offloaded.get(target, ()):
+                continue  # evicted from the index, still on the engine's CPU tier: keep its key
             if n is None or not ((g[n] | c[n]) & bit):
                 del emap[h]
+        if budget and tier is not Tier.GPU and target in self._offloaded:
+            self._offloaded[target].difference_update(engine_hashes)
         return done
 
     def apply_cleared(self, target: str) -> None:
@@ -1028,6 +1039,8 @@ class PrefixIndex:
             return 0
         bit = 1 << slot
         field = self._g if tier is Tier.GPU else self._c
+        if tier is Tier.CPU and self.max_keys:
+            self._offloaded.setdefault(target, set()).update(h for h in hashes if h in emap)
         done = 0
         for h in hashes:
             key = emap.get(h)

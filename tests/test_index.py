@@ -458,6 +458,28 @@ def test_budget_after_engine_removals_evicts_the_cold_leftover_not_the_newest_ch
     assert index.match(block_keys(hot, 4, ns)) == {"w": Overlap(10, 0)}
 
 
+@pytest.mark.parametrize("offload", ["tier update", "cpu store"])
+def test_budget_keeps_the_hash_of_a_block_evicted_from_the_index_but_held_on_the_engines_cpu(offload: str) -> None:
+    """With a key budget, a node evicted from the index lost its CPU bit; the engine's GPU removal
+    then forgot the hash, and every later store below the engine's CPU copy was skipped."""
+    ns = namespace_seed("m")
+    index = PrefixIndex(max_keys=4)
+    parent = list(range(16))
+    if offload == "tier update":
+        index.apply_stored("w", [1], None, parent, 16, ns)
+        assert index.apply_stored("w", [1], None, None, 16, ns, Tier.CPU) == 1
+    else:
+        index.apply_stored("w", [1], None, parent, 16, ns, Tier.CPU)
+    index.apply_stored("w", [2, 3, 4, 5], None, list(range(100, 164)), 16, ns)  # evicts block 1's node
+    assert index.holds("w", block_keys(parent, 16, ns)[0]) is None
+    index.apply_removed("w", [1], Tier.GPU)  # the engine drops its GPU copy, keeps the CPU one
+    child = list(range(16, 32))
+    assert index.apply_stored("w", [6], 1, child, 16, ns) == 1
+    assert index.holds("w", block_keys(parent + child, 16, ns)[1]) is Tier.GPU
+    index.apply_removed("w", [1], Tier.CPU)  # now gone from the engine: the hash goes too
+    assert 1 not in index.engine_map("w")
+
+
 def test_chained_keys_from_an_engine_parent_continue_the_router_chain() -> None:
     index = PrefixIndex()
     ns = namespace_seed("m")
