@@ -54,6 +54,9 @@ class CircuitBreaker:
     """Closed -> open after ``failure_threshold`` consecutive failures -> half-open after ``open_s``.
 
     Half-open lets traffic through again: the next success closes it, the next failure reopens it.
+    An open circuit ignores successes: they come from requests sent before it opened (a long
+    one finishing whole said nothing about the failures that opened it), and only ``open_s``
+    moves it on, as in the usual breakers (resilience4j, Envoy's outlier ejection).
     """
 
     def __init__(self, config: CircuitBreakerConfig) -> None:
@@ -67,6 +70,8 @@ class CircuitBreaker:
         return self.state == "open"
 
     def record_success(self) -> None:
+        if self.state == "open":
+            return
         self.failures = 0
         self.state = "closed"
 

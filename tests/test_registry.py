@@ -100,6 +100,7 @@ def test_circuit_breaker_opens_half_opens_and_closes() -> None:
     cb.record_success()  # consecutive failures only
     assert not cb.record_failure(2.0) and not cb.record_failure(3.0)
     assert cb.record_failure(4.0) and cb.is_open
+    cb.record_success()  # a request sent before it opened, finishing whole: still open (was: closed)
     cb.tick(13.9)
     assert cb.is_open
     cb.tick(14.0)
