@@ -191,6 +191,8 @@ class Proxy:
         failure: _Failure | None = None
         for attempt in range(retries.max_attempts):
             if attempt:
+                if not self._retry_has_a_target(parsed, excluded):
+                    break  # no back-off (and no retry counted) when nowhere is left to go
                 self.metrics.retries_total.labels(failure.kind if failure else "error").inc()
                 await asyncio.sleep(_backoff(attempt, retries.backoff_base_s, retries.backoff_max_s))
             lease = self._route(parsed, excluded, failure)
@@ -234,6 +236,14 @@ class Proxy:
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         self.metrics.routing_decision.observe(time.perf_counter() - t0)
         return lease
+
+    def _retry_has_a_target(self, parsed: ParsedRequest, excluded: list[str]) -> bool:
+        """Whether some available target of the request's model is not excluded yet (it may be
+        full now and free after the back-off: routing decides that)."""
+        gone = set(excluded)
+        model = parsed.info.model
+        return any(t.available and t.id not in gone and (not t.models or model in t.models)
+                   for t in self.registry.targets.values())
 
     def _full_targets(self) -> list[str]:
         if not self.registry.admission_limited:

@@ -410,3 +410,13 @@ def test_streams_that_break_mid_way_open_the_workers_circuit(cluster: Cluster, m
                 assert json.loads(sse_data(resp.read())[-2])["error"]["type"] == "upstream_error"
         worker = client.get("/workers", headers=ADMIN).json()["workers"][0]
         assert worker["circuit"] == "open" and "stream broke" in worker["last_error"], worker
+
+
+def test_a_retry_with_nowhere_left_to_go_is_not_waited_for_nor_counted(cluster: Cluster) -> None:
+    """Model "f" is served by the failing fake alone: its 500 is the answer at once. Was: the
+    gateway slept the back-off (1 s here) first and counted a retry that never happened."""
+    retries = 'mesh_retries_total{reason="status_500"}'
+    before = cluster.metric(retries)
+    resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "err500", "max_tokens": 2})
+    assert resp.status_code == 500, resp.text
+    assert cluster.metric(retries) == before
