@@ -80,6 +80,8 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # reported by the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # The last step scheduled nothing: requests wait for blocks held outside the scheduler.
+        self.stalled = False
         self.publisher: Any = None
         if config.kv_events_endpoint:
             from workers.kv_events import KVEventPublisher  # needs pyzmq + msgspec
@@ -159,6 +161,7 @@ class LLMEngine:
         the next one (scheduled ahead) running on the device while the caller handles these."""
         outputs = [self._output(s, []) for s in self._aborted]
         self._aborted = []
+        self.stalled = False
         if self._inflight is not None:
             outputs += self._finish_inflight()
             self._publish()
@@ -172,10 +175,14 @@ class LLMEngine:
             else:
                 outputs += self._advance(batch, self.runner.run(batch))
         elif self.scheduler.waiting and not self.scheduler.running:
-            # Cannot happen after validate(); never spin on it.
-            seq = self.scheduler.waiting[0]
-            log.error("request %s fits in no free block set; aborting it", seq.request_id)
-            self.abort_request(seq.request_id)
+            self.stalled = self.block_manager.num_used_blocks > 0
+            if not self.stalled:
+                # Every block free and still no fit: cannot happen after validate(); never spin on it.
+                seq = self.scheduler.waiting[0]
+                log.error("request %s fits in no free block set; aborting it", seq.request_id)
+                self.abort_request(seq.request_id)
+            # else: blocks held outside the scheduler (transfer pins) come back when unpinned;
+            # the request waits for them (the async loop sleeps until a command arrives).
         self._publish()
         return outputs
 
@@ -394,6 +401,9 @@ class AsyncLLMEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                if self.engine.stalled:  # nothing can run until a command (an unpin) arrives
+                    self._wake.wait(0.05)
+                    self._wake.clear()
         except BaseException as exc:  # the loop must not die silently
             log.exception("engine loop failed")
             self.error = exc
