@@ -11,7 +11,7 @@ Nothing here does I/O or reads a clock: ``now`` is passed in (simulated or wall 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +25,10 @@ class SessionStore(Protocol):
 
     def bind(self, session_id: str, target: str, now: float) -> bool:
         """Bind (or refresh) a session; True when it moved from another live target."""
+        ...
+
+    def touch(self, session_id: str, target: str, now: float) -> None:
+        """A request of the session on ``target`` ended: its idle time starts now (optional)."""
         ...
 
     def live_sessions(self, target: str) -> int: ...
@@ -48,6 +52,9 @@ class Lease:
     policy: Policy
     request: RequestInfo
     _phase: int = 0  # 0 prefill, 1 decode, 2 finished
+    # Set for a request with a session id: the router's hook that restarts the session's idle
+    # time when the request ends (a session is not idle while a request of it runs).
+    on_end: Callable[[Lease, float], None] | None = None
 
     def first_token(self) -> None:
         if self._phase == 0:
@@ -65,6 +72,8 @@ class Lease:
         self.target.in_flight -= 1
         self._phase = 2
         self.policy.on_finished(self.request, self.target.id, now)
+        if self.on_end is not None:
+            self.on_end(self, now)
 
     @property
     def finished(self) -> bool:
@@ -87,6 +96,7 @@ class Router:
         self.sessions = sessions
         self.speculative_ttl_s = speculative_ttl_s
         self.session_moves = 0
+        self._touch = getattr(sessions, "touch", None)  # optional in a SessionStore
         if sessions is not None and hasattr(sessions, "count_listener"):
             sessions.count_listener = self._on_session_count
 
@@ -136,4 +146,14 @@ class Router:
         target.in_flight += 1
         uncached = request.prompt_tokens - cached_tokens
         target.prefill_tokens += uncached
-        return Lease(target, uncached, request.prompt_tokens, self.policy, request)
+        lease = Lease(target, uncached, request.prompt_tokens, self.policy, request)
+        if request.session_id and self._touch is not None:
+            lease.on_end = self._session_request_ended
+        return lease
+
+    def _session_request_ended(self, lease: Lease, now: float) -> None:
+        """Restart the idle time of the lease's session on its target, unless that target left
+        the registry meanwhile (its bindings were dropped with it: never bound again)."""
+        target = lease.target
+        if self.targets.get(target.id) is target and lease.request.session_id:
+            self._touch(lease.request.session_id, target.id, now)  # type: ignore[misc]

@@ -114,6 +114,16 @@ class SessionTable:
         self._bindings[sid] = (target, last, self._seq)
         return moved
 
+    def touch(self, session_id: str, target: str, now: float) -> None:
+        """A request of the session on ``target`` ended at ``now``: a session is not idle while
+        a request of it runs, so its idle time starts now. A binding moved to another live target
+        meanwhile (a later turn) is left alone; one that expired or was evicted while the request
+        ran is bound again (it was in use)."""
+        b = self._bindings.get(_norm(session_id))
+        if b is not None and b[0] != target and b[1] + self.idle_ttl_s > now:
+            return
+        self.bind(session_id, target, now)
+
     def expire(self, now: float) -> int:
         """Drop every binding idle for ``idle_ttl_s`` or longer; returns how many."""
         order, ttl, n = self._order, self.idle_ttl_s, 0

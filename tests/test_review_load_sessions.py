@@ -1,0 +1,193 @@
+"""Load accounting and session bindings of a real gateway over real workers (review).
+
+Load: every way a request can end (success, a worker's 4xx/5xx, retry then success, a stream
+broken mid-way, a connect error, a client leaving before or while streaming, the request timeout,
+a slow reader, a 429 from admission, a worker removed, re-added or drained with requests in
+flight) must return each target's in-flight count and prefill/decode tokens to exactly zero: a
+leak makes the router avoid a healthy worker for good.
+
+Sessions: where a session's turns actually went (``x-mesh-worker``) agrees with the binding
+``/debug/route`` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, kill_process, wait_http, wait_until
+from tests.test_review_streaming import FAKE_WORKER
+
+ADMIN = {"authorization": "Bearer adm"}
+TIMEOUT_S = 1.5  # the gateway's request timeout
+
+
+@dataclass
+class Cluster:
+    http: httpx.Client
+    gateway: Proc
+    procs: ProcessGroup
+    workers: dict[str, Proc]
+    config: Any
+
+    def targets(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for w in self.http.get("/workers", headers=ADMIN).json()["workers"]:
+            for t in w["targets"]:
+                out[t["id"]] = {k: t[k] for k in ("in_flight", "prefill_tokens", "decode_tokens")}
+        return out
+
+    def metric_values(self, name: str) -> dict[str, float]:
+        out = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + "{"):
+                out[line.split("{", 1)[1].split("}", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def _echo(procs: ProcessGroup, name: str, *extra: str) -> Proc:
+    port = free_port()
+    return procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(port), "--name", name, "--model", "m", *extra],
+                       name=name, port=port)
+
+
+@pytest.fixture(scope="module")
+def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
+    script = module_procs.log_dir / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    fport = free_port()
+    workers = {
+        "fake": module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport),
+        "ok": _echo(module_procs, "ok", "--token-delay-s", "0.01"),
+        "flaky": _echo(module_procs, "flaky", "--fail-on", "BOOM", "--token-delay-s", "0.02"),
+        "slow": _echo(module_procs, "slow", "--token-delay-s", "0.3"),
+        "doomed": _echo(module_procs, "doomed", "--token-delay-s", "0.05"),
+    }
+    for proc in workers.values():
+        wait_http(proc.url + ("/count" if proc.name == "fake" else "/health"), proc=proc, timeout_s=60)
+    config = {
+        "server": {"admin_key": "adm", "request_timeout_s": TIMEOUT_S},
+        "health": {"interval_s": 0.5, "timeout_s": 1},
+        "circuit_breaker": {"failure_threshold": 100_000, "open_s": 1},
+        "retries": {"max_attempts": 3, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+        "policy": "session_sticky",
+        "sessions": {"idle_ttl_s": 600},
+        "workers": [{"name": n, "url": p.url, "models": ["m"], "max_in_flight": 6} for n, p in workers.items()],
+    }
+    path = module_procs.log_dir / "mesh.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        c = Cluster(client, gateway, module_procs, workers, config)
+        wait_until(lambda: all(w["healthy"] for w in client.get("/workers", headers=ADMIN).json()["workers"]),
+                   what="every worker healthy")
+        yield c
+
+
+def _all_zero(c: Cluster) -> bool:
+    return all(v == {"in_flight": 0, "prefill_tokens": 0, "decode_tokens": 0} for v in c.targets().values())
+
+
+async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> None:
+    """One request ending one of many ways; its outcome is not checked, only the load after."""
+    kind = rng.choice(["ok", "ok", "boom", "partial", "err500", "leave", "leave_stream", "slow", "session"])
+    stream = rng.random() < 0.6
+    words = " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randrange(4, 40)))
+    prompt = {"boom": f"BOOM {words}", "partial": "partial x", "err500": "err500 x", "slow": words}.get(kind, words)
+    body: dict[str, Any] = {"model": "m", "prompt": prompt, "stream": stream, "max_tokens": 16}
+    headers = {"x-session-id": f"s{rng.randrange(8)}"} if kind == "session" or rng.random() < 0.3 else {}
+    try:
+        if kind.startswith("leave"):  # the client goes away before or while the answer streams
+            body["stream"] = kind == "leave_stream"
+            async with asyncio.timeout(rng.uniform(0.0, 0.3)):
+                async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+                    async for _ in resp.aiter_raw():
+                        await asyncio.sleep(0.05)
+            return
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            async for _ in resp.aiter_raw():
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
+
+
+def _slow_reader(port: int) -> socket.socket:
+    """A streaming client that never reads (tiny receive buffer)."""
+    data = json.dumps({"model": "m", "prompt": " ".join(["word"] * 3000), "stream": True, "max_tokens": 3000}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+async def _storm(c: Cluster, n: int, seed: int, admin: bool) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=c.gateway.url, timeout=30) as client:
+        tasks = [asyncio.create_task(_one(client, rng, i)) for i in range(n)]
+        if admin:
+            await asyncio.sleep(0.2)
+            # drained, removed and re-added with requests of theirs in flight
+            await client.post("/workers/ok/drain", headers=ADMIN)
+            removed = (await client.delete("/workers/doomed", headers=ADMIN)).status_code
+            assert removed == 200
+            await asyncio.sleep(0.2)
+            await client.post("/workers/ok/drain", params={"undo": "true"}, headers=ADMIN)
+            spec = {"name": "doomed", "url": c.workers["doomed"].url, "models": ["m"], "max_in_flight": 6}
+            assert (await client.post("/workers", json=spec, headers=ADMIN)).status_code == 201
+        await asyncio.gather(*tasks)
+
+
+def test_a_mixed_storm_leaves_no_load_anywhere(cluster: Cluster) -> None:
+    sockets = [_slow_reader(cluster.gateway.port) for _ in range(2)]
+    try:
+        asyncio.run(_storm(cluster, 120, seed=1, admin=True))
+        wait_until(lambda: _all_zero(cluster), timeout_s=TIMEOUT_S * 10, what=f"load back to zero: {cluster.targets()}")
+    finally:
+        for s in sockets:
+            s.close()
+    assert set(cluster.targets()) == {"fake", "ok", "flaky", "slow", "doomed"}
+    for name in ("mesh_worker_in_flight", "mesh_worker_prefill_tokens", "mesh_worker_decode_tokens"):
+        assert set(cluster.metric_values(name).values()) == {0.0}, name
+
+
+@pytest.fixture(scope="module")
+def short_ttl(cluster: Cluster) -> Iterator[httpx.Client]:
+    """A second gateway in front of the slow worker alone, with a 1 s idle time."""
+    config = {**cluster.config, "sessions": {"idle_ttl_s": 1.0}, "server": {"admin_key": "adm", "request_timeout_s": 30},
+              "workers": [{"name": "slow", "url": cluster.workers["slow"].url, "models": ["m"]}]}
+    path = cluster.procs.log_dir / "short_ttl.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = cluster.procs.gateway(path, port=free_port(), name="gateway-short-ttl", ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        yield client
+
+
+def _bound(client: httpx.Client, session: str) -> str | None:
+    route = client.post("/debug/route", json={"model": "m", "prompt": "next turn"}, headers={"x-session-id": session})
+    assert route.status_code == 200, route.text
+    return route.json()["session"]["bound_target"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_session_is_not_idle_while_its_request_runs(short_ttl: httpx.Client, stream: bool) -> None:
+    # The idle time ran from the start of a turn: a turn longer than idle_ttl_s (here 8 tokens
+    # at 0.3 s against 1 s) came back to no binding at all, and its next turn was routed fresh.
+    session = f"long-{stream}"
+    body = {"model": "m", "prompt": "a b c d e f g h", "max_tokens": 8, "stream": stream}
+    with short_ttl.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as resp:
+        assert resp.status_code == 200
+        worker = resp.headers["x-mesh-worker"]
+        data = resp.read()
+    assert data.endswith(b"data: [DONE]\n\n") if stream else json.loads(data)["choices"][0]["text"] == "a b c d e f g h"
+    assert _bound(short_ttl, session) == worker == "slow"
