@@ -357,6 +357,12 @@ class _Relay:
     async def try_decode(self, prefill_id: str, decode_id: str, kv: dict[str, Any] | None,
                          body: dict[str, Any]) -> RelayResponse:
         blocks = len(kv.get("remote_block_keys") or kv.get("remote_block_ids") or []) if kv else 0
+        # The pair was chosen before the prefill: its decode worker may have been removed (or
+        # drained, or marked unhealthy) meanwhile. Skipped like a failed one: another takes it.
+        state = self.router.targets.get(decode_id)
+        if state is None or not state.available:
+            raise _Retry(f"decode worker {decode_id} was {'removed' if state is None else 'taken out of routing'}"
+                         " during the prefill", 503, code="no_decode_worker")
         lease = self.router.commit(self.info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
         resp: httpx.Response | None = None
         handed_over = False

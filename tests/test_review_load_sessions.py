@@ -191,3 +191,97 @@ def test_a_session_is_not_idle_while_its_request_runs(short_ttl: httpx.Client, s
         data = resp.read()
     assert data.endswith(b"data: [DONE]\n\n") if stream else json.loads(data)["choices"][0]["text"] == "a b c d e f g h"
     assert _bound(short_ttl, session) == worker == "slow"
+
+
+PD_WORKER = r'''
+import asyncio, json, sys
+
+name, role, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+release = asyncio.Event()
+posts = 0
+
+
+def answer(body):
+    data = json.dumps(body).encode()
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
+
+
+async def handle(reader, writer):
+    global posts
+    try:
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, path = head[0].split(" ")[:2]
+            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
+            if size:
+                await reader.readexactly(size)
+            if method == "GET":
+                if path == "/v1/models":
+                    out = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+                elif path == "/release":
+                    release.set()
+                    out = {}
+                else:
+                    out = {"posts": posts}
+            else:
+                posts += 1
+                out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "from " + name}]}
+                if role == "prefill":  # held until the test says so
+                    await release.wait()
+                    out["kv_transfer_params"] = {"remote_block_ids": []}
+            writer.write(answer(out))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(main())
+'''
+PD_POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {
+    "prefill": {"scorers": [{"name": "prefill_load", "weight": 1}]},
+    "decode": {"filters": ["healthy", "model_match"], "scorers": [{"name": "load", "weight": 1}]},
+}}}
+
+
+def test_a_decode_worker_removed_during_the_prefill_hands_the_decode_to_another(procs: ProcessGroup) -> None:
+    # The pair was chosen before the prefill; the decode worker was removed while the prefill
+    # ran: committing its lease raised KeyError and the client got a 500 (internal gateway error).
+    script = procs.log_dir / "pd_worker.py"
+    script.write_text(PD_WORKER)
+    fakes = {}
+    for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        port = free_port()
+        fakes[name] = procs.start([PYTHON, str(script), name, role, str(port)], name=name, port=port)
+        wait_http(fakes[name].url + "/count", proc=fakes[name])
+    config = {"server": {"admin_key": "adm"}, "policy": PD_POLICY, "health": {"interval_s": 60},
+              "workers": [{"name": n, "url": fakes[n].url, "models": ["m"], "role": r} for n, r in (("p0", "prefill"), ("d0", "decode"))]}
+    path = procs.log_dir / "pd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = procs.gateway(path, port=free_port(), ready_path="/ready")
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            call = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "hello " * 40}))
+            while (await client.get(fakes["p0"].url + "/count")).json()["posts"] == 0:
+                await asyncio.sleep(0.02)
+            assert (await client.delete("/workers/d0", headers=ADMIN)).status_code == 200
+            spec = {"name": "d1", "url": fakes["d1"].url, "models": ["m"], "role": "decode"}
+            assert (await client.post("/workers", json=spec, headers=ADMIN)).status_code == 201
+            await client.get(fakes["p0"].url + "/release")
+            return await call
+
+    resp = asyncio.run(run())
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-mesh-worker"] == "d1" and resp.json()["choices"][0]["text"] == "from d1"
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        targets = [t for w in client.get("/workers", headers=ADMIN).json()["workers"] for t in w["targets"]]
+    assert [(t["id"], t["in_flight"], t["prefill_tokens"], t["decode_tokens"]) for t in targets] == [
+        ("p0", 0, 0, 0), ("d1", 0, 0, 0)]
