@@ -71,6 +71,8 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         "flaky": _echo(module_procs, "flaky", "--fail-on", "BOOM", "--token-delay-s", "0.02"),
         "slow": _echo(module_procs, "slow", "--token-delay-s", "0.3"),
         "doomed": _echo(module_procs, "doomed", "--token-delay-s", "0.05"),
+        # dies two tokens into its first stream: a broken stream, then connect errors
+        "crashy": _echo(module_procs, "crashy", "--crash-after-tokens", "2", "--token-delay-s", "0.05"),
     }
     for proc in workers.values():
         wait_http(proc.url + ("/count" if proc.name == "fake" else "/health"), proc=proc, timeout_s=60)
@@ -156,7 +158,8 @@ def test_a_mixed_storm_leaves_no_load_anywhere(cluster: Cluster) -> None:
     finally:
         for s in sockets:
             s.close()
-    assert set(cluster.targets()) == {"fake", "ok", "flaky", "slow", "doomed"}
+    assert set(cluster.targets()) == {"fake", "ok", "flaky", "slow", "doomed", "crashy"}
+    assert not cluster.workers["crashy"].alive()
     for name in ("mesh_worker_in_flight", "mesh_worker_prefill_tokens", "mesh_worker_decode_tokens"):
         assert set(cluster.metric_values(name).values()) == {0.0}, name
 
@@ -285,3 +288,35 @@ def test_a_decode_worker_removed_during_the_prefill_hands_the_decode_to_another(
         targets = [t for w in client.get("/workers", headers=ADMIN).json()["workers"] for t in w["targets"]]
     assert [(t["id"], t["in_flight"], t["prefill_tokens"], t["decode_tokens"]) for t in targets] == [
         ("p0", 0, 0, 0), ("d1", 0, 0, 0)]
+
+
+async def _session_turns(client: httpx.AsyncClient, session: str, rng: random.Random, seen: dict[str, str]) -> None:
+    for turn in range(6):
+        prompt = rng.choice(["BOOM", "partial", "plain", "plain"]) + f" {session} turn {turn}"
+        body = {"model": "m", "prompt": prompt, "stream": rng.random() < 0.5, "max_tokens": 4}
+        async with client.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as resp:
+            await resp.aread()
+            if "x-mesh-worker" in resp.headers:
+                seen[session] = resp.headers["x-mesh-worker"]
+
+
+def test_debug_route_binding_agrees_with_where_each_sessions_last_turn_went(cluster: Cluster) -> None:
+    # Retries (a 500 from 'flaky'), broken streams ('fake') and a drain in the middle: the binding
+    # /debug/route reports is the worker that answered the session's last turn (x-mesh-worker).
+    seen: dict[str, str] = {}
+    rng = random.Random(7)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=cluster.gateway.url, timeout=30) as client:
+            first = [asyncio.create_task(_session_turns(client, f"agree-{i}", rng, seen)) for i in range(6)]
+            await asyncio.sleep(0.1)
+            await client.post("/workers/flaky/drain", headers=ADMIN)
+            await asyncio.gather(*first)
+            await client.post("/workers/flaky/drain", params={"undo": "true"}, headers=ADMIN)
+
+    asyncio.run(run())
+    assert len(seen) == 6
+    for session, worker in seen.items():
+        route = cluster.http.post("/debug/route", json={"model": "m", "prompt": "x"}, headers={"x-session-id": session})
+        assert route.json()["session"]["bound_target"] == worker, session
+    wait_until(lambda: _all_zero(cluster), what="load back to zero")
