@@ -60,3 +60,169 @@ def test_request_waits_while_transfer_pins_hold_the_blocks_it_needs(model: torch
     assert got == _reference(model, prompt)
     assert eng.block_manager.num_used_blocks == 0
     eng.block_manager.check(eng.scheduler.all_seqs())
+
+
+# ---- the seeded stress itself: sessions, aborts, pins, evictions, both tiers, every oracle ----------
+
+
+class _Subscriber:
+    """KV events over a real ZMQ SUB socket, decoded with msgpack (written independently of the
+    engine's encoder): the block sets a router would hold per tier. Refuses a gap, a store of a
+    block already held or a removal of one never stored."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+
+        self._zmq = zmq
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.decode = msgspec.msgpack.Decoder().decode
+        self.tiers: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        self.last = -1
+
+    def connect(self, publisher: object) -> None:
+        """Publish empty batches until one arrives (the slow joiner), then start from there."""
+        for _ in range(200):
+            publisher.publish([])  # type: ignore[attr-defined]
+            if self.sock.poll(20):
+                break
+        else:
+            raise AssertionError("the SUB socket never received a batch")
+        while self.sock.poll(100):
+            self.last = int.from_bytes(self.sock.recv_multipart()[1], "big")
+
+    def catch_up(self, last_seq: int) -> None:
+        while self.last < last_seq:
+            assert self.sock.poll(5000), f"no batch after {self.last} (publisher at {last_seq})"
+            _, seq_b, payload = self.sock.recv_multipart()
+            seq = int.from_bytes(seq_b, "big")
+            assert seq == self.last + 1, f"gap: {self.last} -> {seq}"
+            self.last = seq
+            _, events, _ = self.decode(payload)
+            for ev in events:
+                if ev["type"] == "AllBlocksCleared":
+                    for tier in self.tiers.values():
+                        tier.clear()
+                    continue
+                tier = self.tiers[ev["medium"]]
+                hashes = set(ev["block_hashes"])
+                if ev["type"] == "BlockStored":
+                    assert not hashes & tier, f"stored twice: {ev}"
+                    tier |= hashes
+                else:
+                    assert hashes <= tier, f"removed, never stored: {ev}"
+                    tier -= hashes
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _stress(model: torch.nn.Module, seed: int, cpu_blocks: int, **cfg: object) -> dict[str, float]:
+    import random
+
+    from tests.procs import free_port
+
+    rng = random.Random(seed)
+    port = free_port()
+    eng = _engine(model, cpu_offload_blocks=cpu_blocks, kv_events_endpoint=f"tcp://*:{port}", **cfg)
+    sub = _Subscriber(port)
+    ops, pins = BlockOps(eng), []
+    bs = eng.config.block_size
+    computed: dict[str, int] = {}  # prompt tokens run through the model at first admission
+    run = eng.runner.run
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        for s, n in batch.items():
+            if s.admissions == 1 and s.num_computed_tokens < s.num_prompt_tokens:
+                computed[s.request_id] = computed.get(s.request_id, 0) + min(n, s.num_prompt_tokens - s.num_computed_tokens)
+        return run(batch)
+
+    eng.runner.run = spy  # type: ignore[method-assign]
+    try:
+        sub.connect(eng.publisher)
+        system = [rng.randrange(256) for _ in range(9)]
+        sessions = [dict(ctx=(system if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(2, 20))],
+                         salt="s" if i == 3 else None, live=None, turns=0) for i in range(6)]
+        reqs: dict[str, dict] = {}  # type: ignore[type-arg]
+        step = 0
+        while step < 2000:
+            for s in sessions:
+                if s["live"] is None and s["turns"] < 4 and rng.random() < 0.3:
+                    rid = f"r{len(reqs)}"
+                    greedy = rng.random() < 0.7
+                    params = SamplingParams(
+                        temperature=0.0 if greedy else 0.9, seed=None if greedy else rng.randrange(99),
+                        max_tokens=rng.randrange(1, 14), ignore_eos=rng.random() < 0.5,
+                        stop_token_ids=tuple(rng.sample(range(300), 4)) if rng.random() < 0.3 else ())
+                    try:
+                        eng.add_request(rid, list(s["ctx"]), params, cache_salt=s["salt"])
+                    except ValueError:  # grew past the cache: refused, never queued
+                        s["turns"] = 4
+                        continue
+                    reqs[rid] = dict(prompt=list(s["ctx"]), params=params, out=[], seq=eng.requests[rid], sess=s)
+                    s["live"], s["turns"] = rid, s["turns"] + 1
+            live = [s for s in sessions if s["live"]]
+            if live and rng.random() < 0.07:  # a client goes away
+                rid = rng.choice(live)["live"]
+                assert eng.abort_request(rid)
+            if rng.random() < 0.05:  # a transfer pins a cached prefix (and saves it to the CPU tier)
+                s = rng.choice(sessions)
+                n = (len(s["ctx"]) - 1) // bs
+                seed_ = eng._seed(s["salt"])
+                got = ops.pin_prefix(block_keys(s["ctx"][: n * bs], bs, seed_),
+                                     [s["ctx"][i * bs:(i + 1) * bs] for i in range(n)], seed_)
+                if got.block_ids:
+                    pins.append(got)
+                    if cpu_blocks and rng.random() < 0.5:
+                        ops.save_to_cpu(got.block_ids, got.keys)
+            if pins and (rng.random() < 0.1 or step > 1500):
+                ops.unpin(pins.pop(rng.randrange(len(pins))).block_ids)
+            if rng.random() < 0.02:
+                eng.block_manager.evict_free()
+                eng.run_swaps()
+            for o in eng.step():
+                r = reqs[o.request_id]
+                r["out"] += o.new_token_ids
+                if o.finished:
+                    r["reason"], r["cached"] = o.finish_reason, o.num_cached_tokens
+                    sess = r["sess"]
+                    sess["live"] = None
+                    if o.finish_reason != "abort":
+                        sess["ctx"] = r["prompt"] + r["out"] + [rng.randrange(256) for _ in range(rng.randrange(1, 8))]
+            assert ops.leak_check()["leaked_blocks"] == 0
+            step += 1
+            if not pins and not eng.has_unfinished() and all(s["live"] is None and s["turns"] >= 4 for s in sessions):
+                break
+        assert step < 2000, "the workload did not drain"
+        bm, st = eng.block_manager, eng.stats()
+        bm.check(eng.scheduler.all_seqs())
+        assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
+        assert st["num_requests_running"] == st["num_requests_waiting"] == 0 and not eng.requests
+        sub.catch_up(eng.publisher.last_seq)
+        assert sub.tiers["GPU"] == set(bm.cached)
+        assert sub.tiers["CPU"] == (set(bm.cpu.blocks) if bm.cpu else set())
+        for rid, r in reqs.items():
+            p = r["params"]
+            if p.greedy or p.seed is not None:  # equal to prefix caching off, one request at a time
+                ref = _reference(model, r["prompt"], p)
+                assert r["out"] == (ref[: len(r["out"])] if r["reason"] == "abort" else ref), rid
+            if r["reason"] != "abort" and r["seq"].admissions == 1:
+                assert r["cached"] % bs == 0 and computed.get(rid, 0) == len(r["prompt"]) - r["cached"], rid
+        return st
+    finally:
+        sub.close()
+        eng.close()
+
+
+@pytest.mark.parametrize(("seed", "cpu_blocks", "cfg"), [
+    (1, 0, dict(num_kv_blocks=14, max_num_batched_tokens=12, chunked_prefill_size=5, max_num_seqs=5)),
+    (2, 4, dict(num_kv_blocks=16, max_num_batched_tokens=9, max_num_seqs=4)),
+])
+def test_seeded_stress_keeps_outputs_refcounts_events_and_cached_tokens(
+        model: torch.nn.Module, seed: int, cpu_blocks: int, cfg: dict[str, object]) -> None:
+    st = _stress(model, seed, cpu_blocks, **cfg)
+    assert st["preemptions"] > 0 and st["blocks_evicted"] > 0 and st["prompt_cached_tokens"] > 0
+    if cpu_blocks:
+        assert st["cpu_blocks_restored"] > 0 and st["cpu_blocks_evicted"] > 0
