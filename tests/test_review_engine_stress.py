@@ -226,3 +226,26 @@ def test_seeded_stress_keeps_outputs_refcounts_events_and_cached_tokens(
     assert st["preemptions"] > 0 and st["blocks_evicted"] > 0 and st["prompt_cached_tokens"] > 0
     if cpu_blocks:
         assert st["cpu_blocks_restored"] > 0 and st["cpu_blocks_evicted"] > 0
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+@pytest.mark.parametrize(("budget", "chunk"), [(1, None), (64, 1)])
+def test_one_token_prefill_chunk_is_not_run_as_a_decode_on_the_graph_path(
+        model: torch.nn.Module, async_decode: bool, budget: int, chunk: int | None) -> None:
+    """A step whose token budget (or the chunk size) leaves one token for a prefill in progress
+    scheduled that token as a "decode". The CUDA graph path computes a decode at the sequence's
+    *last* position (and samples from it): position 0 of a 5-token prompt ran as position 4 with
+    no context, sampled a bogus token, and the next step indexed past the block table."""
+    from tests.test_async_decode import _emulate_graphs
+
+    prompt = [7, 3, 9, 1, 4]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = _reference(model, prompt, params)
+    eng = _engine(model, num_kv_blocks=32, attention_backend="torch", max_graph_batch_size=4,
+                  max_num_batched_tokens=budget, chunked_prefill_size=chunk)
+    with pytest.MonkeyPatch.context() as mp:
+        _emulate_graphs(eng.runner, mp)
+        eng.async_decode = async_decode
+        got = eng.generate([prompt], params)[0]
+    assert got == want
+    assert eng.runner.num_graph_replays > 0  # the decodes did run on the (stand-in) graphs

@@ -96,7 +96,7 @@ class Scheduler:
             end = seq.num_computed_tokens + n
             if end > len(seq.block_table) * bs and not self._reserve(seq, end, scheduled):
                 continue
-            if n == 1:
+            if n == 1 and end == len(seq.token_ids):  # a decode: the last token (see _add_to_batch)
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
@@ -173,7 +173,9 @@ class Scheduler:
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
-        if n == 1:
+        # A decode computes the sequence's last token (the graph path assumes that position);
+        # a one-token chunk of a longer prefill (budget or chunk size 1) stays a prefill.
+        if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
             batch.decodes.append(seq)
         else:
             batch.prefills.append((seq, n))
