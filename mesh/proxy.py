@@ -280,6 +280,7 @@ class Proxy:
                 headers.append(b"x-data-parallel-rank: %d\r\n" % target.dp_rank)
         path = "/v1/chat/completions" if parsed.kind == "chat" else "/v1/completions"
         timeout = self.registry.config.server.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout  # the upstream's own timer's, or a hair before
         resp: UpstreamResponse | None = None
         try:
             try:
@@ -323,7 +324,7 @@ class Proxy:
             if streaming:
                 # a client that stops reading holds its lease only until the request timeout
                 resp.on_stall(lease.finish)
-                tail = await self._stream(resp, first, out, state, target)
+                tail = await self._stream(resp, first, out, state, target, lease, deadline)
                 if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
                     self.registry.record_success(target.id)
             elif resp.status >= 400:
@@ -346,14 +347,26 @@ class Proxy:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
 
     async def _stream(
-        self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange, target: TargetState
+        self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange,
+        target: TargetState, lease: Lease, deadline: float,
     ) -> bytes:
-        """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke."""
+        """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke.
+
+        The lease ends at ``deadline`` (the request timeout) if the relay is still going: the
+        upstream's timer covers an unfinished answer only, and a worker that sent its whole
+        answer to a client that stopped reading is done with it (one timer, no task)."""
         data = first + resp.read_nowait()
         await state.start(200, headers)
         if resp.at_eof:  # the whole stream is already here: one body write instead of two
             await state.last(data)
             return data
+        timer = asyncio.get_running_loop().call_at(deadline, _finish_lease, lease)
+        try:
+            return await self._relay_stream(resp, data, state, target)
+        finally:
+            timer.cancel()
+
+    async def _relay_stream(self, resp: UpstreamResponse, data: bytes, state: _Exchange, target: TargetState) -> bytes:
         # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
         # [DONE] end the stream, however the reads split them.
         c4 = c3 = c2 = b""
@@ -470,6 +483,10 @@ class _Exchange:
     async def stream_error(self, message: str) -> None:
         self.done = True
         await self.send({"type": "http.response.body", "body": sse_error_event(message), "more_body": False})
+
+
+def _finish_lease(lease: Lease) -> None:
+    lease.finish(time.monotonic())
 
 
 def _watch_disconnect(receive: Receive, state: _Exchange, task: asyncio.Task[Any] | None) -> None:

@@ -320,3 +320,46 @@ def test_debug_route_binding_agrees_with_where_each_sessions_last_turn_went(clus
         route = cluster.http.post("/debug/route", json={"model": "m", "prompt": "x"}, headers={"x-session-id": session})
         assert route.json()["session"]["bound_target"] == worker, session
     wait_until(lambda: _all_zero(cluster), what="load back to zero")
+
+
+def test_a_client_that_stops_reading_a_finished_answer_holds_no_load_past_the_timeout(procs: ProcessGroup) -> None:
+    # A non-streamed answer, read whole from the worker, was written to a client that did not
+    # read it, with the lease held until it did: forever for a hung client. The worker sent its whole stream (the gateway holds its last MiB at most) while the client
+    # stopped reading: no upstream timeout fires for a finished answer, so the lease (in_flight,
+    # every context token as decode load) was held for as long as the client kept its socket
+    # open. Several sizes, so that some answer lies between what the client's socket absorbs
+    # and that plus the gateway's read buffer (past it the gateway stops reading the worker).
+    worker = procs.echo_worker("fast", "--model", "m")
+    config = {"server": {"admin_key": "adm", "request_timeout_s": 1.0},
+              "workers": [{"name": "fast", "url": worker.url, "models": ["m"]}]}
+    path = procs.log_dir / "fast.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = procs.gateway(path, port=free_port(), ready_path="/ready")
+    sockets = []
+    try:
+        sizes = [(mib, True) for mib in (1.5, 2, 2.25, 2.5, 2.75, 3, 3.25, 3.5)] + [(3.5, False)]
+        for mib, stream in sizes:  # prompts under max_prompt_tokens
+            words = int(mib * (1 << 20)) // 8000
+            body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
+            sockets.append(_stalled_client(gateway.port, body))
+        with httpx.Client(base_url=gateway.url, timeout=30) as client:
+            def load() -> dict[str, Any]:
+                return client.get("/workers", headers=ADMIN).json()["workers"][0]["targets"][0]
+            def served() -> int:
+                return int(httpx.post(worker.url + "/admin/faults", json={}, timeout=10).json()["served"])
+            wait_until(lambda: served() == len(sockets), what="every stalled request answered by the worker")
+            wait_until(lambda: load()["in_flight"] == 0, timeout_s=15, what=f"leases ended at the timeout: {load()}")
+            assert load()["decode_tokens"] == load()["prefill_tokens"] == 0
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
