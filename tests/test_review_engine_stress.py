@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-from mesh.keys import block_keys
+from mesh.keys import block_keys, namespace_seed
 from workers.block_ops import BlockOps
 from workers.config import EngineConfig, get_preset
 from workers.engine import LLMEngine
@@ -110,6 +110,12 @@ class _Subscriber:
                 hashes = set(ev["block_hashes"])
                 if ev["type"] == "BlockStored":
                     assert not hashes & tier, f"stored twice: {ev}"
+                    if ev["token_ids"]:  # a GPU store: its keys are the chain of its tokens after its parent
+                        extra = ev.get("extra_keys") or [None]
+                        salt = extra[0][0] if extra[0] else None
+                        parent = ev["parent_block_hash"]
+                        seed = namespace_seed("tiny", None, salt) if parent is None else 0
+                        assert block_keys(ev["token_ids"], ev["block_size"], seed, parent=parent) == ev["block_hashes"], ev
                     tier |= hashes
                 else:
                     assert hashes <= tier, f"removed, never stored: {ev}"
