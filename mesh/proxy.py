@@ -34,7 +34,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -207,6 +207,9 @@ class Proxy:
             finally:
                 lease.finish(time.monotonic())
             if failure is None:
+                if attempt and parsed.info.session_id and self.registry.targets.get(target.id) is target:
+                    # a retry commits without the session (``_route``): bound once it served it
+                    self.router.bind_session(parsed.info.session_id, target.id, time.monotonic())
                 return
             if failure.suspect is not None:
                 suspects.append(failure)
@@ -223,8 +226,16 @@ class Proxy:
         self.registry.tick(now)
         full = self._full_targets()
         t0 = time.perf_counter()
+        info = parsed.info
         try:
-            _, lease = self.router.route(parsed.info, now, exclude=excluded + full if full else excluded)
+            if failure is None:
+                _, lease = self.router.route(info, now, exclude=excluded + full if full else excluded)
+            else:
+                # A retry does not move the session: the request may be what fails everywhere
+                # (a worker's 500 is only suspect), and a session must not leave its cache for it.
+                # ``_forward`` binds it to the retry's target once that target served it.
+                decision = self.router.decide(info, now, excluded + full if full else excluded, explain=False)
+                lease = self.router.commit(replace(info, session_id=None) if info.session_id else info, decision, now)
         except NoCandidate as exc:
             if failure is not None:
                 return None

@@ -134,9 +134,8 @@ class Router:
     def commit(self, request: RequestInfo, decision: Decision, now: float) -> Lease:
         target = self.targets[decision.target]  # type: ignore[index]
         self.policy.on_routed(request, target.id, now)
-        if self.sessions is not None and request.session_id:
-            if self.sessions.bind(request.session_id, target.id, now):
-                self.session_moves += 1
+        if request.session_id:
+            self.bind_session(request.session_id, target.id, now)
         cached = decision.overlaps.get(target.id)
         cached_tokens = min(cached.blocks * request.block_size, request.prompt_tokens) if cached else 0
         if self.index is not None and request.block_keys and self.speculative_ttl_s > 0:
@@ -150,6 +149,12 @@ class Router:
         if request.session_id and self._touch is not None:
             lease.on_end = self._session_request_ended
         return lease
+
+    def bind_session(self, session_id: str, target: str, now: float) -> None:
+        """Bind ``session_id`` to ``target`` (``commit`` does it; a caller that committed without
+        the session, a retry, binds once the target has served it); counts a move."""
+        if self.sessions is not None and self.sessions.bind(session_id, target, now):
+            self.session_moves += 1
 
     def _session_request_ended(self, lease: Lease, now: float) -> None:
         """Restart the idle time of the lease's session on its target, unless that target left

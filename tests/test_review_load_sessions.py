@@ -363,3 +363,28 @@ def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n%s" % (len(data), data))
     return sock
+
+
+def test_a_request_every_worker_fails_leaves_its_session_where_it_was(procs: ProcessGroup) -> None:
+    # A request that makes every worker answer 500 (its own fault: README, retries) was retried
+    # on each worker in turn, and each retry re-bound its session: the session's next turn went
+    # to the last worker tried, away from its cache, with a move counted per retry.
+    workers = [procs.echo_worker(f"p{i}", "--model", "m", "--fail-on", "POISON") for i in range(3)]
+    config = {"server": {"admin_key": "adm"}, "policy": "session_sticky",
+              "circuit_breaker": {"failure_threshold": 100, "open_s": 1},
+              "retries": {"max_attempts": 3, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+              "workers": [{"name": w.name, "url": w.url, "models": ["m"]} for w in workers]}
+    path = procs.log_dir / "poison.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = procs.gateway(path, port=free_port(), ready_path="/ready")
+    session = {"x-session-id": "poisoned"}
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        home = client.post("/v1/completions", json={"model": "m", "prompt": "fine"}, headers=session)
+        assert home.status_code == 200
+        bad = client.post("/v1/completions", json={"model": "m", "prompt": "POISON"}, headers=session)
+        assert bad.status_code == 500
+        assert _bound(client, "poisoned") == home.headers["x-mesh-worker"]
+        after = client.post("/v1/completions", json={"model": "m", "prompt": "fine again"}, headers=session)
+        assert after.headers["x-mesh-worker"] == home.headers["x-mesh-worker"]
+        moves = [line for line in client.get("/metrics").text.splitlines() if line.startswith("mesh_session_moves_total ")]
+        assert moves == ["mesh_session_moves_total 0.0"]
