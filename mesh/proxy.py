@@ -11,7 +11,7 @@ Invariants:
   upstream failure, retry, client disconnect, cancellation): ``try/finally`` around each attempt.
 - Until the first byte has gone to the client, a failed attempt is retried on another worker
   (``Router.route(..., exclude=...)``) with backoff; after it, the stream ends with an SSE error
-  event and ``[DONE]``.
+  event and ``[DONE]``. A retry moves the request's session only once its target served it.
 - A client disconnect cancels the upstream request: a watcher task reads the ASGI ``receive``
   channel and cancels the handler, whose ``finally`` blocks close the upstream response.
 - A stream relays whole SSE events only (an unfinished one waits for its end), so a stream that
