@@ -255,3 +255,41 @@ def test_one_token_prefill_chunk_is_not_run_as_a_decode_on_the_graph_path(
         got = eng.generate([prompt], params)[0]
     assert got == want
     assert eng.runner.num_graph_replays > 0  # the decodes did run on the (stand-in) graphs
+
+
+async def test_async_loop_waits_for_the_unpin_then_serves_the_request(model: torch.nn.Module) -> None:
+    """The same through the engine thread: pins taken by a call, a request that needs their
+    blocks streams nothing and is not aborted; the unpin (fire and forget) wakes the loop."""
+    import asyncio
+
+    from workers.kv_transfer import TransferEngine
+
+    eng = _engine(model)
+    first = list(range(20))
+    eng.generate([first], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    te = TransferEngine(eng)
+    te.start()
+    try:
+        seed = eng._seed(None)
+        pinned = await te.call(te.ops.pin_prefix, block_keys(first, 4, seed),
+                               [first[i:i + 4] for i in range(0, 20, 4)], seed)
+        assert len(pinned.block_ids) == 5
+        prompt = list(range(100, 112))
+        got: list[int] = []
+
+        async def consume() -> str | None:
+            async for o in te.generate("b", prompt, GREEDY):
+                got.extend(o.new_token_ids)
+                if o.finished:
+                    return o.finish_reason
+            return None
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        assert not task.done(), "the request ended while the pins held its blocks"
+        te.submit(te.ops.unpin, pinned.block_ids)
+        assert await asyncio.wait_for(task, 30) == "length"
+        assert got == _reference(model, prompt)
+        assert (await te.call(te.ops.leak_check)) == {"leaked_blocks": 0, "pinned_blocks": 0}
+    finally:
+        te.shutdown()
