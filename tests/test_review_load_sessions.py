@@ -159,9 +159,13 @@ def test_a_mixed_storm_leaves_no_load_anywhere(cluster: Cluster) -> None:
         for s in sockets:
             s.close()
     assert set(cluster.targets()) == {"fake", "ok", "flaky", "slow", "doomed", "crashy"}
-    assert not cluster.workers["crashy"].alive()
     for name in ("mesh_worker_in_flight", "mesh_worker_prefill_tokens", "mesh_worker_decode_tokens"):
         assert set(cluster.metric_values(name).values()) == {0.0}, name
+    # the storm met many endings (its routing is not seeded: which ones vary a little), e.g.
+    # 200, 400 (client left mid-body), 429 (admission), 499 (client left), 502, 504 (timeout)
+    statuses = {k.split('status="')[1].rstrip('"') for k, v in cluster.metric_values("mesh_requests_total").items() if v}
+    assert "200" in statuses and len(statuses) >= 4, statuses
+    assert len(cluster.metric_values("mesh_upstream_errors_total")) >= 2  # kinds x workers that failed
 
 
 @pytest.fixture(scope="module")
