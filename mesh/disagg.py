@@ -363,7 +363,10 @@ class _Relay:
         if state is None or not state.available:
             raise _Retry(f"decode worker {decode_id} was {'removed' if state is None else 'taken out of routing'}"
                          " during the prefill", 503, code="no_decode_worker")
-        lease = self.router.commit(self.info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
+        # Committed without the session: a decode worker that refuses or fails must not take it
+        # (each refusal moved it); it is bound to the worker whose answer the client gets.
+        info = replace(self.info, session_id=None) if self.info.session_id else self.info
+        lease = self.router.commit(info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
         resp: httpx.Response | None = None
         handed_over = False
         try:
@@ -381,6 +384,8 @@ class _Relay:
             if self.stream and not first:
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
             lease.first_token()
+            if self.info.session_id:
+                self.router.bind_session(self.info.session_id, decode_id, self.now())
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
             headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
             out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,

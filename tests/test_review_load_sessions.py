@@ -235,7 +235,14 @@ async def handle(reader, writer):
                 out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "from " + name}]}
                 if role == "prefill":  # held until the test says so
                     await release.wait()
+                if role in ("prefill", "prefill-now"):
                     out["kv_transfer_params"] = {"remote_block_ids": []}
+                if role == "full":  # a decode worker refusing admission
+                    data = json.dumps({"error": {"message": "full", "type": "x", "param": None, "code": "kv_admission_full"}}).encode()
+                    writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                                 b"retry-after: 0\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))
+                    await writer.drain()
+                    continue
             writer.write(answer(out))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -390,5 +397,32 @@ def test_a_request_every_worker_fails_leaves_its_session_where_it_was(procs: Pro
         assert _bound(client, "poisoned") == home.headers["x-mesh-worker"]
         after = client.post("/v1/completions", json={"model": "m", "prompt": "fine again"}, headers=session)
         assert after.headers["x-mesh-worker"] == home.headers["x-mesh-worker"]
+        moves = [line for line in client.get("/metrics").text.splitlines() if line.startswith("mesh_session_moves_total ")]
+        assert moves == ["mesh_session_moves_total 0.0"]
+
+
+def test_a_decode_worker_refusing_admission_does_not_move_the_session(procs: ProcessGroup) -> None:
+    # Each decode attempt committed the request's session: one refused (429) by its decode worker
+    # bound the session there, then the next attempt moved it, counting a move per refusal.
+    script = procs.log_dir / "pd_worker.py"
+    script.write_text(PD_WORKER)
+    roles = {"p0": "prefill-now", "d0": "full", "d1": "decode"}
+    fakes = {}
+    for name, role in roles.items():
+        port = free_port()
+        fakes[name] = procs.start([PYTHON, str(script), name, role, str(port)], name=name, port=port)
+        wait_http(fakes[name].url + "/count", proc=fakes[name])
+    config = {"server": {"admin_key": "adm"}, "policy": PD_POLICY, "health": {"interval_s": 60},
+              "workers": [{"name": n, "url": fakes[n].url, "models": ["m"], "role": "prefill" if n == "p0" else "decode"}
+                          for n in roles]}
+    path = procs.log_dir / "pd_full.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = procs.gateway(path, port=free_port(), ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for i in range(6):
+            resp = client.post("/v1/completions", json={"model": "m", "prompt": f"turn {i}"}, headers={"x-session-id": f"pd-{i}"})
+            assert resp.status_code == 200 and resp.headers["x-mesh-worker"] == "d1", resp.text
+            assert _bound(client, f"pd-{i}") == "d1"
+        assert httpx.get(fakes["d0"].url + "/count").json()["posts"] > 0  # some first choices were refused
         moves = [line for line in client.get("/metrics").text.splitlines() if line.startswith("mesh_session_moves_total ")]
         assert moves == ["mesh_session_moves_total 0.0"]
