@@ -6,7 +6,9 @@ bindings (``bind``, after a real decision); policies only read them (``bound_tar
 
 Invariants:
 - A binding is live while ``last_used + idle_ttl_s > now``; ``bound_target`` answers exactly
-  that, whether or not ``expire`` has run yet.
+  that, whether or not ``expire`` has run yet. ``last_used`` is the latest routing of a request
+  of the session (``bind``) or end of one (``touch``, from the router's lease): a session is not
+  idle while its request runs.
 - ``_order`` holds one ``(last_used, seq, session)`` entry per binding, sorted, so expiry pops
   from the front: O(log n) per expired binding, never a scan.
 - ``_counts[target]`` is the number of bindings pointing at ``target`` (live, or expired but not
