@@ -209,6 +209,7 @@ def _stress(model: torch.nn.Module, seed: int, cpu_blocks: int, **cfg: object) -
         sub.catch_up(eng.publisher.last_seq)
         assert sub.tiers["GPU"] == set(bm.cached)
         assert sub.tiers["CPU"] == (set(bm.cpu.blocks) if bm.cpu else set())
+        _check_pages(model, eng, [r["seq"] for r in reqs.values()])
         for rid, r in reqs.items():
             p = r["params"]
             if p.greedy or p.seed is not None:  # equal to prefix caching off, one request at a time
@@ -220,6 +221,25 @@ def _stress(model: torch.nn.Module, seed: int, cpu_blocks: int, **cfg: object) -
     finally:
         sub.close()
         eng.close()
+
+
+def _check_pages(model: torch.nn.Module, eng: LLMEngine, seqs: list) -> None:  # type: ignore[type-arg]
+    """Every cached block, on either tier, holds the K/V of its prefix (a fresh prefill of it)."""
+    bs, bm = eng.config.block_size, eng.block_manager
+    prefixes = {k: s.token_ids[: (i + 1) * bs] for s in seqs for i, k in enumerate(s.keys_upto(s.num_full_blocks))}
+    held = [(k, bid, None) for k, bid in bm.cached.items()]
+    held += [(k, None, cb.slot) for k, cb in bm.cpu.blocks.items()] if bm.cpu else []
+    ref = _engine(model, num_kv_blocks=256, enable_prefix_caching=False)
+    for key, bid, slot in held:
+        tokens = prefixes[key]
+        ref.add_request("p", tokens + [1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        seq = ref.requests["p"]
+        ref.step()  # the whole prefill
+        want = ref.runner.kv_cache[:, :, seq.block_table[len(tokens) // bs - 1]]
+        got = eng.runner.kv_cache[:, :, bid] if slot is None else eng.cpu_cache.pages[slot].view(want.shape)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"block {key:#x} holds other K/V"
+        ref.abort_request("p")
+        ref.step()
 
 
 @pytest.mark.parametrize(("seed", "cpu_blocks", "cfg"), [
