@@ -35,7 +35,6 @@ from mesh.chat import DEFAULT_OPTIONS, ChatOptions, ChatTemplateError, continue_
 from mesh.tokenizer import ByteTokenizer, load_tokenizer
 from policies.base import RequestInfo
 
-MAX_SESSION_ID_BYTES = 256
 MAX_MODEL_CHARS = 256
 MAX_CACHED_SALT_CHARS = 256
 TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again for this long
@@ -175,15 +174,16 @@ class PromptProcessor:
 
     # -- sessions --
     def session_id(self, body: dict[str, Any], header: bytes | None) -> str | None:
-        raw: bytes | None = header
+        """The session header, else the body field (OpenAI's ``user`` by default); an empty header
+        falls back to the body. Any length: only the 128-bit hash is kept (a long ``user`` value
+        was a 400 for a request every worker would have served)."""
+        raw: bytes | None = header or None
         if raw is None:
             value = body.get(self.registry.config.sessions.body_field)
             if isinstance(value, str) and value:
                 raw = value.encode("utf-8", "surrogatepass")
         if not raw:
             return None
-        if len(raw) > MAX_SESSION_ID_BYTES:
-            raise bad_request(f"session id longer than {MAX_SESSION_ID_BYTES} bytes", "session_id", "session_id_too_long")
         return xxhash.xxh3_128_hexdigest(raw)  # never kept or logged raw
 
     # -- pools --

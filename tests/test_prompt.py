@@ -89,16 +89,17 @@ async def test_long_prompts_are_hashed_off_loop_with_the_same_result() -> None:
     assert list(parsed.info.block_keys) == block_keys(np.frombuffer(long.encode(), np.uint8), 4, namespace_seed("m"))
 
 
-async def test_session_id_from_header_or_body_is_hashed_and_bounded() -> None:
+async def test_session_id_from_header_or_body_is_hashed() -> None:
     p = processor(sessions={"body_field": "user"})
     by_header = await p.process(body(prompt="a", user="ignored"), "completion", b"sess-1")
     assert by_header.info.session_id == xxhash.xxh3_128_hexdigest(b"sess-1")
     by_body = await p.process(body(prompt="a", user="sess-1"), "completion", None)
     assert by_body.info.session_id == by_header.info.session_id
     assert (await p.process(body(prompt="a"), "completion", None)).info.session_id is None
-    with pytest.raises(MeshError) as info:
-        await p.process(body(prompt="a"), "completion", b"s" * 257)
-    assert info.value.status == 400 and info.value.code == "session_id_too_long"
+    long_id = await p.process(body(prompt="a"), "completion", b"s" * 100_000)  # kept as its hash only
+    assert long_id.info.session_id == xxhash.xxh3_128_hexdigest(b"s" * 100_000)
+    # an empty header falls back to the body field (it turned sessions off)
+    assert (await p.process(body(prompt="a", user="sess-1"), "completion", b"")).info.session_id == by_body.info.session_id
 
 
 def test_chain_cache_is_bounded_by_entries_and_tokens() -> None:
