@@ -207,8 +207,7 @@ class WorkerRegistry:
             )
             for rank, tid in enumerate(ids)
         ]
-        headers = [f"authorization: Bearer {cfg.api_key}\r\n".encode()] if cfg.api_key else []
-        worker = Worker(cfg, targets, CircuitBreaker(self.config.circuit_breaker), source, headers=headers)
+        worker = Worker(cfg, targets, CircuitBreaker(self.config.circuit_breaker), source, headers=_auth_headers(cfg))
         worker.sync()
         self.workers[cfg.name] = worker
         for t in targets:
@@ -268,6 +267,10 @@ class WorkerRegistry:
         for worker in self.workers.values():
             worker.breaker.config = config.circuit_breaker
         wanted = {w.name: w for w in config.workers}
+        for name, cfg in wanted.items():
+            worker = self.workers.get(name)
+            if worker is not None and worker.source == "config" and cfg != worker.config and _same_engine(cfg, worker.config):
+                self._update(worker, cfg)
         # one removal event for all of them (a reload removing 100 workers scanned the session
         # table 100 times)
         self.remove_many(name for name, worker in self.workers.items()
@@ -275,6 +278,19 @@ class WorkerRegistry:
         for name, cfg in wanted.items():
             if name not in self.workers:
                 self.add(cfg, source="config")
+
+    def _update(self, worker: Worker, cfg: WorkerConfig) -> None:
+        """A reloaded worker whose engine is the same (``_same_engine``) keeps its targets, their
+        load, health, sessions and cached prefixes; only the settings change (was: removed and
+        added, so its in-flight requests were forgotten and it answered 503 until its next health
+        check)."""
+        worker.config = cfg
+        worker.headers = _auth_headers(cfg)
+        for t in worker.targets:
+            t.max_in_flight = cfg.max_in_flight
+        worker.sync()
+        self.version += 1
+        self.admission_limited = any(t.max_in_flight for t in self.targets.values())
 
     # -- passive health (request outcomes) --
     def record_success(self, tid: str) -> None:
@@ -383,6 +399,18 @@ class WorkerRegistry:
                 decode.add_metric([t.id], t.decode_tokens)
                 sessions.add_metric([t.id], t.live_sessions)
         return [in_flight, prefill, decode, sessions, healthy, circuit, draining]
+
+
+# What names a worker's engine and its KV state: a change of any of these is a new worker.
+_ENGINE_FIELDS = ("url", "role", "dp_size", "block_size", "kv_events")
+
+
+def _same_engine(a: WorkerConfig, b: WorkerConfig) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in _ENGINE_FIELDS)
+
+
+def _auth_headers(cfg: WorkerConfig) -> list[bytes]:
+    return [f"authorization: Bearer {cfg.api_key}\r\n".encode()] if cfg.api_key else []
 
 
 async def _probe(pool: UpstreamPool, url: str, headers: list[bytes], timeout_s: float) -> tuple[bool, str | None]:
