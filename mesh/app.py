@@ -402,8 +402,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         parsed = await gateway.prompts.process(raw, kind, header.encode("latin-1") if header is not None else None)
         now = time.monotonic()
         gateway.registry.tick(now)
-        try:
-            decision = gateway.router.decide(parsed.info, now)
+        try:  # as the proxy routes: targets at their admission limit are skipped
+            decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
         except NoCandidate as exc:
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         info = parsed.info

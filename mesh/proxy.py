@@ -224,7 +224,7 @@ class Proxy:
         """A lease on the next target, or None when a retry has nowhere left to go."""
         now = time.monotonic()
         self.registry.tick(now)
-        full = self._full_targets()
+        full = self.registry.full_targets()
         t0 = time.perf_counter()
         info = parsed.info
         try:
@@ -255,11 +255,6 @@ class Proxy:
         model = parsed.info.model
         return any(t.available and t.id not in gone and (not t.models or model in t.models)
                    for t in self.registry.targets.values())
-
-    def _full_targets(self) -> list[str]:
-        if not self.registry.admission_limited:
-            return []
-        return [t.id for t in self.registry.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
 
     def _url(self, target: TargetState, path: str) -> tuple[str, str, int, bytes]:
         key = (target.url, path)

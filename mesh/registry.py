@@ -292,6 +292,12 @@ class WorkerRegistry:
         self.version += 1
         self.admission_limited = any(t.max_in_flight for t in self.targets.values())
 
+    def full_targets(self) -> list[str]:
+        """Targets at their admission limit (``max_in_flight``): routing skips them."""
+        if not self.admission_limited:
+            return []
+        return [t.id for t in self.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
+
     # -- passive health (request outcomes) --
     def record_success(self, tid: str) -> None:
         worker = self._by_target.get(tid)
