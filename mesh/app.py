@@ -75,6 +75,7 @@ class Gateway:
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     handle_sighup: bool = False
+    unchecked: list[Worker] = field(default_factory=list)  # added by the last reload, not yet health-checked
     # Run in the lifespan, on the event loop, after the pool exists and the first health round
     # (start KV event subscribers here), and before it closes, in reverse order.
     on_start: list[Callable[[Gateway], Awaitable[None]]] = field(default_factory=list)
@@ -96,11 +97,20 @@ class Gateway:
             self.sessions.idle_ttl_s = new.sessions.idle_ttl_s
         if self.sessions is not None and hasattr(self.sessions, "resize"):
             self.sessions.resize(new.sessions.max_sessions)
+        before = set(self.registry.workers.values())
         self.registry.reconfigure(new)
         self.config = new
         self.metrics.config_reloads_total.labels("ok").inc()
         log.info("config reloaded from %s", self.config_path)
+        self.unchecked = [w for w in self.registry.workers.values() if w not in before]
         return {"status": "reloaded", "policy": policy.describe(), "workers": sorted(self.registry.workers)}
+
+    async def check_new_workers(self) -> None:
+        """Health-check the workers the last reload added now, as ``POST /workers`` does (they
+        were unhealthy, answering nothing, until the next round of ``health.interval_s``)."""
+        workers, self.unchecked = self.unchecked, []
+        if self.http is not None and workers:
+            await asyncio.gather(*(self.registry.check(w, self.http) for w in workers))
 
 
 class _Housekeeper:
@@ -339,6 +349,9 @@ def _reload_on_signal(gateway: Gateway) -> None:
         gateway.reload()
     except MeshError as exc:
         log.error("SIGHUP reload failed, keeping the old config: %s", exc.message)
+        return
+    gateway.tasks[:] = [t for t in gateway.tasks if not t.done()]
+    gateway.tasks.append(asyncio.create_task(gateway.check_new_workers()))
 
 
 async def _housekeeping(gateway: Gateway) -> None:
@@ -450,7 +463,9 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/admin/reload", tags=["admin"], dependencies=[Depends(admin_auth)])
     async def reload() -> dict[str, Any]:
-        return gateway.reload()
+        out = gateway.reload()
+        await gateway.check_new_workers()
+        return out
 
 
 def _session_state(gateway: Gateway, session_id: str | None, now: float) -> dict[str, Any]:

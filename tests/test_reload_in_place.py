@@ -2,7 +2,8 @@
 keeps the worker: its in-flight load, health, sessions and cached prefixes. Was: any change
 removed and re-added it, so requests in flight were forgotten (in_flight 0 while they ran) and
 it was unhealthy, answering 503, until its next health check. A change of what names its engine
-(url, role, data-parallel size, block size, KV event stream) still replaces it."""
+(url, role, data-parallel size, block size, KV event stream) still replaces it, and the reload
+health-checks the new worker at once."""
 
 from __future__ import annotations
 
@@ -51,4 +52,7 @@ def test_a_settings_only_reload_keeps_the_workers_load_and_health(procs: Process
         assert results == [200, 200, 200] and in_flight() == 0
         _config(config, echo.url.replace("127.0.0.1", "localhost"), max_in_flight=5)  # another engine address
         assert http.post("/admin/reload", headers=ADMIN).status_code == 200
-        assert not http.get("/workers", headers=ADMIN).json()["workers"][0]["healthy"]  # a new worker, unchecked
+        # a new worker, health-checked by the reload itself (was: unhealthy until the next round,
+        # an hour away here, and every request a 503)
+        assert http.get("/workers", headers=ADMIN).json()["workers"][0]["url"].startswith("http://localhost")
+        assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
