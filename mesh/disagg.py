@@ -67,7 +67,10 @@ class RelayConfig:
     max_decode_attempts: int = 4  # decode attempts per prefill (a full queue's retries not counted)
     queue_wait_s: float = 10.0  # longest a request waits for decode headroom
     retry_after_cap_s: float = 1.0  # longest single wait, whatever Retry-After says
-    timeout_s: float = 600.0  # each upstream request, streaming included
+    # Each upstream request, streaming included: a decode answer still being relayed this long
+    # after its request was sent ends there (``RelayResponse.deadline``), whether the worker or
+    # the client is the slow side.
+    timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
 
 
@@ -149,6 +152,7 @@ class RelayResponse:
     _chunks: AsyncIterator[bytes] | None  # the rest of a streamed body (one iterator: httpx allows one)
     _lease: Lease
     _now: Callable[[], float]
+    deadline: float  # event-loop time at which the relay of this answer must have ended
     _closed: bool = field(default=False)
 
     async def body(self) -> AsyncIterator[bytes]:
@@ -367,20 +371,25 @@ class _Relay:
         # (each refusal moved it); it is bound to the worker whose answer the client gets.
         info = replace(self.info, session_id=None) if self.info.session_id else self.info
         lease = self.router.commit(info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
+        deadline = asyncio.get_running_loop().time() + self.config.timeout_s
         resp: httpx.Response | None = None
         handed_over = False
         try:
             request = self.client.build_request("POST", self.url(decode_id), json=body, headers=self.headers,
                                                 timeout=self.timeout)
             try:
-                resp = await self.client.send(request, stream=True)
-                if resp.status_code != 200:
-                    content = await resp.aread()
-                    self.classify(resp, content, decode_id)
-                chunks = resp.aiter_raw() if self.stream else None
-                first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
+                async with asyncio.timeout_at(deadline):  # httpx's timeouts bound each read, not the whole
+                    resp = await self.client.send(request, stream=True)
+                    if resp.status_code != 200:
+                        content = await resp.aread()
+                        self.classify(resp, content, decode_id)
+                    chunks = resp.aiter_raw() if self.stream else None
+                    first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
             except httpx.HTTPError as exc:
                 raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
+            except TimeoutError as exc:
+                raise _Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
+                             code="upstream_timeout") from exc
             if self.stream and not first:
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
             lease.first_token()
@@ -389,7 +398,7 @@ class _Relay:
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
             headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
             out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
-                                self.prefill_usage, resp, chunks, lease, self.now)
+                                self.prefill_usage, resp, chunks, lease, self.now, deadline)
             handed_over = True  # the response and the lease belong to the RelayResponse now
             return out
         finally:

@@ -13,13 +13,14 @@ pipeline's mixed-role fallback) goes down the ordinary path, which decides again
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
 import httpx
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
+from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayResponse, RelayStats, relay_disaggregated
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
 from mesh.proxy import HOP_BY_HOP, Proxy, _Exchange
@@ -73,15 +74,29 @@ class DisaggProxy(Proxy):
         try:
             self._ttfb_hist[route].observe(time.perf_counter() - start)
             out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
-            if not resp.stream:
-                await state.respond(resp.status, out, resp.first)
-                return
-            await state.start(resp.status, out)
-            async for chunk in resp.body():
-                await state.chunk(chunk)
-            await state.end()
+            try:
+                # The request timeout bounds the relay whether the worker or the client is slow:
+                # a client that stops reading (socket open) would hold the decode lease forever.
+                async with asyncio.timeout_at(resp.deadline):
+                    await self._send_answer(resp, out, state)
+            except TimeoutError:
+                # Lease and decode connection end first: the error event below waits on a client
+                # that may never read again (its disconnect cancels that wait).
+                await resp.aclose()
+                if state.started and not state.done:
+                    await state.stream_error(f"request timed out after {self.relay_config.timeout_s:g} s")
         finally:
             await resp.aclose()
+
+    @staticmethod
+    async def _send_answer(resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: _Exchange) -> None:
+        if not resp.stream:
+            await state.respond(resp.status, headers, resp.first)
+            return
+        await state.start(resp.status, headers)
+        async for chunk in resp.body():
+            await state.chunk(chunk)
+        await state.end()
 
 
 def wanted(config: Any) -> bool:

@@ -1,0 +1,105 @@
+"""Load accounting of the disaggregated relay in a real gateway over real workers (review).
+
+Echo workers take the prefill and decode roles (a prefill answer without ``kv_transfer_params``
+is the relay's fallback: the decode worker computes the prompt; the leases are the same), a
+raw-socket fake decode worker refuses admission (429 ``kv_admission_full``). Every way a
+disaggregated request can end must return each prefill and decode target's in-flight count and
+tokens to exactly zero: a leak makes the router avoid a healthy worker for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+from tests.test_review_load_sessions import PD_POLICY, PD_WORKER
+
+ADMIN = {"authorization": "Bearer adm"}
+TIMEOUT_S = 1.0  # the gateway's request timeout
+ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "dfull": "decode"}
+
+
+@dataclass
+class Cluster:
+    http: httpx.Client
+    gateway: Proc
+    workers: dict[str, Proc]
+
+    def targets(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for w in self.http.get("/workers", headers=ADMIN).json()["workers"]:
+            for t in w["targets"]:
+                out[t["id"]] = {k: t[k] for k in ("in_flight", "prefill_tokens", "decode_tokens")}
+        return out
+
+    def all_zero(self) -> bool:
+        return all(v == {"in_flight": 0, "prefill_tokens": 0, "decode_tokens": 0} for v in self.targets().values())
+
+    def served(self, name: str) -> int:
+        return int(httpx.post(self.workers[name].url + "/admin/faults", json={}, timeout=10).json()["served"])
+
+
+@pytest.fixture(scope="module")
+def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
+    workers: dict[str, Proc] = {}
+    for name in ("p0", "p1"):  # a prompt with PFAIL is a prefill 500; the prefill takes 0.05 s
+        workers[name] = module_procs.echo_worker(name, "--model", "m", "--fail-on", "PFAIL", "--token-delay-s", "0.05")
+    for name in ("d0", "d1"):  # a prompt with DFAIL is a decode 500
+        workers[name] = module_procs.echo_worker(name, "--model", "m", "--fail-on", "DFAIL", "--token-delay-s", "0.01")
+    script = module_procs.log_dir / "pd_worker.py"
+    script.write_text(PD_WORKER)
+    port = free_port()
+    workers["dfull"] = module_procs.start([PYTHON, str(script), "dfull", "full", str(port)], name="dfull", port=port)
+    wait_http(workers["dfull"].url + "/count", proc=workers["dfull"])
+    config = {
+        "server": {"admin_key": "adm", "request_timeout_s": TIMEOUT_S},
+        "health": {"interval_s": 60},
+        "policy": PD_POLICY,
+        "workers": [{"name": n, "url": workers[n].url, "models": ["m"], "role": r} for n, r in ROLES.items()],
+    }
+    path = module_procs.log_dir / "pd_load.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        yield Cluster(client, gateway, workers)
+
+
+def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
+    """A client that sends its request, keeps its socket open and never reads."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(cluster: Cluster) -> None:
+    # The relay wrote the decode worker's answer to a client that did not read it, with the
+    # decode lease (in_flight, every context token) held until it did: forever for a client that
+    # keeps its socket open. Several sizes, so that some answers lie past what the sockets and
+    # the gateway's buffers absorb; one not streamed.
+    before = cluster.served("d0") + cluster.served("d1")
+    sockets = []
+    try:
+        for mib, stream in [(1.5, True), (2, True), (2.5, True), (3, True), (3.5, True), (3.5, False)]:
+            words = int(mib * (1 << 20)) // 8000
+            body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
+            sockets.append(_stalled_client(cluster.gateway.port, body))
+        wait_until(lambda: cluster.served("d0") + cluster.served("d1") - before == len(sockets),
+                   what="every stalled request answered by a decode worker")
+        wait_until(cluster.all_zero, timeout_s=15, what=f"leases ended at the timeout: {cluster.targets()}")
+    finally:
+        for s in sockets:
+            s.close()
