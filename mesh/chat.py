@@ -6,8 +6,9 @@ Face's ``apply_chat_template``: messages rebuilt as vLLM's ``chat_utils`` builds
 (``normalize_message``), tools as vLLM dumps its ``ChatCompletionToolsParam`` (``template_tools``),
 the request's ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
 ``chat_template_kwargs`` (``ChatOptions``: Qwen3's ``enable_thinking`` lives there), and HF's
-Jinja environment (``ChatRenderer``). A difference anywhere shifts every block key after it, and
-the router never matches the engine's cache.
+Jinja environment (``ChatRenderer``), and the template's content format (``detect_content_format``:
+a template that loops over a message's content gets the text parts as a list, as vLLM gives them).
+A difference anywhere shifts every block key after it, and the router never matches the engine's cache.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import datetime
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
@@ -33,6 +34,11 @@ DEFAULT_CHAT_TEMPLATE = (
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
+# vLLM's ``--chat-template-content-format``: "string" (text parts joined into one string) or
+# "openai" (a list of {"type": "text", "text": ...} parts); "auto" detects it from the template.
+ContentFormat = Literal["string", "openai"]
+CONTENT_FORMATS = ("auto", "string", "openai")
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad shape, or the template raised)."""
 
@@ -46,9 +52,15 @@ class ChatRenderer:
     ``tojson`` (no HTML escaping, non-ASCII kept, key order kept). Jinja's own ``tojson``
     rendered tool calls differently from the engine, so a prompt with tool calls never matched
     the engine's cache past them; a template using ``{% break %}`` did not even compile.
+
+    ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto": detected from the
+    template once, here); a template looping over message content got strings and rendered none
+    of their text.
     """
 
-    def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, **special: Any) -> None:
+    def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, content_format: str = "auto", **special: Any) -> None:
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content_format must be one of {CONTENT_FORMATS}, not {content_format!r}")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
         )
@@ -57,6 +69,10 @@ class ChatRenderer:
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(template)
         self._special = special
+        # decided once per template (vLLM caches it per template text too); never per request
+        self.content_format: ContentFormat = (
+            _detect_in_source(env, template) if content_format == "auto" else content_format  # type: ignore[assignment]
+        )
 
     def render(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str:
         """As HF's ``apply_chat_template(tokenize=False)`` with vLLM's arguments: special tokens,
@@ -64,7 +80,10 @@ class ChatRenderer:
         and the generation flag, then the request's ``chat_template_kwargs`` over them (vLLM
         merges them last)."""
         opts = options or DEFAULT_OPTIONS
-        normalized = [normalize_message(m) for m in messages]
+        if self.content_format == "string":
+            normalized = [normalize_message(m) for m in messages]
+        else:
+            normalized = [normalize_message(m, "openai") for m in messages]
         try:
             text = self._template.render(messages=normalized, **{
                 **self._special, "tools": opts.tools, "documents": opts.documents,
@@ -101,12 +120,107 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
-def normalize_message(message: Any) -> dict[str, Any]:
+# -- content format: does the template loop over a message's content? --
+# vLLM's detection (``_detect_content_format`` and the ``_iter_nodes_*`` helpers, in
+# ``vllm/entrypoints/chat_utils.py``, moved to ``vllm/renderers/hf.py``; with the ``for x in
+# content`` loop of vLLM PR #42660), rewritten over the same Jinja AST. It is a name-based scan,
+# not a data-flow analysis: a template counts as "openai" when some ``for`` loop iterates
+# ``<message>.content`` / ``<message>['content']`` (through filters, tests or slices), where
+# <message> is the target of a loop over ``messages`` or over a name assigned from it, or when a
+# loop iterates a variable named ``content``. Everything else, a template that does not parse
+# included, is "string" (vLLM's default). A shape vLLM's scan refuses (a tuple target) makes it
+# give up with "string" too: ``_Undecided``.
+class _Undecided(Exception):
+    """The scan met a node vLLM's scan asserts against: the format falls back to "string"."""
+
+
+def detect_content_format(template: str) -> ContentFormat:
+    """vLLM's ``auto`` content format for ``template`` ("string" or "openai")."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    return _detect_in_source(env, template)
+
+
+def _detect_in_source(env: jinja2.Environment, template: str) -> ContentFormat:
+    try:
+        root = env.parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    try:
+        return "openai" if _first_content_loop(root) else "string"
+    except _Undecided:
+        return "string"
+
+
+def _loads(node: jinja2.nodes.Node, name: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """``node`` is ``name`` (or ``name.key`` / ``name['key']``), possibly filtered, tested or sliced."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+            if node.node is None:  # a filter block ({% filter %}): reads nothing
+                return False
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return _loads(node, name)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return _loads(node.node, name) and isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _loads(node.node, name) and node.attr == key
+    return False
+
+
+def _target_name(node: jinja2.nodes.Node) -> str:
+    if not isinstance(node, jinja2.nodes.Name):
+        raise _Undecided
+    return node.name
+
+
+def _aliases(root: jinja2.nodes.Template, name: str) -> list[str]:
+    """``name`` and every variable ``{% set %}`` (transitively) from it or its slices/filters."""
+    found, queue = [name], [name]
+    while queue:
+        current = queue.pop(0)
+        for assign in root.find_all(jinja2.nodes.Assign):
+            if _reads(assign.node, current):
+                alias = _target_name(assign.target)
+                if alias not in found:
+                    found.append(alias)
+                    queue.append(alias)
+    return found
+
+
+def _message_names(root: jinja2.nodes.Template) -> list[str]:
+    """Targets of the loops over ``messages`` (or over its aliases)."""
+    lists = _aliases(root, "messages")
+    return [_target_name(loop.target) for loop in root.find_all(jinja2.nodes.For)
+            if any(_reads(loop.iter, name) for name in lists)]
+
+
+def _first_content_loop(root: jinja2.nodes.Template) -> bool:
+    messages = _message_names(root)
+    for loop in root.find_all(jinja2.nodes.For):
+        if any(_reads(loop.iter, name, "content") for name in messages) or (
+                isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content"):
+            _target_name(loop.target)
+            return True
+    return False
+
+
+def normalize_message(message: Any, content_format: ContentFormat = "string") -> dict[str, Any]:
     """The message a chat template sees, built as vLLM builds it (``_parse_chat_message_content``
     and ``_postprocess_messages`` in ``vllm/entrypoints/chat_utils``), so that a template renders
     the engine's prompt:
 
-    - content: a string; text parts joined with "\\n"; other parts rejected; null is "";
+    - content, "string" format: a string; text parts joined with "\\n"; other parts rejected; null is "";
+    - content, "openai" format: a list of ``{"type": "text", "text": ...}`` (only those two keys),
+      a string being one such part and null an empty list; a tool message's content is still
+      its texts joined with "\\n" (vLLM flattens a text-only tool result for every template);
     - role, content, and only: ``tool_calls`` (assistant, when not null; a JSON-string
       ``arguments`` parsed to an object, a missing/empty one ``{}``, an empty list dropped),
       ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``), ``tool_call_id`` (tool),
@@ -116,15 +230,12 @@ def normalize_message(message: Any) -> dict[str, Any]:
         raise ChatTemplateError("each message must be an object with a string 'role'")
     role = message["role"]
     content = message.get("content")
-    if content is None:
+    if content_format == "openai" and role != "tool":
+        content = _openai_content(content)
+    elif content is None:
         content = ""
     elif isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatTemplateError("only text content parts are supported")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+        content = "\n".join(_part_texts(content))
     elif not isinstance(content, str):
         raise ChatTemplateError("message 'content' must be a string or a list of text parts")
     out: dict[str, Any] = {"role": role, "content": content}
@@ -147,6 +258,27 @@ def normalize_message(message: Any) -> dict[str, Any]:
     if role == "developer":
         out["tools"] = message.get("tools")
     return out
+
+
+def _part_texts(parts: list[Any]) -> list[str]:
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ChatTemplateError("only text content parts are supported")
+        texts.append(part["text"])
+    return texts
+
+
+def _openai_content(content: Any) -> list[dict[str, str]]:
+    """vLLM's "openai" content: a string is one text part, null no part, and each text part is
+    rebuilt as ``{"type": "text", "text": ...}`` (a client's extra keys are not passed on)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list):
+        return [{"type": "text", "text": text} for text in _part_texts(content)]
+    raise ChatTemplateError("message 'content' must be a string or a list of text parts")
 
 
 def _template_tool_calls(tool_calls: Any) -> Any:
@@ -259,8 +391,12 @@ def template_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 def continue_final(rendered: str, messages: Sequence[dict[str, Any]]) -> str:
     """HF's ``continue_final_message``: cut the rendering right after the final message's text
-    (its stripped content, last occurrence), so that the engine continues that message."""
-    final = str(messages[-1].get("content", "")).strip() if messages else ""
+    (its stripped content, last occurrence; of a list of parts, HF's pick: the last part with a
+    text), so that the engine continues that message."""
+    content = messages[-1].get("content", "") if messages else ""
+    if isinstance(content, list):
+        content = next((p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p), "")
+    final = str(content).strip()
     end = rendered.rfind(final)
     if not final or end < 0:
         raise ChatTemplateError("continue_final_message is set but the final message does not appear "
