@@ -65,7 +65,8 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         "server": {"admin_key": "adm", "request_timeout_s": TIMEOUT_S},
         "health": {"interval_s": 60},
         "policy": PD_POLICY,
-        "workers": [{"name": n, "url": workers[n].url, "models": ["m"], "role": r} for n, r in ROLES.items()],
+        # "gone" is listed but no worker serves it: the prefill worker answers 404
+        "workers": [{"name": n, "url": workers[n].url, "models": ["m", "gone"], "role": r} for n, r in ROLES.items()],
     }
     path = module_procs.log_dir / "pd_load.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -103,3 +104,69 @@ def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(clust
     finally:
         for s in sockets:
             s.close()
+
+
+async def _one(client: httpx.AsyncClient, rng: random.Random) -> tuple[str, bytes]:
+    """One disaggregated request ending one of many ways: its kind and the end of what the client
+    got (the load is checked after)."""
+    kind = rng.choice(["ok", "ok", "pfail", "p4xx", "dfail", "d4xx", "leave_prefill", "leave_decode", "timeout"])
+    words = " ".join(f"w{rng.randrange(50)}" for _ in range(rng.randrange(4, 30)))
+    prompt = {"pfail": f"PFAIL {words}", "dfail": f"DFAIL {words}"}.get(kind, words)
+    max_tokens = {"d4xx": 0, "timeout": 400, "leave_decode": 400}.get(kind, 8)  # 400 words: 4 s at 0.01 s
+    body: dict[str, Any] = {"model": "gone" if kind == "p4xx" else "m", "prompt": prompt, "stream": kind == "leave_decode" or rng.random() < 0.6,
+                            "max_tokens": max_tokens}
+    if kind == "timeout":
+        prompt = " ".join([words] * 40)
+        body["prompt"] = prompt
+    headers = {"x-session-id": f"s{rng.randrange(6)}"} if rng.random() < 0.3 else {}
+    try:
+        if kind.startswith("leave"):  # gone during the prefill (0.05 s) or while the decode streams
+            async with asyncio.timeout(rng.uniform(0.0, 0.04) if kind == "leave_prefill" else rng.uniform(0.1, 0.5)):
+                async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+                    async for _ in resp.aiter_raw():
+                        pass
+            return kind, b""
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            return kind, (await resp.aread())[-300:]
+    except (TimeoutError, httpx.HTTPError):
+        return kind, b""
+
+
+async def _storm(c: Cluster, n: int, seed: int) -> list[tuple[str, bytes]]:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=c.gateway.url, timeout=30) as client:
+        tasks = [asyncio.create_task(_one(client, rng)) for _ in range(n)]
+        await asyncio.sleep(0.3)
+        # a decode worker drained, and another removed, with requests of theirs in flight
+        assert (await client.post("/workers/d0/drain", headers=ADMIN)).status_code == 200
+        assert (await client.delete("/workers/d1", headers=ADMIN)).status_code == 200
+        await asyncio.sleep(0.3)
+        await client.post("/workers/d0/drain", params={"undo": "true"}, headers=ADMIN)
+        spec = {"name": "d1", "url": c.workers["d1"].url, "models": ["m"], "role": "decode"}
+        assert (await client.post("/workers", json=spec, headers=ADMIN)).status_code == 201
+        return await asyncio.gather(*tasks)
+
+
+def _statuses(c: Cluster) -> set[str]:
+    out = set()
+    for line in c.http.get("/metrics").text.splitlines():
+        if line.startswith("mesh_requests_total{") and float(line.rsplit(" ", 1)[1]):
+            out.add(line.split('status="')[1].split('"')[0])
+    return out
+
+
+def test_a_disaggregated_storm_leaves_no_load_on_any_prefill_or_decode_worker(cluster: Cluster) -> None:
+    refused = int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"])
+    sockets = [_stalled_client(cluster.gateway.port, {"model": "m", "prompt": "x " * 30000, "stream": True,
+                                                      "max_tokens": 30000}) for _ in range(2)]
+    try:
+        ends = asyncio.run(_storm(cluster, 80, seed=3))
+        wait_until(cluster.all_zero, timeout_s=TIMEOUT_S * 10, what=f"load back to zero: {cluster.targets()}")
+    finally:
+        for s in sockets:
+            s.close()
+    assert set(cluster.targets()) == set(ROLES)
+    # the storm met the endings it is built for
+    assert int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"]) > refused  # decode 429s
+    assert {"200", "400", "404", "429", "500", "499"} <= _statuses(cluster), _statuses(cluster)
+    assert any(b"request timed out" in tail for kind, tail in ends if kind == "timeout")  # a stream cut at the deadline
