@@ -69,6 +69,9 @@ class ChatRenderer:
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(template)
         self._special = special
+        # vLLM's _detect_developer_role_support: a template that never names the role gets
+        # developer messages as system ones
+        self.knows_developer = '"developer"' in template or "'developer'" in template
         # decided once per template (vLLM caches it per template text too); never per request
         self.content_format: ContentFormat = (
             _detect_in_source(env, template) if content_format == "auto" else content_format  # type: ignore[assignment]
@@ -84,6 +87,8 @@ class ChatRenderer:
             normalized = [normalize_message(m) for m in messages]
         else:
             normalized = [normalize_message(m, "openai") for m in messages]
+        if not self.knows_developer and any(m["role"] == "developer" for m in normalized):
+            normalized = developer_as_system(normalized)
         try:
             text = self._template.render(messages=normalized, **{
                 **self._special, "tools": opts.tools, "documents": opts.documents,
@@ -94,6 +99,30 @@ class ChatRenderer:
         except Exception as exc:  # the template runs on client data: a TypeError ('x' + None) is the client's
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         return continue_final(text, normalized) if opts.continue_final_message else text
+
+
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM (``renderers/hf.py``) for a template without a developer role: each developer message
+    becomes a system one without its ``tools``; then, if a system message is not first or there
+    are several, all system texts are merged into one first message ("\n\n" between them, list
+    content joined with "\n", empty ones dropped)."""
+    converted = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
+                 for m in messages]
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(converted):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                if (isinstance(p, dict) and "text" in p) or isinstance(p, str))
+        if content:
+            texts.append(content)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else converted
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

@@ -31,7 +31,8 @@ import xxhash
 from mesh.errors import MeshError, bad_request
 from mesh.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
 from mesh.registry import WorkerRegistry
-from mesh.chat import DEFAULT_OPTIONS, ChatOptions, ChatTemplateError, continue_final, normalize_message
+from mesh.chat import (DEFAULT_OPTIONS, ChatOptions, ChatTemplateError, continue_final, developer_as_system,
+                       normalize_message)
 from mesh.tokenizer import ByteTokenizer, load_tokenizer
 from policies.base import RequestInfo
 
@@ -344,10 +345,10 @@ def render_chatml(messages: list[Any], add_generation_prompt: bool = True) -> st
     Jinja costs ~12 us per request, a measurable share of the gateway's per-request budget;
     ``tests/test_prompt.py`` checks that this equals the template's output.
     """
-    parts = []
-    for m in messages:
-        m = normalize_message(m)
-        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    normalized = [normalize_message(m) for m in messages]
+    if any(m["role"] == "developer" for m in normalized):  # ChatML names no developer role
+        normalized = developer_as_system(normalized)
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in normalized]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)

@@ -176,3 +176,32 @@ def test_gateway_and_bundled_worker_render_every_option_alike(procs: ProcessGrou
         assert len(counts) == 3  # plain, no generation prompt, continued (ChatML ignores tools)
         bad = http.post(gateway.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "tools": "x"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+def _vllm_developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's renderers/hf.py rule, written out for the oracle: developer -> system (tools
+    dropped), then the system messages merged first when one is not first or there are several."""
+    converted = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m["role"] == "developer" else m
+                 for m in conversation]
+    systems = [(i, m) for i, m in enumerate(converted) if m["role"] == "system"]
+    if not any(i > 0 for i, _ in systems) and len(systems) < 2:
+        return converted
+    merged = "\n\n".join(m["content"] for _, m in systems if m["content"])
+    return [{"role": "system", "content": merged}, *(m for m in converted if m["role"] != "system")]
+
+
+@pytest.mark.parametrize("template", [TOOLS_TEMPLATE, TOOLS_TEMPLATE + "{# developer is 'developer' here #}"],
+                         ids=["no-developer-role", "names-developer"])
+def test_developer_messages_render_as_vllm_renders_them(tmp_path: Path, template: str) -> None:
+    """A template that never names the developer role gets developer messages as one merged
+    system message (OpenAI agent SDKs send 'developer'); one that names it gets them as they are."""
+    from transformers import AutoTokenizer
+
+    directory = build_tokenizer(tmp_path / "tok", template)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                {"role": "developer", "content": "the quick brown fox"}]
+    conversation = messages if "'developer'" in template else _vllm_developer_as_system(messages)
+    expected = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True)
+    assert HFTokenizer(directory).render_chat(messages) == expected
+    assert ("<|im_start|>developer" in expected) == ("'developer'" in template)

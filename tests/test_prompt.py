@@ -19,7 +19,7 @@ from mesh.tokenizer import ByteTokenizer
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool"])},
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"])},
     optional={"content": st.one_of(st.none(), text, st.lists(st.builds(lambda t: {"type": "text", "text": t}, text), max_size=3))},
 )
 
