@@ -395,6 +395,7 @@ class _Relay:
             lease.first_token()
             if self.info.session_id:
                 self.router.bind_session(self.info.session_id, decode_id, self.now())
+                lease.on_end = self.session_request_ended  # the lease itself was committed without it
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
             headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
             out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
@@ -406,6 +407,13 @@ class _Relay:
                 lease.finish(self.now())
                 if resp is not None:
                     await resp.aclose()
+
+    def session_request_ended(self, lease: Lease, now: float) -> None:
+        """Restart the session's idle time when the answer ends (a session is not idle while a
+        request of it runs), unless its decode worker left the registry meanwhile."""
+        touch = getattr(self.router.sessions, "touch", None)
+        if touch is not None and self.info.session_id and self.router.targets.get(lease.target.id) is lease.target:
+            touch(self.info.session_id, lease.target.id, now)
 
     def classify(self, resp: httpx.Response, content: bytes, decode_id: str) -> None:
         """Raise what a non-200 decode answer means for the relay."""

@@ -170,3 +170,32 @@ def test_a_disaggregated_storm_leaves_no_load_on_any_prefill_or_decode_worker(cl
     assert int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"]) > refused  # decode 429s
     assert {"200", "400", "404", "429", "500", "499"} <= _statuses(cluster), _statuses(cluster)
     assert any(b"request timed out" in tail for kind, tail in ends if kind == "timeout")  # a stream cut at the deadline
+
+
+@pytest.fixture(scope="module")
+def short_ttl(cluster: Cluster, module_procs: ProcessGroup) -> Iterator[httpx.Client]:
+    """A second gateway in front of p0 and d0 alone, with a 1 s session idle time."""
+    config = {"server": {"admin_key": "adm", "request_timeout_s": 30}, "health": {"interval_s": 60},
+              "policy": PD_POLICY, "sessions": {"idle_ttl_s": 1.0},
+              "workers": [{"name": n, "url": cluster.workers[n].url, "models": ["m"], "role": ROLES[n]} for n in ("p0", "d0")]}
+    path = module_procs.log_dir / "pd_short_ttl.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), name="gateway-short-ttl", ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_session_is_not_idle_while_its_disaggregated_request_runs(short_ttl: httpx.Client, stream: bool) -> None:
+    # The decode lease is committed without the session (bound at the first bytes instead), so
+    # its end did not restart the session's idle time: a turn longer than idle_ttl_s (150 words
+    # at 0.01 s against 1 s) came back to no binding, and its next turn was routed fresh.
+    session = f"pd-long-{stream}"
+    body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(150)), "max_tokens": 150, "stream": stream}
+    with short_ttl.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as resp:
+        assert resp.status_code == 200
+        worker = resp.headers["x-mesh-worker"]
+        data = resp.read()
+    assert data.endswith(b"data: [DONE]\n\n") if stream else json.loads(data)["choices"][0]["text"].startswith("w0 w1")
+    route = short_ttl.post("/debug/route", json={"model": "m", "prompt": "next turn"}, headers={"x-session-id": session})
+    assert route.json()["session"]["bound_target"] == worker == "d0", route.text
