@@ -14,7 +14,8 @@ bundled workers):
 
 Failures before the first byte reached the client are retried:
 - the prefill fails (connect error, 5xx, 429): another pair, that prefill worker excluded;
-- the decode worker refuses admission (429, or 503 with a ``kv_*`` code): another decode worker;
+- the decode worker refuses admission (429, or 503 with a ``kv_*`` code), or is at the gateway's
+  admission limit for it (``max_in_flight``, checked before committing): another decode worker;
   when every decode worker is full the request waits in a bounded queue (``DecodeQueue``: at most
   ``max_waiting`` requests, each at most ``queue_wait_s``) and tries again;
 - the decode worker dies or cannot take the blocks (connect error, 5xx, 409 layout/key mismatch,
@@ -45,7 +46,7 @@ from typing import Any
 import httpx
 
 from mesh.router import Lease, Router
-from policies.base import Decision, NoCandidate, Overlap, RequestInfo
+from policies.base import Decision, NoCandidate, Overlap, RequestInfo, TargetState
 
 log = logging.getLogger("mesh.disagg")
 
@@ -367,6 +368,9 @@ class _Relay:
         if state is None or not state.available:
             raise _Retry(f"decode worker {decode_id} was {'removed' if state is None else 'taken out of routing'}"
                          " during the prefill", 503, code="no_decode_worker")
+        if _at_limit(state):  # the gateway's own admission limit: like the worker refusing admission
+            raise _Full(f"decode worker {decode_id} is at its in-flight limit ({state.max_in_flight})", 429,
+                        code="over_capacity")
         # Committed without the session: a decode worker that refuses or fails must not take it
         # (each refusal moved it); it is bound to the worker whose answer the client gets.
         info = replace(self.info, session_id=None) if self.info.session_id else self.info
@@ -450,6 +454,10 @@ class _Relay:
         task = asyncio.get_running_loop().create_task(self.cancel(prefill_id, kv))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+def _at_limit(target: TargetState) -> bool:
+    return bool(target.max_in_flight) and target.in_flight >= target.max_in_flight
 
 
 class _Full(_Retry):

@@ -199,3 +199,39 @@ def test_a_session_is_not_idle_while_its_disaggregated_request_runs(short_ttl: h
     assert data.endswith(b"data: [DONE]\n\n") if stream else json.loads(data)["choices"][0]["text"].startswith("w0 w1")
     route = short_ttl.post("/debug/route", json={"model": "m", "prompt": "next turn"}, headers={"x-session-id": session})
     assert route.json()["session"]["bound_target"] == worker == "d0", route.text
+
+
+def test_a_decode_worker_at_its_in_flight_limit_takes_no_second_request(cluster: Cluster, module_procs: ProcessGroup) -> None:
+    # The gateway's admission limit (max_in_flight) held for the ordinary path only: the relay
+    # committed a decode lease on a worker already at its limit, so a decode worker with
+    # max_in_flight 1 served two requests at once. Now a worker at its limit counts as one that
+    # refused admission: the request waits in the decode queue for headroom.
+    config = {"server": {"admin_key": "adm", "request_timeout_s": 30}, "health": {"interval_s": 60}, "policy": PD_POLICY,
+              "workers": [{"name": "p0", "url": cluster.workers["p0"].url, "models": ["m"], "role": "prefill"},
+                          {"name": "d0", "url": cluster.workers["d0"].url, "models": ["m"], "role": "decode",
+                           "max_in_flight": 1}]}
+    path = module_procs.log_dir / "pd_limited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), name="gateway-limited", ready_path="/ready")
+    order: list[Any] = []
+
+    async def run() -> None:
+        started = asyncio.Event()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            async def long() -> None:  # 150 words at 0.01 s
+                body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(150)), "max_tokens": 150, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200 and resp.headers["x-mesh-worker"] == "d0"
+                    started.set()
+                    await resp.aread()
+                order.append("long")
+
+            async def short() -> None:
+                await started.wait()
+                resp = await client.post("/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": 2})
+                order.append(("short", resp.status_code, resp.headers.get("x-mesh-worker")))
+
+            await asyncio.gather(long(), short())
+
+    asyncio.run(run())
+    assert order == ["long", ("short", 200, "d0")]
