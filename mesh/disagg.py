@@ -243,7 +243,7 @@ class _Relay:
         return self.router.targets[target_id].url.rstrip("/") + self.path
 
     def decide(self, exclude: list[str]) -> Decision:
-        return self.router.decide(self.info, self.now(), exclude=exclude)
+        return self.router.decide(self.info, self.now(), exclude=exclude + full_for_pairs(self.router.targets))
 
     async def run(self, decision: Decision) -> RelayResponse:
         last: _Retry | None = None
@@ -458,6 +458,12 @@ class _Relay:
 
 def _at_limit(target: TargetState) -> bool:
     return bool(target.max_in_flight) and target.in_flight >= target.max_in_flight
+
+
+def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
+    """Targets a new pair must leave out: those at their admission limit (``max_in_flight``),
+    except decode-role ones, which the relay checks itself (waiting in the decode queue)."""
+    return [t.id for t in targets.values() if _at_limit(t) and getattr(t.role, "value", t.role) != "decode"]
 
 
 class _Full(_Retry):

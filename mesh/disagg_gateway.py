@@ -20,7 +20,9 @@ from typing import Any
 
 import httpx
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayResponse, RelayStats, relay_disaggregated
+from mesh.disagg import (
+    DecodeQueue, RelayConfig, RelayError, RelayResponse, RelayStats, full_for_pairs, relay_disaggregated,
+)
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
 from mesh.proxy import HOP_BY_HOP, Proxy, _Exchange
@@ -48,8 +50,11 @@ class DisaggProxy(Proxy):
             return
         now = time.monotonic()
         self.registry.tick(now)
+        # Prefill targets at their admission limit are left out (decode ones wait in the relay's
+        # queue); with every one full the ordinary path answers 429, as for any full model.
+        full = full_for_pairs(self.registry.targets) if self.registry.admission_limited else []
         try:
-            decision = self.router.decide(parsed.info, now)
+            decision = self.router.decide(parsed.info, now, exclude=full)
         except NoCandidate:
             decision = None
         if decision is None or decision.decode_target is None:

@@ -235,3 +235,34 @@ def test_a_decode_worker_at_its_in_flight_limit_takes_no_second_request(cluster:
 
     asyncio.run(run())
     assert order == ["long", ("short", 200, "d0")]
+
+
+def test_a_prefill_worker_at_its_in_flight_limit_takes_no_second_request(cluster: Cluster, module_procs: ProcessGroup) -> None:
+    # The pair was decided without the gateway's admission limits: a prefill worker with
+    # max_in_flight 1 took a second request while its first prefill ran. Now a request every
+    # prefill worker of which is full is answered 429 with Retry-After, as on the ordinary path.
+    config = {"server": {"admin_key": "adm", "request_timeout_s": 30}, "health": {"interval_s": 60}, "policy": PD_POLICY,
+              "workers": [{"name": "p0", "url": cluster.workers["p0"].url, "models": ["m"], "role": "prefill",
+                           "max_in_flight": 1},
+                          {"name": "d0", "url": cluster.workers["d0"].url, "models": ["m"], "role": "decode"}]}
+    path = module_procs.log_dir / "pd_prefill_limited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), name="gateway-prefill-limited", ready_path="/ready")
+    faults = cluster.workers["p0"].url + "/admin/faults"
+    served = cluster.served("p0")
+    httpx.post(faults, json={"first_token_delay_s": 3.0}, timeout=10)  # p0's prefills take 3 s
+    try:
+        async def run() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+                first = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": 2}))
+                while cluster.served("p0") == served:  # its prefill runs on p0
+                    await asyncio.sleep(0.02)
+                second = await client.post("/v1/completions", json={"model": "m", "prompt": "c d", "max_tokens": 2})
+                return await first, second
+
+        first, second = asyncio.run(run())
+    finally:
+        httpx.post(faults, json={"first_token_delay_s": 0.0}, timeout=10)
+    assert first.status_code == 200 and first.headers["x-mesh-prefill-worker"] == "p0", first.text
+    assert second.status_code == 429 and second.headers["retry-after"], second.text
+    assert cluster.served("p0") == served + 1
