@@ -26,7 +26,8 @@ from tests.test_review_load_sessions import PD_POLICY, PD_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
 TIMEOUT_S = 1.0  # the gateway's request timeout
-ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "dfull": "decode"}
+ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "dcrash": "decode", "dfull": "decode"}
+DECODERS = ("d0", "d1", "dcrash")  # echo workers; dcrash is made to die two tokens into a stream by the storm
 
 
 @dataclass
@@ -54,7 +55,7 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     workers: dict[str, Proc] = {}
     for name in ("p0", "p1"):  # a prompt with PFAIL is a prefill 500; the prefill takes 0.05 s
         workers[name] = module_procs.echo_worker(name, "--model", "m", "--fail-on", "PFAIL", "--token-delay-s", "0.05")
-    for name in ("d0", "d1"):  # a prompt with DFAIL is a decode 500
+    for name in DECODERS:  # a prompt with DFAIL is a decode 500
         workers[name] = module_procs.echo_worker(name, "--model", "m", "--fail-on", "DFAIL", "--token-delay-s", "0.01")
     script = module_procs.log_dir / "pd_worker.py"
     script.write_text(PD_WORKER)
@@ -91,14 +92,14 @@ def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(clust
     # decode lease (in_flight, every context token) held until it did: forever for a client that
     # keeps its socket open. Several sizes, so that some answers lie past what the sockets and
     # the gateway's buffers absorb; one not streamed.
-    before = cluster.served("d0") + cluster.served("d1")
+    before = sum(cluster.served(d) for d in DECODERS)
     sockets = []
     try:
         for mib, stream in [(1.5, True), (2, True), (2.5, True), (3, True), (3.5, True), (3.5, False)]:
             words = int(mib * (1 << 20)) // 8000
             body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
             sockets.append(_stalled_client(cluster.gateway.port, body))
-        wait_until(lambda: cluster.served("d0") + cluster.served("d1") - before == len(sockets),
+        wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before == len(sockets),
                    what="every stalled request answered by a decode worker")
         wait_until(cluster.all_zero, timeout_s=15, what=f"leases ended at the timeout: {cluster.targets()}")
     finally:
@@ -157,6 +158,7 @@ def _statuses(c: Cluster) -> set[str]:
 
 def test_a_disaggregated_storm_leaves_no_load_on_any_prefill_or_decode_worker(cluster: Cluster) -> None:
     refused = int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"])
+    httpx.post(cluster.workers["dcrash"].url + "/admin/faults", json={"crash_after_tokens": 2}, timeout=10)
     sockets = [_stalled_client(cluster.gateway.port, {"model": "m", "prompt": "x " * 30000, "stream": True,
                                                       "max_tokens": 30000}) for _ in range(2)]
     try:
@@ -170,6 +172,7 @@ def test_a_disaggregated_storm_leaves_no_load_on_any_prefill_or_decode_worker(cl
     assert int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"]) > refused  # decode 429s
     assert {"200", "400", "404", "429", "500", "499"} <= _statuses(cluster), _statuses(cluster)
     assert any(b"request timed out" in tail for kind, tail in ends if kind == "timeout")  # a stream cut at the deadline
+    assert not cluster.workers["dcrash"].alive()  # it broke a decode stream by dying
 
 
 @pytest.fixture(scope="module")
