@@ -41,7 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -109,6 +109,23 @@ class RelayStats:
     transfer_failures: int = 0  # the pull failed on the prefill side: new pair
     cancels_sent: int = 0
     fallbacks: int = 0  # prefill answered without kv_transfer_params: decode computed it all
+
+
+class WorkerHealth(Protocol):
+    """Where the relay reports what its attempts say about a worker (the registry's passive
+    health: consecutive failures open a worker's circuit)."""
+
+    def record_failure(self, tid: str, now: float, error: str) -> None: ...
+
+    def record_success(self, tid: str) -> None: ...
+
+
+class _NoHealth:
+    def record_failure(self, tid: str, now: float, error: str) -> None:
+        return None
+
+    def record_success(self, tid: str) -> None:
+        return None
 
 
 class RelayError(Exception):
@@ -229,8 +246,9 @@ class _Relay:
 
     def __init__(self, client: httpx.AsyncClient, router: Router, info: RequestInfo, body: dict[str, Any],
                  path: str, headers: dict[str, str], config: RelayConfig, queue: DecodeQueue,
-                 stats: RelayStats, now: Callable[[], float]) -> None:
+                 stats: RelayStats, now: Callable[[], float], health: WorkerHealth) -> None:
         self.client, self.router, self.info, self.body = client, router, info, body
+        self.health = health
         self.path, self.headers, self.config, self.queue, self.stats, self.now = path, headers, config, queue, stats, now
         self.stream = bool(body.get("stream"))
         self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
@@ -291,6 +309,7 @@ class _Relay:
             resp = await self.client.post(self.url(target_id), json=prefill_body(self.body), headers=self.headers,
                                           timeout=self.timeout)
         except httpx.HTTPError as exc:
+            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")
             raise _Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
         finally:
             lease.finish(self.now())
@@ -304,6 +323,7 @@ class _Relay:
             kv, usage = answer.get("kv_transfer_params"), answer.get("usage")
         except (ValueError, AttributeError) as exc:
             raise _Retry(f"prefill worker {target_id} answered invalid JSON") from exc
+        self.health.record_success(target_id)
         if not isinstance(kv, dict):
             self.stats.fallbacks += 1
             kv = None
@@ -390,12 +410,15 @@ class _Relay:
                     chunks = resp.aiter_raw() if self.stream else None
                     first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
             except httpx.HTTPError as exc:
+                self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")
                 raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
             except TimeoutError as exc:
+                self.health.record_failure(decode_id, self.now(), "decode timed out")
                 raise _Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
                              code="upstream_timeout") from exc
             if self.stream and not first:
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
+            self.health.record_success(decode_id)
             lease.first_token()
             if self.info.session_id:
                 self.router.bind_session(self.info.session_id, decode_id, self.now())
@@ -494,6 +517,7 @@ async def relay_disaggregated(
     stats: RelayStats | None = None,
     now: Callable[[], float] = time.monotonic,
     request_id: str | None = None,
+    health: WorkerHealth | None = None,
 ) -> RelayResponse:
     """Serve one request through a (prefill, decode) pair; see the module docstring.
 
@@ -501,6 +525,8 @@ async def relay_disaggregated(
     attempt. Returns once the decode worker's first bytes are in (every retry happens before):
     stream ``RelayResponse.body()`` to the client and call ``aclose()`` in a ``finally``.
     Raises ``RelayError`` (status, OpenAI-shaped body, headers) when no pair could serve it.
+    ``health``: told of connect errors, resets and timeouts (failures) and of answers (successes)
+    per worker; a worker's 5xx is not counted (it may be the request's fault).
     """
     data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
     if not isinstance(data, dict):
@@ -509,5 +535,5 @@ async def relay_disaggregated(
     stats = stats if stats is not None else RelayStats()
     stats.requests += 1
     relay = _Relay(client, router, request_info, data, path, _forward_headers(headers, rid), config or RelayConfig(),
-                   queue if queue is not None else DecodeQueue(), stats, now)
+                   queue if queue is not None else DecodeQueue(), stats, now, health or _NoHealth())
     return await relay.run(decision)

@@ -70,7 +70,7 @@ class DisaggProxy(Proxy):
         try:
             resp = await relay_disaggregated(
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
-                config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats,
+                config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
             )
         except RelayError as exc:
             out = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in exc.headers.items())]
