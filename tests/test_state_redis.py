@@ -449,8 +449,11 @@ def test_with_redis_down_both_replicas_answer_locally_and_count_errors_then_shar
     # Sharing heals: A's next use writes its local binding back (after its short back-off).
     wait_until(lambda: replicas.a.chat("down-1") == worker and replicas.shared("down-1") == worker,
                what="A writing its binding to the restarted Redis")
-    route = replicas.b.route("down-1")
-    assert route["decision"]["target"] == worker and route["decision"]["reason"] == "bound", route
+    # B failed during the outage too: it reads Redis again once its own back-off ends (until then
+    # it decides locally, where it never held "down-1")
+    wait_until(lambda: (replicas.b.route("down-1")["decision"]["target"], replicas.b.route("down-1")["decision"]["reason"])
+               == (worker, "bound"), what="B reading A's binding from the restarted Redis")
     fresh = replicas.b.chat("after-restart")
     wait_until(lambda: replicas.shared("after-restart") == fresh, what="B's new binding written")
-    assert replicas.a.route("after-restart")["decision"]["target"] == fresh
+    wait_until(lambda: replicas.a.route("after-restart")["decision"]["target"] == fresh,
+               what="A reading B's new binding (once A's own back-off, if any, has ended)")
