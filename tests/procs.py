@@ -186,3 +186,17 @@ def wait_until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
         time.sleep(0.05)
+
+
+def stalled_client(port: int, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
+    """A client that sends its request, keeps its socket open and never reads (a 4 KiB receive
+    buffer, so the gateway's writes to it soon block)."""
+    import json
+
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+    return sock

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
 from tests.test_review_load_sessions import PD_POLICY, PD_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
@@ -76,17 +75,6 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         yield Cluster(client, gateway, workers)
 
 
-def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
-    """A client that sends its request, keeps its socket open and never reads."""
-    data = json.dumps(body).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
-
-
 def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(cluster: Cluster) -> None:
     # The relay wrote the decode worker's answer to a client that did not read it, with the
     # decode lease (in_flight, every context token) held until it did: forever for a client that
@@ -98,7 +86,7 @@ def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(clust
         for mib, stream in [(1.5, True), (2, True), (2.5, True), (3, True), (3.5, True), (3.5, False)]:
             words = int(mib * (1 << 20)) // 8000
             body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
-            sockets.append(_stalled_client(cluster.gateway.port, body))
+            sockets.append(stalled_client(cluster.gateway.port, body))
         wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before == len(sockets),
                    what="every stalled request answered by a decode worker")
         wait_until(cluster.all_zero, timeout_s=15, what=f"leases ended at the timeout: {cluster.targets()}")
@@ -159,7 +147,7 @@ def _statuses(c: Cluster) -> set[str]:
 def test_a_disaggregated_storm_leaves_no_load_on_any_prefill_or_decode_worker(cluster: Cluster) -> None:
     refused = int(httpx.get(cluster.workers["dfull"].url + "/count").json()["posts"])
     httpx.post(cluster.workers["dcrash"].url + "/admin/faults", json={"crash_after_tokens": 2}, timeout=10)
-    sockets = [_stalled_client(cluster.gateway.port, {"model": "m", "prompt": "x " * 30000, "stream": True,
+    sockets = [stalled_client(cluster.gateway.port, {"model": "m", "prompt": "x " * 30000, "stream": True,
                                                       "max_tokens": 30000}) for _ in range(2)]
     try:
         ends = asyncio.run(_storm(cluster, 80, seed=3))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, kill_process, wait_http, wait_until
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, kill_process, stalled_client, wait_http, wait_until
 from tests.test_review_streaming import FAKE_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
@@ -126,17 +125,6 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> None:
         pass
 
 
-def _slow_reader(port: int) -> socket.socket:
-    """A streaming client that never reads (tiny receive buffer)."""
-    data = json.dumps({"model": "m", "prompt": " ".join(["word"] * 3000), "stream": True, "max_tokens": 3000}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
-
-
 async def _storm(c: Cluster, n: int, seed: int, admin: bool) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=c.gateway.url, timeout=30) as client:
@@ -155,7 +143,7 @@ async def _storm(c: Cluster, n: int, seed: int, admin: bool) -> None:
 
 
 def test_a_mixed_storm_leaves_no_load_anywhere(cluster: Cluster) -> None:
-    sockets = [_slow_reader(cluster.gateway.port) for _ in range(2)]
+    sockets = [stalled_client(cluster.gateway.port, {"model": "m", "prompt": " ".join(["word"] * 3000), "stream": True, "max_tokens": 3000}) for _ in range(2)]
     try:
         asyncio.run(_storm(cluster, 120, seed=1, admin=True))
         wait_until(lambda: _all_zero(cluster), timeout_s=TIMEOUT_S * 10, what=f"load back to zero: {cluster.targets()}")
@@ -357,7 +345,7 @@ def test_a_client_that_stops_reading_a_finished_answer_holds_no_load_past_the_ti
         for mib, stream in sizes:  # prompts under max_prompt_tokens
             words = int(mib * (1 << 20)) // 8000
             body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
-            sockets.append(_stalled_client(gateway.port, body))
+            sockets.append(stalled_client(gateway.port, body))
         with httpx.Client(base_url=gateway.url, timeout=30) as client:
             def load() -> dict[str, Any]:
                 return client.get("/workers", headers=ADMIN).json()["workers"][0]["targets"][0]
@@ -369,16 +357,6 @@ def test_a_client_that_stops_reading_a_finished_answer_holds_no_load_past_the_ti
     finally:
         for s in sockets:
             s.close()
-
-
-def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
-    data = json.dumps(body).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
 
 
 def test_a_request_every_worker_fails_leaves_its_session_where_it_was(procs: ProcessGroup) -> None:
