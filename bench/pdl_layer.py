@@ -6,8 +6,7 @@ stream from HBM), captured in one CUDA graph, in these variants:
 
 - ``cublas``: torch's cuBLAS linears + the engine's Triton norm/SiLU kernels (today's decode step);
 - ``pdl-loop``: Triton linears with a K loop and Triton norm/SiLU, every kernel launched with PDL
-  (``griddepcontrol.wait`` before reading its predecessor's output), optionally prefetching its
-  own weight tile into L2 *before* the wait;
+  (``griddepcontrol.wait`` before reading its predecessor's output);
 - ``pdl-split``: split-K Triton linears whose one weight tile per program is loaded into
   registers before the wait; fp32 partials are summed by the consumer kernel (norm, SiLU, the
   stand-in), so the split costs no extra launch.
@@ -59,13 +58,6 @@ def _gdc_go(USE: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptrs, USE: tl.constexpr):
-    if USE:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _sum_parts(ptr, offs, mask, N_PARTS: tl.constexpr, part_stride):
     """fp32 sum over ``N_PARTS`` partial buffers ``part_stride`` elements apart (fixed order)."""
     acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -77,18 +69,11 @@ def _sum_parts(ptr, offs, mask, N_PARTS: tl.constexpr, part_stride):
 @triton.jit
 def _linear_loop_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, stride_x, stride_w, stride_o,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K]^T (+ b); one program per BLOCK_N columns, all of K."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    if PREFETCH:  # every 128-byte line of this program's weight rows, before waiting
-        lines = tl.arange(0, 64)
-        for start in range(0, K * 2, 64 * 128):
-            off = start + lines * 128
-            ptrs = (w_ptr.to(tl.pointer_type(tl.int8)) + n[:, None].to(tl.int64) * stride_w * 2
-                    + off[None, :])
-            _l2_prefetch(ptrs, (n[:, None] < N) & (off[None, :] < K * 2))
     _gdc_wait(USE_GDC)
     _gdc_go(USE_GDC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -212,7 +197,6 @@ class Variant:
     name: str
     kind: str  # cublas | loop | split
     gdc: bool = True
-    prefetch: bool = False
     bn: int = 32  # loop: columns per program
     bk: int = 128  # loop: K per iteration; split: K per program
     bk_down: int = 256  # split: K per program of the down linear
@@ -249,7 +233,7 @@ class Runner:
             _linear_loop_kernel[(triton.cdiv(n, v.bn),)](
                 x, w, b if b is not None else w, out, self.m, n, k, x.stride(0), w.stride(0), out.stride(1),
                 HAS_BIAS=b is not None, BLOCK_M=max(16, triton.next_power_of_2(self.m)), BLOCK_N=v.bn,
-                BLOCK_K=v.bk, PREFETCH=v.prefetch and GDC, USE_GDC=v.gdc and GDC, num_warps=v.warps,
+                BLOCK_K=v.bk, USE_GDC=v.gdc and GDC, num_warps=v.warps,
                 **self._pdl())
         else:
             _linear_split_kernel[(triton.cdiv(n, v.bn), triton.cdiv(k, bk))](
@@ -327,9 +311,6 @@ VARIANTS = [
     Variant("cublas (today)", "cublas", gdc=False),
     Variant("loop n32 k128, no PDL", "loop", gdc=False),
     Variant("loop n32 k128, PDL", "loop"),
-    Variant("loop n32 k128, PDL + L2 prefetch", "loop", prefetch=True),
-    Variant("loop n64 k128, PDL + L2 prefetch", "loop", prefetch=True, bn=64),
-    Variant("loop n16 k128, PDL + L2 prefetch", "loop", prefetch=True, bn=16, warps=2),
     Variant("split n64 k128/256, no PDL", "split", gdc=False, bn=64),
     Variant("split n64 k128/256, PDL", "split", bn=64),
     Variant("split n32 k256/256, PDL", "split", bn=32, bk=256),
