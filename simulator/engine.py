@@ -28,6 +28,7 @@ from mesh.index import PrefixIndex
 from mesh.router import Router
 from policies import create_policy
 from policies.base import NoCandidate, RequestInfo, Role, TargetState, Tier
+from simulator.block_text import BlockText
 from simulator.profile import Profile
 from simulator.traces import DONE, START, Trace
 from simulator.worker_model import (
@@ -129,6 +130,7 @@ class Simulator:
         self.policy_spec = policy_spec
         self.bs = trace.block_size
         self.index = PrefixIndex()
+        self.text = BlockText()  # text-based policies (cache_aware) match a spelling of the block keys
         self.sessions = SessionTable(config.session_ttl_s, config.max_bound_sessions) if SessionTable else None
         self.targets: dict[str, TargetState] = {}
         self.workers: list[WorkerModel] = []
@@ -229,7 +231,7 @@ class Simulator:
         keys = tr.keys.tolist()
         info = RequestInfo(model=self.config.model, block_keys=keys, block_size=self.bs,
                            prompt_tokens=tr.prompt_tokens, max_tokens=tr.output_tokens,
-                           session_id=tr.session, request_id=str(i))
+                           session_id=tr.session, request_id=str(i), text=self.text.text(keys))
         try:
             decision, lease = self.router.route(info, t)
         except NoCandidate:

@@ -1,0 +1,46 @@
+"""Review 5: ``mesh simulate`` as a demanding user runs it (real CLI subprocesses, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mesh(*args: str, pythonpath: str = "", timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
+    env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "mesh", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def session_trace(path: Path, sessions: int = 8, turns: int = 6) -> Path:
+    """Agentic sessions: every turn extends its session's previous prompt by 4 blocks."""
+    lines = [json.dumps({"format": "mesh-sessions", "version": 1, "block_size": 16})]
+    for s in range(sessions):
+        ids: list[int] = []
+        for turn in range(turns):
+            ids = ids + [s * 1000 + len(ids) + j for j in range(4)]
+            rec: dict[str, object] = {"session": f"s{s}", "input_tokens": len(ids) * 16, "output_tokens": 4,
+                                      "hash_ids": list(ids)}
+            rec.update({"t": s * 0.05} if turn == 0 else {"think_s": 0.5})
+            lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_cache_aware_matches_prompts_in_the_simulator(tmp_path: Path) -> None:
+    """cache_aware matched an empty text in the simulator (traces carry no text), so it always
+    routed to the least loaded worker: its numbers were least_load's under its name."""
+    out = tmp_path / "r.json"
+    proc = mesh("simulate", str(session_trace(tmp_path / "t.jsonl")), "--workers", "4", "--quiet",
+                "--policy", "cache_aware", "--policy", "least_load", "--seed", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    pol = json.loads(out.read_text())["policies"]
+    # every later turn extends a prompt cache_aware routed itself: it goes back to that worker
+    assert pol["cache_aware"]["session_moves"] == 0
+    assert pol["cache_aware"]["hit_rate"] > pol["least_load"]["hit_rate"] + 0.2
