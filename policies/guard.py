@@ -128,6 +128,10 @@ class GuardedPolicy(Policy):
         return getattr(plugin, name)
 
 
+# Params whose plain-string value is itself a spec (``picker: "my_mod:MyPicker"``, ``inner: ...``).
+_SPEC_KEYS = frozenset({"picker", "inner", "policy"})
+
+
 def names_a_plugin(spec: Any, builtin: set[str]) -> bool:
     """True when ``spec`` (or any spec nested in its params) names something not built in."""
     if isinstance(spec, str):
@@ -136,7 +140,9 @@ def names_a_plugin(spec: Any, builtin: set[str]) -> bool:
         name = spec.get("name")
         if isinstance(name, str) and name not in builtin:
             return True
-        return any(names_a_plugin(v, builtin) for v in spec.values() if isinstance(v, dict | list))
+        # a plugin picker or inner policy named by a plain string escaped the guard (traceback / 500)
+        return any(names_a_plugin(v, builtin) for k, v in spec.items()
+                   if isinstance(v, dict | list) or (k in _SPEC_KEYS and isinstance(v, str)))
     if isinstance(spec, list):
         return any(names_a_plugin(v, builtin) for v in spec if isinstance(v, dict | str))
     return False

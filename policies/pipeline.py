@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -147,12 +148,29 @@ def _as_list(owner: str, value: Any) -> list[Any]:
 def _checked(scorer: Scorer, request: RequestInfo, cluster: ClusterView, found: list[TargetState]) -> list[float]:
     """A plugin scorer's output, checked for shape and forced into [0, 1] (NaN counts as 0)."""
     try:
-        col = [float(v) for v in scorer.score(request, cluster, found)]
+        raw = scorer.score(request, cluster, found)
+    except NoCandidate:
+        raise
+    except Exception as exc:  # named as raising, not as returning non-numbers
+        raise PluginError(f"scorer {scorer.name!r} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        col = [float(v) for v in raw]
     except (TypeError, ValueError) as exc:
         raise PluginError(f"scorer {scorer.name!r} returned something other than numbers: {exc}") from exc
     if len(col) != len(found):
         raise PluginError(f"scorer {scorer.name!r} returned {len(col)} scores for {len(found)} candidates")
     return [0.0 if not v == v else (0.0 if v < 0.0 else (1.0 if v > 1.0 else v)) for v in col]
+
+
+def _checked_pick(picker: Picker, pick: Any, n: int) -> int:
+    """A picker's answer as an index into ``n`` candidates (numpy integers accepted), else a ``PluginError``."""
+    try:
+        index = operator.index(pick) if not isinstance(pick, bool) else -1
+    except TypeError:
+        index = -1
+    if not 0 <= index < n:
+        raise PluginError(f"picker {picker.name!r} returned {pick!r} for {n} candidates")
+    return index
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +235,8 @@ class Profile:
         n = len(found)
         totals = self._totals(n, *columns)
         pick = self.picker.pick(totals, columns) if n > 1 else 0
+        if type(pick) is not int or not 0 <= pick < n:  # a plugin picker's bad index: name it, not IndexError
+            pick = _checked_pick(self.picker, pick, n)
         ids = [t.id for t in found]
         if not cluster.explain:  # the request path: the pick's terms only
             rows = self._rows_at([pick], ids, *columns, totals)

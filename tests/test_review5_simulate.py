@@ -44,3 +44,48 @@ def test_cache_aware_matches_prompts_in_the_simulator(tmp_path: Path) -> None:
     # every later turn extends a prompt cache_aware routed itself: it goes back to that worker
     assert pol["cache_aware"]["session_moves"] == 0
     assert pol["cache_aware"]["hit_rate"] > pol["least_load"]["hit_rate"] + 0.2
+
+
+BAD_PLUGINS = '''
+from policies.pipeline import Picker, Scorer
+
+
+class OutOfRange(Picker):
+    name = "out_of_range"
+
+    def pick(self, totals, columns):
+        return 99
+
+
+class Raising(Scorer):
+    name = "raising"
+
+    def score(self, request, cluster, candidates):
+        raise ValueError("scorer boom")
+'''
+
+
+def test_plugin_picker_named_as_a_string_is_guarded(tmp_path: Path) -> None:
+    """``picker: "module:Class"`` (a plain string, as docs/policies.md writes built-in pickers)
+    escaped the guard: a picker returning a bad index was a traceback out of mesh simulate (and
+    a 500 per request in the gateway) instead of a plugin error."""
+    (tmp_path / "badplug.py").write_text(BAD_PLUGINS)
+    spec = tmp_path / "p.yaml"
+    spec.write_text("policy: {name: pipeline, params: {scorers: [prefix], picker: 'badplug:OutOfRange'}}\n")
+    trace = session_trace(tmp_path / "t.jsonl", sessions=2, turns=2)
+    proc = mesh("simulate", str(trace), "--quiet", "--policy", str(spec), pythonpath=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "picker 'out_of_range' returned 99 for 4 candidates" in proc.stderr
+
+
+def test_a_raising_plugin_scorer_is_reported_as_raising(tmp_path: Path) -> None:
+    """A scorer that raised ValueError was reported as having 'returned something other than numbers'."""
+    (tmp_path / "badplug.py").write_text(BAD_PLUGINS)
+    spec = tmp_path / "p.yaml"
+    spec.write_text("policy: {name: pipeline, params: {scorers: ['badplug:Raising']}}\n")
+    trace = session_trace(tmp_path / "t.jsonl", sessions=2, turns=2)
+    proc = mesh("simulate", str(trace), "--quiet", "--policy", str(spec), pythonpath=str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "scorer 'raising' raised ValueError: scorer boom" in proc.stderr
+    assert "other than numbers" not in proc.stderr
