@@ -32,7 +32,7 @@ from simulator.block_text import BlockText
 from simulator.profile import Profile
 from simulator.traces import DONE, START, Trace
 from simulator.worker_model import (
-    OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, SimRequest, WorkerModel,
+    OP_DROP_CPU, CapacityError, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, SimRequest, WorkerModel,
 )
 
 try:  # session bindings (mesh.sessions); without it the Router runs with sessions=None
@@ -66,6 +66,29 @@ def check_config(config: SimConfig) -> None:
         raise SimulationError(f"--session-ttl must be a finite number > 0, got {config.session_ttl_s}")
     if not (math.isfinite(config.speculative_ttl_s) and config.speculative_ttl_s >= 0):
         raise SimulationError(f"--speculative-ttl must be a finite number >= 0, got {config.speculative_ttl_s}")
+
+
+def check_capacity(trace: Trace, profile: Profile) -> None:
+    """Raise ``CapacityError`` before the run when a request cannot fit one worker's GPU KV
+    even alone (its prompt and output, in simulation blocks), naming the ``--kv-blocks`` value,
+    in the profile's own blocks, that fits them all. The run used to stop at the first such
+    request with a count in the trace's blocks, which is not the unit ``--kv-blocks`` takes."""
+    bs = trace.block_size
+    capacity = profile.blocks_at(bs)
+    if not capacity:
+        return
+    over = [(-(-(r.prompt_tokens + max(r.output_tokens, 1)) // bs), r) for r in trace.requests]
+    over = [(need, r) for need, r in over if need > capacity]
+    if not over:
+        return
+    need, worst = max(over, key=lambda x: x[0])
+    fits = -(-need * bs // profile.block_size)
+    raise CapacityError(
+        f"{len(over):,} of {len(trace.requests):,} requests need more KV than one worker holds: the largest, "
+        f"request {worst.idx} ({worst.source}: {worst.prompt_tokens:,} prompt + {worst.output_tokens:,} output "
+        f"tokens), needs {need:,} KV blocks of {bs} tokens and a worker holds {capacity:,} (profile {profile.name}: "
+        f"kv_blocks {profile.kv_blocks:,} of {profile.block_size} tokens); pass --kv-blocks {fits} or more"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +145,7 @@ class Simulator:
         recorder: Any | None = None,
     ) -> None:
         check_config(config)
+        check_capacity(trace, config.profile)
         self.trace = trace
         self.config = config
         self.profile = config.profile

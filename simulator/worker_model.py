@@ -334,7 +334,7 @@ class WorkerModel:
             if need > self.capacity:
                 raise CapacityError(
                     f"request {req.idx} needs {need} KV blocks of {bs} tokens but worker {self.id} "
-                    f"holds {self.capacity}: raise kv_blocks in the profile"
+                    f"holds {self.capacity}: raise --kv-blocks (blocks of {self.profile.block_size} tokens)"
                 )
             self._pin(keys, hp, h)  # its hits are in use from now: eviction cannot take them
             loaded = keys[h : h + c]

@@ -89,3 +89,22 @@ def test_a_raising_plugin_scorer_is_reported_as_raising(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "scorer 'raising' raised ValueError: scorer boom" in proc.stderr
     assert "other than numbers" not in proc.stderr
+
+
+def test_a_request_larger_than_a_worker_names_the_kv_blocks_value_that_fits(tmp_path: Path) -> None:
+    """The WEKA directory (prompts up to 879k tokens) failed mid-run with 'needs 13311 KV blocks of
+    64 tokens but worker w5 holds 13000: raise kv_blocks in the profile': counted in the trace's
+    blocks while --kv-blocks counts the profile's (16 tokens), so --kv-blocks 13311 made it worse."""
+    trace = tmp_path / "big.jsonl"
+    trace.write_text("\n".join([
+        json.dumps({"format": "mesh-sessions", "version": 1, "block_size": 64}),
+        json.dumps({"t": 0, "input_tokens": 64 * 40, "output_tokens": 10, "hash_ids": list(range(40))}),
+        json.dumps({"t": 1, "input_tokens": 64 * 90, "output_tokens": 64, "hash_ids": list(range(100, 190))}),
+    ]) + "\n")
+    # unit: 16-token blocks; 200 of them = 3200 tokens = 50 blocks of 64; the second request needs 91
+    proc = mesh("simulate", str(trace), "--quiet", "--profile", "unit", "--kv-blocks", "200")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "1 of 2 requests need more KV than one worker holds" in proc.stderr
+    assert "--kv-blocks 364 or more" in proc.stderr  # 91 blocks of 64 = 364 blocks of 16
+    ok = mesh("simulate", str(trace), "--quiet", "--profile", "unit", "--kv-blocks", "364")
+    assert ok.returncode == 0, ok.stderr
