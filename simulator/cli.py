@@ -161,6 +161,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("simulate", f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
     summaries = {label: summarize(r) for label, r in results.items()}
+    for label, s in summaries.items():
+        if s["rejected"]:  # not in the latency and hit-rate numbers: they cover served requests only
+            console.print(f"[yellow]warning:[/] {label}: {s['rejected']:,} of {s['requests'] + s['rejected']:,} "
+                          "requests rejected (the policy found no candidate for them)")
     payload = {
         "mesh_simulate": 1,
         "trace": {

@@ -98,13 +98,17 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
     from rich.table import Table
 
     table = Table(title=title, header_style="bold")
-    for col in ("policy", "requests", "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean",
-                "E2E mean", "out tok/s", "in tok/s", "spread", "moves", "wall s"):
+    # 'requests' counts the served ones; a policy that left some without a candidate says so
+    rejects = any(s["rejected"] for s in summaries.values())
+    cols = ("policy", "requests", *(("rejected",) if rejects else ()), "hit rate", "TTFT mean", "TTFT p50",
+            "TTFT p99", "ITL mean", "E2E mean", "out tok/s", "in tok/s", "spread", "moves", "wall s")
+    for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for label, s in summaries.items():
         t = s["ttft_ms"]
         table.add_row(
-            label, f"{s['requests']:,}", f"{s['hit_rate']:.1%}", _ms(t["mean"]), _ms(t["p50"]),
+            label, f"{s['requests']:,}", *((f"{s['rejected']:,}",) if rejects else ()), f"{s['hit_rate']:.1%}",
+            _ms(t["mean"]), _ms(t["p50"]),
             _ms(t["p99"]), _ms(s["itl_ms"]["mean"]), _ms(s["e2e_ms"]["mean"]),
             f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}",
             f"{s['load_spread']:.2f}", f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",

@@ -108,3 +108,23 @@ def test_a_request_larger_than_a_worker_names_the_kv_blocks_value_that_fits(tmp_
     assert "--kv-blocks 364 or more" in proc.stderr  # 91 blocks of 64 = 364 blocks of 16
     ok = mesh("simulate", str(trace), "--quiet", "--profile", "unit", "--kv-blocks", "364")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_rejected_requests_are_shown_not_hidden(tmp_path: Path) -> None:
+    """A policy whose filters left no candidate for some requests (here: only workers with an empty
+    KV cache, and every request arriving at once) had them dropped from the table's 'requests'
+    count with nothing saying so: 8 requests printed as '2 requests', exit 0."""
+    spec = tmp_path / "tight.yaml"
+    spec.write_text("policy: {name: pipeline, params: {filters: [{name: admission_headroom, "
+                    "params: {max_kv_usage: 0.0}}], scorers: [load]}}\n")
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("\n".join(json.dumps({"t": i * 0.002, "input_tokens": 32, "output_tokens": 50, "hash_ids": [i, i + 1]})
+                               for i in range(0, 16, 2)) + "\n")
+    out = tmp_path / "r.json"
+    proc = mesh("simulate", str(trace), "--workers", "2", "--policy", str(spec), "--json", str(out),
+                "--profile", "unit", "--kv-blocks", "1000")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(out.read_text())["policies"]["tight"]
+    assert s["rejected"] == 6 and s["requests"] == 2
+    assert "rejected" in proc.stdout  # a column of the table
+    assert "tight: 6 of 8 requests rejected" in proc.stderr
