@@ -83,6 +83,8 @@ def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
         raise PluginError(f"{kind} {name!r}: bad parameters {params}: {exc}") from exc
     except SystemExit as exc:  # not an Exception: it would end the gateway (a reload) or the CLI silently
         raise PluginError(f"{kind} {name!r}: its constructor exited (code {exc.code!r})") from None
+    except Exception as exc:  # a plugin's own bug (RuntimeError, KeyError...): an error naming it, not a traceback
+        raise PluginError(f"{kind} {name!r}: its constructor raised {type(exc).__name__}: {exc}") from exc
     return obj
 
 

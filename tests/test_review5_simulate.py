@@ -128,3 +128,18 @@ def test_rejected_requests_are_shown_not_hidden(tmp_path: Path) -> None:
     assert s["rejected"] == 6 and s["requests"] == 2
     assert "rejected" in proc.stdout  # a column of the table
     assert "tight: 6 of 8 requests rejected" in proc.stderr
+
+
+def test_a_plugin_whose_constructor_raises_is_a_plugin_error(tmp_path: Path) -> None:
+    """A constructor raising anything but TypeError/ValueError (a RuntimeError, a KeyError from a
+    missing setting) was a traceback out of mesh simulate."""
+    (tmp_path / "initplug.py").write_text(
+        "from policies.base import Policy\n\n\nclass BadInit(Policy):\n    name = 'bad_init'\n\n"
+        "    def __init__(self):\n        raise RuntimeError('init boom')\n\n"
+        "    def decide(self, request, cluster):\n        raise AssertionError\n")
+    spec = tmp_path / "p.yaml"
+    spec.write_text("policy: {name: 'initplug:BadInit'}\n")
+    trace = session_trace(tmp_path / "t.jsonl", sessions=1, turns=1)
+    proc = mesh("simulate", str(trace), "--quiet", "--policy", str(spec), pythonpath=str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "policy 'initplug:BadInit': its constructor raised RuntimeError: init boom" in proc.stderr
