@@ -90,27 +90,9 @@ def _fail(cmd: str, message: str) -> int:
 
 def _load_policy_arg(arg: str) -> tuple[str, Any]:
     """(label, spec) for a --policy value: a YAML file with 'policy:' or a policy name."""
-    path = Path(arg)
-    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
-        import yaml
+    from mesh.commands.policy_arg import load_policy_arg
 
-        from policies.registry import PluginError
-
-        if not path.is_file():
-            raise PluginError(f"{arg}: no such policy file")
-        from mesh.config import document_problem
-
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError, RecursionError) as exc:
-            raise PluginError(f"{arg}: not a readable YAML file: {exc}") from None
-        if not isinstance(data, dict) or "policy" not in data:
-            raise PluginError(f"{arg}: a policy file needs a top-level 'policy:' key with a policy spec")
-        problem = document_problem(data)  # an alias bomb's error message would repr its expansion
-        if problem is not None:
-            raise PluginError(f"{arg}: {problem}")
-        return path.stem, data["policy"]
-    return arg, arg
+    return load_policy_arg(arg)
 
 
 def default_policy() -> str:

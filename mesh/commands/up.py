@@ -41,7 +41,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--engine", choices=["echo", "bundled"], default="bundled",
                    help="bundled: the tiny engine on CPU with KV events (default); echo: instant echo workers")
-    p.add_argument("--policy", default=None, help="routing policy (default: the config default)")
+    p.add_argument("--policy", default=None, metavar="NAME_OR_YAML",
+                   help="routing policy: a built-in name, module:Class, or a YAML file with a 'policy:' key, "
+                        "e.g. examples/pipeline.yaml (default: session_sticky over kv_aware)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
     p.add_argument("--decode", type=int, default=0, help="disaggregated: M decode workers (bundled engine)")
@@ -228,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
 
 def policy_data(args: argparse.Namespace, roles: list[str]) -> dict[str, Any]:
     if args.policy:
-        return {"policy": args.policy}
+        from mesh.commands.policy_arg import load_policy_arg
+
+        return {"policy": load_policy_arg(args.policy)[1]}  # a YAML file was taken for a policy name
     return {"policy": PD_POLICY} if roles else {}
 
 
@@ -237,10 +241,14 @@ def preflight(args: argparse.Namespace, roles: list[str]) -> str | None:
     starts; None when nothing. One line (``policy: ...``, ``cannot listen on ...``)."""
     from mesh.config import ConfigError, parse_config
 
+    from policies.registry import PluginError
+
     try:
         parse_config({"server": {"host": args.host, "port": args.port}, **policy_data(args, roles)}, "mesh up")
     except ConfigError as exc:
         return "; ".join(exc.errors)
+    except PluginError as exc:
+        return f"--policy: {exc}"
     return bind_problem(args.host, args.port)
 
 

@@ -1,0 +1,47 @@
+"""Review 5: the CLI as a user drives it: ``mesh up --policy FILE``, ``mesh config validate``,
+help texts and bad input (real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.procs import PYTHON, ProcessGroup, free_port, wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "mesh", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_mesh_up_takes_an_example_policy_file(procs: ProcessGroup) -> None:
+    """``mesh simulate --policy examples/pipeline.yaml`` works; ``mesh up --policy`` with the same
+    file refused to start: "unknown policy 'examples/pipeline.yaml'"."""
+    port = free_port()
+    up = procs.start([PYTHON, "-m", "mesh", "up", "--engine", "echo", "--workers", "2", "--port", str(port),
+                      "--policy", "examples/pipeline.yaml"], name="up", port=port)
+    wait_http(f"http://127.0.0.1:{port}/ready", proc=up, timeout_s=90)
+    body = {"model": "echo", "prompt": "hello", "max_tokens": 4}
+    route = httpx.post(f"http://127.0.0.1:{port}/debug/route", json=body, timeout=30).json()
+    assert route["policy"]["name"] == "pipeline"  # the file's policy, not the default
+    assert [s["name"] for s in route["policy"]["scorers"]] == ["prefix", "kv_utilization", "load"]
+    assert route["decision"]["reason"] == "highest weighted score"
+
+
+def test_mesh_up_and_simulate_refuse_an_undecodable_policy_file(tmp_path: Path) -> None:
+    """A policy file that is not UTF-8 was a UnicodeDecodeError traceback out of mesh simulate."""
+    bad = tmp_path / "p.yaml"
+    bad.write_bytes(b"\xff\xfepolicy: x\n")
+    trace = ROOT / "examples" / "traces" / "agent_sessions.jsonl"
+    for args in (("simulate", str(trace), "--quiet", "--policy", str(bad)),
+                 ("up", "--engine", "echo", "--port", str(free_port()), "--policy", str(bad))):
+        proc = mesh(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "not a readable YAML file" in proc.stderr
