@@ -45,3 +45,15 @@ def test_mesh_up_and_simulate_refuse_an_undecodable_policy_file(tmp_path: Path) 
         proc = mesh(*args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert "not a readable YAML file" in proc.stderr
+
+
+def test_config_validate_names_the_policy_and_documents_its_argument() -> None:
+    """Every example but round_robin.yaml validated as 'policy custom' (a {name: ...} spec), and
+    ``mesh config validate --help`` said nothing about FILE."""
+    proc = mesh("config", "validate", "examples/pipeline_pd.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK: examples/pipeline_pd.yaml (4 workers, policy pipeline)"
+    sticky = mesh("config", "validate", "examples/session_sticky.yaml")
+    assert "policy session_sticky" in sticky.stdout
+    helped = mesh("config", "validate", "--help")
+    assert helped.returncode == 0 and "mesh.yaml" in helped.stdout and "error" in helped.stdout

@@ -10,8 +10,11 @@ from typing import Any
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="work with config files")
     sub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    v = sub.add_parser("validate", help="validate a YAML config file")
-    v.add_argument("file")
+    v = sub.add_parser("validate", help="validate a YAML config file",
+                       description="Loads FILE as `mesh serve` would (workers, policy plugins, sessions, state) "
+                                   "and prints OK with its worker count and policy, or every error with its "
+                                   "YAML path (exit 1). Nothing is started or contacted.")
+    v.add_argument("file", metavar="FILE", help="the deployment's YAML config (e.g. mesh.yaml or examples/*.yaml)")
     v.set_defaults(func=validate)
 
 
@@ -33,7 +36,10 @@ def validate(args: argparse.Namespace) -> int:
     config = load_or_report(args.file)
     if config is None:
         return 1
-    policy = config.policy if isinstance(config.policy, str) else "custom"
+    policy = config.policy if isinstance(config.policy, str) else None
+    if policy is None:  # a {name, params} spec: its name ("custom" said nothing)
+        name = config.policy.get("name") if isinstance(config.policy, dict) else None
+        policy = name if isinstance(name, str) else "custom"
     print(f"OK: {args.file} ({len(config.workers)} workers, policy {policy})")
     return 0
 
