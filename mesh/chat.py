@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import jinja2
@@ -55,7 +55,8 @@ class ChatRenderer:
 
     ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto": detected from the
     template once, here); a template looping over message content got strings and rendered none
-    of their text.
+    of their text. A deployment's forced format (``ChatOptions.content_format``: the gateway
+    pool's ``chat_template_content_format``, the worker's flag) overrides it per render.
     """
 
     def __init__(self, template: str = DEFAULT_CHAT_TEMPLATE, content_format: str = "auto", **special: Any) -> None:
@@ -83,7 +84,8 @@ class ChatRenderer:
         and the generation flag, then the request's ``chat_template_kwargs`` over them (vLLM
         merges them last)."""
         opts = options or DEFAULT_OPTIONS
-        if self.content_format == "string":
+        content_format = self.content_format if opts.content_format == "auto" else opts.content_format
+        if content_format == "string":
             normalized = [normalize_message(m) for m in messages]
         else:
             normalized = [normalize_message(m, "openai") for m in messages]
@@ -346,18 +348,30 @@ _RESERVED_KWARGS = frozenset({"messages", "chat_template", "tokenize"})
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """The request fields that change the rendered prompt (vLLM's defaults)."""
+    """The request fields that change the rendered prompt (vLLM's defaults), and the deployment's
+    forced content format (``content_format``: set by the gateway's pool or the worker's flag with
+    ``forced``, never read from a request body; "auto" leaves the renderer's own)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     documents: list[Any] | None = None
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    content_format: str = "auto"
 
     @property
     def plain(self) -> bool:
         """Nothing a ChatML template would render differently from the defaults but the flags."""
-        return self.tools is None and self.documents is None and not self.template_kwargs
+        return (self.tools is None and self.documents is None and not self.template_kwargs
+                and self.content_format != "openai")
+
+    def forced(self, content_format: str) -> ChatOptions:
+        """These options rendered in ``content_format`` ("auto": unchanged)."""
+        if content_format == self.content_format:
+            return self
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content_format must be one of {CONTENT_FORMATS}, not {content_format!r}")
+        return replace(self, content_format=content_format)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ChatOptions:

@@ -57,6 +57,9 @@ class ServerConfig(_Model):
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_prompt_tokens: int = Field(4_000_000, ge=1)
     request_timeout_s: PositiveFloat = 3600.0  # whole upstream exchange, streaming included
+    # longest wait for a client to accept one chunk of a response; past it the gateway abandons
+    # the client and frees its worker (a hung client held its slot until request_timeout_s)
+    client_write_timeout_s: PositiveFloat = 30.0
     body_idle_timeout_s: PositiveFloat = 30.0  # longest wait for the next bytes of a request body (then 408)
     connect_timeout_s: PositiveFloat = 5.0
     allowed_worker_hosts: list[str] | None = None  # None = any host; else exact names/IPs
@@ -102,6 +105,9 @@ class WorkerConfig(_Model):
     # LoRA adapters served under their own model names, adapter -> base model (None: discovered
     # from /v1/models ``parent``). A list of adapter names means "on the first of ``models``".
     loras: dict[str, str] | None = None
+    # vLLM's --chat-template-content-format for this pool's template: "auto" detects it from the
+    # template (mesh.chat), "string"/"openai" force it (as the engine is run with, or keys diverge)
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
 
     @field_validator("name")
     @classmethod

@@ -4,8 +4,8 @@ The body is decoded once (msgspec) and forwarded byte for byte by the proxy; not
 re-encodes it. Validation covers what routing reads and what must never reach a worker
 (a non-object body, absurd ``max_tokens``, token ids out of range); the worker validates the rest.
 
-Tokenizer and block size come from the pool of workers serving the model (the first worker, in
-registry order, that serves it). A LoRA adapter (``mesh.registry.Worker.loras``: a model name
+Tokenizer, block size and chat template content format come from the pool of workers serving
+the model (the first worker, in registry order, that serves it). A LoRA adapter (``mesh.registry.Worker.loras``: a model name
 whose worker lists it with a base ``parent``) is keyed in its base model's namespace with the
 adapter named, ``namespace_seed(base, adapter, salt)``, as the KV event subscriber keys the
 blocks that the engine announces with ``lora_name``; it uses its base model's pool. Sessions reuse a bounded LRU of ``mesh.keys.KeyChain`` so that
@@ -59,6 +59,11 @@ class ParsedRequest:
 class Pool:
     tokenizer: str | None
     block_size: int
+    content_format: str = "auto"  # the workers' chat_template_content_format (vLLM's flag)
+
+
+def _pool(config: Any) -> Pool:
+    return Pool(config.tokenizer, config.block_size, config.chat_template_content_format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +227,9 @@ class PromptProcessor:
         for w in self.registry.workers.values():
             models = w.models
             if model in models:
-                return Pool(w.config.tokenizer, w.config.block_size)
+                return _pool(w.config)
             if not models and fallback is None:
-                fallback = Pool(w.config.tokenizer, w.config.block_size)  # models not known yet
+                fallback = _pool(w.config)  # models not known yet
         return fallback
 
     def tokenizer(self, spec: str | None) -> Any:
@@ -273,7 +278,7 @@ class PromptProcessor:
         self, source: PromptSource, pool: Pool, seed: int, session_id: str | None
     ) -> tuple[str, list[int], int]:
         tok = self.tokenizer(pool.tokenizer)
-        text, tokens = self._tokens(source, tok)
+        text, tokens = self._tokens(source, tok, pool.content_format)
         n_tokens = int(tokens.size)
         if session_id is None:
             return text, block_keys(tokens, pool.block_size, seed), n_tokens
@@ -284,13 +289,13 @@ class PromptProcessor:
         return text, keys, n_tokens
 
     @staticmethod
-    def _tokens(source: PromptSource, tok: Any) -> tuple[str, np.ndarray]:
+    def _tokens(source: PromptSource, tok: Any, content_format: str = "auto") -> tuple[str, np.ndarray]:
         chat = source.kind == "chat"
         if chat:
             try:
-                text = _render(source.content, tok, source.options)
+                text = _render(source.content, tok, source.options.forced(content_format))
             except ChatTemplateError as exc:
-                text = _render_text_prefix(source.content, tok, exc)
+                text = _render_text_prefix(source.content, tok, exc, content_format)
         elif isinstance(source.content, str):
             text = source.content
         else:  # token ids, already range-checked
@@ -354,7 +359,7 @@ def render_chatml(messages: list[Any], add_generation_prompt: bool = True) -> st
     return "".join(parts)
 
 
-def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError) -> str:
+def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError, content_format: str = "auto") -> str:
     """The prompt text routed on when the messages carry a non-text part (an image, audio...).
 
     The gateway cannot render what the engine makes of an image, but every message before the
@@ -368,7 +373,7 @@ def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError)
         raise bad_request(str(error), "messages", "invalid_messages") from error
     head = messages[:first]
     try:
-        return _render(head, tok, ChatOptions(add_generation_prompt=False))
+        return _render(head, tok, ChatOptions(add_generation_prompt=False, content_format=content_format))
     except ChatTemplateError:  # e.g. a template that wants a user message last: route on load
         return ""
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from workers.disagg_config import add_arguments as add_disagg_arguments
 
+CONTENT_FORMATS = ("auto", "string", "openai")  # mesh.chat.CONTENT_FORMATS (not imported: jinja2 at --help)
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -51,6 +53,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-endpoint", default=None, metavar="ADDR", help="ZMQ PUB address, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR", help="ZMQ ROUTER address, e.g. tcp://*:5558")
     p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--chat-template-content-format", default="auto", choices=list(CONTENT_FORMATS),
+                   help="how message content reaches the chat template, as vLLM's flag: auto (detected from the "
+                        "template), string, or openai (a list of text parts); give the gateway pool the same")
     p.add_argument("--log-level", default="info")
     add_disagg_arguments(p)  # --role, --kv-transfer-*, --kv-max-pending* (workers.disagg_config)
 
@@ -94,6 +99,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         "cpu_offload_blocks": config.cpu_offload_blocks,
         "kv_events_endpoint": config.kv_events_endpoint,
         "kv_events_replay_endpoint": config.kv_events_replay_endpoint,
+        "chat_template_content_format": args.chat_template_content_format,
     }
     return AsyncLLMEngine(engine), tokenizer, name, info
 

@@ -739,7 +739,7 @@ def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[s
     base, tokenizer, name, info = build(args)
     engine = TransferEngine(base.engine)  # base was never started: only its LLMEngine is kept
     info = {**info, "role": config.role, "kv_transfer": {"transport": config.transport, "layout": engine.layout.to_dict()}}
-    app = create_app(engine, tokenizer, name, info)
+    app = create_app(engine, tokenizer, name, info, content_format=info["chat_template_content_format"])
     service = DisaggService(engine, app.state.api, config)
     return DisaggApp(app, service), service, name, info
 

@@ -14,6 +14,8 @@ Index ranges (vLLM v1 vocabulary):
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass
 from itertools import count
 
@@ -26,8 +28,37 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter the engine cannot take; ``param`` names it (the API's error field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _number(name: str, value: object) -> None:
+    """A real, finite number: every comparison with NaN is false, so a NaN passed each range check
+    below and reached the sampler (logits / NaN), and an infinite temperature flattened it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidSamplingParams(name, f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise InvalidSamplingParams(name, f"{name} must be a finite number, got {value}")
+
+
+def _integer(name: str, value: object, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidSamplingParams(name, f"{name} must be an integer, got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. The constructor refuses what is no number of the right kind (NaN,
+    +-inf, a bool, a string): such a value would break the engine loop for every request.
+    Ranges (a negative temperature, top_p outside (0, 1], max_tokens < 1) are checked by
+    ``validate``, at admission, with the request's context."""
+
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
@@ -36,19 +67,31 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        _number("temperature", self.temperature)
+        _number("top_p", self.top_p)
+        _integer("top_k", self.top_k)
+        _integer("max_tokens", self.max_tokens)
+        _integer("seed", self.seed, optional=True)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise InvalidSamplingParams("stop_token_ids", "stop_token_ids must be integers")
+        if not isinstance(ids, tuple):  # hashable and immutable, as the dataclass is
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidSamplingParams("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise InvalidSamplingParams("top_p", f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+            raise InvalidSamplingParams("top_k", f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidSamplingParams("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
 
 
 _ids = count()

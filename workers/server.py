@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -30,9 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mesh.chat import ChatOptions, ChatTemplateError
+from mesh.chat import CONTENT_FORMATS, ChatOptions, ChatTemplateError
 from workers.engine import AsyncLLMEngine, EngineDeadError, RequestOutput, RequestRejected
-from workers.sequence import SamplingParams
+from workers.sequence import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +187,15 @@ class Chunk:
 class WorkerAPI:
     """Request handling; state lives here (one instance per app), never in module globals."""
 
-    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any],
+                 content_format: str = "auto") -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.info = info
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat template content format must be one of {CONTENT_FORMATS}, not {content_format!r}")
+        self.content_format = content_format  # --chat-template-content-format: "auto" = the template's
         self.max_model_len = engine.engine.max_model_len
 
     # -- prompt and params --
@@ -217,7 +220,7 @@ class WorkerAPI:
         """Rendered with the request's template options (``mesh.chat.ChatOptions``, as the gateway
         renders it), encoded without special tokens unless the body asks (vLLM's chat default)."""
         try:
-            text = self.tokenizer.render_chat(messages, ChatOptions.from_body(body))
+            text = self.tokenizer.render_chat(messages, ChatOptions.from_body(body).forced(self.content_format))
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from exc
         return encode_text(self.tokenizer, text, "messages", special_tokens(body, default=False))
@@ -230,14 +233,19 @@ class WorkerAPI:
             cap = min(self.max_model_len, self.engine.engine.capacity_tokens)
             max_tokens = max(1, cap - prompt_len)
         temperature = 0.0 if 0 < req.temperature < GREEDY_BELOW else req.temperature  # a negative one stays a 400
-        return SamplingParams(
-            temperature=temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
-            seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
-        )
+        try:  # NaN and infinities are refused by SamplingParams itself (the one place that checks them)
+            return SamplingParams(
+                temperature=temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+                seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
+            )
+        except InvalidSamplingParams as exc:
+            raise APIError(400, str(exc), exc.param) from exc
 
     def validate(self, ids: list[int], params: SamplingParams, param: str) -> None:
         try:
             self.engine.engine.validate(ids, params)
+        except InvalidSamplingParams as exc:
+            raise APIError(400, str(exc), exc.param) from exc
         except ValueError as exc:
             message = str(exc)
             name = next((p for p in ("temperature", "top_p", "top_k", "max_tokens") if p in message), param)
@@ -292,11 +300,8 @@ MAX_CACHE_SALT_CHARS = 1024  # the engine keeps a seed per salt (4096 deep): meg
 
 
 def check_sampling(req: _Common) -> None:
-    """Reject sampling values the engine loop cannot take (400 here, never a dead engine)."""
-    if not math.isfinite(req.temperature):
-        raise APIError(400, f"temperature must be a finite number, got {req.temperature}", "temperature")
-    if not math.isfinite(req.top_p):
-        raise APIError(400, f"top_p must lie in (0, 1], got {req.top_p}", "top_p")
+    """Reject sampling values the engine loop cannot take (400 here, never a dead engine); NaN and
+    infinities are ``SamplingParams``' own check (``WorkerAPI.params``)."""
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise APIError(400, f"seed must lie in [-2**63, 2**64), got {req.seed}", "seed")
     if req.cache_salt is not None and len(req.cache_salt) > MAX_CACHE_SALT_CHARS:  # the engine caches salts
@@ -358,8 +363,10 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any] | None = None) -> FastAPI:
-    api = WorkerAPI(engine, tokenizer, model_name, info or {})
+def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any] | None = None,
+               content_format: str = "auto") -> FastAPI:
+    """``content_format``: vLLM's ``--chat-template-content-format`` ("auto", "string", "openai")."""
+    api = WorkerAPI(engine, tokenizer, model_name, info or {}, content_format)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
