@@ -82,6 +82,9 @@ class DisaggProxy(Proxy):
             try:
                 # The request timeout bounds the relay whether the worker or the client is slow:
                 # a client that stops reading (socket open) would hold the decode lease forever.
+                # Sooner, a write to the client waiting past client_write_timeout_s raises
+                # ClientWriteTimeout (``_Exchange``): the finally below ends the decode lease and
+                # closes its connection, and ``Proxy.handle`` drops the client.
                 async with asyncio.timeout_at(resp.deadline):
                     await self._send_answer(resp, out, state)
             except TimeoutError:

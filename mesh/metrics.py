@@ -82,6 +82,10 @@ class Metrics:
         self.client_disconnects_total = self.counter(
             "mesh_client_disconnects_total", "Requests whose client went away before the end"
         )
+        self.client_write_timeouts_total = self.counter(
+            "mesh_client_write_timeouts_total",
+            "Responses abandoned because the client accepted no bytes for server.client_write_timeout_s",
+        )
         self.routing_decision = self.histogram(
             "mesh_routing_decision_seconds", "Time of one routing decision (policy + commit)", buckets=FAST_BUCKETS
         )
