@@ -50,10 +50,24 @@ def _grid_sync(bar_ptr, target):
 
 
 @triton.jit
+def _prefetch_tiles(w_ptr, first, n_tiles, n_progs, row_stride, col0,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, LINES: tl.constexpr, USE: tl.constexpr):
+    """Pull into L2 the weight tiles this program will read next: rows [t * ROWS, (t + 1) * ROWS)
+    x columns [col0, col0 + COLS) for t = first, first + n_progs, ...; one prefetch per 128 bytes."""
+    if USE:
+        r = tl.arange(0, ROWS)[:, None]
+        line = tl.arange(0, LINES)[None, :]
+        for t in range(first, n_tiles, n_progs):
+            ptrs = w_ptr + (t * ROWS + r).to(tl.int64) * row_stride + col0 + tl.minimum(line * 64, COLS - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _inv_rms(x_ptr, M, eps, HID: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     m = tl.arange(0, BM)
     ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in tl.static_range(0, HID, BK):
+    for k0 in range(0, HID, BK):
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + m[:, None] * HID + k[None, :], mask=m[:, None] < M, other=0.0,
                     cache_modifier=".cg").to(tl.float32)
@@ -74,14 +88,13 @@ def _normed(x_ptr, ln_ptr, inv, M, k0, HID: tl.constexpr, BM: tl.constexpr, BK: 
 
 
 @triton.jit
-def _phase_qkv(res_ptr, ln_ptr, w_ptr, b_ptr, qkv_ptr, M, eps, pid, n_progs,
+def _phase_qkv(res_ptr, ln_ptr, w_ptr, b_ptr, qkv_ptr, inv, M, pid, n_progs,
                HID: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     m = tl.arange(0, BM)
-    inv = _inv_rms(res_ptr, M, eps, HID, BM, BK)
     for tile in range(pid, NOUT // BN, n_progs):
         n = tile * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in tl.static_range(0, HID, BK):
+        for k0 in range(0, HID, BK):
             a = _normed(res_ptr, ln_ptr, inv, M, k0, HID, BM, BK)
             w = tl.load(w_ptr + n[:, None] * HID + (k0 + tl.arange(0, BK))[None, :])
             acc = tl.dot(a, tl.trans(w), acc)
@@ -97,7 +110,7 @@ def _phase_o(qkv_ptr, w_ptr, res_ptr, M, pid, n_progs,
     for tile in range(pid, HID // BN, n_progs):
         n = tile * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in tl.static_range(0, KQ, BK):
+        for k0 in range(0, KQ, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(qkv_ptr + m[:, None] * STRIDE_Q + k[None, :], mask=m[:, None] < M, other=0.0,
                         cache_modifier=".cg")
@@ -118,7 +131,7 @@ def _phase_gate_up(res_ptr, ln_ptr, w_ptr, act_ptr, M, eps, pid, n_progs,
         n = tile * BN + tl.arange(0, BN)
         g = tl.zeros([BM, BN], dtype=tl.float32)
         u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in tl.static_range(0, HID, BK):
+        for k0 in range(0, HID, BK):
             a = _normed(res_ptr, ln_ptr, inv, M, k0, HID, BM, BK)
             k = k0 + tl.arange(0, BK)
             wg = tl.load(w_ptr + n[:, None] * HID + k[None, :])
@@ -143,7 +156,7 @@ def _phase_down(act_ptr, w_ptr, part_ptr, M, pid, n_progs,
         s = item % SPLIT
         n = tile * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in tl.static_range(0, k_len, BK):
+        for k0 in range(0, k_len, BK):
             k = s * k_len + k0 + tl.arange(0, BK)
             a = tl.load(act_ptr + m[:, None] * INTER + k[None, :], mask=m[:, None] < M, other=0.0,
                         cache_modifier=".cg")
@@ -153,8 +166,9 @@ def _phase_down(act_ptr, w_ptr, part_ptr, M, pid, n_progs,
 
 
 @triton.jit
-def _phase_residual(part_ptr, res_ptr, M, pid, n_progs,
+def _phase_residual(part_ptr, res_ptr, stats_ptr, M, eps, pid, n_progs,
                     HID: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows are owned whole here, so the next layer's RMSNorm statistics are written too."""
     cols = tl.arange(0, BLOCK)
     mask = cols < HID
     for row in range(pid, M, n_progs):
@@ -162,18 +176,21 @@ def _phase_residual(part_ptr, res_ptr, M, pid, n_progs,
         for s in tl.static_range(1, SPLIT):
             d += tl.load(part_ptr + s * BM * HID + row * HID + cols, mask=mask, other=0.0, cache_modifier=".cg")
         r = tl.load(res_ptr + row * HID + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        out = d.to(res_ptr.dtype.element_ty).to(tl.float32) + r
-        tl.store(res_ptr + row * HID + cols, out.to(res_ptr.dtype.element_ty), mask=mask)
+        out = (d.to(res_ptr.dtype.element_ty).to(tl.float32) + r).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * HID + cols, out, mask=mask)
+        of = out.to(tl.float32)
+        tl.store(stats_ptr + row, tl.rsqrt(tl.sum(of * of, 0) / HID + eps))
 
 
 @triton.jit
 def _decode_layers_kernel(
-    res_ptr, qkv_ptr, act_ptr, part_ptr, bar_ptr,
+    res_ptr, qkv_ptr, act_ptr, part_ptr, stats_ptr, bar_ptr,
     w_qkv, b_qkv, w_o, w_gu, w_down, ln1, ln2,
-    M, eps, layer_lo, layer_hi,
+    M, eps, layer_lo, layer_hi, first_layer,
     HID: tl.constexpr, INTER: tl.constexpr, NQKV_: tl.constexpr, NQ_: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr,
-    SPLIT: tl.constexpr, ONLY_PHASE: tl.constexpr, SYNC: tl.constexpr,
+    SPLIT: tl.constexpr, ONLY_PHASE: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     """``res`` (the residual stream, [M, HID]) through layers [layer_lo, layer_hi). ONLY_PHASE < 0:
     all phases, barriers between them (needs every program resident); k >= 0: phase k alone, no
@@ -182,33 +199,50 @@ def _decode_layers_kernel(
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     arrivals = 0
+    k_len: tl.constexpr = INTER // SPLIT
+    _prefetch_tiles(w_qkv + layer_lo * NQKV_ * HID, pid, NQKV_ // BN, n_progs, HID, 0, BN, HID, 16, PREFETCH)
+    m = tl.arange(0, BM)
     for layer in range(layer_lo, layer_hi):
         li = layer  # the largest stacked offset (gate_up, 24 layers) is 2.1e8: int32 holds it
         if ONLY_PHASE < 0 or ONLY_PHASE == 0:
-            _phase_qkv(res_ptr, ln1 + li * HID, w_qkv + li * NQKV_ * HID, b_qkv + li * NQKV_, qkv_ptr, M, eps,
+            _prefetch_tiles(w_o + li * HID * NQ_, pid, HID // BN, n_progs, NQ_, 0, BN, NQ_, 16, PREFETCH)
+            if STATS and layer > first_layer:  # written by the previous layer's residual phase
+                inv = tl.load(stats_ptr + m, cache_modifier=".cg")
+            else:
+                inv = _inv_rms(res_ptr, M, eps, HID, BM, BK)
+            _phase_qkv(res_ptr, ln1 + li * HID, w_qkv + li * NQKV_ * HID, b_qkv + li * NQKV_, qkv_ptr, inv, M,
                        pid, n_progs, HID, NQKV_, BM, BN, BK)
         if ONLY_PHASE < 0 and SYNC:
             arrivals += n_progs
             _grid_sync(bar_ptr, arrivals)
         if ONLY_PHASE < 0 or ONLY_PHASE == 1:
+            gu = w_gu + li * 2 * INTER * HID
+            _prefetch_tiles(gu, pid, INTER // BN, n_progs, HID, 0, BN, HID, 16, PREFETCH)
+            _prefetch_tiles(gu + INTER * HID, pid, INTER // BN, n_progs, HID, 0, BN, HID, 16, PREFETCH)
             _phase_o(qkv_ptr, w_o + li * HID * NQ_, res_ptr, M, pid, n_progs, HID, NQ_, NQKV_, BM, BN, BK)
         if ONLY_PHASE < 0 and SYNC:
             arrivals += n_progs
             _grid_sync(bar_ptr, arrivals)
         if ONLY_PHASE < 0 or ONLY_PHASE == 2:
+            for item in range(pid, (HID // BN_DOWN) * SPLIT, n_progs):  # this program's down items
+                _prefetch_tiles(w_down + li * HID * INTER, item // SPLIT, item // SPLIT + 1, 1, INTER,
+                                (item % SPLIT) * k_len, BN_DOWN, k_len, 32, PREFETCH)
             _phase_gate_up(res_ptr, ln2 + li * HID, w_gu + li * 2 * INTER * HID, act_ptr, M, eps, pid, n_progs,
                            HID, INTER, BM, BN, BK)
         if ONLY_PHASE < 0 and SYNC:
             arrivals += n_progs
             _grid_sync(bar_ptr, arrivals)
         if ONLY_PHASE < 0 or ONLY_PHASE == 3:
+            if layer + 1 < layer_hi:
+                _prefetch_tiles(w_qkv + (li + 1) * NQKV_ * HID, pid, NQKV_ // BN, n_progs, HID, 0, BN, HID, 16,
+                                PREFETCH)
             _phase_down(act_ptr, w_down + li * HID * INTER, part_ptr, M, pid, n_progs, HID, INTER, SPLIT,
                         BM, BN_DOWN, BK_DOWN)
         if ONLY_PHASE < 0 and SYNC:
             arrivals += n_progs
             _grid_sync(bar_ptr, arrivals)
         if ONLY_PHASE < 0 or ONLY_PHASE == 4:
-            _phase_residual(part_ptr, res_ptr, M, pid, n_progs, HID, SPLIT, BM, 1024)
+            _phase_residual(part_ptr, res_ptr, stats_ptr, M, eps, pid, n_progs, HID, SPLIT, BM, 1024)
         if ONLY_PHASE < 0 and SYNC:
             arrivals += n_progs
             _grid_sync(bar_ptr, arrivals)
@@ -222,11 +256,21 @@ class Config:
     bk_down: int = 64
     split: int = 4
     warps: int = 4
+    stages: int = 3
+    prefetch: bool = True
+    stats: bool = True
     progs: int = 0  # 0: one per SM
+
+    def __post_init__(self) -> None:
+        k_len = I // self.split
+        if I % self.split or k_len % self.bk_down or H % self.bk or H % self.bn or (2 * I) % self.bn:
+            raise ValueError(f"{self}: the tiles must divide the layer (no masks on K in the prototype)")
 
     @property
     def name(self) -> str:
-        return f"mega n{self.bn} k{self.bk} down n{self.bn_down} k{self.bk_down} s{self.split} w{self.warps}"
+        return (f"mega n{self.bn} k{self.bk} down n{self.bn_down} k{self.bk_down} split{self.split} "
+                f"w{self.warps} st{self.stages}" + (f" p{self.progs}" if self.progs else "")
+                + (" +L2" if self.prefetch else "") + (" +stats" if self.stats else ""))
 
 
 class Mega:
@@ -247,6 +291,7 @@ class Mega:
         self.act = torch.empty(m, I, device=device, dtype=dt)
         self.parts = torch.empty(cfg.split, self.bm, H, device=device, dtype=torch.float32)
         self.bar = torch.zeros(1, device=device, dtype=torch.int32)
+        self.stats = torch.empty(self.bm, device=device, dtype=torch.float32)
         props = torch.cuda.get_device_properties(device) if device == "cuda" else None
         self.progs = cfg.progs or (props.multi_processor_count if props else 8)
 
@@ -269,23 +314,34 @@ class Mega:
     def _launch(self, lo: int, hi: int, phase: int, sync: bool = True) -> None:
         c, w = self.cfg, self.w
         _decode_layers_kernel[(self.progs,)](
-            self.res, self.qkv, self.act, self.parts, self.bar,
+            self.res, self.qkv, self.act, self.parts, self.stats, self.bar,
             w["qkv"], w["bias"], w["o"], w["gate_up"], w["down"], w["ln1"], w["ln2"],
-            self.m, EPS, lo, hi,
+            self.m, EPS, lo, hi, 0,
             HID=H, INTER=I, NQKV_=NQKV, NQ_=NQ, BM=self.bm, BN=c.bn, BK=c.bk, BN_DOWN=c.bn_down,
-            BK_DOWN=c.bk_down, SPLIT=c.split, ONLY_PHASE=phase, SYNC=sync, num_warps=c.warps,
+            BK_DOWN=c.bk_down, SPLIT=c.split, ONLY_PHASE=phase, SYNC=sync, PREFETCH=c.prefetch and not base.INTERPRET, STATS=c.stats,
+            num_warps=c.warps, num_stages=c.stages,
         )
 
 
 CONFIGS = [
-    Config(),
-    Config(bn=32),
-    Config(bn=16, warps=8),
-    Config(bn_down=16, split=4),
-    Config(bn_down=32, split=8, bk_down=64),
-    Config(bn=16, bk=64),
-    Config(progs=66),  # fewer arrivals per barrier, half the SMs streaming
+    Config(),  # v2: L2 prefetch of the next phase's tiles, row statistics, 3 stages
+    Config(prefetch=False, stats=False),  # v1 at 3 stages (run 7: 55.0 us)
+    Config(prefetch=False),
+    Config(stats=False),
+    Config(stages=2),
+    Config(stages=4),
+    Config(warps=8),
+    Config(bn_down=16),
 ]
+
+
+def two_layers_ref(probe: base.Runner, layers: list[base.Weights]) -> torch.Tensor:
+    """Layer 1 after layer 0, both in plain torch (``base.reference_layer`` chained)."""
+    first = base.reference_layer(probe, layers[0]).to(probe.x0.dtype)
+    second = base.Runner(probe.v, layers[1:2], probe.m, str(first.device))
+    second.x0 = torch.zeros_like(first)
+    second.res0 = first
+    return base.reference_layer(second, layers[1])
 
 
 def main() -> int:
@@ -308,9 +364,13 @@ def main() -> int:
         try:
             one = Mega(cfg, layers[:1], args.m, device, per_phase=device == "cpu")
             err = ((one.step() - ref_one).abs().max() / ref_one.abs().max()).item()
-            if device == "cuda":  # the per-phase path too: the barrier must change nothing
-                per = Mega(cfg, layers[:1], args.m, device, per_phase=True).step()
-                err = max(err, ((per - ref_one).abs().max() / ref_one.abs().max()).item())
+            # Two layers (the second reads the row statistics the first wrote): one launch with
+            # barriers against one launch per phase (the interpreter: both per phase).
+            two = Mega(cfg, layers[:2], args.m, device, per_phase=device == "cpu").step()
+            per = Mega(cfg, layers[:2], args.m, device, per_phase=True).step()
+            two_ref = two_layers_ref(probe, layers[:2])
+            err = max(err, ((two - two_ref).abs().max() / two_ref.abs().max()).item(),
+                      ((per - two_ref).abs().max() / two_ref.abs().max()).item())
             if args.check_only:
                 rows.append([cfg.name, "-", f"{err:.1e}"])
                 continue
@@ -323,9 +383,8 @@ def main() -> int:
             continue
         us = 1000 * ms / args.layers
         rows.append([cfg.name, f"{us:.1f}", f"{err:.1e}"])
-        if cfg == CONFIGS[0]:  # where the time goes: each phase alone, and all without barriers
-            names = ["norm+qkv", "o+residual", "norm+gate_up+SiLU", "down (split)", "partials+residual"]
-            for p, pname in [(k, names[k]) for k in range(N_PHASES)] + [(-1, "all phases, no barriers")]:
+        if cfg == CONFIGS[0]:  # what the barriers cost
+            for p, pname in [(-1, "all phases, no barriers")]:
                 t = base.time_graph(lambda p=p: full.timing_step(p, sync=False))
                 rows.append([f"  {pname}", f"{1000 * t / args.layers:.1f}", "timing only"])
                 out.append({"variant": f"{cfg.name}: {pname}", "us_per_layer": 1000 * t / args.layers})
