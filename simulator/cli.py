@@ -237,7 +237,7 @@ def _run_one(trace: Any, spec: Any, config: Any, label: str, console: Any, quiet
     if quiet:
         return Simulator(trace, spec, config).run()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+                  console=console, transient=True, disable=not console.is_terminal) as progress:  # a log: no blank line
         task = progress.add_task(f"simulating {label}", total=len(trace.requests))
         sim = Simulator(trace, spec, config, progress=lambda done: progress.update(task, completed=done))
         return sim.run()

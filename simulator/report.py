@@ -102,17 +102,29 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
     rejects = any(s["rejected"] for s in summaries.values())
     cols = ("policy", "requests", *(("rejected",) if rejects else ()), "hit rate", "TTFT mean", "TTFT p50",
             "TTFT p99", "ITL mean", "E2E mean", "out tok/s", "in tok/s", "spread", "moves", "wall s")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    rows = []
     for label, s in summaries.items():
         t = s["ttft_ms"]
-        table.add_row(
+        rows.append((
             label, f"{s['requests']:,}", *((f"{s['rejected']:,}",) if rejects else ()), f"{s['hit_rate']:.1%}",
             _ms(t["mean"]), _ms(t["p50"]),
             _ms(t["p99"]), _ms(s["itl_ms"]["mean"]), _ms(s["e2e_ms"]["mean"]),
             f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}",
             f"{s['load_spread']:.2f}", f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
-        )
+        ))
+    wide = sum(max(len(c), *(len(r[i]) for r in rows)) + 3 for i, c in enumerate(cols)) + 1 if rows else 0
+    if wide > console.width:  # an 80-column terminal truncated every cell to 'kv…', '2,…': a policy per column
+        table = Table(title=title, header_style="bold")
+        table.add_column("metric", no_wrap=True)
+        for row in rows:
+            table.add_column(row[0], justify="right", no_wrap=True)
+        for i, col in enumerate(cols[1:], start=1):
+            table.add_row(col, *(row[i] for row in rows))
+    else:
+        for col in cols:
+            table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
     console.print(table)
 
 

@@ -143,3 +143,35 @@ def test_a_plugin_whose_constructor_raises_is_a_plugin_error(tmp_path: Path) -> 
     proc = mesh("simulate", str(trace), "--quiet", "--policy", str(spec), pythonpath=str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "policy 'initplug:BadInit': its constructor raised RuntimeError: init boom" in proc.stderr
+
+
+def test_no_blank_lines_from_the_progress_bar_in_a_log(tmp_path: Path) -> None:
+    """With stderr not a terminal (a CI log, a pipe) the transient progress bar printed one empty
+    line per policy before the table."""
+    trace = session_trace(tmp_path / "t.jsonl", sessions=2, turns=2)
+    proc = mesh("simulate", str(trace), "--profile", "unit", "--policy", "round_robin", "--policy", "kv_aware")
+    assert proc.returncode == 0, proc.stderr
+    assert "round_robin" in proc.stdout
+    assert "" not in proc.stderr.splitlines(), repr(proc.stderr)
+
+
+def test_the_table_fits_an_80_column_terminal(tmp_path: Path) -> None:
+    """In an 80-column terminal every cell of the 13-column table was cut to one character and an
+    ellipsis ('kv…', '2,…'); a narrow terminal now gets one column per policy."""
+    import io
+
+    from rich.console import Console
+
+    from simulator.report import render_table
+
+    out = tmp_path / "r.json"
+    proc = mesh("simulate", str(session_trace(tmp_path / "t.jsonl", sessions=2, turns=2)), "--quiet",
+                "--profile", "unit", "--policy", "round_robin", "--policy", "kv_aware", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summaries = json.loads(out.read_text())["policies"]
+    buf = io.StringIO()
+    render_table(summaries, Console(file=buf, width=80, color_system=None), title="t")
+    text = buf.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    hit = next(line for line in text.splitlines() if "hit rate" in line)
+    assert f"{summaries['kv_aware']['hit_rate']:.1%}" in hit and f"{summaries['round_robin']['hit_rate']:.1%}" in hit
