@@ -21,8 +21,15 @@ SUBCOMMAND_MODULES = (
 )
 
 
+DESCRIPTION = (
+    "Mesh: a cache-aware router for LLM serving. `mesh up` runs a gateway with bundled workers, "
+    "`mesh serve` a gateway from a config, `mesh worker` one inference worker, `mesh simulate` "
+    "replays agent traces against a model of a cluster."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mesh", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mesh", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
@@ -30,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's own usage, not the root's
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

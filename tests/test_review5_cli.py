@@ -57,3 +57,13 @@ def test_config_validate_names_the_policy_and_documents_its_argument() -> None:
     assert "policy session_sticky" in sticky.stdout
     helped = mesh("config", "validate", "--help")
     assert helped.returncode == 0 and "mesh.yaml" in helped.stdout and "error" in helped.stdout
+
+
+def test_help_says_what_mesh_is_and_a_bad_flag_shows_the_subcommands_usage() -> None:
+    """``mesh --help`` showed an internal docstring; ``mesh simulate T --bogus`` printed the root
+    usage (``mesh [-h] COMMAND ...``) instead of simulate's."""
+    top = mesh("--help")
+    assert top.returncode == 0 and "cache-aware router" in top.stdout
+    bad = mesh("simulate", "trace.jsonl", "--bogus")
+    assert bad.returncode == 2
+    assert "usage: mesh simulate" in bad.stderr and "unrecognized arguments: --bogus" in bad.stderr
