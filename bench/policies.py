@@ -3,7 +3,8 @@
 The cluster is agentic: every target caches a shared system prompt, and each holds the
 conversations of its sessions; 80% of requests continue a known session (longer by one turn),
 20% start a new one. Prompts are 1-6k tokens at block size 16, so a request has 64-400 block keys.
-Tokenization and key hashing happen before the clock starts (the keys are precomputed).
+Tokenization and key hashing happen before the clock starts (the keys are precomputed); each
+request's text (what ``cache_aware`` matches) has 64 characters per block, 4-26k in all.
 
 Two columns per policy: ``total`` (Router.decide with the real ``mesh.index.PrefixIndex``) and
 ``policy`` (the same decisions with the index's answer memoized, i.e. the policy and the router's
@@ -106,8 +107,14 @@ def build_cluster(n: int, rng: random.Random) -> tuple[dict[str, TargetState], P
             sid = f"new-{i}"
             keys = system + [next(next_key) for _ in range(rng.randrange(4, 100))]
         requests.append(RequestInfo(model="m", block_keys=keys, block_size=BLOCK, prompt_tokens=len(keys) * BLOCK + 7,
-                                    max_tokens=256, session_id=sid, text="x" * 64, request_id=str(i)))
+                                    max_tokens=256, session_id=sid, text=prompt_text(keys), request_id=str(i)))
     return targets, index, requests
+
+
+def prompt_text(keys: Sequence[int]) -> str:
+    """A prompt's text as cache_aware sees it: 64 characters per block (16 tokens of ~4 characters),
+    the same characters for the same key, so shared prefixes are shared text."""
+    return "".join(f"{k:016x}" * 4 for k in keys) + " the new turn."
 
 
 def warm_sessions(router: Router, requests: list[RequestInfo], n: int) -> None:
