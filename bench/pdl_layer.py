@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from _table import print_table  # noqa: E402
+from graph_floor import chain_graph  # noqa: E402
+from graph_floor import time_graph as replay_ms  # noqa: E402
 from workers import kernels  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -284,27 +285,7 @@ class Runner:
 
 def time_graph(fn: Callable[[], object], reps: int = 20) -> float:
     """Median ms of one replay of a CUDA graph of ``fn``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
+    return replay_ms(chain_graph(1, fn), reps)
 
 
 VARIANTS = [
