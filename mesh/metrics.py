@@ -84,7 +84,8 @@ class Metrics:
         )
         self.client_write_timeouts_total = self.counter(
             "mesh_client_write_timeouts_total",
-            "Responses abandoned because the client accepted no bytes for server.client_write_timeout_s",
+            "Client connections dropped because a write to the client (or its buffered response) waited "
+            "server.client_write_timeout_s",
         )
         self.routing_decision = self.histogram(
             "mesh_routing_decision_seconds", "Time of one routing decision (policy + commit)", buckets=FAST_BUCKETS

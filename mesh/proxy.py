@@ -22,7 +22,9 @@ Invariants:
   up to ``WRITE_CHECK_S`` late; the server's flow control makes a write wait while its client
   reads nothing): past it the client is abandoned (``ClientWriteTimeout``) as if it had left:
   the upstream response is closed, the lease ends, the connection is dropped, and the worker's
-  health is not touched.
+  health is not touched. A finished response whose bytes the client leaves buffered (a large
+  non-streamed answer is one write that returns at once) has its connection dropped alike once
+  none of them is taken for that long (``_WriteWatch.drain``).
 - Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
   cached tokens, from the decision's overlap on the chosen target) and the worker's
   ``usage.prompt_tokens_details.cached_tokens``. Only the end of the answer is searched (a JSON
@@ -139,7 +141,7 @@ class Proxy:
         self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
         self._prefix_children: dict[str, tuple[Any, Any]] = {}  # target -> (predicted, reported)
-        self._write_watch = _WriteWatch()  # client writes past server.client_write_timeout_s
+        self._write_watch = _WriteWatch(metrics.client_write_timeouts_total)  # client writes past server.client_write_timeout_s
 
     # -- ASGI entry --
     async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str, route: str) -> None:
@@ -193,9 +195,8 @@ class Proxy:
         state.done = True  # from here the disconnect watcher cancels nothing
         state.status = 499
         self.metrics.client_write_timeouts_total.inc()
-        client = scope.get("client")
-        log.warning("client write timeout: %s accepted no response bytes for %g s; response abandoned, worker freed",
-                    f"{client[0]}:{client[1]}" if client else "a client", state.write_timeout_s)
+        log.warning("client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, "
+                    "worker freed", _client_label(scope.get("client")), state.write_timeout_s)
         if _abort_client(state.send):
             # one loop turn, so that the server sees the connection lost before the handler
             # returns (else uvicorn logs "ASGI callable returned without completing response")
@@ -481,7 +482,8 @@ class Proxy:
 
 class _WriteWatch:
     """Finds writes to clients that have waited past their timeout (owned by the Proxy): one
-    timer per event loop, every ``WRITE_CHECK_S``, over the live exchanges.
+    timer per event loop, every ``WRITE_CHECK_S`` while there is something to watch, over the
+    live exchanges and the connections still draining a finished response.
 
     A write in progress at a sweep (``in_write``: its task is suspended inside the write, since a
     write that completes at once is over before any sweep runs) is first stamped with that sweep's
@@ -491,19 +493,37 @@ class _WriteWatch:
     is armed per request or per write: a timer per request, or a clock read and a set update per
     write, cost more than the rest of ``_Exchange`` (measured: see ``chunk``). A sweep reads two
     attributes per live request: 0.15 ms for 10,000 streams (measured, uvloop).
+
+    A response's last write returns at once however large it is (the transport buffers it: a
+    non-streamed answer is one write of up to ``MAX_ANSWER_BYTES``), and the handler ends. Its
+    connection is then watched (``draining``) while bytes stay buffered: one that takes none of
+    them for the write timeout is dropped (else a hung client pinned the answer, and the
+    connection, for as long as its socket stayed open: a keep-alive close waits for the drain).
     """
 
-    __slots__ = ("live", "_loop")
+    __slots__ = ("live", "draining", "_loop", "_timeouts")
 
-    def __init__(self) -> None:
+    def __init__(self, timeouts: Any = None) -> None:
         self.live: set[_Exchange] = set()
+        # transport -> [bytes buffered when last seen to change, loop time then, timeout]
+        self.draining: dict[Any, list[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts = timeouts  # mesh_client_write_timeouts_total (for dropped draining connections)
 
     def ensure(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Sweep on ``loop`` (once per loop: a test may run several in turn)."""
+        """Sweep on ``loop`` (once per loop: a test may run several in turn; again after idling)."""
         if self._loop is not loop:
+            if self._loop is not None:
+                self.draining.clear()  # another loop's connections
             self._loop = loop
             loop.call_later(WRITE_CHECK_S, self._sweep, loop)
+
+    def drain(self, send: Send, timeout_s: float) -> None:
+        """A response is complete: watch its connection while its bytes are still buffered."""
+        transport = _transport_of(send)
+        size = _buffered(transport)
+        if size and self._loop is not None:
+            self.draining[transport] = [size, self._loop.time(), timeout_s]
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         if loop is not self._loop:
@@ -520,7 +540,28 @@ class _WriteWatch:
                 late.append(state)
         for state in late:
             state.time_out()
+        if self.draining:
+            self._sweep_draining(now)
+        if not self.live and not self.draining:
+            self._loop = None  # idle: the next exchange starts the timer again
+            return
         loop.call_later(WRITE_CHECK_S, self._sweep, loop)
+
+    def _sweep_draining(self, now: float) -> None:
+        for transport, entry in list(self.draining.items()):
+            size = _buffered(transport)
+            if not size:  # drained, or the connection is gone
+                del self.draining[transport]
+            elif size != entry[0]:  # the client took some (or the connection's next response wrote)
+                entry[0], entry[1] = size, now
+            elif now - entry[1] >= entry[2]:
+                del self.draining[transport]
+                transport.abort()
+                if self._timeouts is not None:
+                    self._timeouts.inc()
+                client = transport.get_extra_info("peername")
+                log.warning("client write timeout: %s took none of the %d response bytes still buffered for "
+                            "%g s; connection dropped", _client_label(client), size, entry[2])
 
 
 class _Exchange:
@@ -558,10 +599,14 @@ class _Exchange:
             watch.live.add(self)
 
     def finish(self) -> None:
-        """The handler is done: nothing more is sent, nothing more is watched."""
+        """The handler is done: nothing more is sent; its connection is watched while the
+        response's bytes are still buffered (``_WriteWatch.drain``)."""
         self.done = True
-        if self.watch is not None:
-            self.watch.live.discard(self)
+        watch = self.watch
+        if watch is not None:
+            watch.live.discard(self)
+            if self.started and not self.write_timed_out and not self.disconnected:
+                watch.drain(self.send, self.write_timeout_s)
 
     def time_out(self) -> None:
         """Called by the watch while a write waits: end the handler's wait."""
@@ -640,13 +685,31 @@ class _Exchange:
         await self._send({"type": "http.response.body", "body": sse_error_event(message), "more_body": False})
 
 
+def _transport_of(send: Send) -> Any:
+    """The connection's transport, or None. ASGI has no message to drop a connection, but
+    uvicorn's ``send`` (h11 and httptools alike) is a bound method of its request cycle, which
+    holds the connection's transport."""
+    return getattr(getattr(send, "__self__", None), "transport", None)
+
+
+def _buffered(transport: Any) -> int:
+    """Bytes written to ``transport`` and not yet taken by the client (0: unknown or closed)."""
+    try:
+        return int(transport.get_write_buffer_size()) if transport is not None else 0
+    except Exception:  # not an asyncio/uvloop transport, or already torn down
+        return 0
+
+
+def _client_label(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if isinstance(client, tuple) and len(client) >= 2 else "a client"
+
+
 def _abort_client(send: Send) -> bool:
     """Drop the client's connection now; whether it could. A close would first wait for the
-    unread bytes to drain: forever, for a hung client. ASGI has no message for it, but uvicorn's
-    ``send`` is a bound method of its request cycle, which holds the connection's transport
-    (under another server the handler returns with the response unfinished, and the server
-    closes the connection)."""
-    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    unread bytes to drain: forever, for a hung client (under a server whose ``send`` holds no
+    transport the handler returns with the response unfinished, and the server closes the
+    connection)."""
+    transport = _transport_of(send)
     abort = getattr(transport, "abort", None)
     if not callable(abort):
         return False
