@@ -16,6 +16,7 @@ paths and ``mesh.policies`` entry points all work, and every error is a ``Plugin
 from __future__ import annotations
 
 import abc
+import logging
 import math
 import operator
 import random
@@ -25,6 +26,8 @@ from typing import Any
 
 from policies.base import ClusterView, Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
 from policies.registry import PluginError, create, register
+
+log = logging.getLogger("policies.pipeline")
 
 
 class Filter(abc.ABC):
@@ -353,10 +356,12 @@ class Pipeline(Policy):
         self.pd: tuple[Profile, Profile, Profile] | None = None  # prefill, decode, mixed fallback
         if profiles is None:
             self.profile = Profile("pipeline", filters, scorers, picker, seed, explain_top=explain_top)
+            _warn_unscored([self.profile])
             return
         if filters is not None or scorers is not None or picker is not None:
             raise PluginError("pipeline: give either profiles or filters/scorers/picker, not both")
         self.pd = _build_profiles(profiles, seed, explain_top)
+        _warn_unscored(self.pd[:2])  # the mixed fallback is the prefill profile again
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         ov = cluster.overlaps(request)
@@ -387,6 +392,18 @@ class Pipeline(Policy):
             return {"name": self.name, **self.profile.describe()}  # type: ignore[union-attr]
         return {"name": self.name, "profiles": {"prefill": self.pd[0].describe(), "decode": self.pd[1].describe()},
                 "local_prefill_tokens": self.local_prefill_tokens}
+
+
+def _warn_unscored(profiles: Sequence[Profile]) -> None:
+    """A profile without scorers scores every candidate 0: its picker then chooses at random (a
+    policy that routes like ``random``, e.g. a scorer list lost to a YAML slip). Kept valid (a
+    fair random choice among filtered targets is a use), but said loudly at load."""
+    for p in profiles:
+        if not p.scorers:
+            log.warning("%s: no scorers: every candidate scores 0, so the %r picker chooses among the filtered "
+                        "targets at random (cache and load ignored); list scorers, or use policy 'random' if "
+                        "that is meant", "pipeline" if p.label == "pipeline" else f"pipeline profile {p.label!r}",
+                        p.picker.name)
 
 
 def _uncached_tokens(request: RequestInfo, overlap: Overlap | None) -> int:
