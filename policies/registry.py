@@ -99,12 +99,25 @@ def split_spec(kind: str, spec: str | dict[str, Any]) -> tuple[str, dict[str, An
     raise PluginError(f"{kind} spec must be a name or a map with 'name' (and 'params'), got {spec!r}")
 
 
+def _import_hint(module_name: str, exc: ModuleNotFoundError) -> str:
+    """What to do when the plugin's own module (not one it imports) is not found."""
+    missing = exc.name or ""
+    if missing and module_name != missing and not module_name.startswith(missing + "."):
+        return f" (the plugin module was found; a module it imports is missing: install {missing!r})"
+    top = module_name.partition(".")[0]
+    return (f" (a plugin module is imported by name, not by file: run with the directory that holds "
+            f"{top!r} on PYTHONPATH, e.g. PYTHONPATH=examples/plugins for examples/plugins/{top}.py, "
+            f"or install it as a package)")
+
+
 def _import_path(kind: str, path: str) -> type:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except SystemExit as exc:  # not an Exception: a script's sys.exit/argparse ended `mesh config validate` silently
         raise PluginError(f"{kind} {path!r}: {module_name!r} exited at import (code {exc.code!r}): not a plugin module") from None
+    except ModuleNotFoundError as exc:
+        raise PluginError(f"{kind} {path!r}: cannot import {module_name!r}: {exc}{_import_hint(module_name, exc)}") from exc
     except Exception as exc:
         raise PluginError(f"{kind} {path!r}: cannot import {module_name!r}: {exc}") from exc
     obj = getattr(module, attr, None)
