@@ -35,10 +35,13 @@ Invariants:
   does no I/O, and awaiting would add a Redis round trip to every session request's first byte.
   One flusher task drains ``_pending`` (last write per session wins) in one pipeline per round;
   the lifespan's stop hook flushes what is left (bounded by ``timeout_s``) before closing. A
-  flush cancelled mid-write or failed puts its batch back (newer queued writes win; at most
-  ``MAX_PENDING`` kept; bindings expired or moved locally meanwhile are not written), so the
-  flusher's retry after ``retry_after_s`` (or the final flush) sees it; the final flush and
-  ``leave()`` ignore the error back-off (one bounded attempt each).
+  pipeline carries at most ``_chunk`` bindings (oldest first; ``FLUSH_CHUNK`` at most, halved
+  after a failed one, doubled back after a good one), so it fits its call's time bound however
+  many bindings an outage queued. A flush cancelled mid-write or failed puts its batch back
+  (newer queued writes win; at most ``MAX_PENDING`` kept; bindings expired or moved locally
+  meanwhile are not written), so the flusher's retry after ``retry_after_s`` (or the final
+  flush) sees it; the final flush and ``leave()`` ignore the error back-off (the final flush
+  stops at its first failed pipeline).
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ log = logging.getLogger("mesh.state_redis")
 T = TypeVar("T")
 OPS = ("get", "set", "delete", "ping", "load")
 MAX_PENDING = 100_000  # queued binding writes kept while Redis is unreachable (newest kept)
+# Bindings per write pipeline: ~25 ms of client work at 1000, well inside a call's 2 x timeout_s.
+# One pipeline of every queued binding took longer than that past ~10k (after an outage), failed,
+# was queued again whole with the newer ones, and so never got through again.
+FLUSH_CHUNK = 1000
+FLUSH_CHUNK_MIN = 16
 
 
 class RedisStateBackend:
@@ -198,6 +206,7 @@ class SharedSessionTable(SessionTable):
         self.backend = backend
         self._pending: dict[str, str | None] = {}  # session -> target to write, None to delete
         self._flushing: list[dict[str, str | None]] = []  # batches taken from _pending, being written
+        self._chunk = FLUSH_CHUNK  # bindings per pipeline now (halved after a failure)
         self._wake = asyncio.Event()
         self.mirrored = 0  # local bindings set or changed from the shared one
         self.shared_load: SharedLoad | None = None  # set by attach() when state.load_sync_s > 0
@@ -241,16 +250,25 @@ class SharedSessionTable(SessionTable):
 
     # -- write-behind --
     async def flush(self, *, final: bool = False) -> bool:
-        """Write the queued bindings in one pipeline; ``final`` (shutdown) ignores the back-off.
+        """Write the queued bindings, a pipeline of at most ``_chunk`` at a time, until none is
+        left or one fails (False); ``final`` (shutdown) ignores the back-off."""
+        while self._pending:
+            if not await self._flush_chunk(final):
+                return False
+        return True
+
+    async def _flush_chunk(self, final: bool) -> bool:
+        """Write the oldest ``_chunk`` queued bindings in one pipeline.
 
         A batch that failed (Redis down, slow, or backing off) is queued again (newer writes win)
         for the flusher's retry, minus what has expired or moved locally meanwhile: it used to be
         dropped, so every binding made during a blip of Redis stayed unshared until that session's
         next request through this replica (the other replicas routed it afresh).
         """
-        if not self._pending:
-            return True
-        batch, self._pending = self._pending, {}
+        if len(self._pending) <= self._chunk:
+            batch, self._pending = self._pending, {}
+        else:
+            batch = {sid: self._pending.pop(sid) for sid in list(itertools.islice(self._pending, self._chunk))}
         self.backend.idle_ttl_s = self.idle_ttl_s  # a config reload changes the table's TTL
         self._flushing.append(batch)
         try:
@@ -260,6 +278,7 @@ class SharedSessionTable(SessionTable):
             raise
         finally:
             self._flushing.remove(batch)
+        self._chunk = min(FLUSH_CHUNK, self._chunk * 2) if ok else max(FLUSH_CHUNK_MIN, self._chunk // 2)
         if not ok and not final:
             self._requeue(batch)
         return ok
