@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# No ``*_created`` series (one per counter/histogram child: doubles the scrape for a timestamp
+# no dashboard uses). Process-wide; the gateway owns its process.
+disable_created_metrics()
 
 
 class _FnCollector(Collector):
