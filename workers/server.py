@@ -228,6 +228,7 @@ class WorkerAPI:
     def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", "n")
+        check_unsupported(req)
         check_sampling(req)
         if max_tokens is None:  # as much as fits (vLLM's default)
             cap = min(self.max_model_len, self.engine.engine.capacity_tokens)
@@ -310,6 +311,59 @@ def check_sampling(req: _Common) -> None:
         raise APIError(400, f"at most {MAX_STOPS} stop sequences are supported, got {len(req.stop)}", "stop")
     if req.top_k > MAX_TOP_K:
         raise APIError(400, f"top_k must be at most {MAX_TOP_K}, got {req.top_k}", "top_k")
+
+
+# Request fields (OpenAI's and vLLM's) this engine cannot honour, each with the values that mean
+# "off" (null always does). Any other value is a 400 naming the field: the request models take
+# extra fields (vLLM's extensions), so an unread one was a 200 whose text ignored what was asked
+# (a schema answered with free text, a penalty never applied). vLLM honours all of them.
+_OFF_EVERYWHERE: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "repetition_penalty": (1,),
+    "min_p": (0,), "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "use_beam_search": (False,), "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "logits_processors": (),
+}
+_OFF_CHAT = {**_OFF_EVERYWHERE, "top_logprobs": (0,), "echo": (False,), "functions": ([],)}
+_OFF_COMPLETION = {**_OFF_EVERYWHERE, "suffix": ("",), "best_of": (1,)}
+
+
+def check_unsupported(req: _Common) -> None:
+    """400 (``unsupported_parameter``) for a field the engine would ignore at a value that changes
+    the output; and for tool calling, which needs a tool parser this worker does not have."""
+    extra = req.model_extra or {}
+    chat = isinstance(req, ChatRequest)
+    for name, off in (_OFF_CHAT if chat else _OFF_COMPLETION).items():
+        value = extra.get(name)
+        if value is not None and not any(_same(value, o) for o in off):
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise APIError(400, f"{name} is not supported by this worker (got {shown}); leave it unset"
+                           + (f" or {off[0]!r}" if off else ""), name, "unsupported_parameter")
+    if chat:
+        check_tools(extra)
+
+
+def check_tools(extra: dict[str, Any]) -> None:
+    """Tools reach the chat template (as in vLLM), but no tool call is ever parsed out of the text:
+    only ``tool_choice: "none"`` can be honoured. Tools without a choice mean "auto" (OpenAI, vLLM)."""
+    choice = extra.get("tool_choice")
+    if choice is None and extra.get("tools"):
+        raise APIError(400, "tool calling is not supported by this worker (tools without tool_choice mean "
+                       "'auto'): set tool_choice to 'none' to have the model answer in text, or leave tools out",
+                       "tools", "unsupported_parameter")
+    if choice is not None and choice != "none":
+        shown = repr(choice) if isinstance(choice, str) else "a named function"
+        raise APIError(400, f"tool calling is not supported by this worker (tool_choice {shown}): "
+                       "set tool_choice to 'none' to have the model answer in text", "tool_choice",
+                       "unsupported_parameter")
+
+
+def _same(value: Any, off: Any) -> bool:
+    """``value`` is the "off" value ``off``, of the same kind (``False`` is no penalty of 0)."""
+    if isinstance(off, bool) or isinstance(value, bool):
+        return value is off
+    return type(value) in (int, float) and type(off) in (int, float) and value == off or \
+        type(value) is type(off) and value == off
 
 
 def special_tokens(body: dict[str, Any], default: bool) -> bool:
