@@ -18,15 +18,23 @@ state and forgotten; remote ids this replica does not route to are ignored (not 
 of this replica's targets). A round's work is bounded whatever Redis holds: at most ``MAX_PEERS``
 peers (the most recently seen), members dated over ``PRUNE_MEMBERS_MS`` ahead are pruned like
 those as far behind, and a peer key of another type is skipped (``bad_peers``).
+
+Members are dated by Redis's clock (``TIME``, read every ``CLOCK_REFRESH_S``; this host's clock
+plus that offset in between), never by the replica's own: two replicas whose host clocks were over
+a minute apart pruned each other's entry every round, silently, and so shared no load at all. A
+server that refuses ``TIME`` (an ACL without it) leaves the host's clock in use (warned once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ResponseError
 
 from policies.base import TargetState
 
@@ -38,6 +46,9 @@ LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_tokens")
 ZERO: Load = (0, 0, 0)
 PRUNE_MEMBERS_MS = 60_000  # a replica silent this long leaves the member set (its hash left long before)
 MAX_PEERS = 256  # other replicas read per round (the most recently seen): a round's work stays bounded
+CLOCK_REFRESH_S = 10.0  # how often Redis's clock is read again (host clocks drift slowly)
+
+log = logging.getLogger("mesh.shared_load")
 
 
 class SharedLoad:
@@ -72,6 +83,9 @@ class SharedLoad:
         self.bad_peers = 0  # members of the replica set whose key was not a hash in the last round
         self.rounds = 0
         self.failed_rounds = 0
+        self.clock_offset_ms = 0  # Redis's clock minus this host's (``TIME``); dates the replica set
+        self._clock_read_at: float | None = None  # monotonic time of the last TIME; None: never
+        self._clock_refused = False  # the server refused TIME: the host's clock it is
 
     def key_of(self, replica: str) -> str:
         return f"{self.backend.key_prefix}load:{replica}"
@@ -99,8 +113,25 @@ class SharedLoad:
         self._apply(remote)
         return True
 
+    async def _redis_now_ms(self) -> int:
+        """Now in Redis's clock (ms): the host's clock plus the offset read with ``TIME``."""
+        due = self._clock_read_at is None or time.monotonic() - self._clock_read_at >= CLOCK_REFRESH_S
+        if due and not self._clock_refused:
+            before = time.time()
+            try:
+                seconds, micros = await self.backend.redis.time()
+            except ResponseError as exc:  # NOPERM: keep the host's clock (errors of any other kind fail the round)
+                self._clock_refused = True
+                log.warning("Redis refused TIME (%s): replicas are dated by their own clocks, which must then "
+                            "agree within %d s", str(exc)[:200], PRUNE_MEMBERS_MS // 1000)
+            else:
+                local_ms = (before + time.time()) * 500  # the middle of the round trip, in ms
+                self.clock_offset_ms = round(seconds * 1000 + micros / 1000 - local_ms)
+                self._clock_read_at = time.monotonic()
+        return int(time.time() * 1000) + self.clock_offset_ms
+
     async def _exchange(self, own: Mapping[str, Load]) -> dict[str, Load]:
-        now_ms = int(time.time() * 1000)
+        now_ms = await self._redis_now_ms()
         fields = {"_": "1"}  # never empty: an empty hash would not exist, and that means "dead"
         fields.update({tid: "%d %d %d" % load for tid, load in own.items() if any(load)})
         redis = self.backend.redis
@@ -110,8 +141,8 @@ class SharedLoad:
             pipe.pexpire(self.key, self.ttl_ms)
             pipe.zadd(self.members_key, {self.replica_id: now_ms})
             pipe.zremrangebyscore(self.members_key, "-inf", now_ms - PRUNE_MEMBERS_MS)
-            # Dated over a minute ahead: no live replica (the rule above already assumes clocks
-            # within a minute); such an entry was never pruned.
+            # Dated over a minute ahead: no live replica (every one dates by Redis's clock); such
+            # an entry was never pruned.
             pipe.zremrangebyscore(self.members_key, f"({now_ms + PRUNE_MEMBERS_MS}", "+inf")
             pipe.zrevrangebyscore(self.members_key, "+inf", "-inf", start=0, num=MAX_PEERS + 1)  # the newest
             members = (await pipe.execute())[-1]
@@ -179,7 +210,7 @@ class SharedLoad:
 
     def stats(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "peers": self.peers, "bad_peers": self.bad_peers, "rounds": self.rounds,
-                "failed_rounds": self.failed_rounds,
+                "failed_rounds": self.failed_rounds, "clock_offset_ms": self.clock_offset_ms,
                 "remote": {tid: dict(zip(LOAD_FIELDS, load)) for tid, (_, load) in self.applied.items()}}
 
 

@@ -1,5 +1,9 @@
 """Review 6: gateway replicas sharing one real redis-server (``state.backend: redis``).
 
+- A replica whose wall clock is minutes off (no NTP on its host) still shares load with the
+  others: the replica set was dated by each replica's own clock and pruned a minute either side
+  of the reader's clock, so two replicas two minutes apart pruned each other every
+  round, silently (no error counted, ``mesh_load_sync_peers`` 0 on both).
 - Bindings queued during a long outage are all written once Redis is back: one pipeline of every
   queued binding took longer than the call's time bound past ~10k sessions, failed, was queued
   again with the newer ones, and so never got through again (sharing stopped for good).
@@ -12,13 +16,14 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 import yaml
 
+from mesh.shared_load import SharedLoad
 from mesh.state_redis import RedisStateBackend, SharedSessionTable
+from policies.base import TargetState
 from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, wait_until
 from tests.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
@@ -56,6 +61,65 @@ def start_gateway(procs: ProcessGroup, config: str, name: str, skew_s: int = 0) 
     http = httpx.Client(base_url=proc.url, timeout=30)
     wait_until(lambda: http.get("/health").json()["healthy_workers"] >= 1, what=f"{name}'s workers healthy")
     return http
+
+
+@pytest.fixture(scope="module")
+def workers(module_procs: ProcessGroup) -> dict[str, str]:
+    return {n: module_procs.echo_worker(n).url for n in ("e0", "e1")}
+
+
+def test_a_replica_whose_clock_is_minutes_behind_still_shares_load(
+        module_procs: ProcessGroup, server: RedisServer, workers: dict[str, str]) -> None:  # noqa: F811
+    config = write_config(module_procs, "skew", workers, server.url, "skew:")
+    a = start_gateway(module_procs, config, "gateway-skew-a")
+    b = start_gateway(module_procs, config, "gateway-skew-b", skew_s=SKEW_S)
+    with contextlib.closing(a), contextlib.closing(b):
+        # Each sees the other (it was 0 on both: each pruned the other's entry every round).
+        wait_until(lambda: metric(a, "mesh_load_sync_peers") == 1 and metric(b, "mesh_load_sync_peers") == 1,
+                   timeout_s=10, what="both replicas seeing each other despite the skew")
+        for url in workers.values():
+            httpx.post(url + "/admin/faults", json={"first_token_delay_s": 3.0}, timeout=5).raise_for_status()
+        got: list[str] = []
+        held = threading.Thread(target=lambda: got.append(b.post("/v1/chat/completions", json=CHAT).headers["x-mesh-worker"]),
+                                daemon=True)
+        try:
+            held.start()  # in flight through the skewed replica for 3 s
+            wait_until(lambda: metric(a, "mesh_remote_in_flight") == 1, timeout_s=10,
+                       what="the skewed replica's request in A's remote load")
+        finally:
+            for url in workers.values():
+                httpx.post(url + "/admin/faults", json={"first_token_delay_s": 0.0}, timeout=5)
+            held.join(30)
+        assert got and got[0] in workers
+        wait_until(lambda: metric(a, "mesh_remote_in_flight") == 0, what="its load gone from A once it ended")
+
+
+def test_an_acl_without_time_still_shares_load_on_the_hosts_clock(server: RedisServer) -> None:  # noqa: F811
+    # Replicas date their entries by Redis's TIME; a user the ACL denies TIME must not lose load sharing.
+    with server.client() as c:
+        c.execute_command("ACL", "SETUSER", "notime6", "on", ">pw6", "~*", "+@all", "-time")
+
+    async def go() -> tuple[tuple[int, int, int], bool]:
+        url = f"redis://notime6:pw6@127.0.0.1:{server.port}/0"
+        backends = [RedisStateBackend(url, 60, key_prefix="acl6:", timeout_s=0.5) for _ in range(2)]
+        states = [{"e0": TargetState("e0", "w0")} for _ in range(2)]
+        loads = [SharedLoad(b, s, 0.1) for b, s in zip(backends, states)]
+        try:
+            states[0]["e0"].in_flight = 2  # two requests in flight through replica 0
+            for _ in range(2):
+                assert all([await load.sync_once() for load in loads])
+            return loads[1].remote("e0"), loads[1]._clock_refused
+        finally:
+            for load, backend in zip(loads, backends):
+                await load.leave()
+                await backend.aclose()
+
+    try:
+        remote, refused = asyncio.run(go())
+    finally:
+        with server.client() as c:
+            c.execute_command("ACL", "DELUSER", "notime6")
+    assert refused and remote == (2, 0, 0)
 
 
 def test_bindings_queued_through_a_long_outage_are_all_written_once_redis_is_back(server: RedisServer) -> None:  # noqa: F811
