@@ -146,10 +146,13 @@ class DetokenizeRequest(BaseModel):
 
 
 class StopText:
-    """Accumulates generated text; holds back what could still become a stop string."""
+    """Accumulates generated text; holds back what could still become a stop string. The text ends
+    before the first stop string found, or after it with ``include`` (vLLM's
+    ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -159,9 +162,10 @@ class StopText:
         # that tail is searched (the whole text, per token and stop, cost seconds of event loop).
         start = max(0, len(self.text) - self.hold)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for s, i in ((s, self.text.find(s, start)) for s in self.stops) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            first, end = min(hits)
+            self.text = self.text[: end if self.include else first]
             return self._emit(len(self.text)), True
         return self._emit(max(self.sent, len(self.text) - self.hold)), False
 
@@ -258,11 +262,12 @@ class WorkerAPI:
     # -- running a request --
 
     async def run(
-        self, rid: str, ids: list[int], params: SamplingParams, salt: str | None, stops: list[str]
+        self, rid: str, ids: list[int], params: SamplingParams, salt: str | None, stops: list[str],
+        include_stop: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Text chunks of one request; leaving early (stop string, disconnect) aborts it."""
         decoder = self.tokenizer.stream_decoder()
-        text = StopText(stops)
+        text = StopText(stops, include_stop)
         gen = self.engine.generate(rid, ids, params, salt)
         try:
             async for out in gen:
@@ -280,10 +285,10 @@ class WorkerAPI:
             await gen.aclose()
 
     async def collect(self, rid: str, ids: list[int], params: SamplingParams, salt: str | None,
-                      stops: list[str]) -> tuple[str, str | None, RequestOutput]:
+                      stops: list[str], include_stop: bool = False) -> tuple[str, str | None, RequestOutput]:
         parts: list[str] = []
         last: Chunk | None = None
-        async for chunk in self.run(rid, ids, params, salt, stops):
+        async for chunk in self.run(rid, ids, params, salt, stops, include_stop):
             parts.append(chunk.text)
             last = chunk
         if last is None:
@@ -417,6 +422,14 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+def include_stop_str(req: _Common) -> bool:
+    """vLLM's ``include_stop_str_in_output`` (default false): the stop string ends the text."""
+    value = (req.model_extra or {}).get("include_stop_str_in_output", False)
+    if not isinstance(value, bool):
+        raise APIError(400, "include_stop_str_in_output must be a boolean", "include_stop_str_in_output")
+    return value
+
+
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any] | None = None,
                content_format: str = "auto") -> FastAPI:
     """``content_format``: vLLM's ``--chat-template-content-format`` ("auto", "string", "openai")."""
@@ -437,6 +450,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         api.check_model(req.model)
+        include_stop = include_stop_str(req)
         if req.echo or req.logprobs is not None:
             raise APIError(400, "echo and logprobs are not supported", "echo" if req.echo else "logprobs")
         prompts = api.completion_prompts(req.prompt, special_tokens(req.model_extra or {}, default=True))
@@ -450,7 +464,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
                 raise APIError(400, "streaming supports one prompt per request", "prompt")
             return _stream(api, req, rid, created, prompts[0], plist[0], chat=False)
         results = await _unless_disconnected(request, asyncio.gather(*(
-            api.collect(f"{rid}-{i}", ids, p, req.cache_salt, _stops(req.stop))
+            api.collect(f"{rid}-{i}", ids, p, req.cache_salt, _stops(req.stop), include_stop)
             for i, (ids, p) in enumerate(zip(prompts, plist, strict=True))
         )))
         return {
@@ -463,6 +477,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         api.check_model(req.model)
+        include_stop = include_stop_str(req)
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
         ids = api.chat_prompt(req.messages, req.model_extra or {})
@@ -474,7 +489,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         if req.stream:
             return _stream(api, req, rid, created, ids, params, chat=True)
         text, reason, out = await _unless_disconnected(
-            request, api.collect(rid, ids, params, req.cache_salt, _stops(req.stop)))
+            request, api.collect(rid, ids, params, req.cache_salt, _stops(req.stop), include_stop))
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": api.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -532,6 +547,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
 def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int], params: SamplingParams,
             chat: bool) -> StreamingResponse:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_stop = include_stop_str(req)  # checked by the route already: no raise after the headers
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
@@ -554,7 +570,7 @@ def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int]
             yield chunk(choice(None, None, first=True))
         last: RequestOutput | None = None
         try:
-            async for c in api.run(rid, ids, params, req.cache_salt, _stops(req.stop)):
+            async for c in api.run(rid, ids, params, req.cache_salt, _stops(req.stop), include_stop):
                 last = c.output
                 if c.text or c.finish_reason is None:
                     yield chunk(choice(c.text, None))
