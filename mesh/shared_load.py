@@ -4,7 +4,8 @@
 Every ``load_sync_s`` (0.1 s; 0 = off) this replica (a uuid per process) writes its OWN
 per-target load (in_flight, prefill_tokens, decode_tokens) as one hash ``{prefix}load:{replica}``
 (``PX`` a few periods, so a dead replica's load leaves by itself), lists live replicas in the
-sorted set ``{prefix}load:replicas`` and sums the others' hashes per target. ``TargetState``s
+sorted set ``{prefix}load:replicas`` (``PX`` a minute, refreshed every round: no key of this
+module outlives the last replica) and sums the others' hashes per target. ``TargetState``s
 keep meaning "total load on that target", so policies do not change.
 
 Invariants: ``SharedLoad`` remembers the remote part it last added to each target (``applied``)
@@ -144,6 +145,9 @@ class SharedLoad:
             # Dated over a minute ahead: no live replica (every one dates by Redis's clock); such
             # an entry was never pruned.
             pipe.zremrangebyscore(self.members_key, f"({now_ms + PRUNE_MEMBERS_MS}", "+inf")
+            # The set outlives its last live replica by PRUNE_MEMBERS_MS only: with every replica
+            # gone (crashed: no leave()) nothing prunes it, and it had no TTL, so it stayed forever.
+            pipe.pexpire(self.members_key, PRUNE_MEMBERS_MS)
             pipe.zrevrangebyscore(self.members_key, "+inf", "-inf", start=0, num=MAX_PEERS + 1)  # the newest
             members = (await pipe.execute())[-1]
         peers = [m for m in members if m != self.replica_id][:MAX_PEERS]

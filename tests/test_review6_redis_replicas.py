@@ -4,6 +4,8 @@
   others: the replica set was dated by each replica's own clock and pruned a minute either side
   of the reader's clock, so two replicas two minutes apart pruned each other every
   round, silently (no error counted, ``mesh_load_sync_peers`` 0 on both).
+- No key under the prefix lives forever: once every replica is gone (SIGKILL) the replica set
+  expires too (it had no TTL, and only a live replica ever pruned it).
 - Bindings queued during a long outage are all written once Redis is back: one pipeline of every
   queued binding took longer than the call's time bound past ~10k sessions, failed, was queued
   again with the newer ones, and so never got through again (sharing stopped for good).
@@ -120,6 +122,26 @@ def test_an_acl_without_time_still_shares_load_on_the_hosts_clock(server: RedisS
         with server.client() as c:
             c.execute_command("ACL", "DELUSER", "notime6")
     assert refused and remote == (2, 0, 0)
+
+
+def test_no_key_under_the_prefix_outlives_every_replica(
+        module_procs: ProcessGroup, server: RedisServer, workers: dict[str, str]) -> None:  # noqa: F811
+    prefix = "ttl6:"
+    config = write_config(module_procs, "ttl", workers, server.url, prefix)
+    http = start_gateway(module_procs, config, "gateway-ttl")
+    with contextlib.closing(http):
+        for i in range(3):
+            resp = http.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": f"ttl-{i}"})
+            assert resp.status_code == 200, resp.text
+    with server.client() as c:
+        wait_until(lambda: c.exists(prefix + "load:replicas") and len(list(c.scan_iter(prefix + "s:*"))) == 3,
+                   what="the replica entry and bindings written")
+    kill_process(module_procs.procs[-1])  # a crash: no leave(), nothing cleaned up
+    with server.client() as c:
+        keys = list(c.scan_iter(prefix + "*"))
+        assert keys
+        no_ttl = [k for k in keys if c.pttl(k) == -1]
+    assert no_ttl == [], f"keys that would live forever: {no_ttl}"
 
 
 def test_bindings_queued_through_a_long_outage_are_all_written_once_redis_is_back(server: RedisServer) -> None:  # noqa: F811
