@@ -32,7 +32,8 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type":
 def urls(module_procs: ProcessGroup) -> Iterator[dict[str, str]]:
     """``worker``: the bundled worker itself; ``gateway``: a gateway in front of it."""
     workers = start_workers(module_procs, ["w0"], num_kv_blocks=256, wait=False)
-    gw = Gateway(start_gateway(module_procs, write_config(module_procs.log_dir / "gw.yaml", list(workers.values())), "gw"))
+    config = write_config(module_procs.log_dir / "gw.yaml", list(workers.values()))
+    gw = Gateway(start_gateway(module_procs, config, "gw"))
     wait_workers(workers)
     gw.wait_ready(1)
     yield {"worker": workers["w0"].proc.url, "gateway": gw.proc.url}
@@ -117,3 +118,13 @@ def test_the_default_values_of_those_fields_are_accepted(urls: dict[str, str]) -
     text = client.completions.create(model="tiny", prompt="hello", max_tokens=2, presence_penalty=0,
                                      frequency_penalty=0, logit_bias={}, best_of=1, suffix=None)
     assert text.choices[0].finish_reason in ("stop", "length") and text.usage is not None
+
+
+def test_a_bad_max_completion_tokens_is_named_as_sent(urls: dict[str, str]) -> None:
+    """Was: the worker named ``max_tokens`` for a request that sent only ``max_completion_tokens``."""
+    resp = _post(urls["worker"], "chat", {"max_tokens": None, "max_completion_tokens": 0})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_completion_tokens", resp.text
+    resp = _post(urls["worker"], "chat", {"max_tokens": 5, "max_completion_tokens": 0})  # the one that counts
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_completion_tokens", resp.text
+    resp = _post(urls["worker"], "chat", {"max_tokens": 0})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text

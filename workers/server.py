@@ -246,16 +246,18 @@ class WorkerAPI:
         except InvalidSamplingParams as exc:
             raise APIError(400, str(exc), exc.param) from exc
 
-    def validate(self, ids: list[int], params: SamplingParams, param: str) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, param: str, max_tokens_name: str = "max_tokens") -> None:
+        """``max_tokens_name``: the field the request set (chat: ``max_completion_tokens`` wins)."""
         try:
             self.engine.engine.validate(ids, params)
         except InvalidSamplingParams as exc:
-            raise APIError(400, str(exc), exc.param) from exc
+            raise APIError(400, str(exc).replace("max_tokens", max_tokens_name),
+                           max_tokens_name if exc.param == "max_tokens" else exc.param) from exc
         except ValueError as exc:
             message = str(exc)
             name = next((p for p in ("temperature", "top_p", "top_k", "max_tokens") if p in message), param)
-            if "capacity" in message:
-                name = "max_tokens"
+            if "capacity" in message or name == "max_tokens":
+                name = max_tokens_name
             code = "context_length_exceeded" if "context length" in message else None
             raise APIError(400, message, name, code) from exc
 
@@ -483,7 +485,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         ids = api.chat_prompt(req.messages, req.model_extra or {})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = api.params(req, max_tokens, len(ids))
-        api.validate(ids, params, "messages")
+        named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        api.validate(ids, params, "messages", named)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
