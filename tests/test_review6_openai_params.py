@@ -128,3 +128,18 @@ def test_a_bad_max_completion_tokens_is_named_as_sent(urls: dict[str, str]) -> N
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_completion_tokens", resp.text
     resp = _post(urls["worker"], "chat", {"max_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
+
+
+def test_a_body_sent_without_a_json_content_type_gets_a_400_that_says_so(urls: dict[str, str]) -> None:
+    """``curl -d`` without ``-H content-type: application/json`` sends a form type: the gateway reads
+    the JSON anyway, the worker (FastAPI) cannot, and said only 'body: Input should be a valid
+    dictionary or object to extract fields from'."""
+    body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 2}'
+    resp = httpx.post(urls["worker"] + "/v1/completions", content=body,
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 400 and "Content-Type: application/json" in resp.json()["error"]["message"], resp.text
+    resp = httpx.post(urls["worker"] + "/v1/completions", json=[1, 2])
+    assert resp.status_code == 400 and "JSON object" in resp.json()["error"]["message"], resp.text
+    assert resp.json()["error"]["code"] == "invalid_json", resp.text
+    resp = httpx.post(urls["worker"] + "/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "empty_body", resp.text

@@ -69,6 +69,15 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             return _error_response(400, "request body is not valid JSON", None, "invalid_json")
+        whole = next((e for e in errors if tuple(e.get("loc", ())) == ("body",)), None)
+        if whole is not None and whole.get("type") == "missing":  # as the gateway says it
+            return _error_response(400, "request body is empty; expected a JSON object", None, "empty_body")
+        if whole is not None and isinstance(whole.get("input"), (bytes, str)):  # FastAPI read no JSON
+            return _error_response(400, "request body must be JSON, sent with the header "
+                                   "Content-Type: application/json", None, "invalid_content_type")
+        if whole is not None and whole.get("input") is not None:
+            kind = type(whole["input"]).__name__
+            return _error_response(400, f"request body must be a JSON object, not {kind}", None, "invalid_json")
         params = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors]
         message = "; ".join(f"{p or 'body'}: {e.get('msg')}" for p, e in list(zip(params, errors))[:3])
         return _error_response(400, message or "invalid request body", (params or [None])[0] or None)
