@@ -42,6 +42,10 @@ Invariants:
   meanwhile are not written), so the flusher's retry after ``retry_after_s`` (or the final
   flush) sees it; the final flush and ``leave()`` ignore the error back-off (the final flush
   stops at its first failed pipeline).
+- A request's end (``touch``: its session's idle time restarts) is queued as a ``Refresh``, not a
+  bind: ``SET NX`` (Redis lost it: write it back) plus ``PEXPIRE``; it never overwrites another
+  target. It used to rewrite this replica's target, so a turn ending here undid a move another
+  replica had made and shared while it ran (the binding flapped between replicas).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -61,7 +66,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from mesh.config import redact_url
-from mesh.sessions import SessionTable
+from mesh.sessions import SessionTable, _norm
 from mesh.shared_load import SharedLoad, load_families
 
 log = logging.getLogger("mesh.state_redis")
@@ -74,6 +79,21 @@ MAX_PENDING = 100_000  # queued binding writes kept while Redis is unreachable (
 # was queued again whole with the newer ones, and so never got through again.
 FLUSH_CHUNK = 1000
 FLUSH_CHUNK_MIN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """A queued ``touch``: restart the shared binding's idle time, or write ``target`` if Redis
+    has no binding; never over another target (another replica's newer move)."""
+
+    target: str
+
+
+Write = str | Refresh | None  # a queued write of one session: bind, refresh, or delete (None)
+
+
+def _target(write: Write) -> str | None:
+    return write.target if isinstance(write, Refresh) else write
 
 
 class RedisStateBackend:
@@ -138,8 +158,9 @@ class RedisStateBackend:
         await self._call("delete", lambda: self.redis.delete(self.key(session_id)), None)
 
     # -- batches and lifecycle --
-    async def write_many(self, bindings: Mapping[str, str | None], *, backoff: bool = True) -> bool:
-        """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``; False on error.
+    async def write_many(self, bindings: Mapping[str, Write], *, backoff: bool = True) -> bool:
+        """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``, ``SET NX PX`` +
+        ``PEXPIRE`` each ``Refresh``; False on error.
 
         ``backoff=False`` (the final flush) tries even right after an error, still bounded by the timeout.
         """
@@ -148,6 +169,9 @@ class RedisStateBackend:
                 for sid, target in bindings.items():
                     if target is None:
                         pipe.delete(self.key(sid))
+                    elif isinstance(target, Refresh):
+                        pipe.set(self.key(sid), target.target, px=self.ttl_ms, nx=True)
+                        pipe.pexpire(self.key(sid), self.ttl_ms)
                     else:
                         pipe.set(self.key(sid), target, px=self.ttl_ms)
                 await pipe.execute()
@@ -204,8 +228,8 @@ class SharedSessionTable(SessionTable):
     def __init__(self, backend: RedisStateBackend, idle_ttl_s: float = 600.0, max_sessions: int = 1_000_000) -> None:
         super().__init__(idle_ttl_s, max_sessions)
         self.backend = backend
-        self._pending: dict[str, str | None] = {}  # session -> target to write, None to delete
-        self._flushing: list[dict[str, str | None]] = []  # batches taken from _pending, being written
+        self._pending: dict[str, Write] = {}  # session -> target to write, None to delete, or Refresh
+        self._flushing: list[dict[str, Write]] = []  # batches taken from _pending, being written
         self._chunk = FLUSH_CHUNK  # bindings per pipeline now (halved after a failure)
         self._wake = asyncio.Event()
         self.mirrored = 0  # local bindings set or changed from the shared one
@@ -224,6 +248,17 @@ class SharedSessionTable(SessionTable):
             self._pending[session_id] = None
             self._wake.set()
         return done
+
+    def touch(self, session_id: str, target: str, now: float) -> None:
+        """``SessionTable.touch`` (a request on ``target`` ended), shared as a ``Refresh``: the
+        idle time restarts in Redis too, without overwriting a move another replica made."""
+        b = self._bindings.get(_norm(session_id))
+        if b is not None and b[0] != target and b[1] + self.idle_ttl_s > now:
+            return  # moved to another live target meanwhile (a later turn): left alone
+        SessionTable.bind(self, session_id, target, now)  # local only: not queued as a bind
+        if self._pending.get(session_id) != target:  # a queued bind to it says more: it stays
+            self._pending[session_id] = Refresh(target)
+            self._wake.set()
 
     # -- the gateway's read before a decision --
     async def mirror(self, session_id: str, now: float) -> str | None:
@@ -245,8 +280,10 @@ class SharedSessionTable(SessionTable):
         return shared
 
     def _writing(self, session_id: str) -> bool:
-        """True while a local write of the session is queued or in a batch not yet written."""
-        return session_id in self._pending or any(session_id in batch for batch in self._flushing)
+        """True while a local bind or delete of the session is queued or in a batch not yet
+        written (a ``Refresh`` claims nothing newer than Redis: the shared binding still wins)."""
+        return any(session_id in writes and not isinstance(writes[session_id], Refresh)
+                   for writes in (self._pending, *self._flushing))
 
     # -- write-behind --
     async def flush(self, *, final: bool = False) -> bool:
@@ -283,14 +320,14 @@ class SharedSessionTable(SessionTable):
             self._requeue(batch)
         return ok
 
-    def _requeue(self, batch: dict[str, str | None]) -> None:
+    def _requeue(self, batch: dict[str, Write]) -> None:
         """Put a batch back under the newer queued writes; the queue keeps its newest MAX_PENDING.
 
         A binding no longer held locally (expired, evicted or moved since) is not put back: a retry
         must not bring it back to life in Redis (the table's expiry passes remove idle bindings,
         so presence, whatever the clock, is what counts here).
         """
-        held = {sid: t for sid, t in batch.items() if t is None or self.bound_target(sid, -math.inf) == t}
+        held = {sid: t for sid, t in batch.items() if t is None or self.bound_target(sid, -math.inf) == _target(t)}
         self._pending = {**held, **self._pending}
         extra = len(self._pending) - MAX_PENDING
         if extra > 0:  # oldest first (insertion order): a long outage must not grow it without bound

@@ -144,6 +144,42 @@ def test_no_key_under_the_prefix_outlives_every_replica(
     assert no_ttl == [], f"keys that would live forever: {no_ttl}"
 
 
+def test_a_request_ending_on_one_replica_does_not_undo_another_replicas_newer_move(server: RedisServer) -> None:  # noqa: F811
+    # Two replicas' tables. A routed the session's turn to e0; while it ran, B moved the session
+    # to e1 (e0 drained, say) and shared that. A's turn then ended: its touch (the idle time
+    # restarts at a request's end) wrote A's stale e0 over B's move, so B's next turn went back
+    # to e0 (or moved again) and A kept e0: the binding flapped between the replicas.
+    async def go() -> tuple[str | None, str | None, str | None, str | None]:
+        a = SharedSessionTable(RedisStateBackend(server.url, 30, key_prefix="touch6:"), 30)
+        b = SharedSessionTable(RedisStateBackend(server.url, 30, key_prefix="touch6:"), 30)
+        try:
+            a.bind("s", "e0", 1.0)  # A's commit of the turn
+            assert await a.flush()
+            await b.mirror("s", 2.0)
+            b.bind("s", "e1", 2.0)  # B's move while A's request runs
+            assert await b.flush()
+            a.touch("s", "e0", 3.0)  # A's request ends
+            assert await a.flush()
+            with server.client() as c:
+                shared = c.get("touch6:s:s")
+                ttl_ms = c.pttl("touch6:s:s")
+            await a.mirror("s", 4.0)
+            # A binding Redis lost meanwhile (restart) is written back by the touch.
+            a.touch("gone", "e0", 5.0)
+            assert await a.flush()
+            with server.client() as c:
+                restored = c.get("touch6:s:gone")
+            return shared, a.bound_target("s", 4.0), restored, "ttl" if ttl_ms > 0 else None
+        finally:
+            await a.backend.aclose()
+            await b.backend.aclose()
+
+    shared, a_now, restored, ttl = asyncio.run(go())
+    assert shared == "e1" and ttl == "ttl"  # B's move kept (and its idle time refreshed)
+    assert a_now == "e1"  # A follows it at its next read
+    assert restored == "e0"
+
+
 def test_bindings_queued_through_a_long_outage_are_all_written_once_redis_is_back(server: RedisServer) -> None:  # noqa: F811
     # 60k sessions bound locally while Redis was unreachable: one pipeline of all of them took
     # longer than 2 x timeout_s, failed, and was queued again whole, forever.
