@@ -43,3 +43,25 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI,
     assert _greedy(client, stream, stop=[stop]) == (full[:at], "stop")
     kept = _greedy(client, stream, stop=[stop], extra_body={"include_stop_str_in_output": True})
     assert kept == (full[: at + len(stop)], "stop")
+
+
+def test_streams_parse_and_match_the_unstreamed_answer(client: openai.OpenAI) -> None:
+    """Chunk object names, one id, the final usage chunk (no choices, cached tokens), finish reasons,
+    a seeded answer equal streamed and not (a regression guard: this held already)."""
+    messages = [{"role": "user", "content": "hello there"}]
+    kw = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0.8, "seed": 7}
+    whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None and all(c.usage is None for c in body)
+    assert last.usage.prompt_tokens_details is not None and last.usage.prompt_tokens_details.cached_tokens >= 16
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in body) == whole.choices[0].message.content
+    assert body[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    text = [c for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True})]
+    assert {c.object for c in text} == {"text_completion"} and text[-1].choices == []
+    assert text[-1].usage is not None and text[-1].usage.completion_tokens == 8
+    assert text[-2].choices[0].finish_reason == "length"
