@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -25,7 +26,9 @@ from mesh.disagg import (
 )
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
-from mesh.proxy import HOP_BY_HOP, Proxy, _Exchange
+from mesh.proxy import (
+    HOP_BY_HOP, MAX_PENDING_EVENT, Proxy, _Exchange, _whole_events, ended_whole, is_sse,
+)
 from policies.base import NoCandidate
 
 log = logging.getLogger("mesh.disagg_gateway")
@@ -96,15 +99,68 @@ class DisaggProxy(Proxy):
         finally:
             await resp.aclose()
 
-    @staticmethod
-    async def _send_answer(resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: _Exchange) -> None:
+    async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: _Exchange) -> None:
         if not resp.stream:
             await state.respond(resp.status, headers, resp.first)
             return
         await state.start(resp.status, headers)
-        async for chunk in resp.body():
-            await state.chunk(chunk)
-        await state.end()
+        if not is_sse([(k.lower(), v) for k, v in headers]):  # not an event stream: relayed as it comes
+            async for chunk in resp.body():
+                await state.chunk(chunk)
+            await state.end()
+            return
+        broke = await _relay_events(resp, state)
+        if broke is None:
+            await state.end()
+            return
+        # As ``Proxy._relay_stream`` treats a break: the client has whole events, then the error
+        # event; the decode worker's failure counts toward its circuit breaker (the relay counted
+        # its first bytes as a success).
+        self.metrics.stream_errors_total.inc()
+        self.registry.record_failure(resp.decode, time.monotonic(), f"stream broke: {broke}")
+        worker = self.registry.worker_of(resp.decode)
+        await state.stream_error(f"worker {worker.name if worker is not None else resp.decode} failed mid-stream"
+                                 + (" (its stream ended without [DONE])" if broke == _NO_DONE else ""))
+
+
+_NO_DONE = "it ended without data: [DONE]"
+
+
+async def _decode_chunks(resp: RelayResponse) -> AsyncIterator[bytes]:
+    """The decode answer's bytes, its first ones included. A break raises ``httpx.HTTPError``
+    (``RelayResponse.body()`` would turn it into an error event, unrecognizable as a break)."""
+    yield resp.first
+    if resp._chunks is not None:
+        async for chunk in resp._chunks:
+            yield chunk
+
+
+async def _relay_events(resp: RelayResponse, state: _Exchange) -> str | None:
+    """Relay an OpenAI event stream, whole events only (an unfinished one waits for its end, so
+    that a break leaves the client whole events); None when it ended whole, with ``[DONE]``,
+    else what broke it (the unfinished event is then dropped)."""
+    pending = before = last = b""  # the last two chunks, by reference: [DONE] ends the stream
+    try:
+        async for data in _decode_chunks(resp):
+            if pending:
+                data, pending = pending + data, b""
+            before, last = last, data
+            cut = _whole_events(data)
+            if cut:
+                await state.chunk(data if cut == len(data) else data[:cut])
+            pending = data[cut:]
+            if len(pending) > MAX_PENDING_EVENT:  # not SSE, or one huge event: relayed as it comes
+                await state.chunk(pending)
+                pending = b""
+    except httpx.HTTPError as exc:
+        if not pending and ended_whole(before, last):  # the client has it all: only the framing broke
+            return None
+        return repr(exc)
+    if not ended_whole(before, last):  # the body ended (a FIN ends a close-delimited one) before [DONE]
+        return _NO_DONE
+    if pending:  # a last event without its blank line: the worker's own, relayed as sent
+        await state.chunk(pending)
+    return None
 
 
 def wanted(config: Any) -> bool:

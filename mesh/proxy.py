@@ -17,12 +17,16 @@ Invariants:
 - A stream relays whole SSE events only (an unfinished one waits for its end), so a stream that
   breaks ends with whole events, the error event and ``[DONE]``. It counts as its worker's
   success once it ended whole; a break counts as a failure, a client too slow to read does not,
-  and that client's lease ends at the request timeout even if it never reads again.
+  and that client's lease ends at the request timeout even if it never reads again. An event
+  stream (``text/event-stream``) whose body ends without the ``data: [DONE]`` every OpenAI
+  server sends last broke (a worker that delimits its body by closing the connection and dies
+  mid-stream just ends it); other streamed answers (a worker's JSON) are relayed as they come.
 - No write to the client waits longer than ``server.client_write_timeout_s`` (``_WriteWatch``,
   up to ``WRITE_CHECK_S`` late; the server's flow control makes a write wait while its client
   reads nothing): past it the client is abandoned (``ClientWriteTimeout``) as if it had left:
   the upstream response is closed, the lease ends, the connection is dropped, and the worker's
-  health is not touched. A finished response whose bytes the client leaves buffered (a large
+  health is not touched (logged at most once per ``LOG_EVERY_S``, the rest summed up; the metric
+  counts each). A finished response whose bytes the client leaves buffered (a large
   non-streamed answer is one write that returns at once) has its connection dropped alike once
   none of them is taken for that long (``_WriteWatch.drain``).
 - Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
@@ -77,6 +81,7 @@ WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
 MAX_PENDING_EVENT = 1 << 20  # an unfinished SSE event held back longer than this is relayed as is
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
 WRITE_CHECK_S = 0.25  # how often blocked client writes are checked: a timeout fires up to this late
+LOG_EVERY_S = 10.0  # client write timeouts are logged at most once per this (the rest summed up)
 
 
 class ClientWriteTimeout(Exception):
@@ -195,8 +200,9 @@ class Proxy:
         state.done = True  # from here the disconnect watcher cancels nothing
         state.status = 499
         self.metrics.client_write_timeouts_total.inc()
-        log.warning("client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, "
-                    "worker freed", _client_label(scope.get("client")), state.write_timeout_s)
+        self._write_watch.log.warning(
+            "client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, worker freed",
+            _client_label(scope.get("client")), state.write_timeout_s)
         if _abort_client(state.send):
             # one loop turn, so that the server sees the connection lost before the handler
             # returns (else uvicorn logs "ASGI callable returned without completing response")
@@ -371,7 +377,7 @@ class Proxy:
             if streaming:
                 # a client that stops reading holds its lease only until the request timeout
                 resp.on_stall(lease.finish)
-                tail = await self._stream(resp, first, out, state, target, lease, deadline)
+                tail = await self._stream(resp, first, out, state, target, lease, deadline, is_sse(resp.headers))
                 if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
                     self.registry.record_success(target.id)
             elif resp.status >= 400:
@@ -395,25 +401,28 @@ class Proxy:
 
     async def _stream(
         self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange,
-        target: TargetState, lease: Lease, deadline: float,
+        target: TargetState, lease: Lease, deadline: float, sse: bool,
     ) -> bytes:
         """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke.
+        ``sse``: an OpenAI event stream, whose end without ``[DONE]`` is a break.
 
         The lease ends at ``deadline`` (the request timeout) if the relay is still going: the
         upstream's timer covers an unfinished answer only, and a worker that sent its whole
         answer to a client that stopped reading is done with it (one timer, no task)."""
         data = first + resp.read_nowait()
         await state.start(200, headers)
-        if resp.at_eof:  # the whole stream is already here: one body write instead of two
+        if resp.at_eof and (not sse or ended_whole(b"", data)):  # all here: one body write instead of two
             await state.last(data)
             return data
         timer = asyncio.get_running_loop().call_at(deadline, _finish_lease, lease)
         try:
-            return await self._relay_stream(resp, data, state, target)
+            return await self._relay_stream(resp, data, state, target, sse)
         finally:
             timer.cancel()
 
-    async def _relay_stream(self, resp: UpstreamResponse, data: bytes, state: _Exchange, target: TargetState) -> bytes:
+    async def _relay_stream(
+        self, resp: UpstreamResponse, data: bytes, state: _Exchange, target: TargetState, sse: bool,
+    ) -> bytes:
         # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
         # [DONE] end the stream, however the reads split them.
         c4 = c3 = c2 = b""
@@ -452,6 +461,14 @@ class Proxy:
             what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
             await state.stream_error(f"worker {target.worker} {what}")
+            return b""
+        if sse and not ended_whole(c2, c1):
+            # The body ended (a FIN ends a close-delimited one) before the [DONE] every OpenAI
+            # server sends last: the worker died mid-stream. Treated as a reset is, above; the
+            # unfinished event (``pending``) is dropped.
+            self.metrics.stream_errors_total.inc()
+            self.registry.record_failure(target.id, time.monotonic(), "stream broke: it ended without data: [DONE]")
+            await state.stream_error(f"worker {target.worker} failed mid-stream (its stream ended without [DONE])")
             return b""
         if pending:  # a last event without its blank line: the worker's own, relayed as sent
             await state.last(pending)
@@ -501,7 +518,7 @@ class _WriteWatch:
     connection, for as long as its socket stayed open: a keep-alive close waits for the drain).
     """
 
-    __slots__ = ("live", "draining", "_loop", "_timeouts")
+    __slots__ = ("live", "draining", "_loop", "_timeouts", "log")
 
     def __init__(self, timeouts: Any = None) -> None:
         self.live: set[_Exchange] = set()
@@ -509,6 +526,8 @@ class _WriteWatch:
         self.draining: dict[Any, list[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timeouts = timeouts  # mesh_client_write_timeouts_total (for dropped draining connections)
+        # Many hung clients must not flood the log: every timeout is counted by the metric, not logged.
+        self.log = _RateLimitedWarning(log, "client write timeouts")
 
     def ensure(self, loop: asyncio.AbstractEventLoop) -> None:
         """Sweep on ``loop`` (once per loop: a test may run several in turn; again after idling)."""
@@ -560,8 +579,55 @@ class _WriteWatch:
                 if self._timeouts is not None:
                     self._timeouts.inc()
                 client = transport.get_extra_info("peername")
-                log.warning("client write timeout: %s took none of the %d response bytes still buffered for "
-                            "%g s; connection dropped", _client_label(client), size, entry[2])
+                self.log.warning("client write timeout: %s took none of the %d response bytes still buffered for "
+                                 "%g s; connection dropped", _client_label(client), size, entry[2])
+
+
+class _RateLimitedWarning:
+    """Warnings of one kind, at most one line per ``every_s``: the first in full; the ones within
+    ``every_s`` of the last line are held and counted, and one line says how many when that time
+    is up (a timer on the running loop; else the next call writes it). Loop-thread only."""
+
+    __slots__ = ("_log", "_what", "_every_s", "_clock", "_last_line", "_held", "_timer")
+
+    def __init__(self, logger: logging.Logger, what: str, every_s: float = LOG_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._what = what  # plural noun, e.g. "client write timeouts"
+        self._every_s = every_s
+        self._clock = clock
+        self._last_line = float("-inf")  # clock time of the last line written
+        self._held = 0  # warnings since then, not written
+        self._timer: asyncio.TimerHandle | None = None  # writes the summary when the period ends
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        if self._held and now - self._last_line >= self._every_s:  # the timer did not run (no loop, or a late one)
+            self.flush()
+        if now - self._last_line >= self._every_s:
+            self._log.warning(msg, *args)
+            self._last_line = now
+            return
+        self._held += 1
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop: the next call writes the summary
+            self._timer = loop.call_later(self._last_line + self._every_s - now, self.flush)
+
+    def flush(self) -> None:
+        """Write the summary of the held warnings, if any (a new period starts with it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._held:
+            return
+        now = self._clock()
+        self._log.warning("%s: %d more in the last %.3g s (logged at most once per %g s)",
+                          self._what, self._held, now - self._last_line, self._every_s)
+        self._held = 0
+        self._last_line = now
 
 
 class _Exchange:
@@ -868,6 +934,31 @@ def _whole_events(data: bytes) -> int:
         return len(data)
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+_DONE_AT_END = re.compile(rb"\ndata: ?\[DONE\][ \t\r\n]*\Z")
+_ERROR_AT_END = re.compile(rb'(?:\A|\n)data: ?\{\s*"error"\s*:[^\n]*[\r\n]*\Z')
+_DONE_TAIL = 64  # bytes of a stream's end searched for [DONE] (and its trailing blank lines)
+
+
+def ended_whole(before: bytes, last: bytes) -> bool:
+    """Whether an OpenAI event stream whose last two chunks are ``before`` and ``last`` ended as
+    its worker meant: with ``data: [DONE]`` (with or without the blank line that ends it), or with
+    an error event of its own (the bundled worker sends no [DONE] after one: the request was
+    rejected or its engine died, and the worker said so)."""
+    end = last if len(last) >= _DONE_TAIL else before[-_DONE_TAIL:] + last
+    if _DONE_AT_END.search(b"\n" + end if len(end) < _DONE_TAIL else end) is not None:
+        return True
+    return _ERROR_AT_END.search(before + last) is not None  # rare: a stream without [DONE]
+
+
+def is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response is an event stream (a worker may answer a stream request with JSON:
+    that is relayed as is, with no ``[DONE]`` to wait for). Header names are lower-case."""
+    for key, value in headers:
+        if key == b"content-type":
+            return value[:17].lower() == b"text/event-stream"
+    return False
 
 
 def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
