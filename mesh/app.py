@@ -91,6 +91,16 @@ class Gateway:
         except ConfigError as exc:
             self.metrics.config_reloads_total.labels("error").inc()
             raise MeshError(400, "config not reloaded: " + "; ".join(exc.errors), code="invalid_config") from exc
+        # The listener stays where it is (host and port may also come from the command line).
+        new = new.model_copy(update={"server": new.server.model_copy(
+            update={"host": self.config.server.host, "port": self.config.server.port})})
+        if changed := restart_only_changes(self.config, new):
+            # Applying the rest would leave these looking applied (self.config) while the objects
+            # built from them at startup (Redis client, load sync, index budget, upstream pool)
+            # still run on the old values.
+            self.metrics.config_reloads_total.labels("error").inc()
+            raise MeshError(400, "config not reloaded: " + ", ".join(changed) + " take effect only at a restart "
+                            "(restart the gateway, or revert them to reload the rest)", code="restart_required")
         self.router.policy = policy
         self.router.speculative_ttl_s = new.index.speculative_ttl_s
         if self.sessions is not None and hasattr(self.sessions, "idle_ttl_s"):
@@ -111,6 +121,28 @@ class Gateway:
         workers, self.unchecked = self.unchecked, []
         if self.http is not None and workers:
             await asyncio.gather(*(self.registry.check(w, self.http) for w in workers))
+
+
+# Settings read once at startup; a reload cannot apply them (the listen address is not among
+# them: a reload keeps the running one, which the command line may have set).
+RESTART_ONLY = ("server.connect_timeout_s", "index.max_keys", "state")
+
+
+def restart_only_changes(old: MeshConfig, new: MeshConfig) -> list[str]:
+    """The ``RESTART_ONLY`` settings (dotted paths; a section means all of it) that differ."""
+    def at(config: MeshConfig, path: str) -> Any:
+        value: Any = config
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+
+    changed = []
+    for path in RESTART_ONLY:
+        a, b = at(old, path), at(new, path)
+        if a != b:
+            fields = type(a).model_fields if hasattr(type(a), "model_fields") else {}
+            changed += [f"{path}.{f}" for f in fields if getattr(a, f) != getattr(b, f)] or [path]
+    return changed
 
 
 class _Housekeeper:
