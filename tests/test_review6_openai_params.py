@@ -143,3 +143,38 @@ def test_a_body_sent_without_a_json_content_type_gets_a_400_that_says_so(urls: d
     assert resp.json()["error"]["code"] == "invalid_json", resp.text
     resp = httpx.post(urls["worker"] + "/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "empty_body", resp.text
+
+
+@pytest.mark.parametrize("where", ["worker", "gateway"])
+def test_stream_options_without_stream_is_a_400(urls: dict[str, str], where: str) -> None:
+    """OpenAI and vLLM refuse ``stream_options`` on a request that does not stream; it was ignored."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    resp = httpx.post(urls[where] + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
+
+
+def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
+    """After the headers, a rejection or a dead engine is an error event; the stream then ends
+    with ``data: [DONE]`` as vLLM's does (was: no [DONE], which the gateway reads as a cut stream)."""
+    import asyncio
+
+    from workers.engine import RequestRejected
+    from workers.sequence import SamplingParams
+    from workers.server import CompletionRequest, _stream
+
+    class Api:  # the generator's only collaborator; the real engine cannot be made to fail here
+        model_name = "tiny"
+
+        async def run(self, *args: Any) -> Any:
+            raise RequestRejected("no room")
+            yield  # an async generator
+
+    req = CompletionRequest(model="tiny", prompt="x", stream=True)
+    resp = _stream(Api(), req, "cmpl-1", 0, [1], SamplingParams(max_tokens=1), chat=False)  # type: ignore[arg-type]
+
+    async def read() -> bytes:
+        return b"".join([part async for part in resp.body_iterator])  # type: ignore[misc]
+
+    events = [e for e in asyncio.run(read()).split(b"\n\n") if e]
+    assert b'"error"' in events[-2] and b"no room" in events[-2]
+    assert events[-1] == b"data: [DONE]"

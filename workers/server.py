@@ -241,6 +241,8 @@ class WorkerAPI:
     def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", "n")
+        if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule
+            raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         check_unsupported(req)
         check_sampling(req)
         if max_tokens is None:  # as much as fits (vLLM's default)
@@ -589,7 +591,9 @@ def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int]
                 if c.finish_reason is not None:
                     yield chunk(choice(None if chat else "", c.finish_reason))
         except (EngineDeadError, RequestRejected) as exc:  # headers are sent: report in the stream
+            # ...then end it as vLLM does, with [DONE] after the error event.
             yield _sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+            yield b"data: [DONE]\n\n"
             return
         if include_usage and last is not None:
             yield chunk(None, _usage([last]))
