@@ -131,6 +131,7 @@ class RedisStateBackend:
         self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
         self.skipped = 0  # calls not sent while backing off after an error
         self._down_until = 0.0
+        self._down_logged = False  # an outage was logged; cleared (and logged) when Redis answers again
 
     def key(self, session_id: str) -> str:
         return self.prefix + session_id
@@ -198,6 +199,9 @@ class RedisStateBackend:
         try:
             async with asyncio.timeout(self.timeout_s * 2):  # hard bound over the socket timeouts
                 result: T = await fn()
+            if self._down_logged:  # one line when Redis answers again after an outage
+                self._down_logged = False
+                log.warning("state backend %s answers again: sharing sessions and load through it", self.url)
             return result
         except asyncio.CancelledError:
             raise
@@ -209,6 +213,10 @@ class RedisStateBackend:
                 self._log_data_error(op, exc)
             else:
                 self._down_until = time.monotonic() + self.retry_after_s
+                if not self._down_logged:  # one line per outage, not one per call
+                    self._down_logged = True
+                    log.warning("state backend %s unreachable (%s: %r): going local, retrying every %.1f s",
+                                self.url, op, exc, self.retry_after_s)
                 log.debug("state backend %s failed: %r", op, exc)
             if self.on_error is not None:
                 self.on_error(op)
@@ -218,8 +226,9 @@ class RedisStateBackend:
         """A warning for the 1st, 2nd, 4th, ... command error of each op (bounded log volume)."""
         n = self.errors[op]
         if n & (n - 1) == 0:
-            log.warning("state backend %s: Redis refused a command (%d so far): %s; another app's keys under "
-                        "key_prefix %r?", op, n, str(exc)[:200], self.key_prefix)
+            text = str(exc)[:200]
+            hint = f"; another app's keys under key_prefix {self.key_prefix!r}?" if "WRONGTYPE" in text else ""
+            log.warning("state backend %s: Redis refused a command (%d so far): %s%s", op, n, text, hint)
 
 
 class SharedSessionTable(SessionTable):
