@@ -430,10 +430,19 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "mesh"}
+
     @app.get("/v1/models", tags=["openai"], dependencies=[Depends(data_auth)])
     async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "mesh"} for m in gateway.registry.models()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(m) for m in gateway.registry.models()]}
+
+    @app.get("/v1/models/{model:path}", tags=["openai"], dependencies=[Depends(data_auth)])
+    async def model(model: str) -> dict[str, Any]:
+        """One model (the openai client's ``models.retrieve``); ids may hold slashes."""
+        if model not in gateway.registry.models():
+            raise MeshError(404, f"the model {model!r} does not exist", code="model_not_found", param="model")
+        return model_card(model)
 
     @app.post("/debug/route", tags=["debug"], dependencies=[Depends(data_auth)])
     async def debug_route(request: Request) -> dict[str, Any]:

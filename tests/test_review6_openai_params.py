@@ -178,3 +178,13 @@ def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
     events = [e for e in asyncio.run(read()).split(b"\n\n") if e]
     assert b'"error"' in events[-2] and b"no room" in events[-2]
     assert events[-1] == b"data: [DONE]"
+
+
+@pytest.mark.parametrize("where", ["worker", "gateway"])
+def test_the_openai_client_retrieves_a_model_and_gets_a_404_for_an_unknown_one(urls: dict[str, str], where: str) -> None:
+    """``client.models.retrieve`` (GET /v1/models/{id}) was a 404 for every id."""
+    client = openai.OpenAI(base_url=urls[where] + "/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/not-here")
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]

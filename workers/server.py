@@ -511,12 +511,20 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
             "usage": _usage([out]),
         }
 
+    def model_card() -> dict[str, Any]:
+        return {"id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
+                "root": api.model_name, "max_model_len": api.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{
-            "id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
-            "root": api.model_name, "max_model_len": api.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Any:
+        """The openai client's ``models.retrieve``."""
+        if model != api.model_name:
+            raise APIError(404, f"the model {model!r} does not exist", "model", "model_not_found")
+        return model_card()
 
     @app.get("/health")
     async def health() -> Any:
