@@ -79,3 +79,12 @@ def test_a_body_over_the_read_ahead_arrives_whole(pair: tuple[httpx.Client, http
     body = b'{"prompt": "abc", "max_tokens": 1, "pad": "' + b"a" * (65 << 20) + b'"}'  # 65 MiB > 64 MiB
     resp = decode.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert resp.status_code == 200, resp.text[:300]  # was a 400: the replay cut the body at 64 MiB
+
+
+def test_an_invalid_prefill_request_names_its_field(pair: tuple[httpx.Client, httpx.Client]) -> None:
+    """The disaggregated prefill path answered a bad field with ``param: null`` and only the first
+    message; it now names the field as the ordinary routes do."""
+    prefill, _ = pair
+    resp = prefill.post("/v1/completions", json={"prompt": "x", "max_tokens": "many",
+                                                 "kv_transfer_params": {"do_remote_decode": True}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text

@@ -46,7 +46,7 @@ from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.transfer_auth import SIGNATURE, SECRET_ENV, sign, verify
 from workers.kv_layout import Layout, TransferError
 from workers.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
-from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body, special_tokens
+from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body, field_errors, special_tokens
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,8 @@ class DisaggService:
         """The request model and its single prompt's token ids (400 on anything else)."""
         try:
             req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {}
-            raise APIError(400, f"invalid request: {first.get('msg', exc)}") from exc
+        except ValidationError as exc:  # named as the ordinary routes name it
+            raise APIError(400, *field_errors(exc.errors())) from exc
         self.api.check_model(req.model)
         if kind == "chat":
             ids = self.api.chat_prompt(req.messages, body)

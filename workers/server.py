@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +55,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+def field_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of a request model's validation errors: the first three, the first field named."""
+    params = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors]
+    message = "; ".join(f"{p or 'body'}: {e.get('msg')}" for p, e in list(zip(params, errors))[:3])
+    return message or "invalid request body", (params or [None])[0] or None
+
+
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
@@ -78,9 +85,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if whole is not None and whole.get("input") is not None:
             kind = type(whole["input"]).__name__
             return _error_response(400, f"request body must be a JSON object, not {kind}", None, "invalid_json")
-        params = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors]
-        message = "; ".join(f"{p or 'body'}: {e.get('msg')}" for p, e in list(zip(params, errors))[:3])
-        return _error_response(400, message or "invalid request body", (params or [None])[0] or None)
+        return _error_response(400, *field_errors(errors))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
