@@ -501,8 +501,9 @@ async def _watch(receive: Any, work: Awaitable[Any]) -> Any:
                 await task
 
 
-def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, None, code), status_code=status, headers=headers)
+def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
+           param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 class DisaggApp:
@@ -577,7 +578,7 @@ class DisaggApp:
         except ClientGone:
             return None
         except APIError as exc:
-            return _error(exc.status, exc.message, exc.code)
+            return _error(exc.status, exc.message, exc.code, param=exc.param)
         except EngineDeadError as exc:
             return _error(503, str(exc))
 
@@ -593,7 +594,7 @@ class DisaggApp:
             await _error(exc.status, exc.message, exc.code, headers)(scope, receive, send)
             return
         except APIError as exc:
-            await _error(exc.status, exc.message, exc.code)(scope, receive, send)
+            await _error(exc.status, exc.message, exc.code, param=exc.param)(scope, receive, send)
             return
         except EngineDeadError as exc:
             await _error(503, str(exc))(scope, receive, send)
