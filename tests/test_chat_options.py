@@ -163,7 +163,9 @@ def test_gateway_and_bundled_worker_render_every_option_alike(procs: ProcessGrou
         wait_until(lambda: http.get(gateway.url + "/health").status_code == 200, what="gateway up")
         counts = set()
         for extra in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True},
-                      {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}):
+                      # tool_choice none: the tools reach the template, and the bundled worker, which
+                      # calls no tools, answers in text (without it, 'auto': a 400 naming tools)
+                      {"tools": TOOLS, "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}}):
             body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **extra}
             routed = http.post(gateway.url + "/debug/route", json=body)
             assert routed.status_code == 200, routed.text
