@@ -31,6 +31,9 @@ class SessionStore(Protocol):
         """A request of the session on ``target`` ended: its idle time starts now (optional)."""
         ...
 
+    # Optional: ``begin`` when a request of the session is committed, ``end`` when it ends (one
+    # each): the session never expires while a request of it runs (``mesh.sessions``).
+
     def live_sessions(self, target: str) -> int: ...
 
     def expire(self, now: float) -> int:
@@ -97,6 +100,8 @@ class Router:
         self.speculative_ttl_s = speculative_ttl_s
         self.session_moves = 0
         self._touch = getattr(sessions, "touch", None)  # optional in a SessionStore
+        self._begin = getattr(sessions, "begin", None)
+        self._end = getattr(sessions, "end", None) if self._begin is not None else None
         if sessions is not None and hasattr(sessions, "count_listener"):
             sessions.count_listener = self._on_session_count
 
@@ -146,7 +151,9 @@ class Router:
         uncached = request.prompt_tokens - cached_tokens
         target.prefill_tokens += uncached
         lease = Lease(target, uncached, request.prompt_tokens, self.policy, request)
-        if request.session_id and self._touch is not None:
+        if request.session_id and (self._touch is not None or self._end is not None):
+            if self._end is not None:
+                self._begin(request.session_id, now)  # type: ignore[misc]
             lease.on_end = self._session_request_ended
         return lease
 
@@ -157,8 +164,13 @@ class Router:
             self.session_moves += 1
 
     def _session_request_ended(self, lease: Lease, now: float) -> None:
-        """Restart the idle time of the lease's session on its target, unless that target left
-        the registry meanwhile (its bindings were dropped with it: never bound again)."""
-        target = lease.target
-        if self.targets.get(target.id) is target and lease.request.session_id:
-            self._touch(lease.request.session_id, target.id, now)  # type: ignore[misc]
+        """The session's request ended: it is idle from now (``end``), and its binding to the
+        lease's target is refreshed (``touch``) unless that target left the registry meanwhile
+        (its bindings were dropped with it: never bound again)."""
+        target, sid = lease.target, lease.request.session_id
+        if not sid:
+            return
+        if self._end is not None:
+            self._end(sid, now)
+        if self._touch is not None and self.targets.get(target.id) is target:
+            self._touch(sid, target.id, now)

@@ -7,8 +7,12 @@ bindings (``bind``, after a real decision); policies only read them (``bound_tar
 Invariants:
 - A binding is live while ``last_used + idle_ttl_s > now``; ``bound_target`` answers exactly
   that, whether or not ``expire`` has run yet. ``last_used`` is the latest routing of a request
-  of the session (``bind``) or end of one (``touch``, from the router's lease): a session is not
-  idle while its request runs.
+  of the session (``bind``) or end of one (``touch``, from the router's lease).
+- A session is not idle while a request of it runs: between ``begin`` (the router's commit) and
+  the matching ``end`` (its lease's end) its ``last_used`` is ``inf``, so it neither expires
+  (however long the turn streams) nor goes before an idle session in LRU eviction; the last
+  ``end`` of its concurrent requests sets ``last_used`` to that end's time. ``_active`` counts
+  the requests in flight per session (bounded by the gateway's in-flight requests).
 - ``_order`` holds one ``(last_used, seq, session)`` entry per binding, sorted, so expiry pops
   from the front: O(log n) per expired binding, never a scan.
 - ``_counts[target]`` is the number of bindings pointing at ``target`` (live, or expired but not
@@ -64,6 +68,7 @@ class SessionTable:
         # Called with (target, live sessions) whenever a target's count changes; the Router sets
         # it to keep TargetState.live_sessions current without a per-decision scan.
         self.count_listener: Callable[[str, int], None] | None = None
+        self._active: dict[str, int] = {}  # session -> its requests in flight (begin .. end)
         self._seq = 0
         self.created = 0
         self.moves = 0
@@ -101,7 +106,7 @@ class SessionTable:
                 self._evict_lru()
             self._inc(target)
             self.created += 1
-            last = now
+            last = math.inf if sid in self._active else now
         else:
             old_target, last, seq = old
             self._order.remove((last, seq, sid))
@@ -125,6 +130,33 @@ class SessionTable:
         if b is not None and b[0] != target and b[1] + self.idle_ttl_s > now:
             return
         self.bind(session_id, target, now)
+
+    def begin(self, session_id: str, now: float) -> None:
+        """A request of the session was routed (after ``bind``): it is not idle until its ``end``."""
+        sid = _norm(session_id)
+        n = self._active[sid] = self._active.get(sid, 0) + 1
+        if n == 1:
+            self._rekey(sid, math.inf)
+
+    def end(self, session_id: str, now: float) -> None:
+        """A request of the session ended at ``now`` (every ``begin`` has exactly one): once none
+        is left in flight, its idle time starts now."""
+        sid = _norm(session_id)
+        n = self._active.get(sid, 0) - 1
+        if n > 0:
+            self._active[sid] = n
+            return
+        self._active.pop(sid, None)
+        self._rekey(sid, now)
+
+    def _rekey(self, sid: str, last: float) -> None:
+        b = self._bindings.get(sid)
+        if b is None:
+            return
+        target, old, seq = b
+        self._order.remove((old, seq, sid))
+        self._order.add((last, seq, sid))
+        self._bindings[sid] = (target, last, seq)
 
     def expire(self, now: float) -> int:
         """Drop every binding idle for ``idle_ttl_s`` or longer; returns how many."""
@@ -200,6 +232,7 @@ class SessionTable:
             "expired": self.expired,
             "evicted": self.evicted,
             "unbound": self.unbound,
+            "in_use": len(self._active),
             "per_target": dict(self._counts),
         }
 
