@@ -347,9 +347,11 @@ def _tokens(raw: Any) -> list[int] | None:
 
 
 def _block_size(raw: Any) -> int:
+    """0 when absent, or 0 as vLLM's offloading connector sends it in a placeholder store (the
+    chunk's last block hash, no tokens: a tier update of a block known by hash)."""
     if raw is None:
         return 0
-    if not _is_int(raw) or raw <= 0:
+    if not _is_int(raw) or raw < 0:
         raise _Bad(f"bad block_size {raw!r}")
     return raw
 

@@ -544,7 +544,8 @@ class KvEventSubscriber:
                 h.bump(h.events, "filtered")
                 return
             bs = ev.block_size or spec.block_size or 0
-            if bs <= 0 or (spec.block_size is not None and bs != spec.block_size):
+            # a store without tokens (a tier update by hash) needs no block size
+            if (bs <= 0 and ev.token_ids) or (spec.block_size is not None and bs != spec.block_size):
                 h.bump(h.events, "block_size_mismatch")
                 return
             hashes, tokens = ev.block_hashes, ev.token_ids
