@@ -43,7 +43,7 @@ class BlockStored:
     token_ids: list[int] | None  # None or empty: a tier update of blocks known by hash
     block_size: int
     medium: str  # "GPU", "CPU", or another tier name (upper case)
-    lora_name: str | None = None
+    lora_name: str | None = None  # the LoRA namespace (``_lora``: the name, else an id-only one)
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     cache_salt: str | None = None  # the namespace of a chain that starts here (see ``_salt``)
@@ -256,7 +256,7 @@ def _stored_map(ev: dict[str, Any]) -> BlockStored:
         _tokens(ev.get("token_ids")),
         _block_size(ev.get("block_size")),
         _medium(ev.get("medium")),
-        _opt_str(ev.get("lora_name")),
+        _lora(ev.get("lora_name"), ev.get("lora_id")),
         _opt_int(ev.get("group_idx")),
         _opt_str(ev.get("kv_cache_spec_kind")),
         _salt(ev.get("cache_salt"), ev.get("extra_keys"), ev.get("lora_name")),
@@ -279,7 +279,7 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
         _tokens(ev[3] if n > 3 else None),
         _block_size(ev[4] if n > 4 else None),
         _medium(medium),
-        _opt_str(ev[7] if n > 7 else None),
+        _lora(ev[7] if n > 7 else None, ev[5] if n > 5 else None),
         group_idx,
         kind,
         _salt(None, ev[8] if n > 8 else None, ev[7] if n > 7 else None),
@@ -370,6 +370,18 @@ def _opt_int(raw: Any) -> int | None:
 
 def _opt_str(raw: Any) -> str | None:
     return raw if isinstance(raw, str) else None
+
+
+def _lora(name: Any, lora_id: Any) -> str | None:
+    """The LoRA namespace of a store: ``lora_name``; else, when only ``lora_id`` names the adapter
+    (vLLM before ``lora_name``, 0.9/0.10), a namespace of that id that no request is keyed in (the
+    gateway knows adapters by name only), so an adapter's blocks never count for the base model.
+    vLLM's adapter ids start at 1; 0 or nil is the base model."""
+    if isinstance(name, str):
+        return name
+    if _is_int(lora_id) and lora_id > 0:
+        return f"\0lora_id\0{lora_id}"
+    return None
 
 
 def _salt(field: Any, extra_keys: Any, lora_name: Any) -> str | None:

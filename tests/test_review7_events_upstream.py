@@ -382,3 +382,18 @@ def test_vllm_offload_placeholder_store_is_a_tier_update(stack: Stack) -> None:
     stack.until(text, "wv", (0, 2))
     stack.vpub.publish(VBatchMap(time.time(), [BlockRemoved(h, "CPU", group_idx=0)], 0))
     stack.until(text, "wv", (0, 0))
+
+
+def test_lora_blocks_never_count_for_the_base_model(stack: Stack) -> None:
+    """vLLM 0.9/0.10 name a request's adapter by ``lora_id`` alone (no ``lora_name``); current vLLM
+    sends both. Either way the adapter's blocks are not the base model's, even for equal tokens."""
+    text, tokens = prompt(stack.rng, 3)
+    stack.vpub.publish(VBatchArray(time.time(), [OldBlockStored([u64("old-lora-0")], None, tokens[:BS], BS, 3, "GPU")], 0))
+    stack.vpub.publish(VBatchMap(time.time(), [
+        v_stored([u64("new-lora-0")], None, tokens[:BS], lora_id=4, lora_name="adapter",
+                 extra_keys=[("adapter",)], group_idx=0, kv_cache_spec_kind="full_attention")], 0))
+    stack.marker(stack.vpub, "wv")
+    assert stack.overlaps(text)["wv"] == (0, 0)
+    # the same tokens announced for the base model (lora_id 0 or nil) do count
+    stack.vpub.publish(VBatchArray(time.time(), [OldBlockStored([u64("old-base-0")], None, tokens[:BS], BS, None, "GPU")], 0))
+    stack.until(text, "wv", (1, 0))
