@@ -343,7 +343,22 @@ def _tokens(raw: Any) -> list[int] | None:
         return None
     if not isinstance(raw, (list, tuple)):
         raise _Bad("token_ids is not an array")
+    if raw and isinstance(raw[0], (list, tuple)):
+        return _bigram_tokens(raw)
     return raw if isinstance(raw, list) else list(raw)  # ids are checked when keyed
+
+
+def _bigram_tokens(raw: Sequence[Any]) -> list[int]:
+    """SGLang under EAGLE keys its radix tree (and fills a BlockStored's token_ids) with bigrams
+    ``[t_i, t_i+1]``, one per position: position i holds token i's KV, so the tokens are the first
+    of each pair. (SGLang reuses a page only when the token after it matches too; the index may
+    credit one page more than that at the end of a prefix.)"""
+    out = []
+    for pair in raw:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _Bad("token_ids mixes ids and pairs")
+        out.append(pair[0])
+    return out
 
 
 def _block_size(raw: Any) -> int:

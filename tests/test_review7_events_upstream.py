@@ -397,3 +397,38 @@ def test_lora_blocks_never_count_for_the_base_model(stack: Stack) -> None:
     # the same tokens announced for the base model (lora_id 0 or nil) do count
     stack.vpub.publish(VBatchArray(time.time(), [OldBlockStored([u64("old-base-0")], None, tokens[:BS], BS, None, "GPU")], 0))
     stack.until(text, "wv", (1, 0))
+
+
+def test_a_block_size_other_than_the_workers_is_skipped_and_counted(stack: Stack) -> None:
+    """Keys chained over 8-token blocks are not the 4-token keys the router asks for: the store is
+    skipped (never keyed at the wrong size) and counted."""
+    text, tokens = prompt(stack.rng, 2)
+    before = stack.metric("mesh_kv_events_events_total", target="wv", type="block_size_mismatch")
+    stack.vpub.publish(VBatchMap(time.time(), [v_stored([u64("bs8")], None, tokens, block_size=8)], 0))
+    stack.marker(stack.vpub, "wv")
+    assert stack.overlaps(text)["wv"] == (0, 0)
+    assert stack.metric("mesh_kv_events_events_total", target="wv", type="block_size_mismatch") == before + 1
+
+
+# ------------------------------------------------------------------ SGLang
+def test_sglang_pages_signed_hashes_and_removal(stack: Stack) -> None:
+    text, tokens = prompt(stack.rng, 4)
+    h = [i64(f"sg-{i}") for i in range(4)]
+    assert any(x < 0 for x in h)
+    stack.spub.publish(SBatch(time.time(), s_pages(h[:2], tokens[: 2 * BS], medium="GPU"), 0))
+    # a release without ``medium`` (its trailing default left out) on the same chain
+    stack.spub.publish(SBatch(time.time(), s_pages(h[2:], tokens[2 * BS :], parent=h[1]), 0))
+    stack.until(text, "ws", (4, 0))
+    assert stack.overlaps(text)["wv"] == (0, 0)
+    stack.spub.publish(SBatch(time.time(), [SBlockRemoved([h[3]], "GPU"), SBlockRemoved([h[2]])], 0))
+    stack.until(text, "ws", (2, 0))
+
+
+def test_sglang_eagle_bigram_pages(stack: Stack) -> None:
+    """Under EAGLE, SGLang's radix keys (and the token_ids of its BlockStored) are bigrams
+    ``(t_i, t_i+1)``: position i holds token i's KV."""
+    text, tokens = prompt(stack.rng, 3)
+    bigrams = [[tokens[i], tokens[i + 1] if i + 1 < len(tokens) else 0] for i in range(len(tokens))]
+    h = [i64(f"eagle-{i}") for i in range(3)]
+    stack.spub.publish(SBatch(time.time(), s_pages(h, bigrams, medium="GPU"), 0))
+    stack.until(text, "ws", (3, 0))
