@@ -41,6 +41,16 @@ class SessionStore(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class RoutedView(ClusterView):
+    """The view of one decision that excluded some targets (the proxy's: those at their
+    admission limit, and a retry's failed workers). ``excluded`` holds their states, so that a
+    policy can say why a target it looked for is not a candidate (``session_sticky``: a session
+    leaving a target at its admission limit is not a session whose target is gone)."""
+
+    excluded: tuple[TargetState, ...] = ()
+
+
 class SpeculativeIndex(Protocol):
     def store_speculative(self, target: str, keys: list[int] | tuple[int, ...], expires_at: float) -> None: ...
 
@@ -112,11 +122,14 @@ class Router:
 
     def view(self, now: float, exclude: Iterable[str] = (), explain: bool = True) -> ClusterView:
         targets = list(self.targets.values())
-        if exclude:
-            excluded = set(exclude)
-            targets = [t for t in targets if t.id not in excluded]
         if self.sessions is not None:
             self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
+        if exclude:
+            excluded = set(exclude)
+            out = [t for t in targets if t.id in excluded]
+            if out:
+                targets = [t for t in targets if t.id not in excluded]
+                return RoutedView(targets, now, self.index, self.sessions, explain, excluded=tuple(out))  # type: ignore[arg-type]
         return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions, explain=explain)  # type: ignore[arg-type]
 
     def decide(

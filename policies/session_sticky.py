@@ -82,7 +82,7 @@ class SessionSticky(Policy):
         why = "new session"
         if bound is not None:
             state = next((t for t in cluster.targets if t.id == bound), None)
-            why = self._why_not(request, state, usable, ceiling)
+            why = self._why_not(request, state, usable, ceiling) if state is not None else _gone(cluster, bound)
             if why is None:
                 return self._bound(request, cluster, bound)
             why = f"rebound: {why}"
@@ -142,6 +142,17 @@ class SessionSticky(Policy):
             "load_factor": self.load_factor,
             "load_slack": self.load_slack,
         }
+
+
+def _gone(cluster: ClusterView, bound: str) -> str:
+    """Why the bound target is not in the view: excluded by the caller (``mesh.router.RoutedView``:
+    at its admission limit, or failed this request), else removed."""
+    state = next((t for t in getattr(cluster, "excluded", ()) if t.id == bound), None)
+    if state is None:
+        return "bound target gone"
+    if 0 < state.max_in_flight <= state.in_flight:
+        return f"bound target at its admission limit ({state.in_flight}/{state.max_in_flight})"
+    return "bound target excluded (it failed this request)"
 
 
 def _unavailable(t: TargetState) -> str:

@@ -50,3 +50,18 @@ def test_the_router_pins_a_session_for_the_life_of_its_lease() -> None:
     lease.finish(60.0)
     assert table.bound_target("s", 60.9) == lease.target.id and table.bound_target("s", 61.0) is None
     assert table.expired == 0 and table.created == 1
+
+
+def test_a_bound_target_left_out_of_the_view_is_named_for_why() -> None:
+    targets = {tid: TargetState(tid, tid) for tid in ("a", "b")}
+    router = Router(SessionSticky(), targets, sessions=SessionTable(idle_ttl_s=100))
+    req = RequestInfo("m", [1, 2], 16, 32, session_id="s")
+    _, lease = router.route(req, 0.0)
+    home = lease.target.id
+    lease.finish(0.0)
+    assert router.decide(req, 1.0, exclude=[home]).reason.startswith("rebound: bound target excluded (it failed")
+    targets[home].max_in_flight, targets[home].in_flight = 2, 2
+    assert router.decide(req, 1.0, exclude=[home]).reason.startswith("rebound: bound target at its admission limit (2/2)")
+    targets[home].in_flight = 0
+    del targets[home]
+    assert router.decide(req, 1.0).reason.startswith("rebound: bound target gone")
