@@ -211,6 +211,23 @@ def test_a_long_streaming_turn_does_not_expire_its_own_binding(cluster: Cluster)
     assert after["moves"] == before["moves"]
 
 
+
+def test_after_the_idle_time_the_next_turn_is_a_new_binding_on_the_prefix_holder(cluster: Cluster) -> None:
+    gw, prompt = cluster.short, _prompt("expiry")
+    cluster.hold("w1", prompt)
+    cluster.wait_held(gw, prompt, {"w1": 12})
+    wait_until(lambda: gw.metric("mesh_sessions_live") == 0, what="earlier sessions expired")
+    before = gw.metrics()
+    assert gw.complete(prompt, "exp-1").headers["x-mesh-worker"] == "w1"
+    wait_until(lambda: gw.bound("exp-1") is None, what="the binding expired")
+    route = gw.route(prompt + " next", "exp-1")
+    assert route["decision"]["reason"].startswith("new session (kv_aware") and route["decision"]["target"] == "w1"
+    assert gw.complete(prompt + " next", "exp-1").headers["x-mesh-worker"] == "w1"
+    after = gw.metrics()
+    assert (after["created"], after["expired"], after["moves"]) == (
+        before["created"] + 2, before["expired"] + 1, before["moves"])
+    assert after["live"] == 1
+
 # -- moves: when, where to, and the binding follows ----------------------------------------------
 
 def _stream(gw: Gw, prompt: str, session: str | None, tokens: int = 40) -> httpx.Response:
