@@ -376,6 +376,15 @@ async def _stop(gateway: Gateway) -> None:
         gateway.http = None
 
 
+async def end_in_flight(gateway: Gateway) -> None:
+    """A shutdown's drain timed out: close every upstream connection, so that each request still
+    in flight ends as a broken upstream does (a stream with whole events, then an error event; an
+    unanswered request with an error answer, its retries refused by the closed pool) rather than
+    being cut off mid-write. The lifespan's shutdown closes the pool again (a no-op)."""
+    if gateway.http is not None:
+        await gateway.http.close()
+
+
 def _reload_on_signal(gateway: Gateway) -> None:
     try:
         gateway.reload()

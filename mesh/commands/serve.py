@@ -12,6 +12,8 @@ import logging
 import sys
 from typing import Any
 
+from mesh.commands.graceful import add_argument as add_shutdown_argument
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="run the gateway from one YAML config file")
@@ -20,6 +22,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, help="override server.port")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request (slow)")
+    add_shutdown_argument(p)
     p.set_defaults(func=run)
 
 
@@ -38,9 +41,12 @@ def run(args: argparse.Namespace) -> int:
         lines = format_errors(exc) if hasattr(exc, "errors") else [str(exc)]
         print(f"mesh serve: error: {'; '.join(lines)}", file=sys.stderr)
         return 2
+    if args.shutdown_timeout < 0:
+        print(f"mesh serve: error: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
+        return 2
     app = create_app(config, config_path=args.config, handle_sighup=True)
-    serve_app(app, config.server.host, config.server.port, log_level=args.log_level, access_log=args.access_log)
-    return 0
+    return serve_app(app, config.server.host, config.server.port, log_level=args.log_level,
+                     access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def with_server(config: Any, **overrides: Any) -> Any:
@@ -104,10 +110,27 @@ def _http_protocol() -> Any:
     return MeshHttpProtocol
 
 
-def serve_app(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
-    import uvicorn
+def gateway_server(app: Any, config: Any, shutdown_timeout_s: float, name: str = "mesh serve") -> Any:
+    """The gateway's uvicorn server, with a bounded drain (mesh.commands.graceful): at the
+    timeout, the gateway's upstream connections close, so each request still in flight ends with
+    a clean error (an error event ending its stream)."""
+    from mesh.app import end_in_flight
+    from mesh.commands.graceful import GracefulServer
 
-    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, access_log=access_log)).run()
+    return GracefulServer(config, name=name, shutdown_timeout_s=shutdown_timeout_s,
+                          on_timeout=lambda: end_in_flight(app.state.gateway))
+
+
+def serve_app(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,
+              shutdown_timeout_s: float | None = None) -> int:
+    """Serve until stopped; the exit status: 0 after a drain, 1 after a forced stop, 3 when it
+    could not start (uvicorn's: the address in use, say)."""
+    from mesh.commands.graceful import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    config = uvicorn_config(app, host, port, log_level=log_level, access_log=access_log)
+    server = gateway_server(app, config, DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown_timeout_s is None else shutdown_timeout_s)
+    server.run()
+    return server.exit_code if server.started else 3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,124 @@
+"""Review 7: Mesh's processes under real signals, as an operator drives them.
+
+``mesh serve``, ``mesh up`` and ``mesh worker`` drain on SIGTERM for a bounded time, then end what
+is still in flight with a clean error (a stream's error event and [DONE]; a 503), exit 0, and a
+second signal stops them at once (exit 1); ``mesh up`` leaves no worker behind, even when it is
+SIGKILLed, and stops the whole cluster, naming the worker, when one of its workers dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.procs import PYTHON, ProcessGroup, free_port, wait_http, wait_until
+
+LONG = {"model": "echo", "prompt": "a b c d", "max_tokens": 1000, "stream": True}
+
+
+class StreamReader:
+    """Reads one streamed request in a thread: its SSE data lines, or the exception that ended it."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.status = 0
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=60) as resp:
+                self.status = resp.status_code
+                for line in resp.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+        except Exception as exc:  # noqa: BLE001  (what the client saw is the result)
+            self.error = exc
+        self.started.set()
+
+    def join(self) -> None:
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the stream never ended"
+
+    def events(self) -> list[Any]:
+        return [json.loads(line[6:]) for line in self.lines if line.startswith("data: {")]
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (forked by its main thread)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def refused(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def assert_ended_with_error(reader: StreamReader) -> None:
+    reader.join()
+    assert reader.error is None, f"the stream was cut off: {reader.error!r}"
+    assert reader.status == 200
+    assert reader.lines[-1] == "data: [DONE]"
+    assert any("error" in e for e in reader.events()), reader.lines[-3:]
+    assert any(e.get("choices") for e in reader.events())  # it was mid-answer
+
+
+def serve_gateway(procs: ProcessGroup, tmp_path: Path, *extra: str) -> tuple[Any, int]:
+    worker = procs.echo_worker("w0", "--token-delay-s", "0.2", "--repeat", "200")
+    port = free_port()
+    config = tmp_path / "mesh.yaml"
+    config.write_text(f"server: {{port: {port}}}\nworkers:\n  - {{name: w0, url: '{worker.url}'}}\n")
+    cmd = [PYTHON, "-m", "mesh", "serve", "--config", str(config), "--log-level", "warning", *extra]
+    return procs.start_http(cmd, name="gateway", port=port, ready_path="/ready"), port
+
+
+def test_serve_sigterm_drains_then_ends_a_long_stream_cleanly_and_exits_0(procs: ProcessGroup, tmp_path: Path) -> None:
+    """A SIGTERM'd gateway waited for a long stream for as long as it lasted (uvicorn has no
+    bound) and then exited by the signal (status -15), not 0."""
+    gateway, port = serve_gateway(procs, tmp_path, "--shutdown-timeout", "1")
+    short = StreamReader(f"{gateway.url}/v1/completions", {**LONG, "max_tokens": 3})
+    long = StreamReader(f"{gateway.url}/v1/completions", LONG)
+    assert long.started.wait(20) and short.started.wait(20)
+    os.kill(gateway.pid, signal.SIGTERM)
+    wait_until(lambda: refused(port), what="new connections refused")
+    assert gateway.popen.wait(30) == 0, gateway.log_tail()
+    short.join()
+    assert short.error is None and short.lines[-1] == "data: [DONE]"
+    assert not any("error" in e for e in short.events())  # finished within the drain
+    assert_ended_with_error(long)
+    assert "ending 1 request(s) with an error" in gateway.log_tail()
+
+
+def test_serve_second_sigterm_stops_at_once(procs: ProcessGroup, tmp_path: Path) -> None:
+    """Only a second SIGINT forced uvicorn out of a drain; a second SIGTERM did nothing."""
+    gateway, _ = serve_gateway(procs, tmp_path, "--shutdown-timeout", "120")
+    long = StreamReader(f"{gateway.url}/v1/completions", LONG)
+    assert long.started.wait(20)
+    os.kill(gateway.pid, signal.SIGTERM)
+    wait_until(lambda: "send it again to stop now" in gateway.log_tail(), what="the drain announced")
+    os.kill(gateway.pid, signal.SIGTERM)
+    assert gateway.popen.wait(30) == 1, gateway.log_tail()  # well before the 120 s drain
+    assert "SIGTERM again: stopping now" in gateway.log_tail()
