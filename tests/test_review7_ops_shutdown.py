@@ -122,3 +122,43 @@ def test_serve_second_sigterm_stops_at_once(procs: ProcessGroup, tmp_path: Path)
     os.kill(gateway.pid, signal.SIGTERM)
     assert gateway.popen.wait(30) == 1, gateway.log_tail()  # well before the 120 s drain
     assert "SIGTERM again: stopping now" in gateway.log_tail()
+
+
+def start_up(procs: ProcessGroup, *extra: str, env: dict[str, str] | None = None) -> tuple[Any, list[int]]:
+    port = free_port()
+    cmd = [PYTHON, "-m", "mesh", "up", "--engine", "echo", "--workers", "2", "--port", str(port), *extra]
+    up = procs.start(cmd, name="up", port=port, env=env)
+    wait_http(f"http://127.0.0.1:{port}/ready", proc=up, timeout_s=60)
+    workers = children(up.pid)
+    assert len(workers) == 2, workers
+    return up, workers
+
+
+def test_up_sigterm_with_a_stream_in_flight_stops_everything(procs: ProcessGroup) -> None:
+    up, workers = start_up(procs, "--shutdown-timeout", "1",
+                           env={"MESH_ECHO_TOKEN_DELAY_S": "0.2", "MESH_ECHO_REPEAT": "200"})
+    long = StreamReader(f"{up.url}/v1/completions", LONG)
+    assert long.started.wait(20)
+    os.kill(up.pid, signal.SIGTERM)
+    assert up.popen.wait(30) == 0, up.log_tail()
+    assert_ended_with_error(long)
+    assert not [pid for pid in workers if running(pid)]
+
+
+def test_up_sigkilled_leaves_no_worker_running(procs: ProcessGroup) -> None:
+    """A SIGKILLed ``mesh up`` runs no finally: its workers were left running, ports held."""
+    up, workers = start_up(procs)
+    os.kill(up.pid, signal.SIGKILL)
+    up.popen.wait(10)
+    wait_until(lambda: not any(running(pid) for pid in workers), what="the workers gone with mesh up")
+
+
+def test_up_stops_the_cluster_and_names_a_worker_that_died(procs: ProcessGroup) -> None:
+    """A worker killed under ``mesh up`` was never noticed: the cluster ran on, one worker short."""
+    up, workers = start_up(procs)
+    os.kill(workers[1], signal.SIGKILL)
+    assert up.popen.wait(30) == 1, up.log_tail()
+    log = up.log_tail()
+    assert "worker-1 (pid %d" % workers[1] in log and "was killed by SIGKILL" in log
+    assert "its log: " in log and "worker-1.log" in log
+    assert not running(workers[0])

@@ -1,8 +1,12 @@
 """``mesh up [--workers N] [--port P] [--engine echo|bundled]``: a local cluster on embedded defaults.
 
-Starts N local workers as subprocesses (each in its own process group), waits until each answers
-``/health``, then runs the gateway in this process, prints the URL and a ready-to-paste curl, and
-on Ctrl-C or SIGTERM stops the gateway and then every worker.
+Starts N local workers as subprocesses (each in its own process group, and each ended by the
+kernel if this process dies, even by SIGKILL), waits until each answers ``/health``, then runs the
+gateway in this process, prints the URL and a ready-to-paste curl, and on Ctrl-C or SIGTERM stops
+the gateway (requests in flight finish, up to ``--shutdown-timeout``; a second signal stops at
+once) and then every worker. A worker that exits while the cluster runs stops the whole cluster:
+its name, exit status and log are printed and ``mesh up`` exits 1 (a cluster silently short of a
+worker is the worse surprise).
 
 - ``bundled`` (default): ``mesh worker --preset tiny`` (random weights, CPU, no download), the
   bundled engine (needs the ``engine`` extra, i.e. torch), with its KV events published on local
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mesh.commands.graceful import add_argument as add_shutdown_argument
 from workers.transfer_auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
@@ -47,6 +52,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
     p.add_argument("--decode", type=int, default=0, help="disaggregated: M decode workers (bundled engine)")
+    add_shutdown_argument(p)
     p.set_defaults(func=run)
 
 
@@ -108,7 +114,7 @@ def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = 
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
             worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env,
+            start_new_session=True, env=env, preexec_fn=_die_with_parent(os.getpid()),
         )
         out.append(LocalWorker(name, port, proc, kv_ports, role))
     return out
@@ -142,30 +148,88 @@ def _ok(url: str) -> bool:
         return False
 
 
+def _die_with_parent(parent: int) -> Any:
+    """A preexec_fn: the kernel SIGTERMs the worker when ``mesh up`` dies, however it dies (a
+    SIGKILL runs no finally: its workers were left running, holding their ports). Linux only."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: nothing to import after fork
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     """SIGTERM the process group, SIGKILL it if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout_s)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
+    stop_processes([proc], timeout_s)
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 5.0) -> None:
+    """SIGTERM every process group at once, then SIGKILL those still there after ``timeout_s``
+    (one deadline for all: stopping 64 workers took up to 64 times 5 s, one after the other)."""
+    for proc in procs:
+        _killpg(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _killpg(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
+            pass
+
+
+def exited(workers: list[LocalWorker], log_dir: Path) -> str | None:
+    """How the first worker that exited did, in one line and its log's tail; None while all run."""
+    for w in workers:
+        code = w.proc.poll()
+        if code is not None:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            log = log_dir / f"{w.name}.log"
+            tail = "".join(f"  | {line}\n" for line in _tail_lines(log, 5))
+            return f"mesh up: {w.name} (pid {w.proc.pid}, port {w.port}) {how}; its log: {log}\n{tail}"
+    return None
+
+
+def _tail_lines(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+async def watch_workers(workers: list[LocalWorker], log_dir: Path, server: Any, failures: list[str]) -> None:
+    """While the cluster runs: the first worker to exit is reported and stops the cluster."""
+    import asyncio
+
+    while not server.should_exit:
+        report = exited(workers, log_dir)
+        if report is not None:
+            failures.append(report)
+            print(report + "mesh up: stopping the cluster", file=sys.stderr, flush=True)
+            server.stop()
             return
-        proc.wait()
+        await asyncio.sleep(0.2)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    import uvicorn
-
     from mesh.app import create_app
-    from mesh.commands.serve import uvicorn_config
+    from mesh.commands.serve import gateway_server, uvicorn_config
     from mesh.config import parse_config
 
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
@@ -174,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if roles:
         args.engine = "bundled"  # only the bundled engine transfers KV
+    if args.shutdown_timeout < 0:
+        print(f"error: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
+        return 2
     if args.workers < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -207,24 +274,27 @@ def run(args: argparse.Namespace) -> int:
         data.update(policy_data(args, roles))
         config = parse_config(data, "mesh up")
         app = create_app(config)
-        server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level))
+        server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level),
+                                args.shutdown_timeout, name="mesh up")
+        failures: list[str] = []
 
         async def serve() -> None:
             task = asyncio.create_task(server.serve())
+            watch = asyncio.create_task(watch_workers(workers, log_dir, server, failures))
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
-            if server.started:
+            if server.started and not server.should_exit:
                 await asyncio.to_thread(_banner, args, workers, admin_key, log_dir)
             await task
+            watch.cancel()
 
         asyncio.run(serve())
-        return 0 if server.started else 1
+        return 1 if failures or not server.started else server.exit_code
     except KeyboardInterrupt:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for w in workers:
-            stop_process(w.proc)
+        stop_processes([w.proc for w in workers])
         print("mesh up: stopped", file=sys.stderr)
 
 
