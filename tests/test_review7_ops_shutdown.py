@@ -162,3 +162,27 @@ def test_up_stops_the_cluster_and_names_a_worker_that_died(procs: ProcessGroup) 
     assert "worker-1 (pid %d" % workers[1] in log and "was killed by SIGKILL" in log
     assert "its log: " in log and "worker-1.log" in log
     assert not running(workers[0])
+
+
+def test_worker_sigterm_ends_requests_in_flight_cleanly_and_frees_its_ports(procs: ProcessGroup) -> None:
+    """``mesh worker`` drained without a bound (a long generation held a SIGTERM for as long as it
+    ran) and exited -15; at the timeout every request gets an error, and a worker restarted at once
+    binds the same HTTP and KV event ports."""
+    port, events, replay = free_port(), free_port(), free_port()
+    cmd = [PYTHON, "-m", "mesh", "worker", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--kv-events-endpoint", f"tcp://*:{events}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+           "--log-level", "warning", "--shutdown-timeout", "0.5"]
+    worker = procs.start_http(cmd, name="worker", port=port, timeout_s=120)
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4000, "ignore_eos": True}
+    stream = StreamReader(f"{worker.url}/v1/completions", {**body, "stream": True})
+    plain: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: plain.update(r=httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)))
+    thread.start()
+    assert stream.started.wait(30)
+    os.kill(worker.pid, signal.SIGTERM)
+    assert worker.popen.wait(30) == 0, worker.log_tail()
+    assert_ended_with_error(stream)
+    thread.join(30)
+    assert plain["r"].status_code == 503 and "shutting down" in plain["r"].text
+    again = procs.start_http(cmd, name="worker-again", port=port, timeout_s=120)
+    assert again.alive()

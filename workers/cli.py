@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any
 
+from mesh.commands.graceful import add_argument as add_shutdown_argument
 from workers.disagg_config import add_arguments as add_disagg_arguments
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # mesh.chat.CONTENT_FORMATS (not imported: jinja2 at --help)
@@ -58,6 +59,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "template), string, or openai (a list of text parts); give the gateway pool the same")
     p.add_argument("--log-level", default="info")
     add_disagg_arguments(p)  # --role, --kv-transfer-*, --kv-max-pending* (workers.disagg_config)
+    add_shutdown_argument(p)  # --shutdown-timeout
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
@@ -107,11 +109,16 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from mesh.commands.graceful import GracefulServer
     from workers.disagg_server import build_app  # build() + KV transfer and the --role layer
+    from workers.server import end_in_flight
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.shutdown_timeout < 0:
+        print(f"mesh worker: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
+        return 2
     try:
-        app, _, name, info = build_app(args)
+        app, service, name, info = build_app(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mesh worker: {exc}", file=sys.stderr)
         return 2
@@ -120,8 +127,15 @@ def run(args: argparse.Namespace) -> int:
         f"{info['num_kv_blocks']} KV blocks of {info['block_size']}, http://{args.host}:{args.port}",
         file=sys.stderr, flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return 0
+    # SIGTERM: requests in flight finish (up to --shutdown-timeout, then end with a clean error);
+    # the lifespan's exit stops the engine and closes the KV event publisher (its sockets freed).
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False),
+        name="mesh worker", shutdown_timeout_s=args.shutdown_timeout,
+        on_timeout=lambda: end_in_flight(service.engine),
+    )
+    server.run()
+    return server.exit_code if server.started else 3
 
 
 def main(argv: list[str] | None = None) -> int:
