@@ -45,7 +45,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -280,9 +280,10 @@ class Proxy:
             else:
                 # A retry does not move the session: the request may be what fails everywhere
                 # (a worker's 500 is only suspect), and a session must not leave its cache for it.
-                # ``_forward`` binds it to the retry's target once that target served it.
+                # ``_forward`` binds it to the retry's target once that target served it; until
+                # then the session stays pinned, not idle, as for any request of it in flight.
                 decision = self.router.decide(info, now, excluded + full if full else excluded, explain=False)
-                lease = self.router.commit(replace(info, session_id=None) if info.session_id else info, decision, now)
+                lease = self.router.commit(info, decision, now, bind=False)
         except NoCandidate as exc:
             if failure is not None:
                 return None

@@ -149,10 +149,12 @@ class Router:
         decision = self.decide(request, now, exclude, explain=False)
         return decision, self.commit(request, decision, now)
 
-    def commit(self, request: RequestInfo, decision: Decision, now: float) -> Lease:
+    def commit(self, request: RequestInfo, decision: Decision, now: float, *, bind: bool = True) -> Lease:
+        """Claim the decided target's load. ``bind=False`` (a retry) leaves the session's binding
+        as it is, but the session is still pinned (not idle) until the lease ends."""
         target = self.targets[decision.target]  # type: ignore[index]
         self.policy.on_routed(request, target.id, now)
-        if request.session_id:
+        if request.session_id and bind:
             self.bind_session(request.session_id, target.id, now)
         cached = decision.overlaps.get(target.id)
         cached_tokens = min(cached.blocks * request.block_size, request.prompt_tokens) if cached else 0
