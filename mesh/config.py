@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from mesh.files import FileProblem, read_regular_file
 from policies.base import Role
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -398,12 +399,11 @@ def load_config(path: str | Path | None = None, *, allow_empty: bool = True) -> 
         return MeshConfig()
     source = str(path)
     try:
-        with Path(path).open("rb") as f:  # bounded: a path may name a huge file or /dev/zero
-            raw = f.read(MAX_FILE_BYTES + 1)
-        if len(raw) > MAX_FILE_BYTES:
-            raise ConfigError([f"file larger than {MAX_FILE_BYTES // MIB} MiB: not a config"], source)
+        raw = read_regular_file(path, MAX_FILE_BYTES)
         text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except FileProblem as exc:
+        raise ConfigError([f"cannot read the config: {exc}"], source) from exc
+    except UnicodeDecodeError as exc:
         raise ConfigError([f"cannot read file: {exc}"], source) from exc
     try:
         data = yaml.safe_load(text)

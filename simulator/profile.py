@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import json
 import math
-import stat
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from mesh.files import FileProblem, read_regular_file
 
 
 class ProfileError(ValueError):
@@ -286,14 +287,9 @@ def _from_file(path: Path) -> Profile:
         known = ", ".join(BUILTIN)
         raise ProfileError(f"{path}: no such profile file (built-in profiles: {known})")
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):  # /dev/zero was read forever; a FIFO blocked forever
-            raise ProfileError(f"{path}: not a regular file")
-        if st.st_size > MAX_PROFILE_BYTES:
-            raise ProfileError(f"{path}: {st.st_size:,} bytes, over the {MAX_PROFILE_BYTES:,} a profile may hold")
-        text = path.read_text()
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        text = read_regular_file(path, MAX_PROFILE_BYTES).decode("utf-8")
+    except (FileProblem, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: {exc}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import xxhash
+
+from mesh.files import FileProblem, read_regular_file
 
 START, DONE = 0, 1
 FORMATS = ("mooncake", "weka", "bailian", "mesh")
@@ -160,20 +161,9 @@ MAX_TRACE_BYTES = 1 << 30
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        st = path.stat()
-        if stat.S_ISDIR(st.st_mode):
-            raise TraceError(f"{path}: is a directory")
-        if not stat.S_ISREG(st.st_mode):  # /dev/zero was read forever; a FIFO blocked forever
-            raise TraceError(f"{path}: not a regular file")
-        if st.st_size > MAX_TRACE_BYTES:
-            raise TraceError(f"{path}: {st.st_size:,} bytes, over the {MAX_TRACE_BYTES:,} of one trace file: split it")
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raw = read_regular_file(path, MAX_TRACE_BYTES)
+    except FileProblem as exc:
+        raise TraceError(f"{path}: {exc}{': split it' if 'limit' in str(exc) else ''}") from None
     if raw[:2] == b"\x1f\x8b":
         raw = _gunzip(path, raw)
     if not raw.strip():
