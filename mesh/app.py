@@ -307,8 +307,10 @@ def _router_families(gateway: Gateway) -> list[Any]:
     out = [moves]
     sessions = gateway.sessions
     if sessions is not None and hasattr(sessions, "__len__"):
-        # Bindings still held (an idle one leaves at the next expiry pass: every decision and every
-        # housekeeping round); mesh_sessions is the older name of the same gauge.
+        # Bindings still held: idle ones are expired first (else they counted until the next
+        # decision or housekeeping round); mesh_sessions is the older name of the same gauge.
+        if hasattr(sessions, "expire"):
+            sessions.expire(time.monotonic())
         live = len(sessions)
         out.append(GaugeMetricFamily("mesh_sessions_live", "Session bindings held", value=live))
         out.append(GaugeMetricFamily("mesh_sessions", "Session bindings held (alias of mesh_sessions_live)", value=live))

@@ -186,7 +186,7 @@ class PromptProcessor:
         raw: bytes | None = header or None
         if raw is None:
             value = body.get(self.registry.config.sessions.body_field)
-            if isinstance(value, str) and value:
+            if isinstance(value, str) and (value := value.strip(" \t")):  # as HTTP strips a header value
                 raw = value.encode("utf-8", "surrogatepass")
         if not raw:
             return None
