@@ -407,8 +407,13 @@ class AsyncLLMEngine:
         except BaseException as exc:  # the loop must not die silently
             log.exception("engine loop failed")
             self.error = exc
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {exc!r}"))
+            self.fail_all(f"engine loop died: {exc!r}")
+
+    def fail_all(self, reason: str) -> None:
+        """End every request's stream with ``EngineDeadError(reason)`` (the loop died, or a
+        shutdown's drain timed out); their consumers' exits abort them in the engine."""
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(reason))
 
     def _drain_inbox(self) -> None:
         while True:

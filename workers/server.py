@@ -452,9 +452,7 @@ async def end_in_flight(engine: AsyncLLMEngine) -> None:
     """A shutdown's drain timed out: every request still generating ends as on a dead engine (a
     stream with an error event and [DONE], an unanswered request with a 503); their generators'
     exits abort them in the engine. Runs on the event loop, which owns the streams' queues."""
-    # AsyncLLMEngine has no public "fail every stream": its own dead-loop path is used.
-    for request_id in list(engine._streams):
-        engine._deliver(request_id, EngineDeadError("the worker is shutting down"))
+    engine.fail_all("the worker is shutting down")
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: dict[str, Any] | None = None,
