@@ -78,8 +78,10 @@ def test_imbalance_overrides_affinity() -> None:
     assert d.target == "a"
 
 
-def test_ties_are_random_not_the_first_worker() -> None:
-    policy = CacheAware(seed=4)
+def test_ties_are_random_with_tie_break_random() -> None:
+    """``tie_break: random`` (SGLang itself takes the first least-loaded worker and a prefix's
+    creator: ``first``, the default, tests/test_review8_cache_aware_parity.py)."""
+    policy = CacheAware(seed=4, tie_break="random")
     targets = [TargetState(t, t) for t in "abcd"]
     picks = Counter(policy.decide(req(f"fresh {i}"), view(*targets)).target for i in range(400))
     assert set(picks) == set("abcd") and min(picks.values()) > 60
