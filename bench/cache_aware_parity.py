@@ -18,8 +18,8 @@ break ties by taking the first least-loaded worker), and sglang-router registers
 the order from the peer's ``GET /workers`` and configures Mesh with its workers in that order.
 
 Two request kinds: ``completions`` (the routed text is the prompt for both routers) and ``chat``
-(sglang-router routes on the message contents joined by spaces, Mesh on the rendered chat
-template, so their match rates differ a little; see docs/policies.md).
+(both route on the message contents joined by spaces, sglang-router's
+``extract_text_for_routing``; see docs/policies.md).
 
     python bench/cache_aware_parity.py [--workers 3] [--sequential 60] [--burst 80] [--after 30]
         [--kinds completions chat] [--seed 0] [--json bench/results/cache_aware_parity.json]

@@ -160,6 +160,7 @@ class PromptProcessor:
             session_id=session_id,
             text=tokens_text,
             lora=ns.lora,
+            routing_text=sglang_routing_text(source.content) if kind == "chat" else None,
         )
         return ParsedRequest(kind, body, raw, model, stream, info)
 
@@ -335,6 +336,34 @@ def prompt_source(body: dict[str, Any], kind: str) -> PromptSource:
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_chat_options") from exc
     return PromptSource(kind, messages, options, special)
+
+
+def sglang_routing_text(messages: list[Any]) -> str:
+    """The text sglang-router's cache_aware matches a chat request on (its
+    ``ChatCompletionRequest::extract_text_for_routing``): per message its content (text parts
+    joined by spaces), an assistant's ``content`` and ``reasoning_content`` joined and trimmed (left
+    out when both are empty), all joined by spaces; no roles, no template."""
+    out = []
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        text = _content_text(msg.get("content"))
+        if msg.get("role") == "assistant":
+            reasoning = msg.get("reasoning_content")
+            text = f"{text} {reasoning if isinstance(reasoning, str) else ''}".strip()
+            if not text:
+                continue
+        out.append(text)
+    return " ".join(out)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content
+                        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+    return ""
 
 
 def _render(messages: list[Any], tok: Any, options: ChatOptions) -> str:

@@ -95,6 +95,9 @@ class RequestInfo:
     text: str = ""  # rendered prompt, for text-based (approximate) policies
     lora: str | None = None
     request_id: str = ""
+    # The text SGLang's router matches on (chat: the messages' contents joined by spaces, no roles
+    # or template); None: use ``text``. cache_aware routes on it, as sglang-router does.
+    routing_text: str | None = None
 
 
 class PrefixIndexView(Protocol):

@@ -236,7 +236,7 @@ class CacheAware(Policy):
         if hi - lo > self.balance_abs_threshold and _f32(hi) > _f32(_f32(lo) * self._rel32):
             return Decision(self._least_loaded(loads), f"cache_aware: load imbalanced ({lo}..{hi}), least loaded",
                             scores)
-        text = request.text
+        text = request.routing_text if request.routing_text is not None else request.text
         tree = self._trees.get(request.model)
         matched, tenant = self._match(tree, text, loads) if tree is not None and text else (0, None)
         rate = _f32_rate(matched, len(text)) if text else 0.0
@@ -276,7 +276,7 @@ class CacheAware(Policy):
         tree = self._trees.get(request.model)
         if tree is None:
             tree = self._trees[request.model] = TextTree()
-        tree.insert(request.text, target, now)
+        tree.insert(request.routing_text if request.routing_text is not None else request.text, target, now)
         if self._next_eviction is None:
             self._next_eviction = now + self.eviction_interval_s
         elif now >= self._next_eviction:
