@@ -82,5 +82,8 @@ def test_the_strict_loader_refuses_a_key_given_twice() -> None:
 def test_relative_links_in_the_docs_resolve(path: Path) -> None:
     text = FENCE.sub("", path.read_text())
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
-    missing = [t for t in targets if not (path.parent / t).exists()]
+    # Links out of the repository (../shared/DESIGN.md: the workspace's design notes) are not
+    # part of a checkout; every link inside it must resolve.
+    inside = [t for t in targets if (path.parent / t).resolve().is_relative_to(ROOT)]
+    missing = [t for t in inside if not (path.parent / t).exists()]
     assert not missing, f"{path.relative_to(ROOT)}: links to missing files {missing}"
