@@ -383,6 +383,8 @@ async def end_in_flight(gateway: Gateway) -> None:
     in flight ends as a broken upstream does (a stream with whole events, then an error event; an
     unanswered request with an error answer, its retries refused by the closed pool) rather than
     being cut off mid-write. The lifespan's shutdown closes the pool again (a no-op)."""
+    if gateway.proxy is not None:
+        gateway.proxy.shut_down()  # first: the breaks the close causes are not the workers' failures
     if gateway.http is not None:
         await gateway.http.close()
 

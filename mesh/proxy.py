@@ -84,6 +84,13 @@ WRITE_CHECK_S = 0.25  # how often blocked client writes are checked: a timeout f
 LOG_EVERY_S = 10.0  # client write timeouts are logged at most once per this (the rest summed up)
 
 
+SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its shutdown timeout"
+
+
+def _shutdown_error() -> MeshError:
+    return MeshError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+
+
 class ClientWriteTimeout(Exception):
     """A write to the client waited longer than ``server.client_write_timeout_s``: the client is
     abandoned. Not a TimeoutError (the relay's own deadline catches those)."""
@@ -147,6 +154,16 @@ class Proxy:
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
         self._prefix_children: dict[str, tuple[Any, Any]] = {}  # target -> (predicted, reported)
         self._write_watch = _WriteWatch(metrics.client_write_timeouts_total)  # client writes past server.client_write_timeout_s
+        # Set by ``shut_down`` (the gateway's shutdown timeout, right before it closes the pool):
+        # from then on an upstream break is the gateway's doing, charged to no worker.
+        self.shutting_down = False
+
+    def shut_down(self) -> None:
+        """The gateway is about to close every upstream connection (``app.end_in_flight``): the
+        requests it cuts end with "the gateway is shutting down", and no worker's circuit breaker,
+        health or ``mesh_stream_errors_total`` is charged (they said "worker X failed mid-stream"
+        and counted a failure of a healthy worker)."""
+        self.shutting_down = True
 
     # -- ASGI entry --
     async def handle(self, scope: Scope, receive: Receive, send: Send, kind: str, route: str) -> None:
@@ -359,10 +376,14 @@ class Proxy:
                     if not first and resp.status == 200:  # no answer to relay: another worker may give one
                         raise _UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
             except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
+                if self.shutting_down:  # the pool closed under it: not the worker's doing
+                    raise _shutdown_error() from None
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
                 raise MeshError(504, f"worker {target.worker} timed out after {timeout:g} s", code="upstream_timeout") from None
             except UpstreamError as exc:  # connect errors, resets, bad responses: retryable
+                if self.shutting_down:  # the pool closed under it (or refuses): no retry, no worker charged
+                    raise _shutdown_error() from None
                 kind = "connect" if isinstance(exc, ConnectError) else "disconnect"
                 raise _UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
             lease.first_token()
@@ -391,6 +412,8 @@ class Proxy:
                 self._count_prefix(lease, tail)
             return None
         except _UpstreamFailed as exc:
+            if self.shutting_down and exc.body is None:  # e.g. "closed the stream before any data"
+                raise _shutdown_error() from None
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
             suspect = exc.status == 500 and exc.body is not None
             if exc.worker_fault and not suspect:
@@ -453,6 +476,9 @@ class Proxy:
             if not pending and c1.endswith(b"data: [DONE]\n\n"):  # the client has it all: only the framing broke
                 await state.end()
                 return b"".join((c4, c3, c2, c1))
+            if self.shutting_down:  # end_in_flight closed the pool: nobody's failure, nothing counted
+                await state.stream_error(SHUTDOWN_MESSAGE)
+                return b""
             self.metrics.stream_errors_total.inc()
             if isinstance(exc, UpstreamTimeout) and exc.reader_behind:
                 # The gateway had stopped reading the worker because this client did not read:
@@ -462,6 +488,9 @@ class Proxy:
             what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
             self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
             await state.stream_error(f"worker {target.worker} {what}")
+            return b""
+        if sse and not ended_whole(c2, c1) and self.shutting_down:
+            await state.stream_error(SHUTDOWN_MESSAGE)
             return b""
         if sse and not ended_whole(c2, c1):
             # The body ended (a FIN ends a close-delimited one) before the [DONE] every OpenAI

@@ -46,6 +46,13 @@ Invariants:
   bind: ``SET NX`` (Redis lost it: write it back) plus ``PEXPIRE``; it never overwrites another
   target. It used to rewrite this replica's target, so a turn ending here undid a move another
   replica had made and shared while it ran (the binding flapped between replicas).
+- A session with a request in flight here (``SessionTable.begin`` .. ``end``) never expires
+  locally, and must not in Redis either: its binding was written with ``PX idle_ttl`` when the
+  turn started, so a turn longer than the idle time let the shared key expire mid-turn and
+  another replica routed the session's next concurrent turn afresh. The flusher queues a
+  ``Refresh`` for every such session each ``idle_ttl_s / 2`` (``_keep_alive``), written in its
+  usual pipelines: Redis traffic is bounded by the sessions in flight here, never one call per
+  request, and the key always has at least half its idle time left while a turn runs.
 """
 
 from __future__ import annotations
@@ -343,9 +350,31 @@ class SharedSessionTable(SessionTable):
             for sid in list(itertools.islice(self._pending, extra)):
                 del self._pending[sid]
 
+    def _keep_alive(self) -> int:
+        """Queue a ``Refresh`` for each session with a request in flight here (not already queued:
+        a queued write restarts its idle time too); returns how many. ``_active`` holds normalized
+        ids, which are the gateway's (hashed, 32 chars) as they are."""
+        queued = 0
+        for sid in self._active:
+            b = self._bindings.get(sid)
+            if b is None or sid in self._pending:
+                continue
+            self._pending[sid] = Refresh(b[0])
+            queued += 1
+        if queued:
+            self._wake.set()
+        return queued
+
     async def run_flusher(self) -> None:
+        keep_at = time.monotonic() + self.idle_ttl_s / 2
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, keep_at - time.monotonic())):
+                    await self._wake.wait()
+            now = time.monotonic()
+            if now >= keep_at:  # in-flight sessions' shared bindings must outlive their turns
+                self._keep_alive()
+                keep_at = now + self.idle_ttl_s / 2  # a reload's new TTL applies from the next round
             self._wake.clear()
             if not await self.flush() and self._pending:
                 await asyncio.sleep(self.backend.retry_after_s)  # retry once the back-off is over
