@@ -26,9 +26,8 @@ from mesh.disagg import (
 )
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
-from mesh.proxy import (
-    HOP_BY_HOP, MAX_PENDING_EVENT, Proxy, _Exchange, _whole_events, ended_whole, is_sse,
-)
+from mesh.client_io import Exchange
+from mesh.proxy import HOP_BY_HOP, MAX_PENDING_EVENT, Proxy, _whole_events, ended_whole, is_sse
 from policies.base import NoCandidate
 
 log = logging.getLogger("mesh.disagg_gateway")
@@ -46,7 +45,7 @@ class DisaggProxy(Proxy):
         self.relay_config = config or RelayConfig()
         self.relay_stats = RelayStats()
 
-    async def _forward(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange,
+    async def _forward(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                        route: str, start: float) -> None:
         if getattr(self.router.policy, "pd", None) is None:  # no prefill/decode profiles
             await super()._forward(parsed, client_headers, state, route, start)
@@ -65,7 +64,7 @@ class DisaggProxy(Proxy):
             return
         await self._relay(parsed, client_headers, state, route, start, decision)
 
-    async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange,
+    async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Any) -> None:
         forward = self.registry.config.server.forward_authorization
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers
@@ -86,7 +85,7 @@ class DisaggProxy(Proxy):
                 # The request timeout bounds the relay whether the worker or the client is slow:
                 # a client that stops reading (socket open) would hold the decode lease forever.
                 # Sooner, a write to the client waiting past client_write_timeout_s raises
-                # ClientWriteTimeout (``_Exchange``): the finally below ends the decode lease and
+                # ClientWriteTimeout (``Exchange``): the finally below ends the decode lease and
                 # closes its connection, and ``Proxy.handle`` drops the client.
                 async with asyncio.timeout_at(resp.deadline):
                     await self._send_answer(resp, out, state)
@@ -99,7 +98,7 @@ class DisaggProxy(Proxy):
         finally:
             await resp.aclose()
 
-    async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: _Exchange) -> None:
+    async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: Exchange) -> None:
         if not resp.stream:
             await state.respond(resp.status, headers, resp.first)
             return
@@ -135,7 +134,7 @@ async def _decode_chunks(resp: RelayResponse) -> AsyncIterator[bytes]:
             yield chunk
 
 
-async def _relay_events(resp: RelayResponse, state: _Exchange) -> str | None:
+async def _relay_events(resp: RelayResponse, state: Exchange) -> str | None:
     """Relay an OpenAI event stream, whole events only (an unfinished one waits for its end, so
     that a break leaves the client whole events); None when it ended whole, with ``[DONE]``,
     else what broke it (the unfinished event is then dropped)."""

@@ -21,14 +21,14 @@ Invariants:
   stream (``text/event-stream``) whose body ends without the ``data: [DONE]`` every OpenAI
   server sends last broke (a worker that delimits its body by closing the connection and dies
   mid-stream just ends it); other streamed answers (a worker's JSON) are relayed as they come.
-- No write to the client waits longer than ``server.client_write_timeout_s`` (``_WriteWatch``,
-  up to ``WRITE_CHECK_S`` late; the server's flow control makes a write wait while its client
+- No write to the client waits longer than ``server.client_write_timeout_s`` (``WriteWatch``,
+  up to ``mesh.client_io.WRITE_CHECK_S`` late; the server's flow control makes a write wait while its client
   reads nothing): past it the client is abandoned (``ClientWriteTimeout``) as if it had left:
   the upstream response is closed, the lease ends, the connection is dropped, and the worker's
-  health is not touched (logged at most once per ``LOG_EVERY_S``, the rest summed up; the metric
+  health is not touched (logged at most once per ``mesh.client_io.LOG_EVERY_S``, the rest summed up; the metric
   counts each). A finished response whose bytes the client leaves buffered (a large
   non-streamed answer is one write that returns at once) has its connection dropped alike once
-  none of them is taken for that long (``_WriteWatch.drain``).
+  none of them is taken for that long (``WriteWatch.drain``).
 - Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
   cached tokens, from the decision's overlap on the chosen target) and the worker's
   ``usage.prompt_tokens_details.cached_tokens``. Only the end of the answer is searched (a JSON
@@ -44,13 +44,17 @@ import logging
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from mesh.errors import MeshError, sse_error_event
+from mesh.client_io import (
+    WATCH_AFTER_S, ClientWriteTimeout, Exchange, Receive, Send, WriteWatch, abort_client, client_label,
+    watch_disconnect,
+)
+from mesh.errors import MeshError
 from mesh.metrics import Metrics
 from mesh.prompt import ParsedRequest, PromptProcessor
 from mesh.registry import WorkerRegistry
@@ -61,8 +65,6 @@ from policies.base import NoCandidate, TargetState
 log = logging.getLogger("mesh.proxy")
 
 Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # Never forwarded in either direction (RFC 9110 hop-by-hop, plus what the proxy recomputes).
 HOP_BY_HOP = frozenset(
@@ -77,11 +79,8 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
 MAX_PENDING_EVENT = 1 << 20  # an unfinished SSE event held back longer than this is relayed as is
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
-WRITE_CHECK_S = 0.25  # how often blocked client writes are checked: a timeout fires up to this late
-LOG_EVERY_S = 10.0  # client write timeouts are logged at most once per this (the rest summed up)
 
 
 SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its shutdown timeout"
@@ -89,11 +88,6 @@ SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its s
 
 def _shutdown_error() -> MeshError:
     return MeshError(503, SHUTDOWN_MESSAGE, code="shutting_down")
-
-
-class ClientWriteTimeout(Exception):
-    """A write to the client waited longer than ``server.client_write_timeout_s``: the client is
-    abandoned. Not a TimeoutError (the relay's own deadline catches those)."""
 
 
 class _UpstreamFailed(Exception):
@@ -153,7 +147,7 @@ class Proxy:
         self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
         self._prefix_children: dict[str, tuple[Any, Any]] = {}  # target -> (predicted, reported)
-        self._write_watch = _WriteWatch(metrics.client_write_timeouts_total)  # client writes past server.client_write_timeout_s
+        self._write_watch = WriteWatch(metrics.client_write_timeouts_total)  # client writes past server.client_write_timeout_s
         # Set by ``shut_down`` (the gateway's shutdown timeout, right before it closes the pool):
         # from then on an upstream break is the gateway's doing, charged to no worker.
         self.shutting_down = False
@@ -170,14 +164,14 @@ class Proxy:
         """Serve one data-plane request end to end. Never raises (except real cancellation)."""
         start = time.perf_counter()
         task = asyncio.current_task()
-        state = _Exchange(send, self.registry.config.server.client_write_timeout_s, self._write_watch, task)
+        state = Exchange(send, self.registry.config.server.client_write_timeout_s, self._write_watch, task)
         watcher: asyncio.TimerHandle | None = None
         try:
             headers = scope["headers"]
             self._check_auth(headers)
             server = self.registry.config.server
             raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s)
-            watcher = state.loop.call_later(WATCH_AFTER_S, _watch_disconnect, receive, state, task)
+            watcher = state.loop.call_later(WATCH_AFTER_S, watch_disconnect, receive, state, task)
             t0 = time.perf_counter()
             parsed = await self.prompts.process(raw, kind, _header(headers, self._session_header()))
             self.metrics.prompt_seconds.observe(time.perf_counter() - t0)
@@ -204,13 +198,13 @@ class Proxy:
             self.metrics.request_done(route, state.status)
             self._route_hist[route].observe(time.perf_counter() - start)
 
-    async def _error(self, state: _Exchange, exc: MeshError, scope: Scope) -> None:
+    async def _error(self, state: Exchange, exc: MeshError, scope: Scope) -> None:
         try:
             await state.error(exc)
         except ClientWriteTimeout:
             await self._abandon(state, scope)
 
-    async def _abandon(self, state: _Exchange, scope: Scope) -> None:
+    async def _abandon(self, state: Exchange, scope: Scope) -> None:
         """The client accepted nothing for ``client_write_timeout_s``: it is the client's fault
         (no worker is charged). The upstream response and the lease were closed on the way out
         of ``_forward``; the connection is dropped here (answered 499, like a client that left)."""
@@ -219,8 +213,8 @@ class Proxy:
         self.metrics.client_write_timeouts_total.inc()
         self._write_watch.log.warning(
             "client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, worker freed",
-            _client_label(scope.get("client")), state.write_timeout_s)
-        if _abort_client(state.send):
+            client_label(scope.get("client")), state.write_timeout_s)
+        if abort_client(state.send):
             # one loop turn, so that the server sees the connection lost before the handler
             # returns (else uvicorn logs "ASGI callable returned without completing response")
             try:
@@ -245,7 +239,7 @@ class Proxy:
 
     # -- routing and attempts --
     async def _forward(
-        self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: _Exchange, route: str, start: float
+        self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange, route: str, start: float
     ) -> None:
         config = self.registry.config
         retries = config.retries
@@ -335,7 +329,7 @@ class Proxy:
         parsed: ParsedRequest,
         lease: Lease,
         headers: list[bytes],
-        state: _Exchange,
+        state: Exchange,
         route: str,
         start: float,
         suspects: list[_Failure],
@@ -424,7 +418,7 @@ class Proxy:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
 
     async def _stream(
-        self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: _Exchange,
+        self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: Exchange,
         target: TargetState, lease: Lease, deadline: float, sse: bool,
     ) -> bytes:
         """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke.
@@ -445,7 +439,7 @@ class Proxy:
             timer.cancel()
 
     async def _relay_stream(
-        self, resp: UpstreamResponse, data: bytes, state: _Exchange, target: TargetState, sse: bool,
+        self, resp: UpstreamResponse, data: bytes, state: Exchange, target: TargetState, sse: bool,
     ) -> bytes:
         # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
         # [DONE] end the stream, however the reads split them.
@@ -527,314 +521,8 @@ class Proxy:
         pair[1].inc(int(found.group(1)))
 
 
-class _WriteWatch:
-    """Finds writes to clients that have waited past their timeout (owned by the Proxy): one
-    timer per event loop, every ``WRITE_CHECK_S`` while there is something to watch, over the
-    live exchanges and the connections still draining a finished response.
-
-    A write in progress at a sweep (``in_write``: its task is suspended inside the write, since a
-    write that completes at once is over before any sweep runs) is first stamped with that sweep's
-    time (``blocked_since``, for its ``sends`` count); while the same write is still in progress
-    ``write_timeout_s`` later, the exchange is timed out. So a timeout fires between
-    ``write_timeout_s`` and ``write_timeout_s + WRITE_CHECK_S`` after the write began. Nothing
-    is armed per request or per write: a timer per request, or a clock read and a set update per
-    write, cost more than the rest of ``_Exchange`` (measured: see ``chunk``). A sweep reads two
-    attributes per live request: 0.15 ms for 10,000 streams (measured, uvloop).
-
-    A response's last write returns at once however large it is (the transport buffers it: a
-    non-streamed answer is one write of up to ``MAX_ANSWER_BYTES``), and the handler ends. Its
-    connection is then watched (``draining``) while bytes stay buffered: one that takes none of
-    them for the write timeout is dropped (else a hung client pinned the answer, and the
-    connection, for as long as its socket stayed open: a keep-alive close waits for the drain).
-    """
-
-    __slots__ = ("live", "draining", "_loop", "_timeouts", "log")
-
-    def __init__(self, timeouts: Any = None) -> None:
-        self.live: set[_Exchange] = set()
-        # transport -> [bytes buffered when last seen to change, loop time then, timeout]
-        self.draining: dict[Any, list[Any]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timeouts = timeouts  # mesh_client_write_timeouts_total (for dropped draining connections)
-        # Many hung clients must not flood the log: every timeout is counted by the metric, not logged.
-        self.log = _RateLimitedWarning(log, "client write timeouts")
-
-    def ensure(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Sweep on ``loop`` (once per loop: a test may run several in turn; again after idling)."""
-        if self._loop is not loop:
-            if self._loop is not None:
-                self.draining.clear()  # another loop's connections
-            self._loop = loop
-            loop.call_later(WRITE_CHECK_S, self._sweep, loop)
-
-    def drain(self, send: Send, timeout_s: float) -> None:
-        """A response is complete: watch its connection while its bytes are still buffered."""
-        transport = _transport_of(send)
-        size = _buffered(transport)
-        if size and self._loop is not None:
-            self.draining[transport] = [size, self._loop.time(), timeout_s]
-
-    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        if loop is not self._loop:
-            return  # a newer loop took over
-        now = loop.time()
-        late = []
-        for state in self.live:
-            if not state.in_write:
-                continue
-            if state.sends != state.seen_send:  # a write not seen in progress before
-                state.seen_send = state.sends
-                state.blocked_since = now
-            elif now - state.blocked_since >= state.write_timeout_s:
-                late.append(state)
-        for state in late:
-            state.time_out()
-        if self.draining:
-            self._sweep_draining(now)
-        if not self.live and not self.draining:
-            self._loop = None  # idle: the next exchange starts the timer again
-            return
-        loop.call_later(WRITE_CHECK_S, self._sweep, loop)
-
-    def _sweep_draining(self, now: float) -> None:
-        for transport, entry in list(self.draining.items()):
-            size = _buffered(transport)
-            if not size:  # drained, or the connection is gone
-                del self.draining[transport]
-            elif size != entry[0]:  # the client took some (or the connection's next response wrote)
-                entry[0], entry[1] = size, now
-            elif now - entry[1] >= entry[2]:
-                del self.draining[transport]
-                transport.abort()
-                if self._timeouts is not None:
-                    self._timeouts.inc()
-                client = transport.get_extra_info("peername")
-                self.log.warning("client write timeout: %s took none of the %d response bytes still buffered for "
-                                 "%g s; connection dropped", _client_label(client), size, entry[2])
-
-
-class _RateLimitedWarning:
-    """Warnings of one kind, at most one line per ``every_s``: the first in full; the ones within
-    ``every_s`` of the last line are held and counted, and one line says how many when that time
-    is up (a timer on the running loop; else the next call writes it). Loop-thread only."""
-
-    __slots__ = ("_log", "_what", "_every_s", "_clock", "_last_line", "_held", "_timer")
-
-    def __init__(self, logger: logging.Logger, what: str, every_s: float = LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._log = logger
-        self._what = what  # plural noun, e.g. "client write timeouts"
-        self._every_s = every_s
-        self._clock = clock
-        self._last_line = float("-inf")  # clock time of the last line written
-        self._held = 0  # warnings since then, not written
-        self._timer: asyncio.TimerHandle | None = None  # writes the summary when the period ends
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = self._clock()
-        if self._held and now - self._last_line >= self._every_s:  # the timer did not run (no loop, or a late one)
-            self.flush()
-        if now - self._last_line >= self._every_s:
-            self._log.warning(msg, *args)
-            self._last_line = now
-            return
-        self._held += 1
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no loop: the next call writes the summary
-            self._timer = loop.call_later(self._last_line + self._every_s - now, self.flush)
-
-    def flush(self) -> None:
-        """Write the summary of the held warnings, if any (a new period starts with it)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._held:
-            return
-        now = self._clock()
-        self._log.warning("%s: %d more in the last %.3g s (logged at most once per %g s)",
-                          self._what, self._held, now - self._last_line, self._every_s)
-        self._held = 0
-        self._last_line = now
-
-
-class _Exchange:
-    """The client side of one request: what was sent, and whether the client left.
-
-    Every write counts itself (``sends``) and is flagged while in progress (``in_write``) for the
-    ``_WriteWatch``, which times out one that waited ``write_timeout_s``: it cancels the handler
-    task, and the write turns that cancellation into ``ClientWriteTimeout``. The watch only times
-    out an exchange whose write is in progress, i.e. whose task is suspended inside that write's
-    ``await``, so the cancellation always lands there.
-    """
-
-    __slots__ = ("send", "started", "done", "disconnected", "status", "watch_task", "write_timeout_s", "sends",
-                 "in_write", "seen_send", "blocked_since", "write_timed_out", "watch", "loop", "task")
-
-    def __init__(self, send: Send, write_timeout_s: float = 30.0, watch: _WriteWatch | None = None,
-                 task: asyncio.Task[Any] | None = None) -> None:
-        self.send = send
-        self.watch_task: asyncio.Task[None] | None = None
-        self.started = False
-        self.done = False
-        self.disconnected = False
-        self.status = 500
-        self.write_timeout_s = write_timeout_s
-        self.sends = 0  # writes begun
-        self.in_write = False
-        self.seen_send = 0  # the write the watch last saw in progress, since loop time blocked_since
-        self.blocked_since = 0.0
-        self.write_timed_out = False
-        self.watch = watch  # None: writes are not bounded
-        self.loop = asyncio.get_running_loop()
-        self.task = task  # the handler's task, cancelled by a write timeout
-        if watch is not None:
-            watch.ensure(self.loop)
-            watch.live.add(self)
-
-    def finish(self) -> None:
-        """The handler is done: nothing more is sent; its connection is watched while the
-        response's bytes are still buffered (``_WriteWatch.drain``)."""
-        self.done = True
-        watch = self.watch
-        if watch is not None:
-            watch.live.discard(self)
-            if self.started and not self.write_timed_out and not self.disconnected:
-                watch.drain(self.send, self.write_timeout_s)
-
-    def time_out(self) -> None:
-        """Called by the watch while a write waits: end the handler's wait."""
-        if self.task is not None and not self.write_timed_out:
-            self.write_timed_out = True
-            self.task.cancel()
-
-    def _timed_out(self) -> ClientWriteTimeout | None:
-        """In a write's ``except CancelledError``: the error to raise instead, if the watch cancelled."""
-        if not self.write_timed_out:
-            return None
-        self.task.uncancel()  # type: ignore[union-attr]
-        return ClientWriteTimeout(f"the client accepted no bytes for {self.write_timeout_s:g} s")
-
-    async def _send(self, message: MutableMapping[str, Any]) -> None:
-        self.sends += 1
-        self.in_write = True
-        try:
-            await self.send(message)
-        except asyncio.CancelledError:
-            error = self._timed_out()
-            if error is None:
-                raise
-            raise error from None
-        finally:
-            self.in_write = False
-
-    async def chunk(self, data: bytes) -> None:
-        # ``_send`` inlined: this runs once per relayed event. Measured with a no-op send (uvloop):
-        # 270 ns a call unwatched, +40 ns so; a clock read and a set update per write took +220 ns.
-        self.sends += 1
-        self.in_write = True
-        try:
-            await self.send({"type": "http.response.body", "body": data, "more_body": True})
-        except asyncio.CancelledError:
-            error = self._timed_out()
-            if error is None:
-                raise
-            raise error from None
-        finally:
-            self.in_write = False
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
-        self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def last(self, data: bytes) -> None:
-        self.done = True
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-
-    async def end(self) -> None:
-        self.done = True
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        headers.append((b"content-length", str(len(body)).encode()))
-        self.started = True
-        self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        self.done = True
-        await self._send({"type": "http.response.body", "body": body})
-
-    async def error(self, exc: MeshError) -> None:
-        if self.done:
-            return  # the response is complete; nothing more can be said
-        if self.started:
-            await self.stream_error(exc.message)
-            return
-        headers = [(b"content-type", b"application/json")]
-        headers.extend((k.encode(), v.encode()) for k, v in exc.headers.items())
-        await self.respond(exc.status, headers, exc.to_bytes())
-
-    async def stream_error(self, message: str) -> None:
-        self.done = True
-        await self._send({"type": "http.response.body", "body": sse_error_event(message), "more_body": False})
-
-
-def _transport_of(send: Send) -> Any:
-    """The connection's transport, or None. ASGI has no message to drop a connection, but
-    uvicorn's ``send`` (h11 and httptools alike) is a bound method of its request cycle, which
-    holds the connection's transport."""
-    return getattr(getattr(send, "__self__", None), "transport", None)
-
-
-def _buffered(transport: Any) -> int:
-    """Bytes written to ``transport`` and not yet taken by the client (0: unknown or closed)."""
-    try:
-        return int(transport.get_write_buffer_size()) if transport is not None else 0
-    except Exception:  # not an asyncio/uvloop transport, or already torn down
-        return 0
-
-
-def _client_label(client: Any) -> str:
-    return f"{client[0]}:{client[1]}" if isinstance(client, tuple) and len(client) >= 2 else "a client"
-
-
-def _abort_client(send: Send) -> bool:
-    """Drop the client's connection now; whether it could. A close would first wait for the
-    unread bytes to drain: forever, for a hung client (under a server whose ``send`` holds no
-    transport the handler returns with the response unfinished, and the server closes the
-    connection)."""
-    transport = _transport_of(send)
-    abort = getattr(transport, "abort", None)
-    if not callable(abort):
-        return False
-    abort()
-    return True
-
-
 def _finish_lease(lease: Lease) -> None:
     lease.finish(time.monotonic())
-
-
-def _watch_disconnect(receive: Receive, state: _Exchange, task: asyncio.Task[Any] | None) -> None:
-    """Start watching for a client disconnect; it cancels ``task`` unless the response is complete.
-
-    Started ``WATCH_AFTER_S`` after the request began (a timer is far cheaper than a task, and
-    requests that finish sooner have nothing worth cancelling).
-    """
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not state.done and task is not None:
-                    state.disconnected = True
-                    task.cancel()
-                return
-
-    if not state.done:
-        state.watch_task = asyncio.get_running_loop().create_task(watch())
 
 
 async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float) -> bytes:

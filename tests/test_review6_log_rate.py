@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mesh.proxy import LOG_EVERY_S, _RateLimitedWarning
+from mesh.client_io import LOG_EVERY_S, RateLimitedWarning
 from tests.procs import ProcessGroup, stalled_client, wait_until
 from tests.test_client_write_timeout import WORD, Gateway, _dropped, _gateway
 
@@ -61,7 +61,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_held_warnings_are_summed_up_in_one_line_per_period(caplog: pytest.LogCaptureFixture) -> None:
     assert LOG_EVERY_S == 10.0
     clock = _Clock()
-    limited = _RateLimitedWarning(logging.getLogger("test.rate"), "client write timeouts", every_s=10.0, clock=clock)
+    limited = RateLimitedWarning(logging.getLogger("test.rate"), "client write timeouts", every_s=10.0, clock=clock)
     caplog.set_level(logging.WARNING, logger="test.rate")
     limited.warning("client write timeout: %s", "first")
     for _ in range(5):
@@ -84,7 +84,7 @@ def test_the_summary_line_comes_without_a_further_warning(caplog: pytest.LogCapt
     caplog.set_level(logging.WARNING, logger="test.rate")
 
     async def main() -> None:
-        limited = _RateLimitedWarning(logging.getLogger("test.rate"), "client write timeouts", every_s=0.05)
+        limited = RateLimitedWarning(logging.getLogger("test.rate"), "client write timeouts", every_s=0.05)
         for _ in range(3):
             limited.warning("client write timeout: one")
         for _ in range(200):  # the summary's timer, on the running loop
