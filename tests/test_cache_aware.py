@@ -80,7 +80,7 @@ def test_imbalance_overrides_affinity() -> None:
 
 def test_ties_are_random_with_tie_break_random() -> None:
     """``tie_break: random`` (SGLang itself takes the first least-loaded worker and a prefix's
-    creator: ``first``, the default, tests/test_review8_cache_aware_parity.py)."""
+    creator: ``first``, the default, tests/test_cache_aware_parity.py)."""
     policy = CacheAware(seed=4, tie_break="random")
     targets = [TargetState(t, t) for t in "abcd"]
     picks = Counter(policy.decide(req(f"fresh {i}"), view(*targets)).target for i in range(400))

@@ -22,7 +22,7 @@ import yaml
 
 from mesh.chat import ChatOptions, ChatRenderer, detect_content_format
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_http
-from tests.test_review_prompt_path import CHATML, build_tokenizer
+from tests.test_prompt_path import CHATML, build_tokenizer
 
 _TAIL = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 # loops over message['content'] and reads each part's type: vLLM detects "openai"

@@ -26,7 +26,7 @@ from mesh.registry import WorkerRegistry
 from mesh.tokenizer import HFTokenizer
 from tests.e2e_bundled import start_workers, write_config
 from tests.procs import ProcessGroup, free_port, wait_until
-from tests.test_review_prompt_path import build_tokenizer
+from tests.test_prompt_path import build_tokenizer
 
 # Qwen2.5/Qwen3-shaped: tools as JSON lines in the system turn, documents, a thinking switch.
 TOOLS_TEMPLATE = (

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
-from tests.test_review_load_sessions import PD_POLICY
-from tests.test_review_streaming import FAKE_WORKER
+from tests.test_load_accounting import PD_POLICY
+from tests.test_streaming import FAKE_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
 WRITE_TIMEOUT_S = 1.0  # the request timeout is a minute: only the write timeout can end these requests

@@ -24,7 +24,7 @@ from mesh.chat import DEFAULT_CHAT_TEMPLATE
 from mesh.config import ConfigError, parse_config
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 from tests.test_chat_content_format import MESSAGES, PARTS, hf_render, vllm_conversation
-from tests.test_review_prompt_path import build_tokenizer
+from tests.test_prompt_path import build_tokenizer
 
 # model -> (tokenizer: PARTS' directory or None for the byte tokenizer, whose template is ChatML; format)
 POOLS = {"parts-auto": ("parts", "auto"), "parts-string": ("parts", "string"), "parts-openai": ("parts", "openai"),

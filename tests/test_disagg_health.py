@@ -11,7 +11,7 @@ import httpx
 import yaml
 
 from tests.procs import ProcessGroup, free_port, kill_process, wait_until
-from tests.test_review_load_sessions import PD_POLICY
+from tests.test_load_accounting import PD_POLICY
 
 ADMIN = {"authorization": "Bearer adm"}
 

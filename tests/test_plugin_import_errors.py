@@ -1,4 +1,4 @@
-"""Review 6, through the real CLI (``mesh config validate``): a ``module:Class`` plugin whose
+"""Through the real CLI (``mesh config validate``)a ``module:Class`` plugin whose
 module cannot be imported said only "No module named 'x'"; the plugin's directory is not on the
 import path, and the message now says how to put it there (or which dependency is missing)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from tests.procs import REPO
-from tests.test_review6_policies import _validate
+from tests.test_pipeline_validation import _validate
 
 
 def test_an_unimportable_plugin_module_hints_at_the_import_path(tmp_path: Path) -> None:

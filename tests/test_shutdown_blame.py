@@ -1,4 +1,4 @@
-"""Review 9: a stream cut by the gateway's own shutdown timeout is not blamed on its worker.
+"""A stream cut by the gateway's own shutdown timeout is not blamed on its worker.
 
 ``end_in_flight`` ends what is still in flight by closing the upstream pool; the proxy saw a
 broken upstream and said "worker w0 failed mid-stream", charged w0's circuit breaker (opened
@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_until
-from tests.test_review7_ops_shutdown import LONG, StreamReader, refused
+from tests.test_shutdown_signals import LONG, StreamReader, refused
 
 
 def test_a_stream_ended_by_the_shutdown_timeout_blames_the_gateway_not_the_worker(

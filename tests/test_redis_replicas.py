@@ -1,4 +1,4 @@
-"""Review 6: gateway replicas sharing one real redis-server (``state.backend: redis``).
+"""Gateway replicas sharing one real redis-server (``state.backend: redis``).
 
 - A replica whose wall clock is minutes off (no NTP on its host) still shares load with the
   others: the replica set was dated by each replica's own clock and pruned a minute either side

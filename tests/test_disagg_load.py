@@ -1,4 +1,4 @@
-"""Load accounting of the disaggregated relay in a real gateway over real workers (review).
+"""Load accounting of the disaggregated relay in a real gateway over real workers.
 
 Echo workers take the prefill and decode roles (a prefill answer without ``kv_transfer_params``
 is the relay's fallback: the decode worker computes the prompt; the leases are the same), a
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
-from tests.test_review_load_sessions import PD_POLICY, PD_WORKER
+from tests.test_load_accounting import PD_POLICY, PD_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
 TIMEOUT_S = 1.0  # the gateway's request timeout

@@ -1,4 +1,4 @@
-"""Review 7: session-sticky routing over kv_aware (the default policy) on real gateway processes,
+"""session-sticky routing over kv_aware (the default policy) on real gateway processes,
 real echo workers and real KV event streams (a ZMQ publisher per worker rank, owned by the test,
 that says which worker holds which prefix; the gateway keys the blocks itself from the tokens).
 

@@ -1,4 +1,4 @@
-"""Review 7: Mesh's processes under real signals, as an operator drives them.
+"""Mesh's processes under real signals, as an operator drives them.
 
 ``mesh serve``, ``mesh up`` and ``mesh worker`` drain on SIGTERM for a bounded time, then end what
 is still in flight with a clean error (a stream's error event and [DONE]; a 503), exit 0, and a

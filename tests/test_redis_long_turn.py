@@ -1,4 +1,4 @@
-"""Review 9: a turn longer than the idle time keeps its shared binding alive (``state.backend: redis``).
+"""A turn longer than the idle time keeps its shared binding alive (``state.backend: redis``).
 
 The local table pins a session while a request of it runs, but the Redis copy was written with
 ``PX idle_ttl`` when the turn started: a turn longer than the idle time let the key expire

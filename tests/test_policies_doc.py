@@ -1,4 +1,4 @@
-"""Review 5: docs/policies.md names only parameters the built-in plugins really take."""
+"""docs/policies.md names only parameters the built-in plugins really take."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review 6 of ``server.client_write_timeout_s``, over real processes.
+"""``server.client_write_timeout_s``, over real processes.
 
 A non-streamed answer is written to the client in one ASGI message: the write returns at once
 (the transport buffers it) and the handler ends, so no write ever waited and the write watch never

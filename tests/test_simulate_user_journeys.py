@@ -1,4 +1,4 @@
-"""Review 5: ``mesh simulate`` as a demanding user runs it (real CLI subprocesses, real files)."""
+"""``mesh simulate`` as a demanding user runs it (real CLI subprocesses, real files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review 5: the CLI as a user drives it: ``mesh up --policy FILE``, ``mesh config validate``,
+"""The CLI as a user drives it: ``mesh up --policy FILE``, ``mesh config validate``,
 help texts and bad input (real processes)."""
 
 from __future__ import annotations

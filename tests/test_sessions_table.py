@@ -1,4 +1,4 @@
-"""Review 7: a session is not idle while a request of it runs (``SessionTable.begin``/``end``,
+"""A session is not idle while a request of it runs (``SessionTable.begin``/``end``,
 called by the router's commit and its lease's end)."""
 
 from __future__ import annotations

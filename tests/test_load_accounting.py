@@ -1,4 +1,4 @@
-"""Load accounting and session bindings of a real gateway over real workers (review).
+"""Load accounting and session bindings of a real gateway over real workers.
 
 Load: every way a request can end (success, a worker's 4xx/5xx, retry then success, a stream
 broken mid-way, a connect error, a client leaving before or while streaming, the request timeout,
@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, kill_process, stalled_client, wait_http, wait_until
-from tests.test_review_streaming import FAKE_WORKER
+from tests.test_streaming import FAKE_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}
 TIMEOUT_S = 1.5  # the gateway's request timeout

@@ -1,4 +1,4 @@
-"""Review 6: client write timeouts are logged at most once per ``LOG_EVERY_S`` (10 s).
+"""Client write timeouts are logged at most once per ``LOG_EVERY_S`` (10 s).
 
 Was: one warning per timed-out client, with no limit: many hung clients flooded the gateway's log.
 Now the first is logged in full; the ones within the next 10 s are counted, and one line says how

@@ -301,9 +301,9 @@ def stack(module_procs: ProcessGroup) -> Iterator[Stack]:
             "health": {"interval_s": 0.2, "timeout_s": 1},
             "index": {"speculative_ttl_s": 0},  # every overlap seen comes from the published events
         }
-        path = module_procs.log_dir / "review7_events.yaml"
+        path = module_procs.log_dir / "upstream_events.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        gw = module_procs.gateway(path, port=free_port(), name="gateway-review7-events")
+        gw = module_procs.gateway(path, port=free_port(), name="gateway-upstream-events")
         s = Stack(gw.url, vpub, spub)
         wait_until(lambda: s.metric("mesh_kv_events_healthy", target="wv") == 1.0
                    and s.metric("mesh_kv_events_healthy", target="ws") == 1.0, what="both streams live")

@@ -1,4 +1,4 @@
-"""Review 6: ``simulator.block_text.BlockText`` spells block keys as characters for text-based
+"""``simulator.block_text.BlockText`` spells block keys as characters for text-based
 policies in ``mesh simulate``. Codes were plain code points in order of first sight, so the
 55,297th distinct key became a lone surrogate (U+D800): the request's ``text`` could not be
 encoded, and a policy that hashes or encodes it (a plugin's consistent hash, any UTF-8 use)

@@ -1,4 +1,4 @@
-"""Review: seeded stress of the engine in-process (tiny preset, CPU) and the bugs it found.
+"""Seeded stress of the engine in-process (tiny preset, CPU) and the bugs it found.
 
 Each test is the smallest sequence that failed before its fix."""
 

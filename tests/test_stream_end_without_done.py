@@ -1,4 +1,4 @@
-"""Review 6: an OpenAI SSE stream that ends without ``data: [DONE]`` is a worker failing mid-stream.
+"""An OpenAI SSE stream that ends without ``data: [DONE]`` is a worker failing mid-stream.
 
 A worker that delimits its answer by closing the connection (HTTP/1.0 style: no Content-Length,
 no chunked encoding, or a proxy in between doing so) and dies mid-stream sends a plain FIN: the
@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
-from tests.test_review_load_sessions import PD_POLICY
-from tests.test_review_streaming import sse_data
+from tests.test_load_accounting import PD_POLICY
+from tests.test_streaming import sse_data
 
 ADMIN = {"authorization": "Bearer adm"}
 
