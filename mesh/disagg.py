@@ -24,6 +24,10 @@ Failures before the first byte reached the client are retried:
   prefill side is at fault): a new pair, that prefill worker excluded.
 A 4xx that is the client's fault is answered as is.
 
+Closed under it: a caller ends every relay in flight by closing the relay's client (the gateway's
+shutdown timeout). Whatever breaks once the client is closed is the caller's doing: ``RelayClosed``
+at once (503 ``shutting_down``), no retry, no worker charged.
+
 Exactly once: every lease is finished exactly once (``try/finally``, ``RelayResponse.aclose``);
 a transfer the relay gives up on (a new pair, an error answer, a client that went away) is
 cancelled at its prefill worker (``POST /kv_transfer/release {cancel: true}``, best effort: the
@@ -142,6 +146,14 @@ class RelayError(Exception):
 
 def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "service_unavailable_error" if status == 503 else "server_error"
+
+
+class RelayClosed(RelayError):
+    """The relay's client was closed under the request (the gateway's shutdown ends what is in
+    flight that way): nothing is retried and no worker is charged."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the relay's connections were closed (the gateway is shutting down)", "shutting_down")
 
 
 class _Retry(Exception):
@@ -304,11 +316,13 @@ class _Relay:
     async def prefill(self, target_id: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The prefill answer's ``kv_transfer_params`` (None: an engine without a KV connector,
         the decode side computes everything) and ``usage``."""
+        self.check_open()
         lease = self.router.commit(replace(self.info, session_id=None), Decision(target_id, "prefill"), self.now())
         try:
             resp = await self.client.post(self.url(target_id), json=prefill_body(self.body), headers=self.headers,
                                           timeout=self.timeout)
         except httpx.HTTPError as exc:
+            self.check_open()  # closed under it: not the worker's failure
             self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")
             raise _Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
         finally:
@@ -394,6 +408,7 @@ class _Relay:
         # Committed without the session: a decode worker that refuses or fails must not take it
         # (each refusal moved it); it is bound to the worker whose answer the client gets.
         info = replace(self.info, session_id=None) if self.info.session_id else self.info
+        self.check_open()
         lease = self.router.commit(info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
         deadline = asyncio.get_running_loop().time() + self.config.timeout_s
         resp: httpx.Response | None = None
@@ -410,6 +425,7 @@ class _Relay:
                     chunks = resp.aiter_raw() if self.stream else None
                     first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
             except httpx.HTTPError as exc:
+                self.check_open()  # closed under it: not the worker's failure
                 self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")
                 raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
             except TimeoutError as exc:
@@ -417,6 +433,7 @@ class _Relay:
                 raise _Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
                              code="upstream_timeout") from exc
             if self.stream and not first:
+                self.check_open()
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
             self.health.record_success(decode_id)
             lease.first_token()
@@ -434,6 +451,12 @@ class _Relay:
                 lease.finish(self.now())
                 if resp is not None:
                     await resp.aclose()
+
+    def check_open(self) -> None:
+        """Raise ``RelayClosed`` once the relay's client is closed: before an attempt (a closed
+        client raises RuntimeError on send), and when one broke (the close broke it)."""
+        if self.client.is_closed:
+            raise RelayClosed()
 
     def session_request_ended(self, lease: Lease, now: float) -> None:
         """Restart the session's idle time when the answer ends (a session is not idle while a

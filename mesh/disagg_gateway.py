@@ -22,12 +22,14 @@ from typing import Any
 import httpx
 
 from mesh.disagg import (
-    DecodeQueue, RelayConfig, RelayError, RelayResponse, RelayStats, full_for_pairs, relay_disaggregated,
+    DecodeQueue, RelayClosed, RelayConfig, RelayError, RelayResponse, RelayStats, full_for_pairs, relay_disaggregated,
 )
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
 from mesh.client_io import Exchange
-from mesh.proxy import HOP_BY_HOP, MAX_PENDING_EVENT, Proxy, _whole_events, ended_whole, is_sse
+from mesh.proxy import (
+    HOP_BY_HOP, MAX_PENDING_EVENT, SHUTDOWN_MESSAGE, Proxy, _shutdown_error, _whole_events, ended_whole, is_sse,
+)
 from policies.base import NoCandidate
 
 log = logging.getLogger("mesh.disagg_gateway")
@@ -44,6 +46,15 @@ class DisaggProxy(Proxy):
         self.decode_queue = queue or DecodeQueue()
         self.relay_config = config or RelayConfig()
         self.relay_stats = RelayStats()
+        self._closing: asyncio.Task[None] | None = None
+
+    def shut_down(self) -> None:
+        """As ``Proxy.shut_down`` (the flag that charges no worker for what the close breaks), and
+        the relay's client closes too: ``end_in_flight`` closes the ordinary proxy's pool only,
+        so relayed requests ran on until uvicorn cancelled them and cut their clients off."""
+        super().shut_down()
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.http.aclose())
 
     async def _forward(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                        route: str, start: float) -> None:
@@ -74,6 +85,8 @@ class DisaggProxy(Proxy):
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
                 config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
             )
+        except RelayClosed:
+            raise _shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
         except RelayError as exc:
             out = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in exc.headers.items())]
             await state.respond(exc.status, out, exc.body)
@@ -111,6 +124,9 @@ class DisaggProxy(Proxy):
         broke = await _relay_events(resp, state)
         if broke is None:
             await state.end()
+            return
+        if self.shutting_down:  # the relay's client was closed under it: nobody's failure, nothing counted
+            await state.stream_error(SHUTDOWN_MESSAGE)
             return
         # As ``Proxy._relay_stream`` treats a break: the client has whole events, then the error
         # event; the decode worker's failure counts toward its circuit breaker (the relay counted
@@ -199,3 +215,5 @@ async def uninstall(gateway: Any) -> None:
     proxy = gateway.proxy
     if isinstance(proxy, DisaggProxy):
         await proxy.http.aclose()
+        if proxy._closing is not None:
+            await asyncio.gather(proxy._closing, return_exceptions=True)
