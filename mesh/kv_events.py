@@ -6,6 +6,11 @@ Accepted shapes:
 - event: a map with a ``"type"`` tag (current vLLM, msgspec ``tag=True``) or an array whose
   element 0 is the tag (``array_like=True``: older vLLM, SGLang); trailing fields may be missing,
   unknown keys and extra elements are ignored.
+- ``BlockRemoved.remaining_copy_counts`` (vLLM PR #48933, optional): per block hash, the physical
+  copies of it the engine still holds after this removal (vLLM does not deduplicate blocks: a hash
+  may name several). Map key ``remaining_copy_counts``, or positional slot 4 (after group_idx).
+  Present but malformed (not an array of non-negative ints as long as block_hashes): the removal
+  is still decoded, without the counts, and flagged ``bad_copy_counts`` for the caller to count.
 
 Block hashes arrive as u64, i64 or raw bytes. They are normalized to a u64 int: ints modulo 2**64
 (an i64 keeps its two's-complement bits, as Dynamo's ``cast_unsigned``), bytes as
@@ -55,6 +60,10 @@ class BlockRemoved:
     medium: str
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    # vLLM PR #48933: per hash, the physical copies the engine still holds after this removal
+    # (None: the producer cannot tell, e.g. offloading events, or an older engine)
+    remaining_copy_counts: tuple[int, ...] | None = None
+    bad_copy_counts: bool = False  # the field was present but malformed: ignored, as if absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +235,15 @@ def _event(ev: Any) -> Event | str:
         if tag == "BlockStored":
             return _stored_map(ev)
         if tag == "BlockRemoved":
+            hashes = _hashes(ev.get("block_hashes"))
+            counts = _copy_counts(ev.get("remaining_copy_counts"), len(hashes))
             return BlockRemoved(
-                _hashes(ev.get("block_hashes")),
+                hashes,
                 _medium(ev.get("medium")),
                 _opt_int(ev.get("group_idx")),
                 _opt_str(ev.get("kv_cache_spec_kind")),
+                None if counts is _BAD_FIELD else counts,
+                counts is _BAD_FIELD,
             )
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
@@ -287,12 +300,22 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
 
 
 def _removed_array(ev: Sequence[Any]) -> BlockRemoved:
-    # tag, block_hashes, medium, group_idx (, kv_cache_spec_kind, sliding_window)
+    # tag, block_hashes, medium, group_idx, remaining_copy_counts (vLLM PR #48933); older tails:
+    # tag, block_hashes, medium, group_idx (, kv_cache_spec_kind, sliding_window). An array in
+    # slot 4 is the counts (no older tail puts one there); anything else there is an older tail.
     n = len(ev)
     if n < 2:
         raise _Bad("BlockRemoved array without block_hashes")
-    group_idx, kind = _tail(ev[3:])
-    return BlockRemoved(_hashes(ev[1]), _medium(ev[2] if n > 2 else None), group_idx, kind)
+    hashes = _hashes(ev[1])
+    if n > 4 and isinstance(ev[4], (list, tuple)):
+        counts = _copy_counts(ev[4], len(hashes))
+        group_idx, kind = _tail(ev[3:4])
+    else:
+        counts = None
+        group_idx, kind = _tail(ev[3:])
+    if counts is _BAD_FIELD:
+        return BlockRemoved(hashes, _medium(ev[2] if n > 2 else None), group_idx, kind, None, True)
+    return BlockRemoved(hashes, _medium(ev[2] if n > 2 else None), group_idx, kind, counts)
 
 
 def _tail(tail: Sequence[Any]) -> tuple[int | None, str | None]:
@@ -332,6 +355,23 @@ def _hashes(raw: Any) -> list[int]:
     if all(type(h) is int for h in raw):
         return [h & U64 for h in raw]
     return [_norm_hash(h) for h in raw]
+
+
+_BAD_FIELD: Any = object()  # an optional field present but malformed (the event still applies)
+
+
+def _copy_counts(raw: Any, n: int) -> tuple[int, ...] | None:
+    """``remaining_copy_counts``: None when absent or nil, else a tuple of ``n`` non-negative ints
+    (one per block hash); ``_BAD_FIELD`` for anything else. A bad field never drops the removal:
+    the caller applies it as if the field were absent and counts it."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (list, tuple)) or len(raw) != n:
+        return _BAD_FIELD
+    for c in raw:
+        if type(c) is not int or c < 0:
+            return _BAD_FIELD
+    return tuple(raw)
 
 
 def _opt_hash(raw: Any) -> int | None:
