@@ -9,6 +9,19 @@ brute-force oracle):
   Targets with no overlap are absent.
 - Speculative entries (``store_speculative``) count as GPU blocks until ``expire(now)`` passes
   their deadline or the engine's own store of the same key for that target confirms them.
+- Engine events (``apply_stored``/``apply_removed``) name blocks by engine hash, mapped per target
+  to router keys. An engine may hold several copies of one hash on a tier, each stored and
+  removed by its own event: vLLM does not deduplicate GPU blocks (a block-aligned prompt served
+  again recomputes its last block into a new block with the same hash), and its offloading
+  connector's overlapping chunks list a block twice on the CPU tier. So a store on a tier of a
+  hash that the target holds on that tier for the same key (tokens, or a tier update by hash) is
+  one more copy; a removal without counts takes one copy away, and the block leaves the tier
+  only with the last (the hash goes when no tier holds it). A removal's ``remaining`` counts
+  (vLLM's ``remaining_copy_counts``) are the engine's word: 0 removes, n > 0 keeps the block
+  with n copies. A hash stored again for other content (or named twice in one event) is a
+  rename, not a copy: the block it named goes with every copy, as does every copy with
+  ``tier=None`` removals, ``AllBlocksCleared`` and ``clear_target``. Engines that deduplicate
+  (SGLang, the bundled engine) never store a held hash twice: for them nothing changes.
 
 Structure (DESIGN.md, "Block keys"): a radix tree over blocks in which every node is addressed by
 its chained key, so a node is one dict lookup away. Targets get bit *slots*; every node keeps
@@ -56,7 +69,9 @@ stored/matched first, leaves first (a parent waits until its children are gone, 
 their recency), so a hot shared prefix outlives the cold sessions below it. The per-target maps
 from engine hash to key are bounded by each engine's own cache: entries leave with the engine's
 removals or the target's reset, and an entry whose node was evicted still resolves its
-children's parent key.
+children's parent key. A store of a hash whose node the budget evicted is never counted as a
+copy (the index cannot tell whether the tier held it): the index then forgets the block one copy
+early, an under-claim, never an over-claim.
 """
 
 from __future__ import annotations
@@ -129,6 +144,10 @@ class PrefixIndex:
         self._scrub: tuple[int, int] | None = None  # (next nid, bits being scrubbed)
         # engine layer and speculation
         self._emap: dict[str, dict[int, int]] = {}  # target -> engine hash -> key
+        # target -> tier -> engine hash -> copies beyond the first: only hashes held 2+ times on
+        # a tier (vLLM's duplicate blocks), so chains without duplicates never touch it. Its
+        # hashes are always in the target's ``_emap``; empty dicts are dropped at once.
+        self._copies: dict[str, dict[Tier, dict[int, int]]] = {}
         # With a budget only: target -> engine hashes the engine holds on its CPU tier. A node the
         # budget evicted takes its CPU bit with it, and the engine's later GPU removal must not
         # forget the hash (children stored below the CPU copy need it as their parent).
@@ -224,6 +243,7 @@ class PrefixIndex:
     def clear_target(self, target: str) -> None:
         """Drop every entry of ``target`` at once (O(1); nodes are scrubbed incrementally)."""
         self._emap.pop(target, None)
+        self._copies.pop(target, None)
         self._offloaded.pop(target, None)
         slot = self._slot.pop(target, None)
         if slot is None:
@@ -304,8 +324,10 @@ class PrefixIndex:
         Router keys are chained from the parent's router key (the seed at a prompt's start), so
         they never depend on the engine's hash function. A store whose parent engine hash is
         unknown cannot be keyed and is skipped (returns 0). A store without tokens is a tier
-        update of blocks already known by engine hash. Raises ValueError when ``token_ids`` do
-        not cover exactly ``len(engine_hashes)`` blocks or hold a bad token id.
+        update of blocks already known by engine hash. A store on a tier of a hash the target
+        holds on that tier for the same key is one more copy of it (module notes). Raises
+        ValueError when ``token_ids`` do not cover exactly ``len(engine_hashes)`` blocks or hold
+        a bad token id.
 
         ``keys``: the blocks' router keys when the caller already has them (they must equal
         ``chain_keys(token_ids, block_size, <the parent's key or seed>)``; not rechecked), so
@@ -337,6 +359,7 @@ class PrefixIndex:
             emap = self._emap[target] = {}
         elif not emap.keys().isdisjoint(engine_hashes):
             self._forget_renamed(target, emap, engine_hashes, keys)
+            self._count_copies(target, slot, emap, engine_hashes, keys, tier)
         if tier is Tier.CPU and self.max_keys:
             self._offloaded.setdefault(target, set()).update(engine_hashes)
         # the parent's nid only now: a renamed hash may have removed the parent's node
@@ -374,11 +397,59 @@ class PrefixIndex:
         """An engine hash names one block of its engine: stored again for other content (an engine
         restarted with another hash seed and no reset, a colliding or careless publisher), the
         block it named is gone from that engine. Its old key is removed for ``target`` on every
-        tier, as a BlockRemoved would (else the target kept claiming it for good). A hash
-        stored again for the same key is a duplicate and changes nothing."""
+        tier and every copy, as BlockRemoved events would (else the target kept claiming it for
+        good). A hash stored again for the same key is another copy (``_count_copies``)."""
         renamed = [h for h, key in zip(engine_hashes, keys) if emap.get(h, key) != key]
         if renamed:
             self.apply_removed(target, renamed, None)
+
+    def _count_copies(
+        self, target: str, slot: int, emap: dict[int, int], engine_hashes: Sequence[int], keys: Sequence[int],
+        tier: Tier,
+    ) -> None:
+        """Before a store on ``tier`` is written: each of its hashes already mapped to the same key
+        (after ``_forget_renamed``) is one more copy when the target holds that key on ``tier``,
+        else (held on the other tier only, or its node evicted by the budget) the first again."""
+        bit = 1 << slot
+        ids = self._id
+        field = self._g if tier is Tier.GPU else self._c
+        extra = self._tier_copies(target, tier)
+        for h, key in zip(engine_hashes, keys):
+            if emap.get(h) != key:
+                continue  # new to the target (or renamed: forgotten with every copy)
+            n = ids.get(key)
+            if n is not None and field[n] & bit:
+                extra[h] = extra.get(h, 0) + 1
+            else:
+                extra.pop(h, None)
+        self._prune_copies(target)
+
+    def _tier_copies(self, target: str, tier: Tier) -> dict[int, int]:
+        """``target``'s copy counts on ``tier``, created empty (``_prune_copies`` drops it again)."""
+        per = self._copies.get(target)
+        if per is None:
+            per = self._copies[target] = {}
+        extra = per.get(tier)
+        if extra is None:
+            extra = per[tier] = {}
+        return extra
+
+    def _prune_copies(self, target: str, emap: dict[int, int] | None = None,
+                      hashes: Sequence[int] = ()) -> None:
+        """Drop ``target``'s empty count dicts, and first the counts of ``hashes`` that left
+        ``emap`` (a hash no tier holds has no copy on any)."""
+        per = self._copies.get(target)
+        if per is None:
+            return
+        for tier, extra in list(per.items()):
+            if emap is not None and extra and not extra.keys().isdisjoint(hashes):
+                for h in hashes:
+                    if h in extra and h not in emap:
+                        del extra[h]
+            if not extra:
+                del per[tier]
+        if not per:
+            del self._copies[target]
 
     def _forget_repeated(self, slot: int, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
         """A hash that names two blocks of one event names the later one (the map kept it), as a
@@ -392,20 +463,36 @@ class PrefixIndex:
                 self._remove_key(slot, key, None)
 
     def apply_removed(
-        self, target: str, engine_hashes: Sequence[int], tier: Tier | None = Tier.GPU
+        self,
+        target: str,
+        engine_hashes: Sequence[int],
+        tier: Tier | None = Tier.GPU,
+        remaining: Sequence[int] | None = None,
     ) -> int:
-        """Apply an engine's BlockRemoved from ``tier`` (None: every tier). Returns the number
-        of blocks that resolved to a known key."""
+        """Apply an engine's BlockRemoved from ``tier`` (None: every tier and every copy).
+        ``remaining``: the copies of each hash the engine still holds after this removal (vLLM's
+        ``remaining_copy_counts``, one per hash; None when the engine does not say): 0 removes
+        the block, n > 0 keeps it. Without it a removal takes one copy away. Returns the number
+        of blocks that resolved to a known key (kept or removed)."""
         emap = self._emap.get(target)
         slot = self._slot.get(target)
         if not emap or slot is None:
             return 0
+        kept = 0
+        if target in self._copies or (remaining is not None and any(remaining)):
+            engine_hashes, kept = self._take_copies(target, emap, engine_hashes, tier, remaining)
+            if not engine_hashes:
+                return kept
+        elif remaining is not None and len(remaining) != len(engine_hashes):
+            raise ValueError(f"BlockRemoved has {len(engine_hashes)} hashes but {len(remaining)} copy counts")
         bit = 1 << slot
         if tier is not Tier.CPU and len(engine_hashes) >= _BULK_MIN:
             keys = list(map(emap.get, engine_hashes))
             if None not in keys and self._drop_tail(bit, keys):
                 deque(map(emap.__delitem__, engine_hashes), 0)
-                return len(keys)
+                if target in self._copies:
+                    self._prune_copies(target, emap, engine_hashes)
+                return kept + len(keys)
         live = self._live
         ids, par, kid, free = self._id, self._par, self._kid, self._free
         g, c, s = self._g, self._c, self._s
@@ -448,7 +535,65 @@ class PrefixIndex:
                 del emap[h]
         if budget and tier is not Tier.GPU and target in self._offloaded:
             self._offloaded[target].difference_update(engine_hashes)
-        return done
+        if target in self._copies:  # a hash forgotten takes its counts along
+            self._prune_copies(target, emap, engine_hashes)
+        return kept + done
+
+    def _take_copies(
+        self,
+        target: str,
+        emap: dict[int, int],
+        engine_hashes: Sequence[int],
+        tier: Tier | None,
+        remaining: Sequence[int] | None,
+    ) -> tuple[Sequence[int], int]:
+        """The copy accounting of a removal, before any block goes: returns the hashes whose
+        block leaves ``tier`` (in order) and how many entries only took copies away (known hashes
+        kept). Entries apply in order; a kept entry after one that removed the same hash is
+        ignored (the engine cannot still hold a block it removed in the same event)."""
+        if remaining is not None and len(remaining) != len(engine_hashes):
+            raise ValueError(f"BlockRemoved has {len(engine_hashes)} hashes but {len(remaining)} copy counts")
+        per = self._copies.get(target)
+        if tier is None:  # every tier, every copy
+            if per:
+                for extra in per.values():
+                    for h in engine_hashes:
+                        extra.pop(h, None)
+                self._prune_copies(target)
+            return engine_hashes, 0
+        extra = per.get(tier, {}) if per else {}
+        counted = remaining is not None and any(remaining)
+        if not counted and (not extra or extra.keys().isdisjoint(engine_hashes)):
+            return engine_hashes, 0  # no copy of these on this tier (the usual case)
+        out: list[int] = []
+        kept = 0
+        if remaining is None:  # one copy goes
+            for h in engine_hashes:
+                c = extra.get(h)
+                if c is None:
+                    out.append(h)
+                    continue
+                kept += 1
+                if c > 1:
+                    extra[h] = c - 1
+                else:
+                    del extra[h]
+        else:  # the engine's counts: authoritative
+            extra = self._tier_copies(target, tier)
+            gone: set[int] = set()
+            for h, r in zip(engine_hashes, remaining):
+                if not r:
+                    gone.add(h)
+                    out.append(h)
+                    extra.pop(h, None)
+                elif h not in gone and h in emap:
+                    kept += 1
+                    if r > 1:
+                        extra[h] = r - 1
+                    else:
+                        extra.pop(h, None)
+        self._prune_copies(target)
+        return out, kept
 
     def apply_cleared(self, target: str) -> None:
         """Apply an engine's AllBlocksCleared."""
@@ -561,11 +706,16 @@ class PrefixIndex:
         """A copy of ``target``'s engine hash -> router key map (tests, debugging)."""
         return dict(self._emap.get(target, {}))
 
+    def engine_copies(self, target: str, tier: Tier = Tier.GPU) -> dict[int, int]:
+        """``target``'s engine hashes held in 2+ copies on ``tier`` -> their copies (tests, debugging)."""
+        return {h: c + 1 for h, c in self._copies.get(target, {}).get(tier, {}).items()}
+
     def stats(self) -> dict[str, int]:
         return {
             "keys": len(self._id),
             "targets": len(self._slot),
             "engine_hashes": sum(map(len, self._emap.values())),
+            "engine_copies": sum(sum(d.values()) for per in self._copies.values() for d in per.values()),  # beyond the first
             "speculative": sum(map(len, self._spec.values())),
             "dying_slots": self._dying.bit_count(),
             "evicted": self.evicted,
@@ -1042,14 +1192,26 @@ class PrefixIndex:
         if tier is Tier.CPU and self.max_keys:
             self._offloaded.setdefault(target, set()).update(h for h in hashes if h in emap)
         done = 0
+        extra = None
         for h in hashes:
             key = emap.get(h)
             n = self._id.get(key) if key is not None else None
             if n is None:
                 continue
+            done += 1
+            if field[n] & bit:  # held on this tier already: one more copy
+                if extra is None:
+                    extra = self._tier_copies(target, tier)
+                extra[h] = extra.get(h, 0) + 1
+                continue
+            if extra is None and target in self._copies:
+                extra = self._tier_copies(target, tier)
+            if extra:
+                extra.pop(h, None)  # the first copy again
             field[n] |= bit
             self._refresh(n, bit)
-            done += 1
+        if extra is not None:
+            self._prune_copies(target)
         return done
 
     def _maybe_delete(self, n: int) -> None:

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -494,3 +495,98 @@ def test_fast_chain_keys_equal_the_reference_key_function() -> None:
     for bs in (1, 3, 16, 64):
         tokens = [rng.randrange(2**32) for _ in range(bs * 7 + 2)]
         assert chain_keys(tokens, bs, 42) == block_keys(tokens, bs, 0, parent=42)
+
+
+class DupEngine:
+    """vLLM v1's prefix cache in miniature, which does not deduplicate: a prompt reuses the cached
+    blocks of its longest cached prefix (the first copy of each hash), and every later block is
+    computed into a new physical block, stored under its hash even when another copy holds it
+    already (the last block of a block-aligned prompt is always recomputed). Blocks freed by a
+    finished request are evicted tail first, least recently used first; each physical eviction
+    sends its own removal, with the copies left (``remaining_copy_counts``) when ``counts``."""
+
+    def __init__(self, rng: random.Random, capacity: int = 24, block_size: int = 4, counts: bool = False) -> None:
+        self.rng, self.cap, self.bs, self.counts = rng, capacity, block_size, counts
+        self.salt = rng.getrandbits(64)
+        self.copies: dict[tuple[int, ...], list[int]] = {}  # prefix -> its physical blocks
+        self.block: dict[int, tuple[int, ...]] = {}  # physical block -> prefix
+        self.lru: dict[int, None] = {}  # free cached blocks, oldest first
+        self.next_id = 0
+
+    def ehash(self, prefix: tuple[int, ...]) -> int:
+        return xxhash.xxh3_64_intdigest(repr(prefix).encode(), self.salt)
+
+    def serve(self, tokens: list[int], index: PrefixIndex, target: str, seed: int) -> None:
+        n = len(tokens) // self.bs
+        prefixes = [tuple(tokens[: (i + 1) * self.bs]) for i in range(n)]
+        hit: list[int] = []
+        while len(hit) < n - 1 and self.copies.get(prefixes[len(hit)]):  # the last block is recomputed
+            hit.append(self.copies[prefixes[len(hit)]][0])
+        while len(self.block) + n - len(hit) > self.cap:
+            self._evict(next(b for b in self.lru if b not in hit), index, target)
+        new = []
+        for p in prefixes[len(hit) :]:
+            bid, self.next_id = self.next_id, self.next_id + 1
+            self.block[bid] = p
+            self.copies.setdefault(p, []).append(bid)
+            new.append(bid)
+        s = len(hit)
+        parent = self.ehash(prefixes[s - 1]) if s else None
+        got = index.apply_stored(target, [self.ehash(p) for p in prefixes[s:]], parent,
+                                 tokens[s * self.bs : n * self.bs], self.bs, seed)
+        assert got == n - s  # the parent hash is always known: every continuation is indexed
+        for bid in reversed(hit + new):  # freed tail first: the tail is evicted first
+            self.lru.pop(bid, None)
+            self.lru[bid] = None
+
+    def _evict(self, bid: int, index: PrefixIndex, target: str) -> None:
+        del self.lru[bid]
+        p = self.block.pop(bid)
+        self.copies[p].remove(bid)
+        left = len(self.copies[p])
+        if not left:
+            del self.copies[p]
+        counts = [left] if self.counts and self.rng.random() < 0.7 else None  # some events do not say
+        assert index.apply_removed(target, [self.ehash(p)], Tier.GPU, counts) == 1
+
+    def evict_some(self, index: PrefixIndex, target: str) -> None:
+        for bid in list(self.lru)[: self.rng.randint(1, 4)]:
+            self._evict(bid, index, target)
+
+    def held(self, tokens: list[int]) -> int:
+        n = 0
+        while n < len(tokens) // self.bs and tuple(tokens[: (n + 1) * self.bs]) in self.copies:
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("counts", [False, True], ids=["one_copy_per_removal", "remaining_copy_counts"])
+@pytest.mark.parametrize("seed", range(4))
+def test_engine_layer_tracks_an_engine_holding_duplicate_copies_of_a_hash(seed: int, counts: bool) -> None:
+    """Against the engine's own physical blocks: every prefix the engine holds (any copy) is
+    matched, nothing it dropped is, the hash map holds exactly the hashes it still holds, and
+    every store below a hash with several copies is indexed (the engine asserts it)."""
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    ns = namespace_seed("model")
+    engines = {t: DupEngine(rng, counts=counts) for t in ("a", "b")}
+    system = [rng.randrange(3) for _ in range(8)]
+    prompts = [system + [rng.randrange(3) for _ in range(rng.choice([0, 4, 8, 12]))] for _ in range(12)]
+    prompts += [p + [rng.randrange(3) for _ in range(4)] for p in prompts[:6]]  # next turns
+    duplicated = 0
+    for _ in range(400):
+        t = rng.choice(list(engines))
+        e = engines[t]
+        if rng.random() < 0.8:
+            e.serve(rng.choice(prompts), index, t, ns)
+        else:
+            e.evict_some(index, t)
+        duplicated += any(len(c) > 1 for c in e.copies.values())
+        p = rng.choice(prompts)
+        want = {u: Overlap(x.held(p), 0) for u, x in engines.items() if x.held(p)}
+        assert dict(index.match(block_keys(p, 4, ns))) == want
+    assert duplicated > 100  # the workload really holds duplicates
+    for t, e in engines.items():
+        assert set(index.engine_map(t)) == {e.ehash(p) for p in e.copies}
+        assert index.keys_of(t) == {block_keys(list(p), 4, ns)[-1] for p in e.copies}
+        assert index.engine_copies(t) == {e.ehash(p): len(c) for p, c in e.copies.items() if len(c) > 1}

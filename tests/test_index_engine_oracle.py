@@ -8,7 +8,13 @@ speculative deadline; router keys come from ``mesh.keys.block_keys`` chained fro
 It follows the index's documented rules for careless publishers: a removal of an unknown hash or a
 store below an unknown parent does nothing; an engine hash stored again for other content (in an
 earlier event or earlier in the same one) names the new block only, the block it named before is
-gone from that engine on every tier; any store of a key confirms (ends) its speculation."""
+gone from that engine on every tier; any store of a key confirms (ends) its speculation.
+
+Copies (vLLM does not deduplicate blocks): a store on a tier of a hash already mapped to the same
+key, while that key is on that tier, is one more copy there (a tier update by hash too); a
+removal without counts takes one copy away and the block leaves the tier with the last; a
+removal's counts (``remaining_copy_counts``) are the engine's word: 0 removes, n > 0 keeps (n
+copies on that tier)."""
 
 from __future__ import annotations
 
@@ -34,6 +40,21 @@ class Holder:
     tiers: dict[int, set[Tier]] = field(default_factory=dict)
     spec: dict[int, float] = field(default_factory=dict)
     asked: dict[int, float] = field(default_factory=dict)  # every key speculated, and until when
+    copies: dict[tuple[int, Tier], int] = field(default_factory=dict)  # (hash, tier) -> copies beyond the first
+
+    def forget(self, h: int) -> None:
+        """The hash names no block any more: no copy on any tier."""
+        del self.hmap[h]
+        self.copies.pop((h, Tier.GPU), None)
+        self.copies.pop((h, Tier.CPU), None)
+
+    def add(self, h: int, k: int, tier: Tier) -> None:
+        """A store of ``h`` (named ``k``) on ``tier``: a copy more when the tier holds it already."""
+        if tier in self.tiers.get(k, ()):
+            self.copies[(h, tier)] = self.copies.get((h, tier), 0) + 1
+        else:
+            self.copies.pop((h, tier), None)
+            self.tiers.setdefault(k, set()).add(tier)
 
     def may_gpu(self, k: int) -> bool:
         """An upper bound for a budget: the key is on the GPU or was speculated, not expired."""
@@ -73,7 +94,7 @@ class Model:
             for h in hashes:
                 k = m.hmap.get(h)
                 if k is not None:
-                    m.tiers.setdefault(k, set()).add(tier)
+                    m.add(h, k, tier)
                     done += 1
             return done
         if parent is None:
@@ -85,29 +106,52 @@ class Model:
         keys = block_keys(tokens, bs, pkey)
         for h, k in zip(hashes, keys):
             old = m.hmap.get(h)
-            if old is not None and old != k:  # renamed: the old block is gone on every tier
+            if old is not None and old != k:  # renamed: the old block is gone on every tier and copy
                 m.drop(old, None)
-                del m.hmap[h]
+                m.forget(h)
         for h, k in zip(hashes, keys):
             old = m.hmap.get(h)
             if old is not None and old != k:  # renamed within this event
                 m.drop(old, None)
+            if old == k:  # the same block again: a copy if the tier holds it
+                m.add(h, k, tier)
+            else:
+                m.tiers.setdefault(k, set()).add(tier)
             m.hmap[h] = k
-            m.tiers.setdefault(k, set()).add(tier)
             m.spec.pop(k, None)
         return len(hashes)
 
-    def removed(self, target: str, hashes: list[int], tier: Tier | None) -> int:
+    def removed(self, target: str, hashes: list[int], tier: Tier | None,
+                remaining: list[int] | None = None) -> int:
         m = self.h(target)
         done = 0
-        for h in hashes:
+        gone: set[int] = set()  # hashes an entry of this event removed
+        for i, h in enumerate(hashes):
             k = m.hmap.get(h)
+            r = None if remaining is None or tier is None else remaining[i]
+            if r:  # the engine keeps r copies
+                if h in gone or k is None:
+                    continue
+                done += 1
+                if r > 1:
+                    m.copies[(h, tier)] = r - 1
+                else:
+                    m.copies.pop((h, tier), None)
+                continue
+            gone.add(h)
             if k is None:
                 continue
             done += 1
+            if r is None and tier is not None and m.copies.get((h, tier)):  # one copy of several goes
+                m.copies[(h, tier)] -= 1
+                if not m.copies[(h, tier)]:
+                    del m.copies[(h, tier)]
+                continue
+            for t in (Tier.GPU, Tier.CPU) if tier is None else (tier,):
+                m.copies.pop((h, t), None)
             m.drop(k, tier)
             if not m.tiers.get(k):
-                del m.hmap[h]
+                m.forget(h)
         return done
 
     def cleared(self, target: str) -> None:
@@ -153,9 +197,10 @@ class Workload:
     and to the model alike."""
 
     def __init__(self, rng: random.Random, index: PrefixIndex, targets: list[str], *, bs: int = 2,
-                 spec: bool = True, renames: bool = True, max_blocks: int = 44) -> None:
+                 spec: bool = True, renames: bool = True, max_blocks: int = 44, counts: bool = True) -> None:
         self.rng, self.index, self.targets, self.bs, self.spec = rng, index, targets, bs, spec
         self.renames = renames  # hashes reused for other content (in one event or a later one)
+        self.counts = counts  # removals may carry remaining_copy_counts
         self.model = Model()
         self.now = 0.0
         system = [rng.randrange(1000) for _ in range(20 * bs)]
@@ -254,7 +299,13 @@ class Workload:
         if hashes and rng.random() < 0.05:
             hashes.append(hashes[0])  # a duplicate removal
         tier = rng.choice([Tier.GPU, Tier.GPU, None, None, Tier.CPU])
-        self.do(("removed", t, hashes, tier))
+        remaining = None
+        if tier is not None and self.counts and rng.random() < 0.4:  # remaining_copy_counts
+            if rng.random() < 0.8:  # the engine's truth: one copy of each goes
+                remaining = [m.copies.get((h, tier), 0) for h in hashes]
+            else:  # whatever it says is the word
+                remaining = [rng.choice([0, 0, 1, 2, 3]) for _ in hashes]
+        self.do(("removed", t, hashes, tier, remaining))
 
     def tier_update(self, t: str) -> None:
         rng = self.rng
@@ -288,9 +339,9 @@ def apply(index: PrefixIndex, model: Model, op: tuple, bs: int) -> None:
         if not index.max_keys:  # with a budget an evicted parent or block may be unknown
             assert got == want, op
     elif kind == "removed":
-        _, t, hashes, tier = op
-        got = index.apply_removed(t, hashes, tier)
-        if model.removed(t, hashes, tier) != got:
+        _, t, hashes, tier, remaining = op
+        got = index.apply_removed(t, hashes, tier, remaining)
+        if model.removed(t, hashes, tier, remaining) != got:
             assert index.max_keys, op
     elif kind == "clear":
         index.apply_cleared(op[1])
@@ -315,6 +366,9 @@ def check_maps(w: Workload) -> None:
     for t in w.targets:
         m = w.model.t.get(t, Holder())
         assert w.index.engine_map(t) == m.hmap, t
+        for tier in (Tier.GPU, Tier.CPU):
+            want_copies = {h: c + 1 for (h, ti), c in m.copies.items() if ti is tier}
+            assert w.index.engine_copies(t, tier) == want_copies, (t, tier)
         want = {k for k in set(m.tiers) | set(m.spec) if m.held(k)}
         assert w.index.keys_of(t) == want, t
         for k in want:
@@ -387,6 +441,9 @@ def check_bounded(w: Workload, queries: list[list[int]]) -> None:
             tier = index.holds(t, k)
             assert m.may_gpu(k) if tier is Tier.GPU else m.held(k), (t, k, tier)
         assert index.engine_map(t).items() <= m.hmap.items(), t
+        for tier in (Tier.GPU, Tier.CPU):  # never more copies than the engine holds
+            for h, c in index.engine_copies(t, tier).items():
+                assert c <= m.copies.get((h, tier), 0) + 1, (t, h, tier, c)
     for keys in queries:
         want = w.model.match(keys, loose=True)
         for t, ov in index.match(keys).items():
