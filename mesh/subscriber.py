@@ -582,12 +582,20 @@ class KvEventSubscriber:
             if tier is None or not stream.filter.accept_removed(ev):
                 h.bump(h.events, "filtered")
                 return
-            hashes = ev.block_hashes
+            if ev.bad_copy_counts:  # applied as if absent (one copy per removal on the GPU)
+                h.bump(h.events, "bad_copy_counts")
+                self._logs.log(logging.WARNING, (target, "bad_copy_counts"),
+                               "kv events %s: BlockRemoved with a malformed remaining_copy_counts, ignored", target)
+            hashes, counts = ev.block_hashes, ev.remaining_copy_counts
             for a in range(0, len(hashes), _SLICE_BLOCKS):
                 if a:
                     yield
-                part = hashes if len(hashes) <= _SLICE_BLOCKS else hashes[a : a + _SLICE_BLOCKS]
-                h.bump(h.blocks, "removed", index.apply_removed(target, part, tier))
+                if len(hashes) <= _SLICE_BLOCKS:
+                    part, rest = hashes, counts
+                else:
+                    part = hashes[a : a + _SLICE_BLOCKS]
+                    rest = None if counts is None else counts[a : a + _SLICE_BLOCKS]
+                h.bump(h.blocks, "removed", index.apply_removed(target, part, tier, rest))
             h.bump(h.events, "removed")
 
     def _seed(self, model: str, lora: str | None, salt: str | None = None) -> int:
