@@ -140,8 +140,30 @@ class RelayError(Exception):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.headers = dict(headers or {})
-        self.body = body or json.dumps({"error": {"message": message, "type": _error_type(status),
-                                                  "param": None, "code": code}}).encode()
+        self.body = _openai_error(status, message, code, body)
+
+
+ERROR_SNIPPET = 200  # characters of a worker's non-OpenAI error body quoted in the message
+
+
+def _openai_error(status: int, message: str, code: str, body: bytes | None) -> bytes:
+    """``body`` when it is an OpenAI error already (a worker's own, passed through), else one in
+    that shape quoting it: a worker's HTML page, bare text, FastAPI ``{"detail": ...}`` or vLLM's
+    flat ``{"object": "error", "message": ...}`` never reaches the client as is (as
+    ``mesh.proxy._worker_error`` rewraps them on the ordinary path)."""
+    try:
+        value = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
+        return body  # type: ignore[return-value]
+    detail = value.get("message", value.get("detail")) if isinstance(value, dict) else None
+    if detail is None:
+        detail = (body or b"").decode("utf-8", "replace").strip()
+    elif not isinstance(detail, str):
+        detail = json.dumps(detail)
+    text = f"{message}: {detail[:ERROR_SNIPPET]}" if detail else message
+    return json.dumps({"error": {"message": text, "type": _error_type(status), "param": None, "code": code}}).encode()
 
 
 def _error_type(status: int) -> str:
@@ -330,7 +352,8 @@ class _Relay:
         if resp.status_code != 200:
             if resp.status_code in (429,) or resp.status_code >= 500:
                 raise _Retry(f"prefill worker {target_id} answered {resp.status_code}", resp.status_code, resp.content)
-            raise RelayError(resp.status_code, "prefill refused the request", _error_code(resp.content) or "invalid_request",
+            raise RelayError(resp.status_code, f"prefill worker {target_id} answered {resp.status_code}",
+                             _error_code(resp.content) or "invalid_request",
                              resp.content)
         try:
             answer = resp.json()
@@ -435,7 +458,8 @@ class _Relay:
             if self.stream and not first:
                 self.check_open()
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
-            self.health.record_success(decode_id)
+            if not self.stream:  # a stream is a success once it ended whole: its relayer says so
+                self.health.record_success(decode_id)
             lease.first_token()
             if self.info.session_id:
                 self.router.bind_session(self.info.session_id, decode_id, self.now())
@@ -549,7 +573,10 @@ async def relay_disaggregated(
     stream ``RelayResponse.body()`` to the client and call ``aclose()`` in a ``finally``.
     Raises ``RelayError`` (status, OpenAI-shaped body, headers) when no pair could serve it.
     ``health``: told of connect errors, resets and timeouts (failures) and of answers (successes)
-    per worker; a worker's 5xx is not counted (it may be the request's fault).
+    per worker; a worker's 5xx is not counted (it may be the request's fault). A streamed decode
+    answer's success is not told here: whoever relays it tells it once the stream ended whole
+    (``DisaggProxy``), since a success at its first bytes reset the failures of a worker that
+    breaks every stream.
     """
     data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
     if not isinstance(data, dict):

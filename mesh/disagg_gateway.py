@@ -107,6 +107,7 @@ class DisaggProxy(Proxy):
                 # that may never read again (its disconnect cancels that wait).
                 await resp.aclose()
                 if state.started and not state.done:
+                    self.metrics.stream_errors_total.inc()  # an error event after the first byte, as the proxy counts it
                     await state.stream_error(f"request timed out after {self.relay_config.timeout_s:g} s")
         finally:
             await resp.aclose()
@@ -116,21 +117,18 @@ class DisaggProxy(Proxy):
             await state.respond(resp.status, headers, resp.first)
             return
         await state.start(resp.status, headers)
-        if not is_sse([(k.lower(), v) for k, v in headers]):  # not an event stream: relayed as it comes
-            async for chunk in resp.body():
-                await state.chunk(chunk)
-            await state.end()
-            return
-        broke = await _relay_events(resp, state)
+        broke = await _relay_events(resp, state, is_sse([(k.lower(), v) for k, v in headers]))
         if broke is None:
             await state.end()
+            # A stream is its worker's success once it ended whole (as in the proxy), not at its
+            # first bytes: a decode worker that breaks every stream must reach its failure threshold.
+            self.registry.record_success(resp.decode)
             return
         if self.shutting_down:  # the relay's client was closed under it: nobody's failure, nothing counted
             await state.stream_error(SHUTDOWN_MESSAGE)
             return
         # As ``Proxy._relay_stream`` treats a break: the client has whole events, then the error
-        # event; the decode worker's failure counts toward its circuit breaker (the relay counted
-        # its first bytes as a success).
+        # event; the decode worker's failure counts toward its circuit breaker.
         self.metrics.stream_errors_total.inc()
         self.registry.record_failure(resp.decode, time.monotonic(), f"stream broke: {broke}")
         worker = self.registry.worker_of(resp.decode)
@@ -150,10 +148,12 @@ async def _decode_chunks(resp: RelayResponse) -> AsyncIterator[bytes]:
             yield chunk
 
 
-async def _relay_events(resp: RelayResponse, state: Exchange) -> str | None:
+async def _relay_events(resp: RelayResponse, state: Exchange, sse: bool) -> str | None:
     """Relay an OpenAI event stream, whole events only (an unfinished one waits for its end, so
     that a break leaves the client whole events); None when it ended whole, with ``[DONE]``,
-    else what broke it (the unfinished event is then dropped)."""
+    else what broke it (the unfinished event is then dropped). ``sse`` False: a streamed answer
+    that is not an event stream (a worker's JSON), whose end needs no ``[DONE]``; a break of it is
+    a break all the same (``RelayResponse.body()`` swallowed it: no worker charged)."""
     pending = before = last = b""  # the last two chunks, by reference: [DONE] ends the stream
     try:
         async for data in _decode_chunks(resp):
@@ -171,7 +171,7 @@ async def _relay_events(resp: RelayResponse, state: Exchange) -> str | None:
         if not pending and ended_whole(before, last):  # the client has it all: only the framing broke
             return None
         return repr(exc)
-    if not ended_whole(before, last):  # the body ended (a FIN ends a close-delimited one) before [DONE]
+    if sse and not ended_whole(before, last):  # the body ended (a FIN ends a close-delimited one) before [DONE]
         return _NO_DONE
     if pending:  # a last event without its blank line: the worker's own, relayed as sent
         await state.chunk(pending)

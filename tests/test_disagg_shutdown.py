@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_until
@@ -57,11 +58,12 @@ def set_faults(worker: Proc, **faults: Any) -> None:
 
 
 def pd_gateway(procs: ProcessGroup, tmp_path: Path, workers: dict[str, tuple[Proc, str]], *extra: str,
-               server: dict[str, Any] | None = None) -> tuple[Proc, int]:
-    """``mesh serve`` over ``workers`` (name -> (process, role)); every failure opens a circuit."""
+               server: dict[str, Any] | None = None, threshold: int = 1) -> tuple[Proc, int]:
+    """``mesh serve`` over ``workers`` (name -> (process, role)); by default every failure opens
+    a circuit."""
     port = free_port()
     config = {"server": {"port": port, "admin_key": "adm", **(server or {})}, "health": {"interval_s": 60},
-              "circuit_breaker": {"failure_threshold": 1}, "policy": PD_POLICY,
+              "circuit_breaker": {"failure_threshold": threshold}, "policy": PD_POLICY,
               "workers": [{"name": n, "url": p.url, "role": r} for n, (p, r) in workers.items()]}
     path = tmp_path / "pd.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -121,3 +123,128 @@ def kill_now(*workers: Proc) -> None:
     for w in workers:
         w.popen.kill()
         w.popen.wait(10)
+
+
+# A worker misbehaving on purpose (raw sockets: the echo worker cannot): argv name, mode, port.
+# Every mode answers a non-streamed request (a prefill) with a completion; a streamed one:
+#   break-sse / break-json: its first bytes (an event; part of a JSON body), then the connection
+#   closes mid-body, the worker still alive; vllm-400: vLLM's flat error; html-503: an HTML page.
+FAKE_WORKER = r'''
+import asyncio, json, sys
+
+name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def answer(status, ctype, data):
+    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (status, ctype, len(data), data)
+
+
+async def handle(reader, writer):
+    try:
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, path = head[0].split(" ")[:2]
+            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
+            body = json.loads(await reader.readexactly(size)) if size else {}
+            if method == "GET":
+                out = {"object": "list", "data": [{"id": "echo", "object": "model"}]} if path == "/v1/models" else {}
+                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+            elif mode == "vllm-400":
+                out = {"object": "error", "message": "This model's maximum context length is 16 tokens",
+                       "type": "BadRequestError", "param": None, "code": 400}
+                writer.write(answer(b"400 Bad Request", b"application/json", json.dumps(out).encode()))
+            elif mode == "html-503":
+                writer.write(answer(b"503 Service Unavailable", b"text/html", b"<html><body>upstream overloaded</body></html>"))
+            elif not body.get("stream"):
+                out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
+                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+            else:
+                sse = mode == "break-sse"
+                part = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n' if sse else b'{"id": "x", "choices": ['
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n"
+                             % (b"text/event-stream" if sse else b"application/json", len(part), part))
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                return  # mid-body: the connection closes, the worker lives on
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(main())
+'''
+
+
+def fake_worker(procs: ProcessGroup, name: str, mode: str) -> Proc:
+    script = procs.log_dir / "fake_pd_worker.py"
+    script.write_text(FAKE_WORKER)
+    port = free_port()
+    return procs.start_http([PYTHON, str(script), name, mode, str(port)], name=name, port=port, ready_path="/health")
+
+
+@pytest.mark.parametrize("mode", ["break-sse", "break-json"])
+def test_a_decode_worker_that_breaks_every_stream_opens_its_circuit(procs: ProcessGroup, tmp_path: Path,
+                                                                    mode: str) -> None:
+    """The relay counted a decode stream's first bytes as its worker's success, which reset the
+    failures the breaks counted: a worker breaking every stream never reached the threshold (the
+    proxy counts a stream's success once it ended whole). A streamed answer that is not an event
+    stream was not charged at all when it broke."""
+    p0 = procs.echo_worker("p0")
+    d0 = fake_worker(procs, "d0", mode)
+    gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, threshold=2)
+    for _ in range(2):
+        reader = StreamReader(f"{gateway.url}/v1/completions", LONG)
+        reader.join()
+        assert reader.error is None and reader.status == 200, reader.error
+        assert reader.lines[-1] == "data: [DONE]", reader.lines
+        errors = [error_of(e)["message"] for e in reader.events() if "error" in e]
+        assert errors == ["worker d0 failed mid-stream"], reader.lines
+    log = gateway.log_tail(20000)
+    assert "circuit opened for worker d0 after 2 failures" in log, log
+    assert "worker p0" not in log, log
+
+
+
+@pytest.mark.parametrize(("role", "mode", "status"), [("prefill", "vllm-400", 400), ("prefill", "html-503", 503),
+                                                      ("decode", "vllm-400", 400)])
+def test_a_workers_non_openai_error_reaches_the_client_in_the_openai_shape(
+        procs: ProcessGroup, tmp_path: Path, role: str, mode: str, status: int) -> None:
+    """The relay answered a worker's error body as it came: vLLM's flat ``{"object": "error"}``, an
+    HTML page under ``content-type: application/json`` (the ordinary proxy rewraps them)."""
+    fake = fake_worker(procs, "fake", mode)
+    other = procs.echo_worker("echo")
+    workers = {"fake": (fake, role), "echo": (other, "decode" if role == "prefill" else "prefill")}
+    gateway, _ = pd_gateway(procs, tmp_path, workers)
+    for stream in (False, True):
+        resp = httpx.post(f"{gateway.url}/v1/completions", json={**LONG, "max_tokens": 4, "stream": stream}, timeout=30)
+        assert resp.status_code == status, resp.text
+        assert resp.headers["content-type"] == "application/json"
+        err = error_of(resp.json())
+        detail = "maximum context length" if mode == "vllm-400" else "upstream overloaded"
+        assert f"{role} worker fake answered {status}" in err["message"] and detail in err["message"], err
+
+
+def test_a_relay_cut_at_the_request_timeout_counts_as_a_stream_error(procs: ProcessGroup, tmp_path: Path) -> None:
+    """``mesh_stream_errors_total`` counts streams ended with an error event after the first byte:
+    the relay's request-timeout event was not counted (the proxy counts its own)."""
+    p0 = procs.echo_worker("p0")
+    d0 = procs.echo_worker("d0", "--token-delay-s", "0.2", "--repeat", "200")
+    gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")},
+                            server={"request_timeout_s": 1.0})
+    reader = StreamReader(f"{gateway.url}/v1/completions", LONG)
+    reader.join()
+    assert reader.error is None and reader.lines[-1] == "data: [DONE]", reader.lines[-3:]
+    assert any(e.get("choices") for e in reader.events())  # it was mid-answer
+    errors = [error_of(e)["message"] for e in reader.events() if "error" in e]
+    assert errors == ["request timed out after 1 s"], errors
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert "\nmesh_stream_errors_total 1.0\n" in metrics, [l for l in metrics.splitlines() if "stream_errors" in l]
+    kill_now(d0)
