@@ -9,7 +9,6 @@ failure recorded against a worker opens its circuit and logs "circuit opened for
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
