@@ -16,6 +16,10 @@ Per stream (REFERENCE.md section 2):
   a publisher that restarted while disconnected may resume at exactly ``last + 1`` (its own seq
   from 0), which the sequence alone cannot tell from the old publisher's next batch.
 
+A BlockRemoved's ``remaining_copy_counts`` (the copies of each hash the engine still holds) goes
+to the index with it (``PrefixIndex.apply_removed``); a malformed one is counted
+(``bad_copy_counts``) and the removal applied without it.
+
 Whenever batches are lost for good (no replay socket, the replay buffer no longer reaches back,
 a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's targets are reset:
 the index may then miss blocks the worker holds, but never claims blocks the worker dropped.
