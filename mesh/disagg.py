@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from mesh.errors import openai_error_bytes
 from mesh.router import Lease, Router
 from policies.base import Decision, NoCandidate, Overlap, RequestInfo, TargetState
 
@@ -140,34 +141,7 @@ class RelayError(Exception):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.headers = dict(headers or {})
-        self.body = _openai_error(status, message, code, body)
-
-
-ERROR_SNIPPET = 200  # characters of a worker's non-OpenAI error body quoted in the message
-
-
-def _openai_error(status: int, message: str, code: str, body: bytes | None) -> bytes:
-    """``body`` when it is an OpenAI error already (a worker's own, passed through), else one in
-    that shape quoting it: a worker's HTML page, bare text, FastAPI ``{"detail": ...}`` or vLLM's
-    flat ``{"object": "error", "message": ...}`` never reaches the client as is (as
-    ``mesh.proxy._worker_error`` rewraps them on the ordinary path)."""
-    try:
-        value = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        value = None
-    if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
-        return body  # type: ignore[return-value]
-    detail = value.get("message", value.get("detail")) if isinstance(value, dict) else None
-    if detail is None:
-        detail = (body or b"").decode("utf-8", "replace").strip()
-    elif not isinstance(detail, str):
-        detail = json.dumps(detail)
-    text = f"{message}: {detail[:ERROR_SNIPPET]}" if detail else message
-    return json.dumps({"error": {"message": text, "type": _error_type(status), "param": None, "code": code}}).encode()
-
-
-def _error_type(status: int) -> str:
-    return "invalid_request_error" if status < 500 else "service_unavailable_error" if status == 503 else "server_error"
+        self.body = openai_error_bytes(status, message, body, code)
 
 
 class RelayClosed(RelayError):

@@ -73,6 +73,28 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ERROR_SNIPPET = 200  # characters of a worker's non-OpenAI error body quoted in a rewrapped error
+
+
+def openai_error_bytes(status: int, prefix: str, body: bytes | None, code: str = "upstream_error") -> bytes:
+    """A worker's error answer for the client: ``body`` itself when it is in the OpenAI shape, else
+    an OpenAI error of ``status`` whose message is ``prefix`` quoting it, so a client never sees an
+    HTML page, a bare text, an empty body, FastAPI's ``{"detail": ...}`` or vLLM's flat
+    ``{"object": "error", "message": ...}`` (the proxy's and the disaggregated relay's rule)."""
+    try:
+        value = msgspec.json.decode(body) if body else None
+    except msgspec.MsgspecError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
+        return body  # type: ignore[return-value]
+    detail = value.get("message", value.get("detail")) if isinstance(value, dict) else None
+    if detail is None:
+        detail = (body or b"").decode("utf-8", "replace").strip()
+    elif not isinstance(detail, str):
+        detail = msgspec.json.encode(detail).decode()
+    return MeshError(status, f"{prefix}: {detail[:ERROR_SNIPPET]}" if detail else prefix, code=code).to_bytes()
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> MeshError:
     return MeshError(400, message, param=param, code=code)
 

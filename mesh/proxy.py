@@ -48,13 +48,12 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 
 from mesh.client_io import (
     WATCH_AFTER_S, ClientWriteTimeout, Exchange, Receive, Send, WriteWatch, abort_client, client_label,
     watch_disconnect,
 )
-from mesh.errors import MeshError
+from mesh.errors import MeshError, openai_error_bytes
 from mesh.metrics import Metrics
 from mesh.prompt import ParsedRequest, PromptProcessor
 from mesh.registry import WorkerRegistry
@@ -606,31 +605,17 @@ def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: b
     return out
 
 
-_decode_json = msgspec.json.Decoder().decode
-_ERROR_SNIPPET = 200  # characters of a worker's non-OpenAI error body quoted in the message
 
 
 def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """A worker's error answer for the client: passed through when it is in the OpenAI shape,
-    else rewrapped in it (same status) so that a client never sees an HTML page, a bare text,
-    an empty body, FastAPI's ``{"detail": ...}`` or vLLM's flat ``{"object": "error", ...}``."""
-    try:
-        value = _decode_json(body) if body else None
-    except msgspec.MsgspecError:
-        value = None
+    """A worker's error answer for the client, in the OpenAI shape (``openai_error_bytes``)."""
     headers = [*_response_headers(resp), (b"x-mesh-worker", target.id.encode())]
-    if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
+    out = openai_error_bytes(resp.status, f"worker {target.worker} answered {resp.status}", body)
+    if out is body:
         return headers, body
-    detail = value.get("message", value.get("detail")) if isinstance(value, dict) else None
-    if detail is None:
-        detail = body.decode("utf-8", "replace").strip()
-    elif not isinstance(detail, str):
-        detail = msgspec.json.encode(detail).decode()
-    message = f"worker {target.worker} answered {resp.status}" + (f": {detail[:_ERROR_SNIPPET]}" if detail else "")
-    error = MeshError(resp.status, message, code="upstream_error")
     headers = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
     headers.append((b"content-type", b"application/json"))
-    return headers, error.to_bytes()
+    return headers, out
 
 
 async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:
