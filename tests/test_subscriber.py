@@ -195,11 +195,21 @@ class ToyEngine:
         while len(self.gpu) + len(new) > self.gpu_cap:
             victim = next(b for b in self.gpu if b not in protect)
             self._evict(victim, events)
-        if new:
-            parent = self.gpu[blocks[hit - 1]] if hit else None
-            hashes = [self.ehash(b) for b in new]
-            events.append(("stored", hashes, parent, tokens[hit * BS : len(blocks) * BS], "GPU"))
-            self.gpu.update(zip(new, hashes))
+        # new blocks are stored in runs: a block still cached past the first miss gets no second
+        # copy and no second BlockStored (a store of a held hash is one more copy: mesh/index.py)
+        parent = self.gpu[blocks[hit - 1]] if hit else None
+        start = hit
+        for i in range(hit, len(blocks) + 1):
+            if i < len(blocks) and blocks[i] not in self.gpu:
+                self.gpu[blocks[i]] = self.ehash(blocks[i])
+                continue
+            if i > start:
+                hashes = [self.gpu[b] for b in blocks[start:i]]
+                events.append(("stored", hashes, parent, tokens[start * BS : i * BS], "GPU"))
+            if i < len(blocks):
+                self.gpu.move_to_end(blocks[i])
+                parent = self.gpu[blocks[i]]
+            start = i + 1
         return events
 
     def _evict(self, victim: tuple[int, ...], events: list[tuple]) -> None:
