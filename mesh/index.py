@@ -76,14 +76,13 @@ early, an under-claim, never an over-claim.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import chain, repeat
-from operator import and_, eq, neg
+from operator import eq, neg
 from typing import Any
 
 import numpy as np
