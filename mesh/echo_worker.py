@@ -5,7 +5,9 @@ last user message (or the prompt) word by word, up to ``max_tokens`` words; ``/v
 ``/health``. ``--lora NAME[=BASE]`` serves a LoRA adapter under its own model name, listed in
 ``/v1/models`` as vLLM lists one (``parent`` = its base model, default the first ``--model``;
 ``root`` = an adapter path). Usage counts prompt tokens with the byte-level tokenizer (the gateway's default), and
-reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache).
+reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache). ``n`` (1 to 128) answers ``n``
+choices of the same echo (indices 0..n-1; streamed, their chunks interleave word by word, as the
+bundled worker's do); ``completion_tokens`` counts every choice's words.
 
 Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
 ``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers
@@ -120,6 +122,7 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         try:
             max_tokens = _max_tokens(body, settings.default_max_tokens)
             include_usage = _include_usage(body)
+            n = _choices(body)
         except ValueError as exc:
             return _error(400, str(exc))
         if (settings.fail_rate and random.random() < settings.fail_rate) or (
@@ -133,29 +136,30 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         finish = "length" if len(words) > len(out) else "stop"
         usage = {
             "prompt_tokens": len(prompt_text.encode()),
-            "completion_tokens": len(out),
-            "total_tokens": len(prompt_text.encode()) + len(out),
+            "completion_tokens": n * len(out),
+            "total_tokens": len(prompt_text.encode()) + n * len(out),
             "prompt_tokens_details": {"cached_tokens": 0},
         }
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         headers = {"x-echo-worker": settings.name}
         if body.get("stream"):
-            stream = _stream(rid, model, out, finish, usage if include_usage else None, chat)
+            stream = _stream(rid, model, out, finish, usage if include_usage else None, chat, n)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         if settings.first_token_delay_s or settings.token_delay_s:
             await asyncio.sleep(settings.first_token_delay_s + settings.token_delay_s * len(out))
         text = "".join(out)
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": finish} for i in range(n)]
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish} for i in range(n)]
             obj = "text_completion"
-        result = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice], "usage": usage}
+        result = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
         return Response(_encode(result), media_type="application/json", headers=headers)
 
     async def _stream(
-        rid: str, model: str, out: list[str], finish: str, usage: dict[str, Any] | None, chat: bool
+        rid: str, model: str, out: list[str], finish: str, usage: dict[str, Any] | None, chat: bool, n: int = 1
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -167,16 +171,19 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         if settings.first_token_delay_s:
             await asyncio.sleep(settings.first_token_delay_s)
         if chat:
-            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            for index in range(n):
+                yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         for i, word in enumerate(out):
             if settings.crash_after_tokens and i >= settings.crash_after_tokens:
                 os._exit(17)  # a crash, on purpose: the socket dies mid-stream
             if settings.token_delay_s:
                 await asyncio.sleep(settings.token_delay_s)
             delta = {"delta": {"content": word}} if chat else {"text": word, "logprobs": None}
-            yield event({"index": 0, **delta, "finish_reason": None})
+            for index in range(n):
+                yield event({"index": index, **delta, "finish_reason": None})
         last = {"delta": {}} if chat else {"text": "", "logprobs": None}
-        yield event({"index": 0, **last, "finish_reason": finish})
+        for index in range(n):
+            yield event({"index": index, **last, "finish_reason": finish})
         if usage is not None:
             payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
             yield b"data: " + _encode(payload) + b"\n\n"
@@ -195,6 +202,21 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
             raise ValueError(f"'{name}' must be a positive integer")
         return value
     return default
+
+
+MAX_CHOICES = 128  # as the bundled worker's (workers.server.MAX_CHOICES)
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """``n``: the choices to answer (null: 1), a positive integer up to ``MAX_CHOICES``."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError("'n' must be a positive integer")
+    if value > MAX_CHOICES:
+        raise ValueError(f"'n' must be at most {MAX_CHOICES}, got {value}")
+    return value
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

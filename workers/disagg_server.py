@@ -11,6 +11,8 @@
   pulls exactly the blocks its own prefix cache lacks, imports them (prefix cache + KV events),
   tells the prefill worker it is done, and then runs as an ordinary request whose prompt is
   cached. Its pins are dropped when the response ends (the sequence holds its own references).
+- ``n`` > 1: the prefill computes the prompt's KV once (one sequence, one transfer, whatever
+  ``n``); the decode side runs the ``n`` choices, each admitted on the transferred prompt.
 - ``POST /kv_transfer/pull`` (streamed binary) and a raw TCP port serve the blocks; on one host
   the decode worker copies them GPU to GPU over CUDA IPC under a read lease instead
   (``workers.kv_ipc``), falling back to the TCP pull when that is not possible;
@@ -46,7 +48,9 @@ from workers.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.transfer_auth import SIGNATURE, SECRET_ENV, sign, verify
 from workers.kv_layout import Layout, TransferError
 from workers.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
-from workers.server import APIError, ChatRequest, CompletionRequest, WorkerAPI, error_body, field_errors, special_tokens
+from workers.server import (
+    APIError, ChatRequest, CompletionRequest, WorkerAPI, check_choices, error_body, field_errors, special_tokens,
+)
 from workers.transfer_registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -192,6 +196,7 @@ class DisaggService:
         req, ids = self.parse(kind, body)
         if getattr(req, "stream", False):
             raise APIError(400, "a prefill with do_remote_decode must not stream", "stream")
+        check_choices(req, 1)  # the choices are the decode side's; this one sequence serves them all
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         params = self.api.params(req, max_tokens if max_tokens is not None else 1, len(ids))
         self.api.validate(ids, params, "messages" if kind == "chat" else "prompt")

@@ -9,6 +9,10 @@ added. So the router's block keys are this engine's block hashes.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad input is a
 400, never a crash. A client that disconnects aborts its request, which frees its blocks.
+
+``n`` (several choices per prompt) runs as vLLM runs it: each choice is its own engine request
+(a "child"; ``Child``), numbered ``prompt_index * n + i``; see ``WorkerAPI.children`` for seeds
+and prefix sharing, ``usage`` for how the tokens are counted, ``run_choices`` for aborts.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -120,7 +124,7 @@ class _Common(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: StrictInt = -1
-    n: StrictInt = 1
+    n: StrictInt | None = 1  # null: 1 (OpenAI's and vLLM's default); range: ``check_choices``
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -199,6 +203,18 @@ class Chunk:
     output: RequestOutput
 
 
+@dataclass(frozen=True)
+class Child:
+    """One choice of a request: its own engine request over its prompt's tokens."""
+
+    index: int  # the choice's index: prompt * n + i (OpenAI's and vLLM's numbering)
+    prompt: int  # the index of its prompt in the request
+    rid: str  # its engine request id
+    ids: list[int]
+    params: SamplingParams
+    gate: int | None = None  # start after this child (its prompt's first) has its first output
+
+
 # ---- the app ------------------------------------------------------------------------------------
 
 
@@ -244,8 +260,8 @@ class WorkerAPI:
         return encode_text(self.tokenizer, text, "messages", special_tokens(body, default=False))
 
     def params(self, req: _Common, max_tokens: int | None, prompt_len: int) -> SamplingParams:
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", "n")
+        """One prompt's sampling params (a child's seed is derived from them: ``children``);
+        ``check_choices`` has checked ``n`` first."""
         if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         check_unsupported(req)
@@ -276,6 +292,33 @@ class WorkerAPI:
                 name = max_tokens_name
             code = "context_length_exceeded" if "context length" in message else None
             raise APIError(400, message, name, code) from exc
+
+    def children(self, rid: str, prompts: list[list[int]], plist: list[SamplingParams], n: int) -> list[Child]:
+        """The request's choices, in choice order (``prompt * n + i``), each its own engine request.
+
+        Seeds: child ``i`` of a seeded prompt samples with ``seed + i`` (vLLM's rule, in
+        ``ParentRequest._get_child_sampling_params``): the choices differ, and the same request
+        gives the same choices again. Past 2**64 - 1 the sum wraps (torch reads a seed modulo
+        2**64). Unseeded children draw from the engine's generator, so they differ too; greedy
+        children are identical (as in vLLM).
+
+        Prefix sharing: this engine registers a block in its prefix cache once it is computed, so
+        children admitted together would each compute the whole prompt. Child 0 of a prompt runs
+        first; its siblings start at its first output (the prompt is computed and committed by
+        then) and are admitted on its blocks. Not worth a step when no full block can be shared.
+        """
+        share = n > 1 and self.engine.engine.config.enable_prefix_caching
+        block = self.engine.engine.config.block_size
+        out: list[Child] = []
+        for p, (ids, params) in enumerate(zip(prompts, plist, strict=True)):
+            first = len(out)
+            gate = first if share and (len(ids) - 1) // block > 0 else None
+            for i in range(n):
+                k = first + i
+                seeded = params if params.seed is None or i == 0 else replace(params, seed=child_seed(params.seed, i))
+                out.append(Child(k, p, rid if len(prompts) * n == 1 else f"{rid}-{k}", ids, seeded,
+                                 gate if i else None))
+        return out
 
     # -- running a request --
 
@@ -314,13 +357,98 @@ class WorkerAPI:
         return "".join(parts), last.finish_reason, last.output
 
 
+async def run_choices(api: WorkerAPI, children: Sequence[Child], salt: str | None, stops: list[str],
+                      include_stop: bool = False) -> AsyncIterator[tuple[Child, Chunk]]:
+    """Every child's text chunks, interleaved as they come; ends when every child has finished.
+
+    An error in one child (the engine died, refused it) is raised here and ends them all.
+    Leaving early (that error, a stop by the caller, a client that went away: close this
+    generator, e.g. with ``contextlib.aclosing``) cancels every child's task and waits for them:
+    each one's ``WorkerAPI.run`` exit aborts its engine request, so none is left running."""
+    if len(children) == 1:  # no task, no queue: the common case stays as direct as it was
+        child = children[0]
+        async with aclosing(api.run(child.rid, child.ids, child.params, salt, stops, include_stop)) as one:
+            async for chunk in one:
+                yield child, chunk
+        return
+    queue: asyncio.Queue[tuple[Child, Chunk | None] | Exception] = asyncio.Queue()
+    started = [asyncio.Event() for _ in children]  # set at a child's first output (or its end)
+
+    async def produce(k: int, child: Child) -> None:
+        try:
+            if child.gate is not None:
+                await started[child.gate].wait()
+            async with aclosing(api.run(child.rid, child.ids, child.params, salt, stops, include_stop)) as chunks:
+                async for chunk in chunks:
+                    started[k].set()
+                    queue.put_nowait((child, chunk))
+            queue.put_nowait((child, None))
+        except Exception as exc:  # the consumer raises it (cancellation is no error: it passes)
+            queue.put_nowait(exc)
+        finally:
+            started[k].set()  # no sibling waits for a child that ended without output
+
+    tasks = [asyncio.create_task(produce(k, c), name=c.rid) for k, c in enumerate(children)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            child, chunk = item
+            if chunk is None:
+                running -= 1
+            else:
+                yield child, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_choices(api: WorkerAPI, children: Sequence[Child], salt: str | None, stops: list[str],
+                          include_stop: bool = False) -> list[tuple[str, str | None, RequestOutput]]:
+    """(text, finish reason, last output) of every child, in choice order."""
+    parts: list[list[str]] = [[] for _ in children]
+    last: list[Chunk | None] = [None] * len(children)
+    async with aclosing(run_choices(api, children, salt, stops, include_stop)) as chunks:
+        async for child, chunk in chunks:
+            parts[child.index].append(chunk.text)
+            last[child.index] = chunk
+    if any(c is None for c in last):
+        raise APIError(500, "the request produced no output")
+    return [("".join(p), c.finish_reason, c.output) for p, c in zip(parts, last, strict=True) if c is not None]
+
+
 # What torch's generators and index tensors take: past these the engine loop itself would fail
 # (one request's seed or top_k killed the loop for every request until a restart).
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_CHOICES = 128  # choices (n * prompts) of one request: each is an engine sequence (vLLM has no cap)
 MAX_TOP_K = 2**31 - 1
 GREEDY_BELOW = 1e-5  # vLLM's epsilon: logits / 1e-300 overflowed to NaN and sampled token 0 forever
 MAX_STOPS = 1024  # each is searched at every token (OpenAI takes 4)
 MAX_CACHE_SALT_CHARS = 1024  # the engine keeps a seed per salt (4096 deep): megabyte salts held gigabytes
+
+
+def num_choices(req: _Common) -> int:
+    return 1 if req.n is None else req.n
+
+
+def check_choices(req: _Common, num_prompts: int) -> int:
+    """``n`` (the choices per prompt), checked: at least 1, at most ``MAX_CHOICES`` in all."""
+    n = num_choices(req)
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}", "n")
+    if n * num_prompts > MAX_CHOICES:
+        shown = f"{n} x {num_prompts} prompts = {n * num_prompts}" if num_prompts > 1 else str(n)
+        raise APIError(400, f"at most {MAX_CHOICES} choices (n x prompts) per request are supported, got {shown}", "n")
+    return n
+
+
+def child_seed(seed: int, i: int) -> int:
+    """Child ``i``'s seed: ``seed + i`` (vLLM's), wrapped into ``SEED_RANGE`` modulo 2**64 (what torch reads)."""
+    s = seed + i
+    return s - 2**64 if s > SEED_RANGE[1] else s
 
 
 def check_sampling(req: _Common) -> None:
@@ -355,7 +483,8 @@ def check_unsupported(req: _Common) -> None:
     the output; and for tool calling, which needs a tool parser this worker does not have."""
     extra = req.model_extra or {}
     chat = isinstance(req, ChatRequest)
-    for name, off in (_OFF_CHAT if chat else _OFF_COMPLETION).items():
+    # best_of = n is what sampling n choices is (vLLM keeps the best_of best of n samples)
+    for name, off in (_OFF_CHAT if chat else {**_OFF_COMPLETION, "best_of": (num_choices(req),)}).items():
         value = extra.get(name)
         if value is not None and not any(_same(value, o) for o in off):
             shown = repr(value)
@@ -405,14 +534,29 @@ def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool 
         raise APIError(400, f"{param} is not valid Unicode text (a lone surrogate?)", param, "invalid_unicode") from exc
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(o.num_prompt_tokens for o in outputs)
-    completion = sum(o.num_output_tokens for o in outputs)
+def _usage(outputs: Sequence[tuple[int, RequestOutput]]) -> dict[str, Any]:
+    """Usage of a request from each choice's last output, with its prompt's index.
+
+    As vLLM counts it: ``prompt_tokens`` once per prompt (not per choice), ``completion_tokens``
+    summed over every choice. ``cached_tokens``: per prompt, the fewest among its choices (the
+    prompt tokens found cached when the request came; siblings reusing the first choice's
+    blocks are not counted again), summed over the prompts, so it never exceeds
+    ``prompt_tokens`` (the gateway compares it with its prediction for the prompt). vLLM
+    reports one child's count, whichever produced its first streamed output or the last
+    finishing child of the last prompt (non-streamed): the same number when no sibling reused
+    another's blocks, up to the whole prompt more when one did.
+    """
+    prompts: dict[int, list[RequestOutput]] = {}
+    for p, out in outputs:
+        prompts.setdefault(p, []).append(out)
+    prompt = sum(outs[0].num_prompt_tokens for outs in prompts.values())
+    cached = sum(min(o.num_cached_tokens for o in outs) for outs in prompts.values())
+    completion = sum(out.num_output_tokens for _, out in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -479,24 +623,22 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         if req.echo or req.logprobs is not None:
             raise APIError(400, "echo and logprobs are not supported", "echo" if req.echo else "logprobs")
         prompts = api.completion_prompts(req.prompt, special_tokens(req.model_extra or {}, default=True))
+        n = check_choices(req, len(prompts))
         plist = [api.params(req, req.max_tokens, len(ids)) for ids in prompts]
         for ids, p in zip(prompts, plist, strict=True):
             api.validate(ids, p, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        children = api.children(rid, prompts, plist, n)
         if req.stream:
-            if len(prompts) > 1:
-                raise APIError(400, "streaming supports one prompt per request", "prompt")
-            return _stream(api, req, rid, created, prompts[0], plist[0], chat=False)
-        results = await _unless_disconnected(request, asyncio.gather(*(
-            api.collect(f"{rid}-{i}", ids, p, req.cache_salt, _stops(req.stop), include_stop)
-            for i, (ids, p) in enumerate(zip(prompts, plist, strict=True))
-        )))
+            return stream_choices(api, req, rid, created, children, chat=False)
+        results = await _unless_disconnected(request, collect_choices(
+            api, children, req.cache_salt, _stops(req.stop), include_stop))
         return {
             "id": rid, "object": "text_completion", "created": created, "model": api.model_name,
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
                         for i, (text, reason, _) in enumerate(results)],
-            "usage": _usage([out for _, _, out in results]),
+            "usage": _usage([(c.prompt, out) for c, (_, _, out) in zip(children, results, strict=True)]),
         }
 
     @app.post("/v1/chat/completions")
@@ -506,21 +648,23 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
         ids = api.chat_prompt(req.messages, req.model_extra or {})
+        n = check_choices(req, 1)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = api.params(req, max_tokens, len(ids))
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         api.validate(ids, params, "messages", named)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        children = api.children(rid, [ids], [params], n)
         if req.stream:
-            return _stream(api, req, rid, created, ids, params, chat=True)
-        text, reason, out = await _unless_disconnected(
-            request, api.collect(rid, ids, params, req.cache_salt, _stops(req.stop), include_stop))
+            return stream_choices(api, req, rid, created, children, chat=True)
+        results = await _unless_disconnected(
+            request, collect_choices(api, children, req.cache_salt, _stops(req.stop), include_stop))
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": api.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": reason}],
-            "usage": _usage([out]),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": reason} for i, (text, reason, _) in enumerate(results)],
+            "usage": _usage([(0, out) for _, _, out in results]),
         }
 
     def model_card() -> dict[str, Any]:
@@ -580,6 +724,16 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
 
 def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int], params: SamplingParams,
             chat: bool) -> StreamingResponse:
+    """The stream of a single choice (one prompt, ``n`` = 1)."""
+    return stream_choices(api, req, rid, created, [Child(0, 0, rid, ids, params)], chat)
+
+
+def stream_choices(api: WorkerAPI, req: _Common, rid: str, created: int, children: Sequence[Child],
+                   chat: bool) -> StreamingResponse:
+    """Server-sent events as vLLM sends them: chat first sends each choice's role delta; then the
+    choices' chunks interleave as they come, one choice per chunk, each with its ``index``;
+    each choice ends with its own chunk carrying its finish reason; the usage chunk (no
+    choices), when asked for, comes once after them all; then ``data: [DONE]``."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     include_stop = include_stop_str(req)  # checked by the route already: no raise after the headers
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -591,32 +745,39 @@ def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int]
             body["usage"] = usage
         return _sse(body)
 
-    def choice(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def choice(index: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
         if not chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     async def body() -> AsyncIterator[bytes]:
         if chat:
-            yield chunk(choice(None, None, first=True))
-        last: RequestOutput | None = None
+            for child in children:
+                yield chunk(choice(child.index, None, None, first=True))
+        last: dict[int, tuple[int, RequestOutput]] = {}  # choice -> (prompt, its last output)
         try:
-            async for c in api.run(rid, ids, params, req.cache_salt, _stops(req.stop), include_stop):
-                last = c.output
-                if c.text or c.finish_reason is None:
-                    yield chunk(choice(c.text, None))
-                if c.finish_reason is not None:
-                    yield chunk(choice(None if chat else "", c.finish_reason))
+            async with aclosing(run_choices(api, children, req.cache_salt, _stops(req.stop), include_stop)) as chunks:
+                async for child, c in chunks:
+                    last[child.index] = (child.prompt, c.output)
+                    if c.text or c.finish_reason is None:
+                        yield chunk(choice(child.index, c.text, None))
+                    if c.finish_reason is not None:
+                        yield chunk(choice(child.index, None if chat else "", c.finish_reason))
         except (EngineDeadError, RequestRejected) as exc:  # headers are sent: report in the stream
             # ...then end it as vLLM does, with [DONE] after the error event.
             yield _sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
             yield b"data: [DONE]\n\n"
             return
-        if include_usage and last is not None:
-            yield chunk(None, _usage([last]))
+        except Exception as exc:  # a bug: the client still gets a whole stream that says so
+            log.exception("stream %s failed", rid)
+            yield _sse(error_body(500, f"internal error: {type(exc).__name__}"))
+            yield b"data: [DONE]\n\n"
+            return
+        if include_usage and last:
+            yield chunk(None, _usage(list(last.values())))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
