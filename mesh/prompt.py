@@ -37,6 +37,7 @@ from mesh.tokenizer import ByteTokenizer, load_tokenizer
 from policies.base import RequestInfo
 
 MAX_MODEL_CHARS = 256
+MAX_CHOICES = 1024  # OpenAI ``n`` accepted by the gateway (vLLM sets no limit)
 MAX_CACHED_SALT_CHARS = 256
 TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again for this long
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
@@ -134,6 +135,7 @@ class PromptProcessor:
             raise bad_request("kv_transfer_params are set by the gateway for disaggregated requests, "
                               "not by clients", "kv_transfer_params")
         model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
+        choices = validate_choices(body)
         source = prompt_source(body, kind)
         session_id = self.session_id(body, session_header)
         ns = self.namespace_for(model)
@@ -157,6 +159,7 @@ class PromptProcessor:
             block_size=pool.block_size,
             prompt_tokens=n_tokens,
             max_tokens=max_tokens,
+            choices=choices,
             session_id=session_id,
             text=tokens_text,
             lora=ns.lora,
@@ -451,6 +454,19 @@ def validate_common(body: dict[str, Any], max_tokens_limit: int) -> tuple[str, b
             raise bad_request(f"'{name}' must lie in [1, {max_tokens_limit}], got {value}", name, "invalid_max_tokens")
         max_tokens = max(max_tokens, value)
     return model, stream, max_tokens
+
+
+def validate_choices(body: dict[str, Any]) -> int:
+    """OpenAI's ``n`` (null or absent: 1). Bounded here so that one request cannot claim absurd
+    load; the worker applies its own limit (the bundled one: 128)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise bad_request("'n' must be an integer", "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must lie in [1, {MAX_CHOICES}], got {n}", "n")
+    return n
 
 
 def chat_messages(body: dict[str, Any]) -> list[Any]:

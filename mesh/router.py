@@ -69,10 +69,16 @@ class Lease:
     # time when the request ends (a session is not idle while a request of it runs).
     on_end: Callable[[Lease, float], None] | None = None
 
+    @property
+    def decode_tokens(self) -> int:
+        """The context this request decodes over once its first token is out: the prompt, once
+        per choice (each of OpenAI's ``n`` sequences reads it at every step)."""
+        return self.prompt_tokens * self.request.choices
+
     def first_token(self) -> None:
         if self._phase == 0:
             self.target.prefill_tokens -= self.uncached_tokens
-            self.target.decode_tokens += self.prompt_tokens
+            self.target.decode_tokens += self.decode_tokens
             self._phase = 1
 
     def finish(self, now: float) -> None:
@@ -81,7 +87,7 @@ class Lease:
         if self._phase == 0:
             self.target.prefill_tokens -= self.uncached_tokens
         else:
-            self.target.decode_tokens -= self.prompt_tokens
+            self.target.decode_tokens -= self.decode_tokens
         self.target.in_flight -= 1
         self._phase = 2
         self.policy.on_finished(self.request, self.target.id, now)

@@ -48,7 +48,7 @@ class TargetState:
     index_healthy: bool = True  # its KV event stream is live (else prefix scores are not trusted)
     in_flight: int = 0  # requests sent and not yet finished
     prefill_tokens: int = 0  # prompt tokens of in-flight requests still before their first token
-    decode_tokens: int = 0  # context tokens of in-flight requests past their first token
+    decode_tokens: int = 0  # context tokens of in-flight requests past their first token (x their ``n``)
     kv_usage: float = 0.0  # 0..1, from the worker's metrics when known
     kv_capacity_blocks: int = 0  # 0 = unknown
     live_sessions: int = 0  # session bindings currently pointing here
@@ -92,6 +92,9 @@ class RequestInfo:
     prompt_tokens: int
     max_tokens: int = 0
     session_id: str | None = None  # already bounded and hashed by the gateway
+    # Sequences the request generates (OpenAI's ``n``): they share the prompt's blocks, and each
+    # holds up to ``max_tokens`` more and decodes over the whole context in the worker's batch.
+    choices: int = 1
     text: str = ""  # rendered prompt, for text-based (approximate) policies
     lora: str | None = None
     request_id: str = ""

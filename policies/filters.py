@@ -94,7 +94,7 @@ class AdmissionHeadroom(Filter):
         if t.kv_capacity_blocks <= 0:
             return True
         bs = t.block_size or request.block_size or 1
-        need = -(-(request.prompt_tokens + request.max_tokens) // bs)  # ceil
+        need = -(-(request.prompt_tokens + request.choices * request.max_tokens) // bs)  # ceil: the prompt is shared
         ov = cluster.overlaps(request).get(t.id)
         if ov is not None:
             need -= ov.gpu_blocks  # CPU-tier hits still need GPU blocks to load into

@@ -99,3 +99,10 @@ def test_index_healthy_prefers_live_streams_but_never_empties() -> None:
 def test_filters_keep_candidate_order() -> None:
     ts = [T(f"w{i}", models=frozenset({"m"})) for i in range(9, -1, -1)]
     assert run("model_match", ts) == [f"w{i}" for i in range(9, -1, -1)]
+
+
+def test_admission_headroom_needs_room_for_every_choice() -> None:
+    # n=4 choices of up to 64 tokens share the 64-token prompt: ceil((64 + 4 * 64) / 16) = 20 blocks
+    ts = [T("small", kv_capacity_blocks=100, kv_usage=0.85), T("big", kv_capacity_blocks=100, kv_usage=0.5)]
+    assert run("admission_headroom", ts, req(max_tokens=64)) == ["small", "big"]  # one choice: 8 <= 15
+    assert run("admission_headroom", ts, req(max_tokens=64, choices=4)) == ["big"]  # 20 > 15 free

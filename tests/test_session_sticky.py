@@ -222,3 +222,17 @@ def test_default_inner_is_kv_aware_when_installed() -> None:
 def test_bad_parameters_raise_plugin_errors(params: dict[str, object], message: str) -> None:
     with pytest.raises(PluginError, match=message):
         create("policy", {"name": "session_sticky", "params": params})
+
+
+def test_a_request_of_n_choices_decodes_over_its_prompt_once_per_choice() -> None:
+    """Each of OpenAI's ``n`` sequences reads the whole context at every decode step: the target's
+    decode load counts the prompt ``n`` times, prefill (shared prompt blocks) once."""
+    router, targets, _, _ = setup(["a"])
+    req = RequestInfo(model="m", block_keys=SYSTEM, block_size=16, prompt_tokens=67, choices=3)
+    _, _, lease = go(router, req, 0.0, finish=False)
+    a = targets["a"]
+    assert (a.in_flight, a.prefill_tokens, a.decode_tokens) == (1, 67, 0)
+    lease.first_token()
+    assert (a.in_flight, a.prefill_tokens, a.decode_tokens) == (1, 0, 201)
+    lease.finish(1.0)
+    assert (a.in_flight, a.prefill_tokens, a.decode_tokens) == (0, 0, 0)

@@ -359,6 +359,15 @@ def test_n_through_a_real_gateway_with_the_openai_client(cluster: Cluster) -> No
     _assert_idle(cluster.w0)
 
 
+@pytest.mark.parametrize("n", [0, -1, 1025, "2", 1.5, True])
+def test_the_gateway_refuses_a_bad_n_itself(cluster: Cluster, n: Any) -> None:
+    """The gateway bounds ``n`` before routing (1..1024: one request cannot claim absurd load)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": n, "max_tokens": 2}
+    resp = httpx.post(cluster.gateway.proc.url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n" and "x-mesh-worker" not in resp.headers
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_disaggregated_prefill_once_then_n_choices_on_the_decode_worker(cluster: Cluster, stream: bool) -> None:
     """The prefill computes the prompt once (one sequence, one transfer); the decode worker runs the
