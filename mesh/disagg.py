@@ -13,26 +13,37 @@ bundled workers):
    Both requests carry the same ``X-Request-Id``.
 
 Failures before the first byte reached the client are retried:
-- the prefill fails (connect error, 5xx, 429): another pair, that prefill worker excluded;
+- the prefill fails (connect error, 429, 500/502/503/504): another pair, that prefill worker excluded;
 - the decode worker refuses admission (429, or 503 with a ``kv_*`` code), or is at the gateway's
   admission limit for it (``max_in_flight``, checked before committing): another decode worker;
   when every decode worker is full the request waits in a bounded queue (``DecodeQueue``: at most
   ``max_waiting`` requests, each at most ``queue_wait_s``) and tries again;
-- the decode worker dies or cannot take the blocks (connect error, 5xx, 409 layout/key mismatch,
-  413/507): another decode worker, with the same prefill (its blocks stay pinned there);
+- the decode worker dies or cannot take the blocks (connect error, 500/502/503/504, a 5xx with a
+  ``kv_*`` code, 409 layout/key mismatch, 413): another decode worker, with the same prefill (its
+  blocks stay pinned there);
 - the transfer itself fails (``kv_transfer_failed``/``_corrupt``/``_truncated``/``_gone``: the
   prefill side is at fault): a new pair, that prefill worker excluded.
-A 4xx that is the client's fault is answered as is.
+A 4xx that is the client's fault, or another 5xx (501, ...), is answered as is.
+
+Charged to a worker's passive health as the ordinary proxy charges (``mesh.proxy.status_verdict``,
+one rule for both): connect errors, resets, timeouts and a 502/503/504 answer at once; a 500 only
+once another worker of the same role then answers the request (a request that makes every worker
+answer 500 charges none); a 429 or an admission refusal never; an answer as a success (a streamed
+decode answer once it ended whole: its relayer says so). A decode 5xx with a ``kv_*`` code is the
+transfer's, not the decode worker's: not charged.
 
 Closed under it: a caller ends every relay in flight by closing the relay's client (the gateway's
 shutdown timeout). Whatever breaks once the client is closed is the caller's doing: ``RelayClosed``
-at once (503 ``shutting_down``), no retry, no worker charged.
+at once (503 ``shutting_down``), no retry, no worker charged; its transfer's release goes out in
+the background (``Releases``), so a hung prefill worker cannot hold the client's answer.
 
 Exactly once: every lease is finished exactly once (``try/finally``, ``RelayResponse.aclose``);
-a transfer the relay gives up on (a new pair, an error answer, a client that went away) is
-cancelled at its prefill worker (``POST /kv_transfer/release {cancel: true}``, best effort: the
-prefill worker's deadline releases it otherwise). A decode worker that imported the blocks
-releases them itself.
+a transfer the relay gives up on (a new pair, an error answer, a client that went away, the
+gateway's shutdown) is cancelled at its prefill worker (``POST /kv_transfer/release {cancel:
+true}``, best effort: the prefill worker's deadline releases it otherwise): awaited before a new
+pair or an error answer; in the background when the client went away or at shutdown, in the
+caller's ``Releases`` (which ``close`` ends), or in line when the caller gives none. A decode
+worker that imported the blocks releases them itself.
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from mesh.errors import openai_error_bytes
+from mesh.errors import openai_error_bytes, sse_error_event
+from mesh.proxy import SHUTDOWN_MESSAGE, StatusVerdict, status_verdict
 from mesh.router import Lease, Router
 from policies.base import Decision, NoCandidate, Overlap, RequestInfo, TargetState
 
@@ -65,6 +77,7 @@ PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }
+RELEASE_TIMEOUT_S = 5.0  # one release request to a prefill worker, whole
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,44 @@ class _NoHealth:
         return None
 
 
+class Releases:
+    """Transfer releases sent in the background, owned by whoever runs relays (``DisaggProxy``):
+    ``close`` (its shutdown) gives them ``grace_s``, then cancels the rest, so no task outlives
+    the owner. A release is best effort: the prefill worker's deadline frees what it misses."""
+
+    def __init__(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.tasks: set[asyncio.Task[None]] = set()  # in flight; each removes itself when done
+        self.closed = False
+        self.dropped = 0  # asked for after ``close``: left to the prefill worker's deadline
+
+    def start(self, url: str, transfer_id: str) -> None:
+        if self.closed:
+            self.dropped += 1
+            return
+        task = asyncio.get_running_loop().create_task(release_transfer(url, transfer_id, self.timeout_s))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the releases in flight, then cancel (and await) the rest."""
+        self.closed = True
+        if not self.tasks:
+            return
+        _, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def release_transfer(url: str, transfer_id: str, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    """Tell a prefill worker nobody will pull this transfer (``POST /kv_transfer/release {cancel:
+    true}``), best effort. Its own client: the relay's may be closing."""
+    with contextlib.suppress(Exception):
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            await client.post(url, json={"transfer_id": transfer_id, "cancel": True})
+
+
 class RelayError(Exception):
     """No pair could serve the request; answer ``status``/``body`` (OpenAI error shape)."""
 
@@ -153,9 +204,11 @@ class RelayClosed(RelayError):
 
 
 class _Retry(Exception):
-    def __init__(self, message: str, status: int = 502, body: bytes | None = None, code: str = "upstream_error") -> None:
+    def __init__(self, message: str, status: int = 502, body: bytes | None = None, code: str = "upstream_error",
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.body, self.code = status, body, code
+        self.headers = dict(headers or {})  # the answering worker's name, for the client if no retry is left
 
 
 class _NewPair(_Retry):
@@ -179,10 +232,12 @@ class RelayResponse:
     _lease: Lease
     _now: Callable[[], float]
     deadline: float  # event-loop time at which the relay of this answer must have ended
+    _client: httpx.AsyncClient | None = None  # the relay's: closed under the stream = shutdown
     _closed: bool = field(default=False)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The whole body: the first bytes, then the rest (an SSE error event if it breaks)."""
+        """The whole body: the first bytes, then the rest (an SSE error event if it breaks: the
+        shutdown's when the relay's client was closed under it, else one naming the worker)."""
         yield self.first
         if self._chunks is None:
             return
@@ -190,6 +245,9 @@ class RelayResponse:
             async for chunk in self._chunks:
                 yield chunk
         except httpx.HTTPError as exc:
+            if self._client is not None and self._client.is_closed:
+                yield sse_error_event(SHUTDOWN_MESSAGE, "shutting_down")
+                return
             log.warning("decode stream from %s broke: %r", self.decode, exc)
             err = {"error": {"message": f"worker {self.decode} failed mid-stream", "type": "server_error",
                              "param": None, "code": "upstream_error"}}
@@ -254,9 +312,14 @@ class _Relay:
 
     def __init__(self, client: httpx.AsyncClient, router: Router, info: RequestInfo, body: dict[str, Any],
                  path: str, headers: dict[str, str], config: RelayConfig, queue: DecodeQueue,
-                 stats: RelayStats, now: Callable[[], float], health: WorkerHealth) -> None:
+                 stats: RelayStats, now: Callable[[], float], health: WorkerHealth,
+                 releases: Releases | None = None) -> None:
         self.client, self.router, self.info, self.body = client, router, info, body
-        self.health = health
+        self.health, self.releases = health, releases
+        # Per role, the 500s met so far, (target id, message): charged once another worker of
+        # that role answers the request, forgotten if none does (``status_verdict``).
+        self.prefill_suspects: list[tuple[str, str]] = []
+        self.decode_suspects: list[tuple[str, str]] = []
         self.path, self.headers, self.config, self.queue, self.stats, self.now = path, headers, config, queue, stats, now
         self.stream = bool(body.get("stream"))
         self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
@@ -293,8 +356,9 @@ class _Relay:
                     last = exc
                     self.bad_prefill.append(prefill_id)
                     await self.cancel(prefill_id, kv)
-                except asyncio.CancelledError:  # the client went away: do not wait on anything
-                    self.cancel_later(prefill_id, kv)
+                except (asyncio.CancelledError, RelayClosed):  # the client went away, or the shutdown
+                    if not self.cancel_later(prefill_id, kv):  # do not wait on anything, unless no owner
+                        await self.cancel(prefill_id, kv)
                     raise
                 except BaseException:
                     await self.cancel(prefill_id, kv)
@@ -304,7 +368,7 @@ class _Relay:
             except NoCandidate:
                 break
         if last is not None and last.body is not None and 400 <= last.status < 600:
-            raise RelayError(last.status, str(last), last.code, last.body)
+            raise RelayError(last.status, str(last), last.code, last.body, last.headers)
         raise RelayError(502, f"disaggregated request failed: {last}", "upstream_error")
 
     # -- prefill --
@@ -323,17 +387,21 @@ class _Relay:
             raise _Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
         finally:
             lease.finish(self.now())
-        if resp.status_code != 200:
-            if resp.status_code in (429,) or resp.status_code >= 500:
-                raise _Retry(f"prefill worker {target_id} answered {resp.status_code}", resp.status_code, resp.content)
-            raise RelayError(resp.status_code, f"prefill worker {target_id} answered {resp.status_code}",
-                             _error_code(resp.content) or "invalid_request",
-                             resp.content)
+        status = resp.status_code
+        if status != 200:
+            message, named = f"prefill worker {target_id} answered {status}", {"x-mesh-prefill-worker": target_id}
+            verdict = status_verdict(status)
+            if verdict.retry:
+                self.charge(target_id, verdict, message, self.prefill_suspects)
+                raise _Retry(message, status, resp.content, headers=named)
+            self.served(self.prefill_suspects)
+            raise RelayError(status, message, _error_code(resp.content) or _default_code(status), resp.content, named)
         try:
             answer = resp.json()
             kv, usage = answer.get("kv_transfer_params"), answer.get("usage")
         except (ValueError, AttributeError) as exc:
             raise _Retry(f"prefill worker {target_id} answered invalid JSON") from exc
+        self.served(self.prefill_suspects)
         self.health.record_success(target_id)
         if not isinstance(kv, dict):
             self.stats.fallbacks += 1
@@ -374,7 +442,8 @@ class _Relay:
                 last = exc
                 self.bad_decode.append(decode_id)
         if last is not None:  # every decode worker failed: answer the last one's error
-            raise RelayError(last.status, f"no decode worker could take the request: {last}", last.code, last.body)
+            raise RelayError(last.status, f"no decode worker could take the request: {last}", last.code, last.body,
+                             last.headers)
         raise RelayError(503, "no decode worker can take the request", "no_decode_worker")
 
     def next_decode(self, prefill_id: str) -> str | None:
@@ -432,6 +501,7 @@ class _Relay:
             if self.stream and not first:
                 self.check_open()
                 raise _Retry(f"decode worker {decode_id} closed the stream before any data")
+            self.served(self.decode_suspects)  # their 500s were theirs: this worker answers the request
             if not self.stream:  # a stream is a success once it ended whole: its relayer says so
                 self.health.record_success(decode_id)
             lease.first_token()
@@ -441,7 +511,7 @@ class _Relay:
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
             headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
             out = RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
-                                self.prefill_usage, resp, chunks, lease, self.now, deadline)
+                                self.prefill_usage, resp, chunks, lease, self.now, deadline, self.client)
             handed_over = True  # the response and the lease belong to the RelayResponse now
             return out
         finally:
@@ -464,16 +534,36 @@ class _Relay:
             touch(self.info.session_id, lease.target.id, now)
 
     def classify(self, resp: httpx.Response, content: bytes, decode_id: str) -> None:
-        """Raise what a non-200 decode answer means for the relay."""
+        """Raise what a non-200 decode answer means for the relay, charging the worker as the
+        proxy would (``status_verdict``) unless the answer names a transfer problem (``kv_*``)."""
         status, code = resp.status_code, _error_code(content)
-        message = f"decode worker {decode_id} answered {status} ({code})"
+        message = f"decode worker {decode_id} answered {status}" + (f" ({code})" if code else "")
+        named = {"x-mesh-worker": decode_id}
         if status == 429 or (status == 503 and code in ADMISSION_CODES) or code in ADMISSION_CODES:
             raise _Full(message, status, content, code or "over_capacity")
         if code in PREFILL_SIDE_CODES:
             raise _NewPair(message, status, content, code or "kv_transfer_failed")
-        if status >= 500 or status in (409, 413):
-            raise _Retry(message, status, content, code or "upstream_error")
-        raise RelayError(status, message, code or "invalid_request", content)
+        transfer = status >= 500 and code is not None and code.startswith("kv_")
+        verdict = status_verdict(status)
+        if verdict.retry and not transfer:
+            self.charge(decode_id, verdict, message, self.decode_suspects)
+        if verdict.retry or transfer or status in (409, 413):
+            raise _Retry(message, status, content, code or "upstream_error", named)
+        self.served(self.decode_suspects)
+        raise RelayError(status, message, code or _default_code(status), content, named)
+
+    def charge(self, target_id: str, verdict: StatusVerdict, message: str, suspects: list[tuple[str, str]]) -> None:
+        """A worker's retryable answer, as the proxy charges it: at once, or as a suspect."""
+        if verdict.charge:
+            self.health.record_failure(target_id, self.now(), message)
+        elif verdict.suspect:
+            suspects.append((target_id, message))
+
+    def served(self, suspects: list[tuple[str, str]]) -> None:
+        """Another worker of the role answered the request: the 500s before it were those workers'."""
+        for target_id, message in suspects:
+            self.health.record_failure(target_id, self.now(), message)
+        suspects.clear()
 
     # -- cleanup --
 
@@ -483,21 +573,22 @@ class _Relay:
         return self.router.targets[prefill_id].url.rstrip("/") + "/kv_transfer/release"
 
     async def cancel(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
-        """Tell the prefill worker nobody will pull this transfer (best effort: its deadline
-        releases it otherwise). Its own client: the caller's may be closing."""
+        """Release the transfer at its prefill worker (``release_transfer``), awaited."""
         url = self._release_url(prefill_id, kv)
         if url is None:
             return
         self.stats.cancels_sent += 1
-        with contextlib.suppress(Exception):
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                await client.post(url, json={"transfer_id": kv["transfer_id"], "cancel": True})  # type: ignore[index]
+        await release_transfer(url, kv["transfer_id"])  # type: ignore[index]
 
-    def cancel_later(self, prefill_id: str, kv: dict[str, Any] | None) -> None:
-        """``cancel`` in the background (the request itself is being cancelled)."""
-        task = asyncio.get_running_loop().create_task(self.cancel(prefill_id, kv))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+    def cancel_later(self, prefill_id: str, kv: dict[str, Any] | None) -> bool:
+        """``cancel`` in the background, in the caller's ``Releases``; False when it gave none."""
+        if self.releases is None:
+            return False
+        url = self._release_url(prefill_id, kv)
+        if url is not None:
+            self.stats.cancels_sent += 1
+            self.releases.start(url, kv["transfer_id"])  # type: ignore[index]
+        return True
 
 
 def _at_limit(target: TargetState) -> bool:
@@ -510,11 +601,12 @@ def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
     return [t.id for t in targets.values() if _at_limit(t) and getattr(t.role, "value", t.role) != "decode"]
 
 
+def _default_code(status: int) -> str:
+    return "upstream_error" if status >= 500 else "invalid_request"
+
+
 class _Full(_Retry):
     """The decode worker refused admission (retryable: another worker, or later)."""
-
-
-_BACKGROUND: set[asyncio.Task[Any]] = set()  # cancel requests in flight (kept referenced)
 
 
 async def _first_bytes(chunks: AsyncIterator[bytes]) -> bytes:
@@ -539,6 +631,7 @@ async def relay_disaggregated(
     now: Callable[[], float] = time.monotonic,
     request_id: str | None = None,
     health: WorkerHealth | None = None,
+    releases: Releases | None = None,
 ) -> RelayResponse:
     """Serve one request through a (prefill, decode) pair; see the module docstring.
 
@@ -546,11 +639,12 @@ async def relay_disaggregated(
     attempt. Returns once the decode worker's first bytes are in (every retry happens before):
     stream ``RelayResponse.body()`` to the client and call ``aclose()`` in a ``finally``.
     Raises ``RelayError`` (status, OpenAI-shaped body, headers) when no pair could serve it.
-    ``health``: told of connect errors, resets and timeouts (failures) and of answers (successes)
-    per worker; a worker's 5xx is not counted (it may be the request's fault). A streamed decode
-    answer's success is not told here: whoever relays it tells it once the stream ended whole
-    (``DisaggProxy``), since a success at its first bytes reset the failures of a worker that
-    breaks every stream.
+    ``health``: told of failures and successes per worker as the proxy tells them (the module
+    docstring). A streamed decode answer's success is not told here: whoever relays it tells it
+    once the stream ended whole (``DisaggProxy``), since a success at its first bytes reset the
+    failures of a worker that breaks every stream.
+    ``releases``: where transfer releases go in the background when the client went away or the
+    relay's client was closed (the caller closes it at its shutdown); None: they are awaited.
     """
     data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
     if not isinstance(data, dict):
@@ -559,5 +653,5 @@ async def relay_disaggregated(
     stats = stats if stats is not None else RelayStats()
     stats.requests += 1
     relay = _Relay(client, router, request_info, data, path, _forward_headers(headers, rid), config or RelayConfig(),
-                   queue if queue is not None else DecodeQueue(), stats, now, health or _NoHealth())
+                   queue if queue is not None else DecodeQueue(), stats, now, health or _NoHealth(), releases)
     return await relay.run(decision)

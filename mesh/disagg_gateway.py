@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 
 from mesh.disagg import (
-    DecodeQueue, RelayClosed, RelayConfig, RelayError, RelayResponse, RelayStats, full_for_pairs, relay_disaggregated,
+    DecodeQueue, RelayClosed, RelayConfig, RelayError, RelayResponse, RelayStats, Releases, full_for_pairs,
+    relay_disaggregated,
 )
 from mesh.errors import MeshError
 from mesh.prompt import ParsedRequest
@@ -34,6 +35,7 @@ from policies.base import NoCandidate
 
 log = logging.getLogger("mesh.disagg_gateway")
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+RELEASE_GRACE_S = 2.0  # at the lifespan's end, for transfer releases still in flight (then cancelled)
 
 
 class DisaggProxy(Proxy):
@@ -46,6 +48,9 @@ class DisaggProxy(Proxy):
         self.decode_queue = queue or DecodeQueue()
         self.relay_config = config or RelayConfig()
         self.relay_stats = RelayStats()
+        # Transfer releases of relays ended by their client or the shutdown: in the background (a
+        # hung prefill worker must not hold the client's answer), closed by ``uninstall``.
+        self.releases = Releases()
         self._closing: asyncio.Task[None] | None = None
 
     def shut_down(self) -> None:
@@ -84,6 +89,7 @@ class DisaggProxy(Proxy):
             resp = await relay_disaggregated(
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
                 config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
+                releases=self.releases,
             )
         except RelayClosed:
             raise _shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
@@ -211,9 +217,11 @@ async def install(gateway: Any) -> None:
 
 
 async def uninstall(gateway: Any) -> None:
-    """Lifespan hook (``on_stop``): close the relay's client."""
+    """Lifespan hook (``on_stop``): close the relay's client, and end its background transfer
+    releases (``RELEASE_GRACE_S`` for those in flight, then cancelled: no task outlives it)."""
     proxy = gateway.proxy
     if isinstance(proxy, DisaggProxy):
         await proxy.http.aclose()
         if proxy._closing is not None:
             await asyncio.gather(proxy._closing, return_exceptions=True)
+        await proxy.releases.close(RELEASE_GRACE_S)

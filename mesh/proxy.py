@@ -85,6 +85,28 @@ MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is re
 SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its shutdown timeout"
 
 
+@dataclass(frozen=True, slots=True)
+class StatusVerdict:
+    """What a worker's answer status means while nothing has reached the client yet."""
+
+    retry: bool  # another worker may serve the request
+    charge: bool  # a failure of the worker's at once (its circuit breaker)
+    suspect: bool  # a failure of the worker's only once another worker serves the same request
+
+
+def status_verdict(status: int) -> StatusVerdict:
+    """The proxy's rule for a worker's answer status, shared by the disaggregated relay (its
+    prefill and decode attempts alike): 502/503/504 are retried elsewhere and charged at once; a
+    500 is retried and only suspect (it may be the request's fault: an input that crashes any
+    worker must not open every circuit), charged once another worker serves the request; a 429
+    is retried, never charged (a busy worker is not a broken one); any other status is the answer."""
+    return _VERDICTS.get(status, _ANSWER)
+
+
+_ANSWER = StatusVerdict(retry=False, charge=False, suspect=False)
+_VERDICTS = {s: StatusVerdict(retry=True, charge=s in (502, 503, 504), suspect=s == 500) for s in RETRY_STATUSES}
+
+
 def _shutdown_error() -> MeshError:
     return MeshError(503, SHUTDOWN_MESSAGE, code="shutting_down")
 
@@ -101,14 +123,16 @@ class _UpstreamFailed(Exception):
         body: bytes | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
         worker_fault: bool = True,
+        suspect: bool = False,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
         self.body = body  # a worker's own error answer, passed through if no retry is left
         self.headers = headers
-        # Counts toward the circuit breaker at once; a 500 is only suspect (see ``_Failure``).
+        # Counts toward the circuit breaker at once, unless only suspect (a 500: see ``_Failure``).
         self.worker_fault = worker_fault
+        self.suspect = suspect
 
 
 @dataclass(slots=True)
@@ -350,7 +374,8 @@ class Proxy:
             try:
                 # The timeout bounds the whole exchange, streaming included.
                 resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
-                if resp.status in RETRY_STATUSES:
+                verdict = status_verdict(resp.status)
+                if verdict.retry:
                     error_headers, error_body = _worker_error(resp, await _read_answer(resp, target), target)
                     raise _UpstreamFailed(
                         f"status_{resp.status}",
@@ -358,7 +383,8 @@ class Proxy:
                         status=resp.status,
                         body=error_body,
                         headers=error_headers,
-                        worker_fault=resp.status >= 500,
+                        worker_fault=verdict.charge or verdict.suspect,
+                        suspect=verdict.suspect,
                     )
                 if parsed.stream and resp.status == 200:
                     first = await resp.read_chunk()
@@ -408,7 +434,7 @@ class Proxy:
             if self.shutting_down and exc.body is None:  # e.g. "closed the stream before any data"
                 raise _shutdown_error() from None
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
-            suspect = exc.status == 500 and exc.body is not None
+            suspect = exc.suspect
             if exc.worker_fault and not suspect:
                 self.registry.record_failure(target.id, time.monotonic(), str(exc))
             return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers, target.id if suspect else None)

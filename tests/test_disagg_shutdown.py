@@ -59,10 +59,10 @@ def set_faults(worker: Proc, **faults: Any) -> None:
 def pd_gateway(procs: ProcessGroup, tmp_path: Path, workers: dict[str, tuple[Proc, str]], *extra: str,
                server: dict[str, Any] | None = None, threshold: int = 1) -> tuple[Proc, int]:
     """``mesh serve`` over ``workers`` (name -> (process, role)); by default every failure opens
-    a circuit."""
+    a circuit (for the whole test: no half-open probe)."""
     port = free_port()
     config = {"server": {"port": port, "admin_key": "adm", **(server or {})}, "health": {"interval_s": 60},
-              "circuit_breaker": {"failure_threshold": threshold}, "policy": PD_POLICY,
+              "circuit_breaker": {"failure_threshold": threshold, "open_s": 3600}, "policy": PD_POLICY,
               "workers": [{"name": n, "url": p.url, "role": r} for n, (p, r) in workers.items()]}
     path = tmp_path / "pd.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -221,7 +221,7 @@ def test_a_workers_non_openai_error_reaches_the_client_in_the_openai_shape(
     fake = fake_worker(procs, "fake", mode)
     other = procs.echo_worker("echo")
     workers = {"fake": (fake, role), "echo": (other, "decode" if role == "prefill" else "prefill")}
-    gateway, _ = pd_gateway(procs, tmp_path, workers)
+    gateway, _ = pd_gateway(procs, tmp_path, workers, threshold=3)  # a 503 is charged: both requests reach it
     for stream in (False, True):
         resp = httpx.post(f"{gateway.url}/v1/completions", json={**LONG, "max_tokens": 4, "stream": stream}, timeout=30)
         assert resp.status_code == status, resp.text
