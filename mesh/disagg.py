@@ -270,7 +270,8 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+    # one sequence computes the prompt for every choice (``n`` runs on the decode side)
+    for key in ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of"):
         out.pop(key, None)
     out["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return out

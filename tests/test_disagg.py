@@ -10,13 +10,14 @@ The multi-node variant (workers in network namespaces) is ``test_disagg_netns.py
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats
+from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, prefill_body
 from policies.base import Decision
 from tests.disagg_cluster import (
     Cluster,
@@ -25,6 +26,7 @@ from tests.disagg_cluster import (
     astatus,
     completion,
     direct,
+    metrics,
     prompt_tokens,
     relay,
     request_info,
@@ -85,6 +87,25 @@ async def test_disaggregated_greedy_output_equals_one_mixed_worker(cluster: Clus
         got = await relay(router, body, path=CHAT_PATH, info=request_info([1] * 260, 20))
         assert got.text == ref
     assert_leases_settled(router)
+
+
+async def test_n_choices_prefill_once_and_decode_every_choice(cluster: Cluster) -> None:
+    """``n`` through the relay: the prefill worker computes the prompt once for every choice (the
+    gateway sends it ``n`` = 1), the decode worker runs the choices on the transferred blocks."""
+    router = cluster.router(POOL)
+    prompt = prompt_tokens(180, seed=5)
+    ref, _ = direct(cluster.workers["m"].url, completion(prompt, 12))
+    before = {p: metrics(cluster.workers[p].url)["mesh_worker_prompt_tokens_total"] for p in ("p0", "p1")}
+    got = await relay(router, {**completion(prompt, 12), "n": 3}, decision=_pair("p0", "d0"))
+    assert got.status == 200
+    answer = json.loads(got.raw)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in answer["choices"]] == [ref] * 3
+    assert answer["usage"]["completion_tokens"] == 36
+    assert metrics(cluster.workers["p0"].url)["mesh_worker_prompt_tokens_total"] - before["p0"] == len(prompt)
+    assert_leases_settled(router)
+    # what the gateway sends a prefill worker (vLLM's would run n children of one token each)
+    assert not {"n", "best_of"} & set(prefill_body({"model": "tiny", "prompt": "x", "n": 3, "best_of": 3}))
 
 
 async def test_prefix_hits_on_the_prefill_and_the_decode_side(cluster: Cluster) -> None:
