@@ -45,6 +45,7 @@ from mesh.config import ConfigError, MeshConfig, WorkerConfig, load_config
 from mesh.errors import MeshError, install_handlers
 from mesh.index import PrefixIndex
 from mesh.metrics import CONTENT_TYPE, Metrics
+from mesh.preview import unchanged
 from mesh.prompt import PromptProcessor
 from mesh.proxy import Proxy, check_bearer, read_body
 from mesh.registry import RegistryError, Worker, WorkerRegistry
@@ -470,7 +471,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         now = time.monotonic()
         gateway.registry.tick(now)
         try:  # as the proxy routes: targets at their admission limit are skipped
-            decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
+            with unchanged(gateway.router.policy):  # the next live request decides as shown
+                decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
         except NoCandidate as exc:
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         info = parsed.info

@@ -39,3 +39,24 @@ def test_debug_route_leaves_out_a_full_target_as_routing_does(procs: ProcessGrou
         long_turn.join()
         assert served.status_code == 200
         assert debug["decision"]["target"] == served.headers["x-mesh-worker"] == "e1"
+
+
+def test_debug_route_previews_without_drawing_the_policys_ties(procs: ProcessGroup, tmp_path: Path) -> None:
+    """A preview leaves the policy as it found it (mesh.preview): kv_aware's random tie-break and
+    round_robin's cursor. Each preview names where the next identical request really goes (the
+    tie-break draw of the preview was the live request's draw, so about half went elsewhere)."""
+    e0, e1, e2 = (procs.echo_worker(n) for n in ("e0", "e1", "e2"))
+    workers = [{"name": n, "url": p.url, "models": ["echo"]} for n, p in (("e0", e0), ("e1", e1), ("e2", e2))]
+    body = {"model": "echo", "prompt": "x", "max_tokens": 1}  # shorter than a block: no prefix, all tie
+    for policy in ({"name": "kv_aware", "params": {"seed": 3}}, "round_robin"):
+        config = tmp_path / f"mesh-{policy if isinstance(policy, str) else policy['name']}.yaml"
+        config.write_text(yaml.safe_dump({"server": {"admin_key": "adm"}, "policy": policy, "workers": workers}))
+        gateway = procs.gateway(config, port=free_port())
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            shown, served = [], []
+            for _ in range(12):
+                shown.append(http.post("/debug/route", json=body).json()["decision"]["target"])
+                http.post("/debug/route", json=body)  # a second look changes nothing either
+                served.append(http.post("/v1/completions", json=body).headers["x-mesh-worker"])
+        assert shown == served, policy
+        assert len(set(served)) == 3, served  # the ties (or the rotation) really spread
