@@ -88,10 +88,17 @@ def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
     return obj
 
 
+_SPEC_KEYS = frozenset({"name", "params"})
+
+
 def split_spec(kind: str, spec: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, str):
         return spec, {}
     if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+        unknown = set(spec) - _SPEC_KEYS
+        if unknown:  # a typo (``parms``, ``param``) dropped the parameters without a word
+            raise PluginError(f"{kind} {spec['name']!r}: unknown keys {sorted(map(str, unknown))} "
+                              "(a plugin spec takes name and params)")
         params = spec.get("params", {})
         if not isinstance(params, dict):
             raise PluginError(f"{kind} {spec['name']!r}: params must be a mapping")

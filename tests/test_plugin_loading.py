@@ -11,6 +11,7 @@ import yaml
 from mesh.router import Router
 from mesh.sessions import SessionTable
 from policies.base import RequestInfo, TargetState
+from policies import create_policy
 from policies.registry import PluginError, create
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -191,3 +192,14 @@ def test_example_rendezvous_scorer_is_stable_and_spreads_sessions(monkeypatch: p
     assert min(spread.values()) > 60, spread
     d = router.decide(req("s1"), 0.0)
     assert all(0.0 <= row["rendezvous"] <= 1.0 for row in d.scores.values())
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "round_robin", "parms": {"seed": 1}},
+    {"name": "session_sticky", "params": {"inner": {"name": "kv_aware", "param": {"seed": 1}}}},
+    {"name": "pipeline", "params": {"picker": {"name": "max_score", "prams": {}}}},
+])
+def test_a_typo_in_a_plugin_specs_own_keys_is_refused(spec: dict[str, object]) -> None:
+    """Was: the misspelt key was dropped with the parameters under it, without a word."""
+    with pytest.raises(PluginError, match="unknown keys"):
+        create_policy(spec)
