@@ -24,6 +24,15 @@ Members are dated by Redis's clock (``TIME``, read every ``CLOCK_REFRESH_S``; th
 plus that offset in between), never by the replica's own: two replicas whose host clocks were over
 a minute apart pruned each other's entry every round, silently, and so shared no load at all. A
 server that refuses ``TIME`` (an ACL without it) leaves the host's clock in use (warned once).
+
+In a Redis Cluster (``backend.cluster``) every key here carries the hash tag ``{key_prefix}``
+(``backend.load_prefix``: ``{mesh:}load:replicas``), so they share one slot, and so one master:
+the round's write touches two keys at once, and the peers' hashes are read in one pipeline from that
+master. ``TIME`` goes to that master too, so every replica dates by one clock. The write is one Lua
+script there (``PUBLISH_LUA``: one command, atomic, MOVED followed like any other) instead of the
+MULTI/EXEC pipeline, which redis-py's asyncio cluster client runs by starting a thread and an event
+loop for each queued command while the gateway's loop waits (13 ms a round here, 28 ms at worst).
+A cluster user therefore needs ``EVAL``; the single-server round is unchanged (no script needed).
 """
 
 from __future__ import annotations
@@ -41,6 +50,23 @@ from policies.base import TargetState
 
 if TYPE_CHECKING:
     from mesh.state_redis import RedisStateBackend
+
+# The cluster form of the round's MULTI/EXEC (``_publish``), same commands in the same order.
+# KEYS: this replica's hash, the replica set (one slot). ARGV: ttl_ms, now_ms, replica id, the
+# prune bounds (low, "(high"), the set's ttl_ms, how many members to return, then field, value, ...
+# (HSET in chunks: Lua's unpack has a limit of a few thousand values).
+PUBLISH_LUA = """
+redis.call('DEL', KEYS[1])
+for i = 8, #ARGV, 1000 do
+  redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], ARGV[5], '+inf')
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+return redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '-inf', 'LIMIT', 0, ARGV[7])
+"""
 
 Load = tuple[int, int, int]  # (in_flight, prefill_tokens, decode_tokens)
 LOAD_FIELDS = ("in_flight", "prefill_tokens", "decode_tokens")
@@ -77,7 +103,7 @@ class SharedLoad:
         # A few periods, and never under 0.5 s: a busy event loop must not make a live replica's
         # load blink out between two of its rounds.
         self.ttl_ms = max(1, round(1000 * (ttl_s if ttl_s is not None else max(5 * self.period_s, 0.5))))
-        self.members_key = backend.key_prefix + "load:replicas"
+        self.members_key = backend.load_prefix + "load:replicas"
         self.key = self.key_of(self.replica_id)
         self.applied: dict[str, tuple[TargetState, Load]] = {}  # target -> (state it is on, remote part)
         self.peers = 0  # other replicas seen in the last good round
@@ -89,7 +115,7 @@ class SharedLoad:
         self._clock_refused = False  # the server refused TIME: the host's clock it is
 
     def key_of(self, replica: str) -> str:
-        return f"{self.backend.key_prefix}load:{replica}"
+        return f"{self.backend.load_prefix}load:{replica}"
 
     # -- reads --
     def remote(self, target: str) -> Load:
@@ -120,7 +146,7 @@ class SharedLoad:
         if due and not self._clock_refused:
             before = time.time()
             try:
-                seconds, micros = await self.backend.redis.time()
+                seconds, micros = await self._time()
             except ResponseError as exc:  # NOPERM: keep the host's clock (errors of any other kind fail the round)
                 self._clock_refused = True
                 log.warning("Redis refused TIME (%s): replicas are dated by their own clocks, which must then "
@@ -131,10 +157,39 @@ class SharedLoad:
                 self._clock_read_at = time.monotonic()
         return int(time.time() * 1000) + self.clock_offset_ms
 
+    async def _time(self) -> tuple[int, int]:
+        redis = self.backend.redis
+        if not self.backend.cluster:
+            return await redis.time()
+        await redis.initialize()  # the slot map (no I/O once known)
+        result: tuple[int, int] = await redis.time(target_nodes=redis.get_node_from_key(self.members_key))
+        return result
+
     async def _exchange(self, own: Mapping[str, Load]) -> dict[str, Load]:
         now_ms = await self._redis_now_ms()
         fields = {"_": "1"}  # never empty: an empty hash would not exist, and that means "dead"
         fields.update({tid: "%d %d %d" % load for tid, load in own.items() if any(load)})
+        members = await (self._publish_script if self.backend.cluster else self._publish)(fields, now_ms)
+        peers = [m for m in members if m != self.replica_id][:MAX_PEERS]
+        if not peers:
+            self.peers = 0
+            return {}
+        fields_read = ["_", *self.targets]  # only the targets routed here: a peer's hash may be huge
+        async with self.backend.redis.pipeline(transaction=False) as pipe:
+            for m in peers:
+                pipe.hmget(self.key_of(m), fields_read)
+            # One peer key holding another type (WRONGTYPE) is skipped, not the whole round's error.
+            answers = await pipe.execute(raise_on_error=False)
+        for a in answers:  # a cluster pipeline hands back a node lost mid-read as a result: the round failed
+            if isinstance(a, Exception) and not self.backend.refused(a):
+                raise a
+        hashes = [{f: v for f, v in zip(fields_read, a) if v is not None} for a in answers if isinstance(a, list)]
+        self.bad_peers = len(answers) - len(hashes)
+        self.peers = sum(1 for h in hashes if h)
+        return sum_loads(hashes)
+
+    async def _publish(self, fields: Mapping[str, str], now_ms: int) -> list[str]:
+        """Write this replica's hash and date it in the replica set; the newest members (one server)."""
         redis = self.backend.redis
         async with redis.pipeline(transaction=True) as pipe:  # readers never see it half written
             pipe.delete(self.key)
@@ -149,21 +204,15 @@ class SharedLoad:
             # gone (crashed: no leave()) nothing prunes it, and it had no TTL, so it stayed forever.
             pipe.pexpire(self.members_key, PRUNE_MEMBERS_MS)
             pipe.zrevrangebyscore(self.members_key, "+inf", "-inf", start=0, num=MAX_PEERS + 1)  # the newest
-            members = (await pipe.execute())[-1]
-        peers = [m for m in members if m != self.replica_id][:MAX_PEERS]
-        if not peers:
-            self.peers = 0
-            return {}
-        fields = ["_", *self.targets]  # only the targets routed here: a peer's hash may be huge
-        async with redis.pipeline(transaction=False) as pipe:
-            for m in peers:
-                pipe.hmget(self.key_of(m), fields)
-            # One peer key holding another type (WRONGTYPE) is skipped, not the whole round's error.
-            answers = await pipe.execute(raise_on_error=False)
-        hashes = [{f: v for f, v in zip(fields, a) if v is not None} for a in answers if isinstance(a, list)]
-        self.bad_peers = len(answers) - len(hashes)
-        self.peers = sum(1 for h in hashes if h)
-        return sum_loads(hashes)
+            members: list[str] = (await pipe.execute())[-1]
+        return members
+
+    async def _publish_script(self, fields: Mapping[str, str], now_ms: int) -> list[str]:
+        """``_publish`` in a cluster: the same commands as one script on the slot of both keys."""
+        argv = [self.ttl_ms, now_ms, self.replica_id, now_ms - PRUNE_MEMBERS_MS, f"({now_ms + PRUNE_MEMBERS_MS}",
+                PRUNE_MEMBERS_MS, MAX_PEERS + 1, *(x for item in fields.items() for x in item)]
+        members: list[str] = await self.backend.redis.eval(PUBLISH_LUA, 2, self.key, self.members_key, *argv)
+        return members
 
     def _apply(self, remote: Mapping[str, Load]) -> None:
         for tid, (state, _) in list(self.applied.items()):
@@ -205,7 +254,9 @@ class SharedLoad:
         self.withdraw()
 
         async def op() -> None:
-            async with self.backend.redis.pipeline(transaction=True) as pipe:
+            # Not a transaction in a cluster (see the module docstring); a reader in between sees a
+            # member without a hash: a dead replica, skipped, as it is a moment later.
+            async with self.backend.redis.pipeline(transaction=not self.backend.cluster) as pipe:
                 pipe.delete(self.key)
                 pipe.zrem(self.members_key, self.replica_id)
                 await pipe.execute()

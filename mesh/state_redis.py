@@ -23,6 +23,35 @@ Three parts here, one job each (plus ``mesh.shared_load`` for load):
 
 The Redis URL is only ever shown redacted (``redact_url``: no password in logs, errors, stats).
 
+A Redis Cluster (``state.cluster: true``; ``url`` and ``cluster_seeds`` are seed nodes) is reached
+through redis-py's ``RedisCluster``, which finds the masters, maps keys to hash slots and follows
+MOVED/ASK. Where the keys live there:
+
+- Session keys keep their single-server names (``{prefix}s:{session}``, no hash tag) and so spread
+  over every master's slots. They are the bulk of the keys (one per live session) and of the
+  traffic (a GET per session request, a SET per binding); no command ever touches two of them
+  (GET, SET, SET NX + PEXPIRE of one key, DEL), and the write-behind pipeline is not a
+  transaction: redis-py's cluster pipeline splits it per master and sends the parts in parallel.
+  One hash tag would put them all on one slot of one master, which resharding can never split.
+  The cost: a pipeline spans every master, so one master down fails the whole flush (queued again,
+  as on one server); with the default ``cluster-require-full-coverage yes`` the cluster refuses
+  every key then anyway, until a replica takes over.
+- The load keys (``mesh.shared_load``) are written together, atomically: they carry the hash tag
+  ``{key_prefix}`` (``load_prefix``: ``{mesh:}load:replicas``), so they share one slot. Their
+  single-server names are unchanged (the tag is added in cluster mode only).
+
+Failures are the single server's: every call is bounded by ``timeout_s``, an error or timeout goes
+local and backs off. Two differences, both from a cluster's masters failing one at a time:
+- After a failure the client forgets the cluster's layout (``aclose``: the next call asks a live
+  node for its slots again). redis-py does that itself after a failed single command, but not
+  after a failed pipeline with its retries off (they are: no hidden retries), so flushes went on
+  sending to the dead master of a slot a replica had taken over.
+- An outage ends when every master answers ``CLUSTER INFO`` with ``cluster_state:ok``
+  (``_probe_primaries``, in the background), not at the first call that succeeds: one master down,
+  calls to the others still succeed, and the single server's rule logged the outage's end and
+  start again at every such pair of calls (and a master answers PING while it still refuses every
+  key with CLUSTERDOWN, until it hears of the failover).
+
 Invariants:
 - Redis is the shared truth while it answers; the local table is the fallback. A shared binding
   overrides a different local one; a missing shared one keeps the local one (Redis restarted and
@@ -68,11 +97,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException, ResponseError, TryAgainError
 
-from mesh.config import redact_url
+from mesh.config import cluster_seed, redact_url
 from mesh.sessions import SessionTable, _norm
 from mesh.shared_load import SharedLoad, load_families
 
@@ -86,6 +116,10 @@ MAX_PENDING = 100_000  # queued binding writes kept while Redis is unreachable (
 # was queued again whole with the newer ones, and so never got through again.
 FLUSH_CHUNK = 1000
 FLUSH_CHUNK_MIN = 16
+# Replies of a cluster node about slots, not about data (MovedError is an AskError): redis-py follows
+# them in cluster mode, so one that reaches Mesh means the layout is changing; from one server they
+# mean state.url is a cluster node and state.cluster is off.
+CLUSTER_REPLIES = (AskError, TryAgainError, ClusterDownError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +137,36 @@ def _target(write: Write) -> str | None:
     return write.target if isinstance(write, Refresh) else write
 
 
+def redis_client(url: str, timeout_s: float, *, cluster: bool = False, seeds: tuple[str, ...] = ()) -> Any:
+    """A ``redis.asyncio`` client for one server, or a ``RedisCluster`` seeded with ``url``'s node
+    and ``seeds`` (``host:port``, with ``url``'s scheme, credentials and options); connects lazily."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),  # no hidden retries: one attempt, then the local table
+        "decode_responses": True,
+    }
+    try:
+        if not cluster:
+            return aioredis.Redis.from_url(url, **options)
+        nodes = []
+        for seed in seeds:
+            parsed = cluster_seed(seed)
+            if parsed is None:
+                raise ValueError(f"cluster seed {seed!r} is not host:port")
+            nodes.append(ClusterNode(*parsed))
+        return RedisCluster.from_url(url, startup_nodes=nodes or None, **options)
+    except (ValueError, RedisClusterException) as exc:  # a URL redis-py cannot parse, a db other than 0
+        kind = "Redis Cluster" if cluster else "Redis"
+        raise ValueError(f"state.url {redact_url(url)!r} is not a usable {kind} URL: {exc}") from exc
+
+
+def cluster_ok(info: Mapping[str, Any]) -> bool:
+    """``CLUSTER INFO`` of one node, or of each (node name -> info): every one ``cluster_state:ok``."""
+    infos = [info] if "cluster_state" in info else list(info.values())
+    return bool(infos) and all(isinstance(i, Mapping) and i.get("cluster_state") == "ok" for i in infos)
+
+
 class RedisStateBackend:
     """``StateBackend`` over Redis; every call is bounded by ``timeout_s`` and never raises."""
 
@@ -115,23 +179,21 @@ class RedisStateBackend:
         timeout_s: float = 0.1,
         retry_after_s: float = 0.5,
         on_error: Callable[[str], None] | None = None,
+        cluster: bool = False,
+        seeds: tuple[str, ...] = (),
     ) -> None:
         if not (idle_ttl_s > 0):
             raise ValueError(f"idle_ttl_s must be > 0, got {idle_ttl_s!r}")
-        try:
-            self.redis = aioredis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),  # no hidden retries: one attempt, then the local table
-                decode_responses=True,
-            )
-        except ValueError as exc:  # a URL redis-py cannot parse
-            raise ValueError(f"state.url {redact_url(url)!r} is not a usable Redis URL: {exc}") from exc
+        if cluster and ("{" in key_prefix or "}" in key_prefix):
+            raise ValueError(f"key_prefix {key_prefix!r} must not contain '{{' or '}}' in a Redis Cluster")
+        self.redis = redis_client(url, timeout_s, cluster=cluster, seeds=seeds)
+        self.cluster = cluster
         self.url = redact_url(url)  # the only form ever shown (logs, stats); the client holds the secret
         self.idle_ttl_s = float(idle_ttl_s)  # follows sessions.idle_ttl_s (SharedSessionTable sets it)
         self.key_prefix = key_prefix
-        self.prefix = key_prefix + "s:"
+        self.prefix = key_prefix + "s:"  # sessions: no hash tag, spread over a cluster's slots
+        # Keys written together (mesh.shared_load's) share one slot of a cluster: hash tag {key_prefix}.
+        self.load_prefix = f"{{{key_prefix}}}" if cluster else key_prefix
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.on_error = on_error
@@ -139,6 +201,8 @@ class RedisStateBackend:
         self.skipped = 0  # calls not sent while backing off after an error
         self._down_until = 0.0
         self._down_logged = False  # an outage was logged; cleared (and logged) when Redis answers again
+        self._probe: asyncio.Task[None] | None = None  # cluster: is every master back? (_answered)
+        self._probe_after = 0.0
 
     def key(self, session_id: str) -> str:
         return self.prefix + session_id
@@ -190,14 +254,29 @@ class RedisStateBackend:
         return await self._call("set", op, False, backoff=backoff)
 
     async def ping(self) -> bool:
-        return await self._call("ping", self.redis.ping, False, backoff=False)
+        """PING the server; in a cluster every master (one down: not reachable)."""
+        return await self._call("ping", self._ping, False, backoff=False)
+
+    async def _ping(self) -> Any:
+        if self.cluster:
+            return await self.redis.ping(target_nodes=RedisCluster.PRIMARIES)
+        return await self.redis.ping()
 
     async def aclose(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._probe
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 
     def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "errors": dict(self.errors), "skipped": self.skipped}
+        return {"url": self.url, "cluster": self.cluster, "errors": dict(self.errors), "skipped": self.skipped}
+
+    def refused(self, exc: BaseException) -> bool:
+        """True when Redis answered and refused this one command (WRONGTYPE, OOM, NOPERM): the data
+        or the server's settings, not Redis being away. A cluster's slot replies are not that."""
+        return isinstance(exc, ResponseError) and not (self.cluster and isinstance(exc, CLUSTER_REPLIES))
 
     async def _call(self, op: str, fn: Callable[[], Any], default: T, *, backoff: bool = True) -> T:
         if backoff and time.monotonic() < self._down_until:
@@ -206,15 +285,11 @@ class RedisStateBackend:
         try:
             async with asyncio.timeout(self.timeout_s * 2):  # hard bound over the socket timeouts
                 result: T = await fn()
-            if self._down_logged:  # one line when Redis answers again after an outage
-                self._down_logged = False
-                log.warning("state backend %s answers again: sharing sessions and load through it", self.url)
-            return result
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # RedisError, TimeoutError, OSError: all mean "go local"
             self.errors[op] += 1
-            if isinstance(exc, ResponseError):
+            if self.refused(exc):
                 # The server answered: this command failed (WRONGTYPE: another app's data under our
                 # prefix), not Redis. No back-off, or one bad key stops every other call too.
                 self._log_data_error(op, exc)
@@ -225,9 +300,56 @@ class RedisStateBackend:
                     log.warning("state backend %s unreachable (%s: %r): going local, retrying every %.1f s",
                                 self.url, op, exc, self.retry_after_s)
                 log.debug("state backend %s failed: %r", op, exc)
+                if self.cluster:
+                    await self._forget_layout()
             if self.on_error is not None:
                 self.on_error(op)
             return default
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
+        """A call succeeded. One server: an outage is over (one line). A cluster: a call to a live
+        master says nothing of a dead one, so the end waits until every master answers and says the
+        cluster is ok (``_probe_primaries``, in the background, at most one per ``retry_after_s``)."""
+        if not self._down_logged:
+            return
+        if not self.cluster:
+            self._log_recovered()
+        elif (self._probe is None or self._probe.done()) and time.monotonic() >= self._probe_after:
+            self._probe_after = time.monotonic() + self.retry_after_s
+            self._probe = asyncio.create_task(self._probe_primaries(), name="mesh-state-probe")
+
+    async def _probe_primaries(self) -> None:
+        """The outage is over once every master answers and says ``cluster_state:ok``: a master
+        answers PING while it still refuses every key (CLUSTERDOWN) until it learns of a failover."""
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                info = await self.redis.cluster_info(target_nodes=RedisCluster.PRIMARIES)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # still down: the outage goes on (no line, no error counted)
+            if not self.refused(exc):
+                log.debug("state backend cluster probe failed: %r", exc)
+                return
+            info = None  # an ACL without CLUSTER INFO: every master answered, that will do
+        if info is not None and not cluster_ok(info):
+            log.debug("state backend cluster probe: not every master says ok yet")
+            return
+        if self._down_logged:
+            self._log_recovered()
+
+    def _log_recovered(self) -> None:
+        self._down_logged = False
+        log.warning("state backend %s answers again: sharing sessions and load through it", self.url)
+
+    async def _forget_layout(self) -> None:
+        """Cluster: drop every node connection and the slot map; the next call asks a live node for
+        the layout again (a replica may have taken a dead master's slots). Bounded by ``timeout_s``
+        (``aclose`` waits for a discovery in flight)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeout_s):
+                await self.redis.aclose()
 
     def _log_data_error(self, op: str, exc: Exception) -> None:
         """A warning for the 1st, 2nd, 4th, ... command error of each op (bounded log volume)."""
@@ -235,6 +357,8 @@ class RedisStateBackend:
         if n & (n - 1) == 0:
             text = str(exc)[:200]
             hint = f"; another app's keys under key_prefix {self.key_prefix!r}?" if "WRONGTYPE" in text else ""
+            if isinstance(exc, CLUSTER_REPLIES):  # (only ever refused with cluster off)
+                hint = "; state.url is a Redis Cluster node: set state.cluster: true"
             log.warning("state backend %s: Redis refused a command (%d so far): %s%s", op, n, text, hint)
 
 
@@ -406,7 +530,8 @@ class MirroringPrompts:
 def shared_session_table(config: Any) -> SharedSessionTable:
     """The gateway's session table for ``state.backend: redis`` (``config``: a ``MeshConfig``)."""
     state, sessions = config.state, config.sessions
-    backend = RedisStateBackend(state.url, sessions.idle_ttl_s, key_prefix=state.key_prefix, timeout_s=state.timeout_s)
+    backend = RedisStateBackend(state.url, sessions.idle_ttl_s, key_prefix=state.key_prefix, timeout_s=state.timeout_s,
+                                cluster=state.cluster, seeds=tuple(state.cluster_seeds))
     return SharedSessionTable(backend, sessions.idle_ttl_s, sessions.max_sessions)
 
 

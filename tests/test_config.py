@@ -134,3 +134,34 @@ def test_validate_command_ok_and_errors(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "2 error(s)" in result.stderr
     assert "server.port:" in result.stderr and "workers[0].extra:" in result.stderr
+
+
+CLUSTER = {"backend": "redis", "url": "rediss://user:pw@10.0.0.2:6379/0", "cluster": True}
+
+
+def test_a_redis_cluster_state_backend_is_parsed() -> None:
+    state = parse_config({"state": {**CLUSTER, "cluster_seeds": ["10.0.0.3:6379", "[fd00::4]:6380"]}}).state
+    assert state.cluster and state.cluster_seeds == ["10.0.0.3:6379", "[fd00::4]:6380"]
+    assert parse_config({"state": {"backend": "redis", "url": "redis://h:1"}}).state.cluster is False  # one server
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ({"backend": "memory", "cluster": True}, "state: cluster: true needs backend: redis"),
+        ({**CLUSTER, "url": "unix:///run/redis.sock"}, "state: cluster: true needs a redis:// or rediss:// url"),
+        ({**CLUSTER, "url": "redis://h:6379/3"}, "a Redis Cluster has only database 0"),
+        ({**CLUSTER, "url": "redis://h:6379?db=2"}, "a Redis Cluster has only database 0"),
+        ({**CLUSTER, "key_prefix": "{mesh}:"}, "key_prefix '{mesh}:' must not contain '{' or '}' with cluster: true"),
+        ({**CLUSTER, "cluster_seeds": ["10.0.0.3"]}, "state.cluster_seeds: cluster_seeds[0] '10.0.0.3' must be host:port"),
+        ({**CLUSTER, "cluster_seeds": ["h:1", "redis://h:2"]}, "cluster_seeds[1] 'redis://h:2' must be host:port"),
+        ({**CLUSTER, "cluster_seeds": ["u:p@h:1"]}, "cluster_seeds[0] 'u:p@h:1' must be host:port"),
+        ({"backend": "redis", "url": "redis://h:1", "cluster_seeds": ["h:2"]}, "state: cluster_seeds needs cluster: true"),
+        ({**CLUSTER, "cluster": "maybe"}, "state.cluster: Input should be a valid boolean"),
+    ],
+)
+def test_redis_cluster_mistakes_are_named(state: dict[str, object], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"state": state})
+    assert any(expected in e for e in info.value.errors), info.value.errors
+    assert all("pw" not in e for e in info.value.errors)  # the url's password is never shown
