@@ -95,6 +95,7 @@ class AdmissionHeadroom(Filter):
             return True
         bs = t.block_size or request.block_size or 1
         need = -(-(request.prompt_tokens + request.choices * request.max_tokens) // bs)  # ceil: the prompt is shared
+        need += request.choices - 1  # ...but for the block of its last token: each choice has its own
         ov = cluster.overlaps(request).get(t.id)
         if ov is not None:
             need -= ov.gpu_blocks  # CPU-tier hits still need GPU blocks to load into
