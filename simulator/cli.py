@@ -37,6 +37,10 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--max-requests", type=int, metavar="N", help="replay only the first N requests")
     sim.add_argument("--time-scale", type=float, default=1.0, metavar="F",
                      help="multiply arrival and think times (0.5 = twice the request rate)")
+    sim.add_argument("--session-start-spread", type=float, default=0.0, metavar="S",
+                     help="shift each session's start by a uniform offset in [0, S) seconds, drawn with --seed "
+                          "(WEKA/AgentX sessions all start at t=0: without it their first turns arrive as one "
+                          "burst that dominates TTFT p99; requests without a session keep their times)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices")
     sim.add_argument("--block-size", type=int, metavar="TOKENS", help="simulation block size (default: the trace's)")
     sim.add_argument("--trace-block-size", type=int, metavar="TOKENS", help="tokens per trace block id (override)")
@@ -44,7 +48,9 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--cpu-blocks", type=int, metavar="N", help="override the profile's CPU-tier blocks per worker")
     sim.add_argument("--event-lag-ms", type=float, metavar="MS", help="override the KV event lag")
     sim.add_argument("--prefill-workers", type=int, default=0, metavar="P",
-                     help="give the first P workers the prefill role and the rest the decode role")
+                     help="give the first P workers the prefill role and the rest the decode role (needs a "
+                          "policy with prefill/decode profiles, e.g. examples/pipeline_pd.yaml; with any other "
+                          "a warning says the run was a mixed cluster's)")
     sim.add_argument("--speculative-ttl", type=float, default=2.0, metavar="S",
                      help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
     sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
@@ -107,6 +113,7 @@ def default_policy() -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.text import Text
 
     from policies.registry import PluginError
     from simulator.engine import SimConfig, SimulationError, check_config
@@ -132,6 +139,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         trace = load_traces(args.traces, LoadOptions(
             block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
             max_sessions=args.max_sessions, max_requests=args.max_requests,
+            session_start_spread=args.session_start_spread, seed=args.seed,
         ))
         for w in trace.warnings:
             console.print(f"[yellow]warning:[/] {w}")
@@ -143,22 +151,27 @@ def run_simulate(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("simulate", f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
     summaries = {label: summarize(r) for label, r in results.items()}
+    warnings = []  # one line each, on stderr and in the JSON
     for label, s in summaries.items():
         if s["rejected"]:  # not in the latency and hit-rate numbers: they cover served requests only
-            console.print(f"[yellow]warning:[/] {label}: {s['rejected']:,} of {s['requests'] + s['rejected']:,} "
-                          "requests rejected (the policy found no candidate for them)")
+            warnings.append(f"{label}: {s['rejected']:,} of {s['requests'] + s['rejected']:,} "
+                            "requests rejected (the policy found no candidate for them)")
+        warnings.extend(f"{label}: {note}" for note in s["notes"])
+    for w in warnings:
+        console.print(Text.assemble(("warning:", "yellow"), f" {w}"), highlight=False, soft_wrap=True)  # one line
     payload = {
         "mesh_simulate": 1,
         "trace": {
             "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
             "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,
-            "time_scale": args.time_scale,
+            "time_scale": args.time_scale, "session_start_spread_s": args.session_start_spread,
         },
         "workers": args.workers,
         "prefill_workers": args.prefill_workers,
         "profile": profile.to_dict(),
         "seed": args.seed,
         "policies": summaries,
+        "warnings": warnings,
         "wall_s": time.perf_counter() - started,
     }
     if not args.quiet:

@@ -6,6 +6,11 @@ events, session bindings (``mesh.sessions.SessionTable``), and a ``mesh.router.R
 the policy: every arrival calls ``router.route(request, now)``, the first token calls
 ``lease.first_token()`` and completion ``lease.finish(now)``, exactly as the proxy does.
 
+Prefill/decode pairs are served as ``mesh.disagg``'s relay serves them (``_route``, ``handoff``):
+a prefill lease (without the session) on the prefill worker until its prefill ends, whose token is
+discarded; then a decode lease on the decode worker, which pulls the exported blocks it lacks,
+computes the last block and produces the client's first token, where the session is bound.
+
 Time is simulated and only moves to the next event (heap ordered by time, then kind, then a
 sequence number, so runs are deterministic): a request's release, a worker's segment end (see
 ``worker_model``), or a prefill/decode KV transfer arriving. Idle periods cost nothing.
@@ -19,7 +24,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,7 +32,7 @@ import numpy as np
 from mesh.index import PrefixIndex
 from mesh.router import Router
 from policies import create_policy
-from policies.base import NoCandidate, RequestInfo, Role, TargetState, Tier
+from policies.base import Decision, NoCandidate, Overlap, RequestInfo, Role, TargetState, Tier
 from simulator.block_text import BlockText
 from simulator.profile import Profile
 from simulator.traces import DONE, START, Trace
@@ -132,6 +137,7 @@ class RunResult:
     wall_s: float
     sessions_enabled: bool
     notes: list[str] = field(default_factory=list)
+    pairs: int = 0  # requests served through a prefill/decode pair
 
 
 class Simulator:
@@ -182,6 +188,10 @@ class Simulator:
         self.in_flight = 0
         self.done = 0
         self.rejected = 0
+        self.pairs = 0
+        self.transferred_blocks = 0
+        self.pd_policy = getattr(self.policy, "pd", None) is not None  # as mesh.disagg_gateway tells
+        self._touch = getattr(self.sessions, "touch", None)
         self.session_moves = 0
         self.last_target: dict[str, str] = {}
         n = len(trace.requests)
@@ -215,10 +225,24 @@ class Simulator:
             self._apply(*events.popleft())
 
     def first_token(self, req: SimRequest, t: float) -> None:
+        """The client's first token (for a pair: the decode worker's, as the relay streams it)."""
         if req.lease is not None:
             req.lease.first_token()
+            if req.on_decode and req.session is not None:  # the relay binds the session here
+                self.router.bind_session(req.session, self.workers[req.decode_to].id, t)
+                if self._touch is not None:
+                    req.lease.on_end = self._pd_request_ended(req.session)
             if self.recorder is not None:
                 self.recorder.first_token(t, req.idx)
+
+    def _pd_request_ended(self, session: str) -> Callable[[Any, float], None]:
+        touch = self._touch
+
+        def ended(lease: Any, now: float) -> None:  # mesh.disagg's session_request_ended
+            if self.targets.get(lease.target.id) is lease.target:
+                touch(session, lease.target.id, now)  # type: ignore[misc]
+
+        return ended
 
     def finished(self, req: SimRequest, t: float) -> None:
         if req.lease is not None:
@@ -234,8 +258,20 @@ class Simulator:
                 self._fire(j, t + delay)
 
     def handoff(self, req: SimRequest, t: float) -> None:
+        """A pair's prefill finished at ``t``: as ``mesh.disagg``'s relay, the prefill answer ends
+        the prefill lease, the decode worker's lease starts (the exported blocks count as its
+        cached prefix), and the decode worker pulls the exported blocks it does not hold."""
+        dw = self.workers[req.decode_to]
+        exported = min(req.nfull, (req.n - 1) // self.bs)  # the prefill pins all but the last token's block
+        missing = exported - dw.cached_prefix(req.keys, exported)
+        self.transferred_blocks += missing
+        if req.lease is not None:
+            req.lease.finish(t)
+            info = replace(req.info, session_id=None)  # bound at the first token, to the decode worker
+            req.lease = self.router.commit(info, Decision(dw.id, "decode", overlaps={dw.id: Overlap(exported)}), t)
+        req.info = None
         pd = self.profile.pd
-        dur = (pd.transfer_base_ms + pd.transfer_ms_per_block * req.nfull) / 1e3
+        dur = (pd.transfer_base_ms + pd.transfer_ms_per_block * missing) / 1e3
         heapq.heappush(self.heap, (t + dur, _TRANSFER, next(self.seq), req, 0))
 
     # ------------------------------------------------------------------ releases
@@ -257,7 +293,7 @@ class Simulator:
                            prompt_tokens=tr.prompt_tokens, max_tokens=tr.output_tokens,
                            session_id=tr.session, request_id=str(i), text=self.text.text(keys))
         try:
-            decision, lease = self.router.route(info, t)
+            decision, lease, pair = self._route(info, t)
         except NoCandidate:
             self.rejected += 1
             req = SimRequest(i, tr.session, tr.prompt_tokens, tr.output_tokens, keys, t, None, -1)
@@ -271,17 +307,19 @@ class Simulator:
             self.recorder.route(t, info, decision)
         w = self.by_id[decision.target]  # type: ignore[index]
         req = SimRequest(i, tr.session, tr.prompt_tokens, tr.output_tokens, keys, t, lease, w.index)
-        if decision.decode_target is not None and decision.decode_target in self.by_id:
-            dw = self.by_id[decision.decode_target]
-            if dw is not w:
-                req.decode_to = dw.index
+        served_by = w.id
+        if pair:
+            req.decode_to = self.by_id[decision.decode_target].index  # type: ignore[index]
+            req.info = info
+            served_by = decision.decode_target  # type: ignore[assignment]
+            self.pairs += 1
         self.reqs[i] = req
         self.in_flight += 1
-        if tr.session is not None:
+        if tr.session is not None:  # the turn's worker: the one that answers it
             last = self.last_target.get(tr.session)
-            if last is not None and last != w.id:
+            if last is not None and last != served_by:
                 self.session_moves += 1
-            self.last_target[tr.session] = w.id
+            self.last_target[tr.session] = served_by
         self._started(i, t)
         if self.config.sample_every and i % self.config.sample_every == 0:
             self.q_t.append(t)
@@ -294,8 +332,32 @@ class Simulator:
             if trig == START:
                 self._fire(j, t + delay)
 
+    def _route(self, info: RequestInfo, t: float) -> tuple[Decision, Any, bool]:
+        """(decision, lease, through a pair), as the gateway routes: a policy with prefill/decode
+        profiles is asked first (``router.decide``, ``mesh.disagg_gateway``); a pair goes to the
+        relay, which commits a prefill lease without the session; anything else (and every
+        decision of a policy without profiles) takes the proxy's path, ``router.route``, which
+        decides again. Raises ``NoCandidate``."""
+        if self.pd_policy:
+            try:
+                decision = self.router.decide(info, t, explain=False)
+            except NoCandidate:
+                decision = None
+            if (decision is not None and decision.decode_target is not None
+                    and decision.decode_target in self.by_id and decision.decode_target != decision.target):
+                prefill = replace(info, session_id=None)
+                return decision, self.router.commit(prefill, Decision(decision.target, "prefill"), t), True
+        decision, lease = self.router.route(info, t)
+        return decision, lease, False
+
     def _transfer(self, req: SimRequest, t: float) -> None:
-        req.transferred = True  # req.worker stays the prefill worker (hits and load are its)
+        """The pulled blocks arrived: the decode worker admits the request, imports them and
+        computes the last block, whose token is the client's first."""
+        req.on_decode = True  # req.worker stays the prefill worker (hits and load are its)
+        req.importing = True
+        req.g = 0
+        req.target = req.n
+        req.computed = 0
         self.workers[req.decode_to].enqueue(req, t)
 
     # ------------------------------------------------------------------ run
@@ -340,6 +402,10 @@ class Simulator:
         notes = []
         if self.sessions is None:
             notes.append("mesh.sessions not available: routed with sessions=None")
+        if self.config.prefill_workers and not self.pairs:
+            why = "it has no prefill/decode profiles" if not self.pd_policy else "it chose no pair"
+            notes.append(f"--prefill-workers {self.config.prefill_workers} but no request went through a "
+                         f"prefill/decode pair ({why}): the run is a mixed cluster's, roles ignored")
         return RunResult(
             policy=getattr(self.policy, "name", str(self.policy_spec)),
             policy_spec=self.policy_spec,
@@ -355,6 +421,7 @@ class Simulator:
             worker=arr("worker", np.int64),
             preemptions=self.preemptions,
             rejected=self.rejected,
+            pairs=self.pairs,
             session_moves=self.session_moves,
             router_session_moves=self.router.session_moves,
             busy_s=[w.busy_s for w in self.workers],

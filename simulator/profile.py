@@ -21,7 +21,10 @@ sequence. Its time is the sum of the parts present in it (all in milliseconds):
 - CPU-tier reloads: ``cpu.load_ms_per_block`` per block restored in the step.
 
 A prefill/decode pair moves a prompt's KV in ``pd.transfer_base_ms + pd.transfer_ms_per_block *
-blocks``. KV events reach the router's index ``event_lag_ms`` after the engine emits them.
+blocks``, ``blocks`` being the exported blocks (all full prompt blocks but the last token's) that
+the decode worker does not already cache; the decode worker then computes the last block, and its
+token is the client's first (the transfer is in TTFT). KV events reach the router's index
+``event_lag_ms`` after the engine emits them.
 
 Profiles are YAML or JSON files with these keys (any omitted key keeps the built-in default's
 value), or the name of a built-in profile. ``estimate: true`` marks numbers not yet measured on

@@ -4,12 +4,15 @@ Definitions (all per policy):
 
 - ``hit_rate``: token-weighted prefix reuse, the prompt tokens found cached (GPU or CPU tier) on
   the worker that prefilled the request, at its first admission, over all prompt tokens.
-- ``ttft_ms``: arrival (release) to first token. ``e2e_ms``: arrival to last token.
+- ``ttft_ms``: arrival (release) to first token (a pair's: the decode worker's, after the
+  transfer). ``e2e_ms``: arrival to last token.
 - ``itl_ms``: inter-token latency. ``mean`` is token-weighted (all decode time over all tokens
   after the first); ``p50/p90/p99`` are over requests of their mean inter-token time (TPOT).
 - ``throughput_tok_s``: output tokens per second of simulated time (first arrival to last
   completion); ``input_throughput_tok_s`` the same for prompt tokens.
-- ``session_moves``: turns of a session routed to a different worker than its previous turn.
+- ``session_moves``: turns of a session routed to a different worker than its previous turn (for
+  a prefill/decode pair: its decode worker, the one that answers).
+- ``pd_pairs``: requests served through a prefill/decode pair (the rest ran on one worker).
 - per worker: requests, prompt tokens, hit rate and busy fraction; ``load_spread`` is the most
   loaded worker's requests over the mean (1.0 = perfectly even).
 """
@@ -72,6 +75,7 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "spec": r.policy_spec,
         "requests": int(served.sum()),
         "rejected": r.rejected,
+        "pd_pairs": r.pairs,
         "hit_rate": hit / prompt if prompt else 0.0,
         "cpu_hit_rate": float(r.cpu_hit[served].sum() / prompt) if prompt else 0.0,
         "prompt_tokens": prompt,
@@ -97,24 +101,26 @@ def summarize(r: RunResult) -> dict[str, Any]:
 def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str = "mesh simulate") -> None:
     from rich.table import Table
 
-    table = Table(title=title, header_style="bold")
+    table = Table(title=title, header_style="bold", caption=TABLE_NOTE, caption_justify="left")
     # 'requests' counts the served ones; a policy that left some without a candidate says so
     rejects = any(s["rejected"] for s in summaries.values())
-    cols = ("policy", "requests", *(("rejected",) if rejects else ()), "hit rate", "TTFT mean", "TTFT p50",
-            "TTFT p99", "ITL mean", "E2E mean", "out tok/s", "in tok/s", "spread", "moves", "wall s")
+    pairs = any(s.get("pd_pairs") for s in summaries.values())
+    cols = ("policy", "requests", *(("rejected",) if rejects else ()), *(("PD pairs",) if pairs else ()),
+            "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E mean", "out tok/s",
+            "in tok/s", "spread", "moves", "wall s")
     rows = []
     for label, s in summaries.items():
-        t = s["ttft_ms"]
+        t, itl = s["ttft_ms"], s["itl_ms"]
         rows.append((
-            label, f"{s['requests']:,}", *((f"{s['rejected']:,}",) if rejects else ()), f"{s['hit_rate']:.1%}",
-            _ms(t["mean"]), _ms(t["p50"]),
-            _ms(t["p99"]), _ms(s["itl_ms"]["mean"]), _ms(s["e2e_ms"]["mean"]),
+            label, f"{s['requests']:,}", *((f"{s['rejected']:,}",) if rejects else ()),
+            *((f"{s.get('pd_pairs', 0):,}",) if pairs else ()), f"{s['hit_rate']:.1%}",
+            _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]), _ms(itl["p50"]), _ms(itl["p99"]), _ms(s["e2e_ms"]["mean"]),
             f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}",
             f"{s['load_spread']:.2f}", f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
         ))
     wide = sum(max(len(c), *(len(r[i]) for r in rows)) + 3 for i, c in enumerate(cols)) + 1 if rows else 0
     if wide > console.width:  # an 80-column terminal truncated every cell to 'kv…', '2,…': a policy per column
-        table = Table(title=title, header_style="bold")
+        table = Table(title=title, header_style="bold", caption=TABLE_NOTE, caption_justify="left")
         table.add_column("metric", no_wrap=True)
         for row in rows:
             table.add_column(row[0], justify="right", no_wrap=True)
@@ -126,6 +132,12 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
         for row in rows:
             table.add_row(*row)
     console.print(table)
+
+
+# The table's footnote: what the columns that are not self-explanatory count.
+TABLE_NOTE = ("ITL p50/p99: over requests, of each one's mean time per output token after the first. "
+              "spread: busiest worker's requests / mean. moves: session turns sent to another worker "
+              "than the session's previous turn.")
 
 
 def _ms(v: float) -> str:
@@ -153,6 +165,25 @@ def _png(fig: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _panels(plt: Any, n: int) -> tuple[Any, list[Any]]:
+    """A grid of ``n`` small panels sharing both axes (the unused ones hidden)."""
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(3.4 * cols + 0.8, 2.4 * rows + 0.8), sharex=True, sharey=True,
+                             squeeze=False, constrained_layout=True)
+    flat = list(grid.ravel())
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _bins(t: np.ndarray, lo: float, hi: float, n: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """(bin centres, bin index of each of ``t``) over ``n`` equal bins of [lo, hi]."""
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, n + 1)
+    idx = np.clip(np.digitize(t, edges) - 1, 0, n - 1)
+    return (edges[:-1] + edges[1:]) / 2, idx
+
+
 def _series(results: dict[str, RunResult]) -> dict[str, str]:
     import matplotlib
 
@@ -161,11 +192,13 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
 
     figs: dict[str, str] = {}
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
+    styles = ("-", "--", "-.", ":")  # with widths narrowing, equal curves stay visible on each other
+    for k, (label, r) in enumerate(results.items()):
         served = r.worker >= 0
         ttft = np.sort((r.first_token - r.arrival)[served])
         if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label, linestyle=styles[k % len(styles)],
+                    linewidth=max(0.8, 3.0 - 0.5 * k))
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
@@ -175,38 +208,46 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
     figs["ttft_cdf"] = _png(fig)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
+    # Hit rate and queue over time: one small panel per policy (shared axes). Overlaid, five
+    # policies' lines hid each other and the raw queue samples were a solid block of colour.
+    fig, axes = _panels(plt, len(results))
+    for ax, (label, r) in zip(axes, results.items()):
         served = r.worker >= 0
         t, hit, prompt = r.arrival[served], r.hit[served], r.prompt[served]
+        ax.set_title(label, fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
         if t.size < 2:
             continue
-        edges = np.linspace(t.min(), t.max(), 61)
-        idx = np.clip(np.digitize(t, edges) - 1, 0, 59)
-        h = np.bincount(idx, weights=hit, minlength=60)
-        p = np.bincount(idx, weights=prompt, minlength=60)
-        mid = (edges[:-1] + edges[1:]) / 2
+        mid, idx = _bins(t, r.arrival.min(), r.arrival.max())
+        h = np.bincount(idx, weights=hit, minlength=mid.size)
+        p = np.bincount(idx, weights=prompt, minlength=mid.size)
         ok = p > 0
-        ax.plot(mid[ok], h[ok] / p[ok], label=label)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("prefix hit rate (token-weighted)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Hit rate over time")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        ax.plot(mid[ok], h[ok] / p[ok], color="C0")
+    fig.supxlabel("simulated time (s)")
+    fig.supylabel("prefix hit rate (token-weighted)")
+    fig.suptitle("Hit rate over time")
     figs["hit_rate"] = _png(fig)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
-        if r.queue_t.size:
-            step = max(1, r.queue_t.size // 2000)
-            ax.plot(r.queue_t[::step], r.queue_len[::step], label=f"{label} waiting")
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("requests waiting for admission")
-    ax.set_title("Queue length over time (sampled at arrivals)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = _panels(plt, len(results))
+    for ax, (label, r) in zip(axes, results.items()):
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        if r.queue_t.size < 2:
+            continue
+        mid, idx = _bins(r.queue_t, r.queue_t.min(), r.queue_t.max())
+        n = np.bincount(idx, minlength=mid.size)
+        mean = np.bincount(idx, weights=r.queue_len, minlength=mid.size)
+        peak = np.zeros(mid.size)
+        np.maximum.at(peak, idx, r.queue_len)
+        ok = n > 0
+        ax.fill_between(mid[ok], 0, peak[ok], color="C1", alpha=0.3, linewidth=0, label="max")
+        ax.plot(mid[ok], mean[ok] / n[ok], color="C1", label="mean")
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.supxlabel("simulated time (s)")
+    fig.supylabel("requests waiting for admission")
+    fig.suptitle("Queue length over time (sampled at arrivals; mean and max per time bin)")
     figs["queue"] = _png(fig)
     plt.close(fig)
 

@@ -20,7 +20,9 @@ size differs from the trace's. Only full blocks get keys.
 Session-aware replay: a request either arrives at a fixed time (``arrival``) or is released by
 its dependencies (``deps``): ``(predecessor, trigger, delay)`` with trigger ``START`` (delay after
 the predecessor arrived) or ``DONE`` (delay after it finished: a closed loop with think time). A
-request with several dependencies is released when the last of them fires.
+request with several dependencies is released when the last of them fires. WEKA times count
+from each session's start (every session starts at t=0: a start-up burst);
+``LoadOptions.session_start_spread`` shifts each session's fixed times by a seeded offset.
 
 Errors are ``TraceError`` with ``file:line`` (or ``file: $.json.path``), never a traceback.
 """
@@ -91,6 +93,11 @@ class LoadOptions:
     max_sessions: int | None = None  # first N sessions (a request without one counts as one)
     max_requests: int | None = None  # first N requests (dependents of dropped ones are dropped)
     namespace: str = "mesh-sim"  # seeds the key chains (like mesh.keys' model namespace)
+    # Each session's fixed times shifted by its own uniform offset in [0, S) seconds (after
+    # time_scale), drawn with ``seed`` in the order sessions first appear; its later turns follow
+    # (they are released by their predecessors). WEKA sessions all start at t=0 otherwise.
+    session_start_spread: float = 0.0
+    seed: int = 0
 
 
 # ---------------------------------------------------------------------------- key chains
@@ -513,6 +520,9 @@ def load_traces(paths: Iterable[str | os.PathLike[str]], options: LoadOptions = 
         v = getattr(options, name)
         if v is not None and v < 1:
             raise TraceError(f"{name.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 <= options.session_start_spread <= MAX_TIME:  # (NaN fails it too)
+        raise TraceError(f"session-start-spread must be a number of seconds in [0, {MAX_TIME:g}], "
+                         f"got {options.session_start_spread}")
     files = expand_paths(paths)
     loaded: list[tuple[Path, str, int, str, list[_Rec]]] = []
     warnings: list[str] = []
@@ -558,6 +568,9 @@ def _assemble(
     # Global index of every (file, local index), after caps.
     index: dict[tuple[int, int], int] = {}
     sessions_seen: dict[Any, int] = {}
+    spread = options.session_start_spread
+    rng = np.random.default_rng(options.seed)
+    offsets: dict[Any, float] = {}  # session key -> start offset (s), drawn at its first request
     requests: list[TraceRequest] = []
     for fno, (path, fmt, block, scope, recs) in enumerate(loaded):
         stem = path.name.split(".")[0]
@@ -586,13 +599,18 @@ def _assemble(
                 if len(sessions_seen) >= options.max_sessions:
                     continue
             sessions_seen.setdefault(sess_key, len(sessions_seen))
+            offset = 0.0
+            if spread and rec.session is not None:
+                offset = offsets.get(sess_key, -1.0)
+                if offset < 0:
+                    offset = offsets[sess_key] = float(rng.uniform(0.0, spread))
             keys = chain_keys(rec.ids, rec.prompt, block, sim_block, seed)
             g = len(requests)
             index[(fno, li)] = g
             requests.append(TraceRequest(
                 idx=g,
                 session=f"{prefix}/{rec.session}" if rec.session is not None else None,
-                arrival=rec.arrival * scale if rec.arrival is not None else None,
+                arrival=rec.arrival * scale + offset if rec.arrival is not None else None,
                 deps=tuple(deps),
                 prompt_tokens=rec.prompt,
                 output_tokens=rec.output,
@@ -601,6 +619,8 @@ def _assemble(
             ))
     if not requests:
         raise TraceError("no requests left after applying the session/request caps")
+    if spread and not offsets:
+        warnings.append("--session-start-spread: no request belongs to a session, times unchanged")
     return Trace(
         requests=requests,
         block_size=sim_block,

@@ -15,6 +15,9 @@ Ownership and invariants:
   (``keys[:registered]``), so pin counts never increase along a chain: a prompt's cached prefix
   is a pinned run followed by a free run, and the blocks a release frees are a suffix of its
   chain. They join the queue tail first, so a prompt's tail is evicted before its head.
+- Usage: ``used_blocks`` (what ``TargetState.kv_usage`` reports, as the engines' ``kv_cache_usage``)
+  counts the referenced cached blocks (a shared one once) and ``private``; unreferenced cached
+  blocks are free (evictable), as in vLLM's free queue.
 - Capacity: ``len(cache) + private <= capacity`` where ``private`` counts blocks held outside
   the cache (prompt blocks not yet computed, partial tails, generated tokens, and the decode
   growth reserved for the current segment). ``capacity == 0`` means unbounded: nothing is
@@ -63,7 +66,7 @@ class SimRequest:
     __slots__ = (
         "idx", "session", "n", "out", "keys", "nfull", "arrival", "lease", "worker",
         "target", "computed", "registered", "own", "g", "first_t", "finish_t", "hit_tokens",
-        "cpu_tokens", "admitted", "preemptions", "decode_to", "transferred", "seq",
+        "cpu_tokens", "admitted", "preemptions", "decode_to", "on_decode", "importing", "seq", "info",
     )
 
     def __init__(self, idx: int, session: str | None, n: int, out: int, keys: list[int], arrival: float,
@@ -88,9 +91,11 @@ class SimRequest:
         self.cpu_tokens = 0
         self.admitted = False
         self.preemptions = 0
-        self.decode_to: int = -1  # PD: the decode worker, when the decision named one
-        self.transferred = False  # PD: arrived at its decode worker with its KV
+        self.decode_to: int = -1  # PD: the decode worker, when the decision named a pair
+        self.on_decode = False  # PD: handed to its decode worker (it stays there, preempted or not)
+        self.importing = False  # PD: its next admission imports the transferred prompt blocks
         self.seq = 0
+        self.info: Any = None  # PD: the RequestInfo, for the decode worker's lease
 
 
 def _blocks(tokens: int, bs: int) -> int:
@@ -221,6 +226,10 @@ class WorkerModel:
     def cached_blocks(self) -> int:
         return len(self.cache)
 
+    def cached_prefix(self, keys: list[int], limit: int) -> int:
+        """Leading blocks of ``keys[:limit]`` in the GPU cache (referenced or not)."""
+        return self._hits(keys, limit)[1]
+
     def evict(self, m: int, t: float) -> int:
         """Evict up to ``m`` unreferenced blocks, least recently released first."""
         m = min(m, self.n_free)
@@ -319,17 +328,21 @@ class WorkerModel:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, req: SimRequest, t: float) -> tuple[bool, int]:
-        """Allocate a waiting request's blocks; (admitted, CPU blocks to load)."""
+        """Allocate a waiting request's blocks; (admitted, CPU blocks to load).
+
+        A PD import (``req.importing``) pins its GPU prefix like any request (the decode worker
+        pins the longest prefix it caches; no CPU tier) and takes the rest of ``keys[:limit]``
+        from the transfer: ``_admit_waiting`` registers them right after."""
         bs = self.bs
         keys = req.keys
         limit = min(req.nfull, (req.target - 1) // bs)  # the last token is always computed
         hp, h = self._hits(keys, limit)
         c = 0
         cpu = self.cpu
-        if cpu is not None and h < limit:
+        if cpu is not None and h < limit and not req.importing:
             c = next(compress(count(), map(not_, map(cpu.__contains__, keys[h:limit]))), limit - h)
         # room for the prompt (or everything to recompute) and the next generated token
-        need = _blocks((req.n if req.transferred else req.target) + 1, bs) - h
+        need = _blocks(req.target + 1, bs) - h
         if self.capacity:
             if need > self.capacity:
                 raise CapacityError(
@@ -442,7 +455,7 @@ class WorkerModel:
         self._release(victim)
         victim.registered = 0
         victim.computed = 0
-        victim.transferred = False
+        victim.importing = False  # recomputed here (its imported blocks may still be cached hits)
         victim.preemptions += 1
         self.waiting.appendleft(victim)
         self.sim.queued += 1
@@ -464,11 +477,10 @@ class WorkerModel:
             waiting.popleft()
             self.sim.queued -= 1
             cpu_blocks += c
-            if req.transferred:  # PD import: straight to decoding
-                req.computed = req.n
+            if req.importing:  # PD: the transferred blocks join the cache (stored events); the
+                req.importing = False  # last (partial) block is computed here, as the real decode worker does
+                req.computed = min(req.nfull, (req.target - 1) // self.bs) * self.bs
                 self._register(req, t)
-                self._join_decode(req, t)
-                continue
             self.prefilling.append(req)
             self._step_hits += req.computed  # = its prefix hits (GPU + CPU), just admitted
             self._step_prompt += req.n
@@ -540,9 +552,17 @@ class WorkerModel:
         self._update_usage()
         self.schedule(self, self.seg_end)
 
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by requests: cached blocks some running request references (a shared one
+        once) plus private ones. Unreferenced cached blocks are in the free pool, as in vLLM and
+        the bundled engine (``workers/block_manager.py``): evictable, so free."""
+        return len(self.cache) - self.n_free + self.private
+
     def _update_usage(self) -> None:
+        # the engines' kv_cache_usage: "fraction of KV blocks held by requests"
         if self.capacity:
-            self.state.kv_usage = (len(self.cache) + self.private) / self.capacity
+            self.state.kv_usage = self.used_blocks / self.capacity
 
     # ------------------------------------------------------------------ segment completion
     def complete(self, t: float) -> None:
@@ -574,14 +594,16 @@ class WorkerModel:
                     done.append(r)
             for r in done:
                 self.prefilling.remove(r)
+                if r.decode_to >= 0 and not r.on_decode:
+                    # PD prefill done: its one sampled token is discarded (as by the relay and
+                    # vLLM); the client's first token comes from the decode worker
+                    self._release(r)
+                    self.sim.handoff(r, t)
+                    continue
                 if r.g == 0:  # its blocks for this token were reserved at admission
                     r.g = 1
                     r.first_t = t
                     self.sim.first_token(r, t)
-                if r.decode_to >= 0 and not r.transferred and r.g < r.out:
-                    self._release(r)
-                    self.sim.handoff(r, t)
-                    continue
                 self._join_decode(r, t)
             self.seg_chunks = []
         finished = [r for r in decoding if r.g >= r.out]

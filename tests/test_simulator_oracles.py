@@ -204,16 +204,44 @@ PD_POLICY = {"name": "pipeline", "params": {"profiles": {
 }}}
 
 
-def test_prefill_decode_pair_adds_the_kv_transfer(tmp_path: Path) -> None:
+def test_prefill_decode_pair_puts_the_kv_transfer_in_ttft(tmp_path: Path) -> None:
+    """As the relay serves a pair (docs/disaggregation.md): the prefill's own token is discarded,
+    the decode worker pulls the (n - 1) // block_size exported blocks, computes the last block
+    and streams the client's first token. So TTFT = prefill + transfer + that step, and the
+    transfer is not in the ITL (it used to be: TTFT was stamped at the prefill's token)."""
     rows = [{"t": 0.0, "input_tokens": 64, "output_tokens": 5, "hash_ids": [1, 2, 3, 4]}]
     trace = load_traces([session_trace(tmp_path, rows)])
     profile = with_overrides(FORMULA, **{"pd.transfer_base_ms": 3.0, "pd.transfer_ms_per_block": 0.5})
     sim = Simulator(trace, PD_POLICY, SimConfig(workers=2, profile=profile, prefill_workers=1))
     result = sim.run()
-    ttft, e2e = expected_times(64, 0, 5, profile)
-    transfer = (3.0 + 0.5 * 4) / 1e3  # 4 full blocks move to the decode worker
+    prefill_s = profile.prefill_ms(64) / 1e3
+    transfer_s = (3.0 + 0.5 * 3) / 1e3  # blocks 0-2 move; block 3 holds the last token
+    last_block_s = profile.prefill_ms(16, 48) / 1e3  # computed by the decode worker
+    ttft = prefill_s + transfer_s + last_block_s
+    _, e2e_alone = expected_times(64, 0, 5, profile)  # the same decode steps as a mixed worker's
     assert result.first_token[0] == pytest.approx(ttft, rel=1e-12)
-    assert result.finish[0] == pytest.approx(e2e + transfer, rel=1e-12)
+    assert result.finish[0] == pytest.approx(ttft + e2e_alone - prefill_s, rel=1e-12)
     prefill, decode = sim.workers
-    assert result.worker[0] == 0 and prefill.steps == 1 and decode.steps == 4
-    assert decode.cached_blocks == 4  # the decode worker caches what it received
+    assert result.worker[0] == 0 and result.pairs == 1 and prefill.steps == 1 and decode.steps == 1 + 4
+    assert decode.cached_blocks == 4  # 3 imported + the one it computed
+    for w in sim.workers:
+        w.check()
+        assert w.state.in_flight == 0 and w.state.prefill_tokens == 0 and w.state.decode_tokens == 0
+
+
+def test_the_decode_worker_pulls_only_the_blocks_it_lacks(tmp_path: Path) -> None:
+    """The real decode worker pins the prefix it caches and pulls only the rest; the transfer
+    time used to charge every block of the prompt. The second request shares 6 of 8 blocks with
+    the first, which the decode worker then caches: 7 exported, 6 held, 1 pulled."""
+    rows = [{"t": 0.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": list(range(8))},
+            {"t": 1.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": [*range(6), 50, 51]}]
+    trace = load_traces([session_trace(tmp_path, rows)])
+    profile = with_overrides(FORMULA, **{"pd.transfer_base_ms": 0.0, "pd.transfer_ms_per_block": 10.0})
+    sim = Simulator(trace, PD_POLICY, SimConfig(workers=2, profile=profile, prefill_workers=1))
+    result = sim.run()
+    # request 1: its prefill hits 6 blocks (96 tokens) on the prefill worker, then 10 ms for one
+    # block, then the decode worker computes its last block over 112 cached tokens
+    ttft = (profile.prefill_ms(32, 96) + 10.0 + profile.prefill_ms(16, 112)) / 1e3
+    assert result.hit[1] == 96
+    assert result.first_token[1] - result.arrival[1] == pytest.approx(ttft, rel=1e-12)
+    assert sim.transferred_blocks == 7 + 1
