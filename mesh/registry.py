@@ -6,7 +6,13 @@ or removed at runtime appear in, or vanish from, the router's view at once). Loa
 (``in_flight``, ``prefill_tokens``, ``decode_tokens``) are the total load on a target: this
 replica's router leases add and remove their own share, and with ``state.backend: redis``
 ``mesh.shared_load.SharedLoad`` adds (by deltas) what the other gateway replicas report; the
-registry writes the availability fields (``healthy``, ``draining``, ``circuit_open``, ``models``).
+registry writes the availability fields (``healthy``, ``draining``, ``circuit_open``, ``models``)
+and the worker-reported KV fields (``kv_usage``, ``kv_capacity_blocks``: read from each worker's
+``/metrics`` by ``read_metrics`` on the health schedule; 0 / 0 when unknown, which is what the
+policies read as "no pressure" and "capacity not known").
+
+Threading: everything here runs on the gateway's event loop; a probe or a scrape that awaits
+re-checks that its worker is still registered before it writes anything.
 
 Listeners (``add_listener``) hear ``on_worker_added(worker)`` / ``on_worker_removed(worker)``:
 this is where KV event subscribers are started and stopped per worker.
@@ -22,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import msgspec
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, check_event_streams, check_worker_url
 from mesh.metrics import Metrics
 from mesh.upstream import UpstreamPool
+from mesh.worker_metrics import METRICS_RESULTS, RankLoad, Scrape, scrape
 from policies.base import TargetState, target_id
 
 log = logging.getLogger("mesh.registry")
@@ -106,6 +113,14 @@ class Worker:
     discovered_models: frozenset[str] = frozenset()  # base models only (never LoRA adapters)
     discovered_loras: dict[str, str] = field(default_factory=dict)  # adapter -> base; replaced, never mutated
     headers: list[bytes] = field(default_factory=list)  # header lines sent with every request to it
+    # What its /metrics said, one entry per target (None: unknown); written by
+    # ``WorkerRegistry.read_metrics`` only, with the targets' kv fields.
+    reported: list[RankLoad | None] = field(default_factory=list)
+    metrics_result: str = ""  # the last scrape's outcome (``METRICS_RESULTS``); "" before the first
+    metrics_error: str | None = None
+    metrics_ok_at: float = 0.0  # monotonic time of the last scrape that read load signals
+    metrics_next_at: float = 0.0  # no scrape before this (backing off a worker that exports none)
+    metrics_counts: dict[str, int] = field(default_factory=dict)  # outcome -> scrapes
 
     @property
     def name(self) -> str:
@@ -154,6 +169,11 @@ class Worker:
             "dp_size": self.config.dp_size,
             "block_size": self.config.block_size,
             "last_error": self.last_error,
+            "metrics": {
+                "result": self.metrics_result or None,
+                "error": self.metrics_error,
+                "age_s": round(time.monotonic() - self.metrics_ok_at, 3) if self.metrics_ok_at else None,
+            },
             "targets": [
                 {
                     "id": t.id,
@@ -161,10 +181,18 @@ class Worker:
                     "prefill_tokens": t.prefill_tokens,
                     "decode_tokens": t.decode_tokens,
                     "live_sessions": t.live_sessions,
+                    **_reported_fields(t, self.reported[i] if i < len(self.reported) else None),
                 }
-                for t in self.targets
+                for i, t in enumerate(self.targets)
             ],
         }
+
+    def set_reported(self, loads: list[RankLoad | None]) -> None:
+        """Push what the worker's /metrics said (one entry per target) into the targets."""
+        self.reported = loads
+        for t, load in zip(self.targets, loads, strict=True):
+            t.kv_usage = load.kv_usage if load is not None and load.kv_usage is not None else 0.0
+            t.kv_capacity_blocks = load.capacity_blocks(t.block_size) if load is not None else 0
 
 
 class WorkerRegistry:
@@ -359,12 +387,49 @@ class WorkerRegistry:
         return ok
 
     async def check_all(self, pool: UpstreamPool, metrics: Metrics | None = None) -> None:
+        """One round: every worker's health, and (at once, not after it) its /metrics."""
         workers = list(self.workers.values())
-        results = await asyncio.gather(*(self.check(w, pool) for w in workers))
+        now = time.monotonic()
+        scraped = [w for w in workers if w.metrics_next_at <= now]
+        results = await asyncio.gather(*(self.check(w, pool) for w in workers),
+                                       *(self.read_metrics(w, pool) for w in scraped))
+        results = results[:len(workers)]
         if metrics is not None:
             for w, ok in zip(workers, results, strict=True):
                 metrics.health_checks_total.labels(w.name, "ok" if ok else "fail").inc()
         self.tick(time.monotonic())
+
+    # -- worker-reported load (/metrics) --
+    async def read_metrics(self, worker: Worker, pool: UpstreamPool) -> str:
+        """Scrape the worker's /metrics and set its targets' KV usage and capacity; returns the
+        outcome. A worker that exports none (404, no known names) is asked again only after
+        ``METRICS_ABSENT_RETRY_S``; one that fails keeps its last values for ``stale_after_s``,
+        then reads as unknown. A scrape never changes a worker's health."""
+        got = await scrape(pool, worker.url + "/metrics", worker.headers, self.config.health.timeout_s)
+        if self.workers.get(worker.name) is not worker:
+            return got.result  # removed while the scrape ran
+        self._apply_scrape(worker, got, time.monotonic())
+        return got.result
+
+    @property
+    def stale_after_s(self) -> float:
+        """Values older than this (no good scrape since) are dropped to unknown."""
+        return max(METRICS_STALE_MIN_S, METRICS_STALE_ROUNDS * self.config.health.interval_s)
+
+    def _apply_scrape(self, worker: Worker, got: Scrape, now: float) -> None:
+        worker.metrics_counts[got.result] = worker.metrics_counts.get(got.result, 0) + 1
+        if got.result != worker.metrics_result:
+            _log_scrape(worker, got)
+        worker.metrics_result, worker.metrics_error = got.result, got.error
+        if got.result == "ok":
+            worker.metrics_ok_at = now
+            worker.set_reported(loads_for_targets(got.ranks, len(worker.targets)))
+            return
+        if got.result in ("absent", "empty"):  # an answer: it does not report them
+            worker.metrics_next_at = now + METRICS_ABSENT_RETRY_S
+            worker.metrics_ok_at = 0.0
+        if now - worker.metrics_ok_at > self.stale_after_s and any(r is not None for r in worker.reported):
+            worker.set_reported([None] * len(worker.targets))
 
     # -- views --
     def models(self) -> list[str]:
@@ -404,7 +469,101 @@ class WorkerRegistry:
                 prefill.add_metric([t.id], t.prefill_tokens)
                 decode.add_metric([t.id], t.decode_tokens)
                 sessions.add_metric([t.id], t.live_sessions)
-        return [in_flight, prefill, decode, sessions, healthy, circuit, draining]
+        return [in_flight, prefill, decode, sessions, healthy, circuit, draining, *self._reported_families()]
+
+    def _reported_families(self) -> list[Metric]:
+        """What the gateway believes of each worker's own load (its /metrics); unknown: no series."""
+        usage = GaugeMetricFamily("mesh_worker_kv_usage", "KV usage (0-1) the worker reported, per target", labels=["target"])
+        capacity = GaugeMetricFamily("mesh_worker_kv_capacity_blocks", "KV capacity the worker reported, in the "
+                                     "gateway's blocks, per target", labels=["target"])
+        running = GaugeMetricFamily("mesh_worker_reported_running", "Running requests the worker reported, per target",
+                                    labels=["target"])
+        waiting = GaugeMetricFamily("mesh_worker_reported_waiting", "Waiting requests the worker reported, per target",
+                                    labels=["target"])
+        age = GaugeMetricFamily("mesh_worker_metrics_age_seconds", "Seconds since the worker's /metrics last gave load "
+                                "signals", labels=["worker"])
+        scrapes = CounterMetricFamily("mesh_worker_metrics_scrapes", "Scrapes of workers' /metrics, by outcome",
+                                      labels=["worker", "result"])
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.metrics_ok_at:
+                age.add_metric([w.name], now - w.metrics_ok_at)
+            for result in METRICS_RESULTS:
+                if result in w.metrics_counts:
+                    scrapes.add_metric([w.name, result], w.metrics_counts[result])
+            for t, load in zip(w.targets, w.reported, strict=False):
+                if load is None:
+                    continue
+                if load.kv_usage is not None:
+                    usage.add_metric([t.id], t.kv_usage)
+                if t.kv_capacity_blocks:
+                    capacity.add_metric([t.id], t.kv_capacity_blocks)
+                if load.num_running is not None:
+                    running.add_metric([t.id], load.num_running)
+                if load.num_waiting is not None:
+                    waiting.add_metric([t.id], load.num_waiting)
+        return [usage, capacity, running, waiting, age, scrapes]
+
+
+# Worker-reported load: a module setting until the config has a field for it (the lead's call).
+METRICS_ABSENT_RETRY_S = 10.0  # a worker whose /metrics answered 404 or held no load signals
+METRICS_STALE_ROUNDS = 3  # values survive this many failed health rounds...
+METRICS_STALE_MIN_S = 5.0  # ...and at least this long
+
+
+def loads_for_targets(ranks: dict[int | None, RankLoad], n_targets: int) -> list[RankLoad | None]:
+    """A worker's per-rank readings -> one per target (rank ``r`` is target ``worker@r``).
+
+    A single-target worker takes its only reading whatever its rank label (vLLM's external
+    load-balancing mode numbers each server's one engine by its global rank), or, when its
+    engine runs several ranks behind one target, their sum (usage weighted by capacity). A
+    multi-rank worker takes the labelled readings; an unlabelled one cannot be placed."""
+    if n_targets == 1:
+        labelled = [load for rank, load in ranks.items() if rank is not None]
+        if len(ranks) == 1:
+            return list(ranks.values())
+        return [combine(labelled) if labelled else None]
+    return [ranks.get(r) for r in range(n_targets)]
+
+
+def combine(loads: list[RankLoad]) -> RankLoad:
+    """Several ranks read as one pool: capacities and counts add, usage is capacity-weighted."""
+    def total(values: list[int | None]) -> int | None:
+        return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+    sizes = {load.kv_block_size for load in loads}
+    blocks = total([load.kv_blocks for load in loads]) if len(sizes) == 1 else None
+    usages = [load.kv_usage for load in loads]
+    usage = None
+    if all(u is not None for u in usages):
+        weights = [load.kv_blocks or 0 for load in loads] if blocks else [1] * len(loads)
+        usage = sum(u * w for u, w in zip(usages, weights, strict=True) if u is not None) / (sum(weights) or 1)
+    return RankLoad(kv_usage=usage, kv_blocks=blocks, kv_block_size=sizes.pop() if blocks else None,
+                    num_running=total([load.num_running for load in loads]),
+                    num_waiting=total([load.num_waiting for load in loads]))
+
+
+def _reported_fields(t: TargetState, load: RankLoad | None) -> dict[str, Any]:
+    """A target's worker-reported load for ``GET /workers`` (None: unknown)."""
+    known = load is not None
+    return {
+        "kv_usage": t.kv_usage if known and load.kv_usage is not None else None,  # type: ignore[union-attr]
+        "kv_capacity_blocks": t.kv_capacity_blocks or None,
+        "reported_running": load.num_running if known else None,  # type: ignore[union-attr]
+        "reported_waiting": load.num_waiting if known else None,  # type: ignore[union-attr]
+    }
+
+
+def _log_scrape(worker: Worker, got: Scrape) -> None:
+    """Logged when a worker's scrape outcome changes (not every round)."""
+    if got.result == "ok":
+        log.info("worker %s reports its load on /metrics", worker.name)
+    elif got.result in ("absent", "empty"):
+        log.info("worker %s reports no load on /metrics (%s): its KV usage is unknown", worker.name, got.error)
+    elif got.result == "unreachable":
+        log.debug("worker %s: /metrics unreachable: %s", worker.name, got.error)
+    else:
+        log.warning("worker %s: /metrics unreadable (%s): %s", worker.name, got.result, got.error)
 
 
 # What names a worker's engine and its KV state: a change of any of these is a new worker.
