@@ -198,9 +198,9 @@ def assert_no_leaks(workers: list[Worker], timeout_s: float = 10.0) -> None:
     while True:
         bad = {}
         for w in workers:
-            m = metrics(w.url)
-            values = {k: m[f"mesh_worker_kv_transfer_{k}"] for k in LEAK_KEYS}
-            values["kv_blocks_used"] = m["mesh_worker_kv_blocks_used"]
+            s = status(w.url)  # a fresh leak check (/metrics reuses one for up to 30 s)
+            values = {k: float(s[k]) for k in LEAK_KEYS}
+            values["kv_blocks_used"] = metrics(w.url)["mesh_worker_kv_blocks_used"]
             if any(values.values()):
                 bad[w.name] = values
         if not bad or time.monotonic() > deadline:
