@@ -149,6 +149,9 @@ class WorkerConfig(_Model):
 class HealthConfig(_Model):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 2.0
+    # each round also reads every worker's /metrics for its KV usage and capacity (vLLM, SGLang,
+    # bundled names: mesh.worker_metrics); off: they stay unknown and the KV checks never fire
+    worker_metrics: bool = True
     unhealthy_threshold: int = Field(2, ge=1)
     healthy_threshold: int = Field(1, ge=1)
 

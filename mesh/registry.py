@@ -390,7 +390,7 @@ class WorkerRegistry:
         """One round: every worker's health, and (at once, not after it) its /metrics."""
         workers = list(self.workers.values())
         now = time.monotonic()
-        scraped = [w for w in workers if w.metrics_next_at <= now]
+        scraped = [w for w in workers if w.metrics_next_at <= now] if self.config.health.worker_metrics else []
         results = await asyncio.gather(*(self.check(w, pool) for w in workers),
                                        *(self.read_metrics(w, pool) for w in scraped))
         results = results[:len(workers)]

@@ -19,6 +19,7 @@ import math
 import random
 import re
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -354,11 +355,12 @@ def test_hostile_bodies_read_as_unknown_in_bounded_memory(procs: ProcessGroup) -
 # ---- a real gateway over fake workers --------------------------------------------------------------
 
 
-def _gateway(procs: ProcessGroup, tmp_path: Path, workers: list[dict[str, Any]], policy: Any) -> tuple[Proc, httpx.Client]:
+def _gateway(procs: ProcessGroup, tmp_path: Path, workers: list[dict[str, Any]], policy: Any,
+             worker_metrics: bool = True) -> tuple[Proc, httpx.Client]:
     config = {
         "server": {"admin_key": ADMIN_KEY, "request_timeout_s": 60},
         "workers": workers,
-        "health": {"interval_s": 0.2, "timeout_s": 1, "unhealthy_threshold": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 1, "unhealthy_threshold": 1, "worker_metrics": worker_metrics},
         "policy": policy,
     }
     path = tmp_path / "mesh.yaml"
@@ -489,3 +491,16 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="fake workers exposing engine-style /metrics")
     parser.add_argument("--serve", action="append", required=True, help="kind:port")
     asyncio.run(_serve(parser.parse_args().serve))
+
+
+def test_worker_metrics_off_leaves_kv_unknown(procs: ProcessGroup, tmp_path: Path) -> None:
+    """``health.worker_metrics: false``: no /metrics scrape; KV usage and capacity stay unknown."""
+    urls = start_fakes(procs, ["vllm"])
+    workers = [{"name": "vllm", "url": urls["vllm"], "block_size": 16, "dp_size": 2, "models": ["m"]}]
+    gateway, http = _gateway(procs, tmp_path, workers, "round_robin", worker_metrics=False)
+    with http:
+        wait_until(lambda: _series(http.get("/metrics").text, "mesh_worker_healthy") == {"vllm": 1.0}, 30, "healthy")
+        time.sleep(1.0)  # five health rounds
+        text = http.get("/metrics").text
+        assert "mesh_worker_metrics_scrapes_total{" not in text
+        assert set(_series(text, "mesh_worker_kv_capacity_blocks").values()) <= {0.0}
