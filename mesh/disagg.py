@@ -13,7 +13,8 @@ bundled workers):
    Both requests carry the same ``X-Request-Id``.
 
 Failures before the first byte reached the client are retried:
-- the prefill fails (connect error, 429, 500/502/503/504): another pair, that prefill worker excluded;
+- the prefill fails (connect error, 429, 500/502/503/504, a 200 without a JSON object): another
+  pair, that prefill worker excluded;
 - the decode worker refuses admission (429, or 503 with a ``kv_*`` code), or is at the gateway's
   admission limit for it (``max_in_flight``, checked before committing): another decode worker;
   when every decode worker is full the request waits in a bounded queue (``DecodeQueue``: at most
@@ -22,15 +23,23 @@ Failures before the first byte reached the client are retried:
   ``kv_*`` code, 409 layout/key mismatch, 413): another decode worker, with the same prefill (its
   blocks stay pinned there);
 - the transfer itself fails (``kv_transfer_failed``/``_corrupt``/``_truncated``/``_gone``: the
-  prefill side is at fault): a new pair, that prefill worker excluded.
-A 4xx that is the client's fault, or another 5xx (501, ...), is answered as is.
+  prefill side's): a new pair, that prefill worker excluded; when no pair is left, the last
+  decode worker's error, naming that pair (``x-mesh-prefill-worker``, ``x-mesh-worker``);
+- the decode worker answers 200 with nothing (a stream closed before any data, an empty body):
+  another decode worker.
+A 4xx that is the client's fault, or another 5xx (501, ...), is answered as is, with the worker's
+name and its own ``retry-after`` (so is the last retryable answer when no retry is left).
 
 Charged to a worker's passive health as the ordinary proxy charges (``mesh.proxy.status_verdict``,
-one rule for both): connect errors, resets, timeouts and a 502/503/504 answer at once; a 500 only
-once another worker of the same role then answers the request (a request that makes every worker
-answer 500 charges none); a 429 or an admission refusal never; an answer as a success (a streamed
-decode answer once it ended whole: its relayer says so). A decode 5xx with a ``kv_*`` code is the
-transfer's, not the decode worker's: not charged.
+one rule for both): connect errors, resets, timeouts, a 502/503/504 answer and a 200 with nothing
+in it at once; a 500 only once another worker of the same role then answers the request (a
+request that makes every worker answer 500 charges none); a 429 or an admission refusal never; an
+answer as a success (a streamed decode answer once it ended whole: its relayer says so). A decode
+5xx with a ``kv_*`` code is the transfer's, not the decode worker's. A failed transfer is charged
+to its prefill worker when it is that worker's fault (``TRANSFER_CHARGED``, ``TRANSFER_SUSPECT``),
+and a prefill answer is its worker's success only once the decode worker answered with its
+transfer: so one request counts once for each worker (a success at the prefill's 200 reset the
+failures of a worker whose transfers all fail).
 
 Closed under it: a caller ends every relay in flight by closing the relay's client (the gateway's
 shutdown timeout). Whatever breaks once the client is closed is the caller's doing: ``RelayClosed``
@@ -73,6 +82,13 @@ HOP_BY_HOP = frozenset(
 )
 ADMISSION_CODES = frozenset({"kv_admission_full", "kv_no_space"})
 PREFILL_SIDE_CODES = frozenset({"kv_transfer_failed", "kv_transfer_corrupt", "kv_transfer_truncated", "kv_transfer_gone"})
+# Of those, what the prefill worker is charged for (``_Relay.transfer_failed``): bytes it sent that
+# failed verification or ended early, at once; a pull that could not connect or broke (its transfer
+# server, or the network between), once the same decode worker took another prefill worker's
+# transfer for the request. ``kv_transfer_gone`` (released before the pull: its deadline, a cancel)
+# is no fault of a worker's.
+TRANSFER_CHARGED = frozenset({"kv_transfer_corrupt", "kv_transfer_truncated"})
+TRANSFER_SUSPECT = frozenset({"kv_transfer_failed"})
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -321,6 +337,10 @@ class _Relay:
         # that role answers the request, forgotten if none does (``status_verdict``).
         self.prefill_suspects: list[tuple[str, str]] = []
         self.decode_suspects: list[tuple[str, str]] = []
+        # Failed pulls (prefill id, decode id, message) charged to their prefill worker once the
+        # same decode worker takes another prefill worker's transfer (``transfer_taken``).
+        self.transfer_suspects: list[tuple[str, str, str]] = []
+        self.failed_transfers: list[str] = []  # "prefill -> decode" of each failed transfer, in order
         self.path, self.headers, self.config, self.queue, self.stats, self.now = path, headers, config, queue, stats, now
         self.stream = bool(body.get("stream"))
         self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
@@ -354,6 +374,7 @@ class _Relay:
                     return await self.decode(prefill_id, kv, decision.decode_target)
                 except _NewPair as exc:
                     self.stats.transfer_failures += 1
+                    self.failed_transfers.append(f"{prefill_id} -> {exc.headers.get('x-mesh-worker')}")
                     last = exc
                     self.bad_prefill.append(prefill_id)
                     await self.cancel(prefill_id, kv)
@@ -368,9 +389,13 @@ class _Relay:
                 decision = self.decide(self.bad_prefill + self.bad_decode)
             except NoCandidate:
                 break
+        message = str(last)
+        if isinstance(last, _NewPair):  # every pair's transfer failed: name them all
+            message = f"no transfer reached a decode worker ({', '.join(self.failed_transfers)}): {last}"
         if last is not None and last.body is not None and 400 <= last.status < 600:
-            raise RelayError(last.status, str(last), last.code, last.body, last.headers)
-        raise RelayError(502, f"disaggregated request failed: {last}", "upstream_error")
+            raise RelayError(last.status, message, last.code, last.body, last.headers)
+        raise RelayError(502, f"disaggregated request failed: {message}", "upstream_error",
+                         headers=last.headers if last is not None else None)
 
     # -- prefill --
 
@@ -390,7 +415,8 @@ class _Relay:
             lease.finish(self.now())
         status = resp.status_code
         if status != 200:
-            message, named = f"prefill worker {target_id} answered {status}", {"x-mesh-prefill-worker": target_id}
+            message = f"prefill worker {target_id} answered {status}"
+            named = _named(resp, "x-mesh-prefill-worker", target_id)
             verdict = status_verdict(status)
             if verdict.retry:
                 self.charge(target_id, verdict, message, self.prefill_suspects)
@@ -400,10 +426,12 @@ class _Relay:
         try:
             answer = resp.json()
             kv, usage = answer.get("kv_transfer_params"), answer.get("usage")
-        except (ValueError, AttributeError) as exc:
-            raise _Retry(f"prefill worker {target_id} answered invalid JSON") from exc
+        except (ValueError, AttributeError) as exc:  # an empty 200 too: the proxy charges that at once
+            message = f"prefill worker {target_id} answered 200 without a JSON object"
+            self.health.record_failure(target_id, self.now(), message)
+            raise _Retry(message, headers={"x-mesh-prefill-worker": target_id}) from exc
+        # Its 500s' suspects were theirs. Its own success waits for its transfer (``transfer_taken``).
         self.served(self.prefill_suspects)
-        self.health.record_success(target_id)
         if not isinstance(kv, dict):
             self.stats.fallbacks += 1
             kv = None
@@ -488,7 +516,7 @@ class _Relay:
                     resp = await self.client.send(request, stream=True)
                     if resp.status_code != 200:
                         content = await resp.aread()
-                        self.classify(resp, content, decode_id)
+                        self.classify(resp, content, prefill_id, decode_id)
                     chunks = resp.aiter_raw() if self.stream else None
                     first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
             except httpx.HTTPError as exc:
@@ -499,10 +527,14 @@ class _Relay:
                 self.health.record_failure(decode_id, self.now(), "decode timed out")
                 raise _Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
                              code="upstream_timeout") from exc
-            if self.stream and not first:
+            if not first:  # nothing to relay: the worker's failure at once, as the proxy has it
                 self.check_open()
-                raise _Retry(f"decode worker {decode_id} closed the stream before any data")
+                message = f"decode worker {decode_id} " + ("closed the stream before any data" if self.stream
+                                                           else "answered 200 with an empty body")
+                self.health.record_failure(decode_id, self.now(), message)
+                raise _Retry(message, headers={"x-mesh-worker": decode_id})
             self.served(self.decode_suspects)  # their 500s were theirs: this worker answers the request
+            self.transfer_taken(prefill_id, decode_id, kv)
             if not self.stream:  # a stream is a success once it ended whole: its relayer says so
                 self.health.record_success(decode_id)
             lease.first_token()
@@ -534,16 +566,19 @@ class _Relay:
         if touch is not None and self.info.session_id and self.router.targets.get(lease.target.id) is lease.target:
             touch(self.info.session_id, lease.target.id, now)
 
-    def classify(self, resp: httpx.Response, content: bytes, decode_id: str) -> None:
+    def classify(self, resp: httpx.Response, content: bytes, prefill_id: str, decode_id: str) -> None:
         """Raise what a non-200 decode answer means for the relay, charging the worker as the
-        proxy would (``status_verdict``) unless the answer names a transfer problem (``kv_*``)."""
+        proxy would (``status_verdict``) unless the answer names a transfer problem (``kv_*``):
+        one of the prefill side's is charged to the prefill worker (``transfer_failed``)."""
         status, code = resp.status_code, _error_code(content)
         message = f"decode worker {decode_id} answered {status}" + (f" ({code})" if code else "")
-        named = {"x-mesh-worker": decode_id}
+        named = _named(resp, "x-mesh-worker", decode_id)
         if status == 429 or (status == 503 and code in ADMISSION_CODES) or code in ADMISSION_CODES:
             raise _Full(message, status, content, code or "over_capacity")
         if code in PREFILL_SIDE_CODES:
-            raise _NewPair(message, status, content, code or "kv_transfer_failed")
+            code = code or "kv_transfer_failed"  # (it is one of them: for the type checker)
+            self.transfer_failed(prefill_id, decode_id, code, message)
+            raise _NewPair(message, status, content, code, {**named, "x-mesh-prefill-worker": prefill_id})
         transfer = status >= 500 and code is not None and code.startswith("kv_")
         verdict = status_verdict(status)
         if verdict.retry and not transfer:
@@ -552,6 +587,28 @@ class _Relay:
             raise _Retry(message, status, content, code or "upstream_error", named)
         self.served(self.decode_suspects)
         raise RelayError(status, message, code or _default_code(status), content, named)
+
+    def transfer_failed(self, prefill_id: str, decode_id: str, code: str, message: str) -> None:
+        """A pull from ``prefill_id`` failed at ``decode_id``: charge the prefill worker for what is
+        its fault (``TRANSFER_CHARGED`` at once, ``TRANSFER_SUSPECT`` once confirmed). Its answer
+        was not counted a success, so one request counts once for it."""
+        message = f"{message}: the transfer from {prefill_id} failed"
+        if code in TRANSFER_CHARGED:
+            self.health.record_failure(prefill_id, self.now(), message)
+        elif code in TRANSFER_SUSPECT:
+            self.transfer_suspects.append((prefill_id, decode_id, message))
+
+    def transfer_taken(self, prefill_id: str, decode_id: str, kv: dict[str, Any] | None) -> None:
+        """``decode_id`` answered with ``prefill_id``'s transfer (or, without params, after its
+        prefill): the prefill answer is its worker's success now, and a failed pull into this same
+        decode worker before it was that other prefill worker's (this decode worker and its
+        network pull fine). Suspects of another decode worker are forgotten (maybe its network)."""
+        if kv is not None:
+            for suspect, decode, message in self.transfer_suspects:
+                if decode == decode_id:
+                    self.health.record_failure(suspect, self.now(), message)
+        self.transfer_suspects.clear()
+        self.health.record_success(prefill_id)
 
     def charge(self, target_id: str, verdict: StatusVerdict, message: str, suspects: list[tuple[str, str]]) -> None:
         """A worker's retryable answer, as the proxy charges it: at once, or as a suspect."""
@@ -600,6 +657,15 @@ def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
     """Targets a new pair must leave out: those at their admission limit (``max_in_flight``),
     except decode-role ones, which the relay checks itself (waiting in the decode queue)."""
     return [t.id for t in targets.values() if _at_limit(t) and getattr(t.role, "value", t.role) != "decode"]
+
+
+def _named(resp: httpx.Response, header: str, target_id: str) -> dict[str, str]:
+    """An error answer's headers for the client: the worker's name, and its own ``retry-after``."""
+    out = {header: target_id}
+    retry_after = resp.headers.get("retry-after")
+    if retry_after is not None:
+        out["retry-after"] = retry_after
+    return out
 
 
 def _default_code(status: int) -> str:
