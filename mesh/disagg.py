@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import httpx
 
 from mesh.errors import openai_error_bytes, sse_error_event
-from mesh.proxy import SHUTDOWN_MESSAGE, StatusVerdict, status_verdict
+from mesh.proxy import MAX_ANSWER_BYTES, SHUTDOWN_MESSAGE, StatusVerdict, status_verdict
 from mesh.router import Lease, Router
 from policies.base import Decision, NoCandidate, Overlap, RequestInfo, TargetState
 
@@ -405,9 +405,14 @@ class _Relay:
         self.check_open()
         lease = self.router.commit(replace(self.info, session_id=None), Decision(target_id, "prefill"), self.now())
         try:
-            resp = await self.client.post(self.url(target_id), json=prefill_body(self.body), headers=self.headers,
-                                          timeout=self.timeout)
-        except httpx.HTTPError as exc:
+            request = self.client.build_request("POST", self.url(target_id), json=prefill_body(self.body),
+                                                headers=self.headers, timeout=self.timeout)
+            resp = await self.client.send(request, stream=True)
+            try:
+                content = await _read_bounded(resp)
+            finally:
+                await resp.aclose()
+        except (httpx.HTTPError, _TooLarge) as exc:
             self.check_open()  # closed under it: not the worker's failure
             self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")
             raise _Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
@@ -420,11 +425,11 @@ class _Relay:
             verdict = status_verdict(status)
             if verdict.retry:
                 self.charge(target_id, verdict, message, self.prefill_suspects)
-                raise _Retry(message, status, resp.content, headers=named)
+                raise _Retry(message, status, content, headers=named)
             self.served(self.prefill_suspects)
-            raise RelayError(status, message, _error_code(resp.content) or _default_code(status), resp.content, named)
+            raise RelayError(status, message, _error_code(content) or _default_code(status), content, named)
         try:
-            answer = resp.json()
+            answer = json.loads(content)
             kv, usage = answer.get("kv_transfer_params"), answer.get("usage")
         except (ValueError, AttributeError) as exc:  # an empty 200 too: the proxy charges that at once
             message = f"prefill worker {target_id} answered 200 without a JSON object"
@@ -515,11 +520,11 @@ class _Relay:
                 async with asyncio.timeout_at(deadline):  # httpx's timeouts bound each read, not the whole
                     resp = await self.client.send(request, stream=True)
                     if resp.status_code != 200:
-                        content = await resp.aread()
+                        content = await _read_bounded(resp)
                         self.classify(resp, content, prefill_id, decode_id)
                     chunks = resp.aiter_raw() if self.stream else None
-                    first = await _first_bytes(chunks) if chunks is not None else await resp.aread()
-            except httpx.HTTPError as exc:
+                    first = await _first_bytes(chunks) if chunks is not None else await _read_bounded(resp)
+            except (httpx.HTTPError, _TooLarge) as exc:
                 self.check_open()  # closed under it: not the worker's failure
                 self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")
                 raise _Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
@@ -674,6 +679,23 @@ def _default_code(status: int) -> str:
 
 class _Full(_Retry):
     """The decode worker refused admission (retryable: another worker, or later)."""
+
+
+class _TooLarge(Exception):
+    """A worker's answer over ``MAX_ANSWER_BYTES`` (the relay holds a non-streamed answer whole)."""
+
+
+async def _read_bounded(resp: httpx.Response) -> bytes:
+    """The whole body of a response sent with ``stream=True``, at most ``MAX_ANSWER_BYTES`` (the
+    proxy's bound): a worker answering without end cannot grow the gateway's memory."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_raw():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise _TooLarge(f"answered over {MAX_ANSWER_BYTES >> 20} MiB")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _first_bytes(chunks: AsyncIterator[bytes]) -> bytes:

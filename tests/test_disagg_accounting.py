@@ -42,6 +42,7 @@ BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 #   answered STATUS with the OpenAI error CODE (a failed pull); others get a completion.
 # - "empty": every POST is answered 200 with an empty body (an event stream for a streamed one).
 # - "busy:SECONDS": every POST is answered 429 with retry-after SECONDS.
+# - "huge": every POST is answered 200 with a JSON body of 65 MiB (past the gateway's 64 MiB bound).
 # GET /state: POSTs and releases seen; any other GET: a model list (health checks).
 FAKE_WORKER = r'''
 import asyncio, json, sys
@@ -82,6 +83,8 @@ def post(body):
         return answer(b"200 OK", b"text/event-stream" if body.get("stream") else b"application/json", b"")
     if mode.startswith("busy:"):
         return error("429", "busy", b"retry-after: %s\r\n" % mode.split(":")[1].encode())
+    if mode == "huge":
+        return answer(b"200 OK", b"application/json", b'{"pad": "' + b"x" * (65 << 20) + b'"}')
     raise SystemExit("unknown mode " + mode)
 
 
@@ -304,6 +307,26 @@ def test_an_empty_decode_answer_is_retried_and_charged(procs: ProcessGroup, tmp_
     what = "closed the stream before any data" if stream else "answered 200 with an empty body"
     log = gateway.log_tail(20000)
     assert f"circuit opened for worker empty after 1 failures: decode worker empty {what}" in log, log
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_answer_past_64_mib_is_the_workers_failure_not_the_gateways_memory(procs: ProcessGroup, tmp_path: Path,
+                                                                               role: str) -> None:
+    """A worker answering a non-streamed body without end (here 65 MiB) is cut at the proxy's bound
+    (``MAX_ANSWER_BYTES``), charged, and another worker answers. Was: read whole, unbounded."""
+    good = "prefill" if role == "prefill" else "decode:502:kv_transfer_failed:nobody"
+    workers = {"huge": (fake(procs, "huge", "huge"), role), "good": (fake(procs, "good", good), role)}
+    other = "prefill" if role == "decode" else "decode"
+    workers["other"] = (fake(procs, "other", "prefill" if other == "prefill" else "decode:502:x:nobody"), other)
+    gateway, _ = pd_gateway(procs, tmp_path, workers)  # threshold 1
+    for _ in range(30):  # the load scorer spreads them: some meet "huge" first
+        resp = post(gateway, stream=False)
+        assert resp.status_code == 200 and len(resp.content) < 4096, (resp.status_code, resp.text[:200])
+        if fake_state(workers["huge"][0])["posts"]:
+            break
+    assert fake_state(workers["huge"][0])["posts"] == 1
+    assert circuits(gateway)["huge"] == "open"
+    assert "over 64 MiB" in gateway.log_tail(20000)
 
 
 # ---- 429 -----------------------------------------------------------------------------------------
