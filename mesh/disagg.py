@@ -688,6 +688,10 @@ class _TooLarge(Exception):
 async def _read_bounded(resp: httpx.Response) -> bytes:
     """The whole body of a response sent with ``stream=True``, at most ``MAX_ANSWER_BYTES`` (the
     proxy's bound): a worker answering without end cannot grow the gateway's memory."""
+    if resp.is_stream_consumed:  # a transport that hands over whole responses (httpx.MockTransport)
+        if len(resp.content) > MAX_ANSWER_BYTES:
+            raise _TooLarge(f"answered over {MAX_ANSWER_BYTES >> 20} MiB")
+        return resp.content
     parts: list[bytes] = []
     size = 0
     async for chunk in resp.aiter_raw():
