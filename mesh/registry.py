@@ -11,8 +11,13 @@ and the worker-reported KV fields (``kv_usage``, ``kv_capacity_blocks``: read fr
 ``/metrics`` by ``read_metrics`` on the health schedule; 0 / 0 when unknown, which is what the
 policies read as "no pressure" and "capacity not known").
 
+Scrapes do not hold up health: a round starts each due worker's scrape as its own task (at most
+one in flight per worker, owned by the registry in ``_scrapes``) and does not await it; a worker
+added at runtime is scraped at once. A removed worker's task is cancelled, as are all of them by
+``stop`` and by a reload that turns ``health.worker_metrics`` off (its values go to unknown).
+
 Threading: everything here runs on the gateway's event loop; a probe or a scrape that awaits
-re-checks that its worker is still registered before it writes anything.
+re-checks that its worker is still registered (and scraping still on) before it writes anything.
 
 Listeners (``add_listener``) hear ``on_worker_added(worker)`` / ``on_worker_removed(worker)``:
 this is where KV event subscribers are started and stopped per worker.
@@ -30,6 +35,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mesh.client_io import RateLimitedWarning
 from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, check_event_streams, check_worker_url
 from mesh.metrics import Metrics
 from mesh.upstream import UpstreamPool
@@ -121,6 +127,8 @@ class Worker:
     metrics_ok_at: float = 0.0  # monotonic time of the last scrape that read load signals
     metrics_next_at: float = 0.0  # no scrape before this (backing off a worker that exports none)
     metrics_counts: dict[str, int] = field(default_factory=dict)  # outcome -> scrapes
+    metrics_warnings: RateLimitedWarning | None = None  # its scrape problems, rate-limited
+    metrics_info_at: float = float("-inf")  # monotonic time of its last INFO line about /metrics
 
     @property
     def name(self) -> str:
@@ -206,6 +214,10 @@ class WorkerRegistry:
         self.any_circuit_open = False
         self.version = 0  # bumped whenever membership or a worker's model list changes
         self.admission_limited = False  # some target has a max_in_flight
+        # One scrape task per worker at most (a worker's entry leaves when its task ends); the
+        # pool is the last round's, for scraping a worker added between rounds at once.
+        self._scrapes: dict[Worker, asyncio.Task[None]] = {}
+        self._pool: UpstreamPool | None = None
 
     # -- membership --
     def add_listener(self, listener: RegistryListener) -> None:
@@ -245,6 +257,8 @@ class WorkerRegistry:
         self.admission_limited = any(t.max_in_flight for t in self.targets.values())
         for listener in self._listeners:
             listener.on_worker_added(worker)
+        if self._pool is not None and self.config.health.worker_metrics:
+            self._start_scrape(worker, self._pool)  # its KV known before the next round
         return worker
 
     def remove(self, name: str) -> Worker:
@@ -257,6 +271,7 @@ class WorkerRegistry:
         workers = [self.get(name) for name in dict.fromkeys(names)]
         for worker in workers:
             del self.workers[worker.name]
+            self._cancel_scrape(worker)
             for t in worker.targets:
                 # In-flight leases keep their TargetState object and release it normally.
                 self.targets.pop(t.id, None)
@@ -294,6 +309,8 @@ class WorkerRegistry:
         self.config = config
         for worker in self.workers.values():
             worker.breaker.config = config.circuit_breaker
+        if not config.health.worker_metrics:
+            self._metrics_off()
         wanted = {w.name: w for w in config.workers}
         for name, cfg in wanted.items():
             worker = self.workers.get(name)
@@ -387,27 +404,85 @@ class WorkerRegistry:
         return ok
 
     async def check_all(self, pool: UpstreamPool, metrics: Metrics | None = None) -> None:
-        """One round: every worker's health, and (at once, not after it) its /metrics."""
+        """One round: every worker's health; each due worker's /metrics scrape is started as its
+        own task (``_start_scrape``), not awaited: a slow /metrics never stretches the round."""
         workers = list(self.workers.values())
-        now = time.monotonic()
-        scraped = [w for w in workers if w.metrics_next_at <= now] if self.config.health.worker_metrics else []
-        results = await asyncio.gather(*(self.check(w, pool) for w in workers),
-                                       *(self.read_metrics(w, pool) for w in scraped))
-        results = results[:len(workers)]
+        if self.config.health.worker_metrics:
+            self._pool = pool
+            now = time.monotonic()
+            for w in workers:
+                if w.metrics_next_at <= now:
+                    self._start_scrape(w, pool)
+        else:
+            self._metrics_off()
+        results = await asyncio.gather(*(self.check(w, pool) for w in workers))
         if metrics is not None:
             for w, ok in zip(workers, results, strict=True):
                 metrics.health_checks_total.labels(w.name, "ok" if ok else "fail").inc()
         self.tick(time.monotonic())
 
     # -- worker-reported load (/metrics) --
+    def _start_scrape(self, worker: Worker, pool: UpstreamPool) -> None:
+        """Start the worker's scrape unless one is in flight (needs a running loop)."""
+        if worker in self._scrapes:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a worker added before the app runs): the first round scrapes it
+        task = loop.create_task(self._scrape_task(worker, pool), name=f"mesh-scrape-{worker.name}")
+        self._scrapes[worker] = task
+        task.add_done_callback(lambda t, w=worker: self._scrapes.pop(w) if self._scrapes.get(w) is t else None)
+
+    async def _scrape_task(self, worker: Worker, pool: UpstreamPool) -> None:
+        try:
+            await self.read_metrics(worker, pool)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not end as an unretrieved task exception
+            log.exception("scraping worker %s's /metrics failed", worker.name)
+
+    def _cancel_scrape(self, worker: Worker) -> None:
+        task = self._scrapes.pop(worker, None)
+        if task is not None:
+            task.cancel()
+
+    async def scrapes_done(self) -> None:
+        """Wait for the scrapes in flight now (tests, tools)."""
+        tasks = list(self._scrapes.values())
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def stop(self) -> None:
+        """Cancel every scrape in flight and wait for them to end; no scrape starts after this
+        until the next ``check_all``."""
+        self._pool = None
+        tasks = list(self._scrapes.values())
+        self._scrapes.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _metrics_off(self) -> None:
+        """``health.worker_metrics`` is off: no scrape runs, every reported value is unknown."""
+        self._pool = None
+        for worker in list(self._scrapes):
+            self._cancel_scrape(worker)
+        for worker in self.workers.values():
+            if worker.metrics_result or any(r is not None for r in worker.reported):
+                worker.set_reported([None] * len(worker.targets))
+                worker.metrics_result, worker.metrics_error = "", None
+                worker.metrics_ok_at = worker.metrics_next_at = 0.0
+
     async def read_metrics(self, worker: Worker, pool: UpstreamPool) -> str:
         """Scrape the worker's /metrics and set its targets' KV usage and capacity; returns the
         outcome. A worker that exports none (404, no known names) is asked again only after
         ``METRICS_ABSENT_RETRY_S``; one that fails keeps its last values for ``stale_after_s``,
         then reads as unknown. A scrape never changes a worker's health."""
         got = await scrape(pool, worker.url + "/metrics", worker.headers, self.config.health.timeout_s)
-        if self.workers.get(worker.name) is not worker:
-            return got.result  # removed while the scrape ran
+        if self.workers.get(worker.name) is not worker or not self.config.health.worker_metrics:
+            return got.result  # removed (or scraping turned off) while the scrape ran
         self._apply_scrape(worker, got, time.monotonic())
         return got.result
 
@@ -417,15 +492,21 @@ class WorkerRegistry:
         return max(METRICS_STALE_MIN_S, METRICS_STALE_ROUNDS * self.config.health.interval_s)
 
     def _apply_scrape(self, worker: Worker, got: Scrape, now: float) -> None:
+        if got.result == "ok":
+            loads = loads_for_targets(got.ranks, len(worker.targets))
+            if loads is None:  # ranks that cannot be placed on the targets: an answer, not a reading
+                listed = sorted(r for r in got.ranks if r is not None)
+                got = Scrape("unmatched", error=f"/metrics lists ranks {listed} (and {int(None in got.ranks)} "
+                             f"unlabelled), the worker has dp_size {len(worker.targets)}")
         worker.metrics_counts[got.result] = worker.metrics_counts.get(got.result, 0) + 1
         if got.result != worker.metrics_result:
-            _log_scrape(worker, got)
+            _log_scrape(worker, got, now)
         worker.metrics_result, worker.metrics_error = got.result, got.error
         if got.result == "ok":
             worker.metrics_ok_at = now
-            worker.set_reported(loads_for_targets(got.ranks, len(worker.targets)))
+            worker.set_reported(loads)
             return
-        if got.result in ("absent", "empty"):  # an answer: it does not report them
+        if got.result in ("absent", "empty", "unmatched"):  # an answer: it does not report them (usably)
             worker.metrics_next_at = now + METRICS_ABSENT_RETRY_S
             worker.metrics_ok_at = 0.0
         if now - worker.metrics_ok_at > self.stale_after_s and any(r is not None for r in worker.reported):
@@ -511,19 +592,26 @@ METRICS_STALE_ROUNDS = 3  # values survive this many failed health rounds...
 METRICS_STALE_MIN_S = 5.0  # ...and at least this long
 
 
-def loads_for_targets(ranks: dict[int | None, RankLoad], n_targets: int) -> list[RankLoad | None]:
-    """A worker's per-rank readings -> one per target (rank ``r`` is target ``worker@r``).
+def loads_for_targets(ranks: dict[int | None, RankLoad], n_targets: int) -> list[RankLoad | None] | None:
+    """A worker's per-rank readings -> one per target (target ``i`` is ``worker@i``); None when
+    they cannot be placed.
 
     A single-target worker takes its only reading whatever its rank label (vLLM's external
     load-balancing mode numbers each server's one engine by its global rank), or, when its
     engine runs several ranks behind one target, their sum (usage weighted by capacity). A
-    multi-rank worker takes the labelled readings; an unlabelled one cannot be placed."""
+    multi-rank worker needs exactly ``n_targets`` labelled ranks: ``0..n-1`` map to themselves;
+    other ranks (vLLM's hybrid / external load-balancing: an API server managing engines 2 and 3
+    labels them 2, 3) map in sorted order. Another count (or unlabelled readings) cannot be
+    placed."""
     if n_targets == 1:
         labelled = [load for rank, load in ranks.items() if rank is not None]
         if len(ranks) == 1:
             return list(ranks.values())
         return [combine(labelled) if labelled else None]
-    return [ranks.get(r) for r in range(n_targets)]
+    listed = sorted(r for r in ranks if r is not None)
+    if len(listed) != n_targets:
+        return None
+    return [ranks[r] for r in listed]
 
 
 def combine(loads: list[RankLoad]) -> RankLoad:
@@ -554,16 +642,26 @@ def _reported_fields(t: TargetState, load: RankLoad | None) -> dict[str, Any]:
     }
 
 
-def _log_scrape(worker: Worker, got: Scrape) -> None:
-    """Logged when a worker's scrape outcome changes (not every round)."""
-    if got.result == "ok":
-        log.info("worker %s reports its load on /metrics", worker.name)
-    elif got.result in ("absent", "empty"):
-        log.info("worker %s reports no load on /metrics (%s): its KV usage is unknown", worker.name, got.error)
-    elif got.result == "unreachable":
-        log.debug("worker %s: /metrics unreachable: %s", worker.name, got.error)
-    else:
-        log.warning("worker %s: /metrics unreadable (%s): %s", worker.name, got.result, got.error)
+METRICS_LOG_EVERY_S = 60.0  # per worker: at most one INFO line and one WARNING line per this
+
+
+def _log_scrape(worker: Worker, got: Scrape, now: float) -> None:
+    """Logged when a worker's scrape outcome changes, rate-limited per worker: a flapping
+    /metrics writes a WARNING (then a count of the ones held) and an INFO at most once per
+    ``METRICS_LOG_EVERY_S``, not every round."""
+    if got.result in ("ok", "absent", "empty"):
+        if now - worker.metrics_info_at < METRICS_LOG_EVERY_S:
+            return
+        worker.metrics_info_at = now
+        if got.result == "ok":
+            log.info("worker %s reports its load on /metrics", worker.name)
+        else:
+            log.info("worker %s reports no load on /metrics (%s): its KV usage is unknown", worker.name, got.error)
+        return
+    if worker.metrics_warnings is None:
+        worker.metrics_warnings = RateLimitedWarning(log, f"worker {worker.name}: /metrics failures",
+                                                     every_s=METRICS_LOG_EVERY_S)
+    worker.metrics_warnings.warning("worker %s: /metrics %s: %s", worker.name, got.result, got.error)
 
 
 # What names a worker's engine and its KV state: a change of any of these is a new worker.

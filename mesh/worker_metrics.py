@@ -16,7 +16,15 @@ Data-parallel ranks are told apart by a label: vLLM's ``engine`` (the engine ind
 in ``vllm/v1/metrics/loggers.py``), SGLang's ``dp_rank`` (its scheduler's collector labels). A
 sample without either is rank ``None``. Several samples of one family and rank (SGLang's
 ``tp_rank`` / ``pp_rank``, a second ``model_name``) are combined by their maximum: the fullest
-cache is the one that refuses work.
+cache is the one that refuses work; but running / waiting counts split by a ``priority`` label
+(SGLang with priority scheduling) are added up over the priorities (each priority's count is still
+the maximum of its duplicates).
+
+vLLM's capacity: its API server sums ``num_gpu_blocks`` over the engines it manages at startup
+("Sum values from all engines in DP case", ``vllm/v1/engine/utils.py``) and ``log_metrics_info``
+writes that one total on the ``vllm:cache_config_info`` line of every engine it lists (each API
+server lists only its local engines in the hybrid / external load-balancing modes). So one
+engine's capacity is the total over the number of engines that the body lists there.
 
 Hostile bodies: only lines starting with one of the few names above are parsed (one C-speed
 ``bytes.find`` per name over each chunk, no per-line Python work for the rest: a vLLM body is
@@ -58,7 +66,9 @@ RANK_LABELS = (b"engine", b"dp_rank")  # vLLM, SGLang
 
 # name = "value" followed by "," or "}"; the value may hold escaped quotes, backslashes, newlines.
 _LABEL = re.compile(rb'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*([,}])')
-_WANTED_LABELS = frozenset((*RANK_LABELS, b"num_gpu_blocks", b"block_size"))
+PRIORITY_LABEL = b"priority"  # SGLang with priority scheduling: running / waiting per priority
+_WANTED_LABELS = frozenset((*RANK_LABELS, PRIORITY_LABEL, b"num_gpu_blocks", b"block_size"))
+_COUNTS = frozenset((*RUNNING, *WAITING))  # summed over priorities
 
 
 class MetricsError(ValueError):
@@ -100,8 +110,10 @@ class MetricsScanner:
         self.max_bytes = max_bytes
         self._seen = 0
         self._tail = b""
-        self._values: dict[bytes, dict[int | None, float]] = {}  # family -> rank -> max value
-        self._capacity: dict[int | None, tuple[int, int | None]] = {}  # vLLM cache info: (blocks, block size)
+        # family -> rank -> priority label (None: none) -> max value
+        self._values: dict[bytes, dict[int | None, dict[bytes | None, float]]] = {}
+        # vLLM cache info, per listed engine: (the API server's total blocks, block size)
+        self._capacity: dict[int | None, tuple[int, int | None]] = {}
         self.skipped = 0  # matched lines that did not parse
 
     def feed(self, chunk: bytes) -> None:
@@ -135,6 +147,7 @@ class MetricsScanner:
     def _rank(self, rank: int | None) -> RankLoad:
         usage = self._first(USAGE, rank)
         blocks, block_size = self._capacity.get(rank, (0, None))
+        blocks //= max(1, len(self._capacity))  # the total over the engines listed (module doc)
         if not blocks and (tokens := self._first((SGLANG_TOKENS,), rank)):
             blocks, block_size = int(tokens), 1
         if not blocks and (total := self._first((BUNDLED_BLOCKS,), rank)):
@@ -150,9 +163,10 @@ class MetricsScanner:
 
     def _first(self, names: tuple[bytes, ...], rank: int | None) -> float | None:
         for name in names:
-            value = self._values.get(name, {}).get(rank)
-            if value is not None:
-                return value
+            per_priority = self._values.get(name, {}).get(rank)
+            if per_priority:
+                values = per_priority.values()
+                return sum(values) if name in _COUNTS else max(values)
         return None
 
     # -- scanning --
@@ -202,9 +216,10 @@ class MetricsScanner:
         elif value < 0:
             self.skipped += 1
         else:
-            per_rank = self._values.setdefault(name, {})
-            old = per_rank.get(rank)
-            per_rank[rank] = value if old is None else max(old, value)
+            per_priority = self._values.setdefault(name, {}).setdefault(rank, {})
+            priority = labels.get(PRIORITY_LABEL)
+            old = per_priority.get(priority)
+            per_priority[priority] = value if old is None else max(old, value)
 
     def _cache_info(self, rank: int | None, labels: dict[bytes, bytes]) -> None:
         blocks = _int(labels.get(b"num_gpu_blocks"))  # "None" until the engine has profiled memory
@@ -268,8 +283,9 @@ def parse(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[int | None, Rank
 
 # Outcomes of one scrape: ``ok`` (load signals read), ``empty`` (200, none of the names),
 # ``absent`` (404: no /metrics), ``http_error`` (another status), ``unreachable`` (connection
-# refused or broken, timeout), ``invalid`` (over the size bounds).
-METRICS_RESULTS = ("ok", "empty", "absent", "http_error", "unreachable", "invalid")
+# refused or broken, timeout), ``invalid`` (over the size bounds); the registry adds ``unmatched``
+# (load signals whose ranks cannot be placed on the worker's ``dp_size`` targets).
+METRICS_RESULTS = ("ok", "empty", "absent", "http_error", "unreachable", "invalid", "unmatched")
 
 
 @dataclass(frozen=True, slots=True)

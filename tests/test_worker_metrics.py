@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from mesh.config import MeshConfig, WorkerConfig
 from mesh.registry import WorkerRegistry, loads_for_targets
 from mesh.upstream import UpstreamPool
-from mesh.worker_metrics import MAX_BODY_BYTES, MetricsError, MetricsScanner, RankLoad, parse
+from mesh.worker_metrics import MAX_BODY_BYTES, MetricsError, MetricsScanner, RankLoad, Scrape, parse
 from tests.e2e_bundled import ADMIN, ADMIN_KEY, start_workers
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 
@@ -64,9 +64,9 @@ VLLM_DP2 = (
     'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.1\n'
     '# TYPE vllm:cache_config_info gauge\n'
     'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
-    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="1000"} 1.0\n'
+    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2200"} 1.0\n'
     'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="1",'
-    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="1200"} 1.0\n'
+    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2200"} 1.0\n'
 )
 
 SGLANG_DP2 = "".join(
@@ -101,10 +101,33 @@ BROKEN = (
 def test_vllm_two_dp_ranks_are_told_apart_by_the_engine_label() -> None:
     got = parse(VLLM_DP2.encode())
     assert set(got) == {0, 1}
-    assert got[0] == RankLoad(kv_usage=0.95, kv_blocks=1000, kv_block_size=32, num_running=3, num_waiting=2)
-    assert got[1] == RankLoad(kv_usage=0.1, kv_blocks=1200, kv_block_size=32, num_running=1, num_waiting=0)
-    # the gateway counts blocks of its own size: 1000 blocks of 32 tokens are 2000 of 16
-    assert got[0].capacity_blocks(16) == 2000 and got[0].capacity_blocks(32) == 1000
+    # vLLM writes the API server's total (2200 over both engines) on every engine's line
+    assert got[0] == RankLoad(kv_usage=0.95, kv_blocks=1100, kv_block_size=32, num_running=3, num_waiting=2)
+    assert got[1] == RankLoad(kv_usage=0.1, kv_blocks=1100, kv_block_size=32, num_running=1, num_waiting=0)
+    # the gateway counts blocks of its own size: 1100 blocks of 32 tokens are 2200 of 16
+    assert got[0].capacity_blocks(16) == 2200 and got[0].capacity_blocks(32) == 1100
+
+
+def _cache_info(engines: tuple[int, ...], total: int) -> str:
+    return "".join(f'vllm:cache_config_info{{block_size="16",engine="{e}",num_gpu_blocks="{total}"}} 1.0\n'
+                   for e in engines)
+
+
+def test_vllm_capacity_is_the_api_servers_total_over_the_engines_it_lists() -> None:
+    got = parse(_cache_info((0, 1, 2, 3), 4000).encode())  # one API server, DP 4
+    assert {r: load.kv_blocks for r, load in got.items()} == dict.fromkeys((0, 1, 2, 3), 1000)
+    # hybrid / external LB: this API server lists only its local engines 2 and 3 (global ranks)
+    got = parse(_cache_info((2, 3), 2400).encode())
+    assert {r: load.kv_blocks for r, load in got.items()} == {2: 1200, 3: 1200}
+    assert parse(_cache_info((5,), 900).encode())[5].kv_blocks == 900  # external LB: one engine per server
+
+
+def test_sglang_priority_counts_are_summed_and_tp_duplicates_not() -> None:
+    body = "".join(f'sglang:{name}{{dp_rank="0",priority="{p}",tp_rank="{tp}"}} {value}\n'
+                   for tp in (0, 1) for p, running, queued in ((0, 3, 1), (5, 4, 2))
+                   for name, value in (("num_running_reqs", running), ("num_queue_reqs", queued)))
+    got = parse((body + 'sglang:token_usage{dp_rank="0",tp_rank="0"} 0.5\n').encode())
+    assert (got[0].num_running, got[0].num_waiting, got[0].kv_usage) == (7, 3, 0.5)
 
 
 def test_sglang_dp_ranks_and_token_capacity() -> None:
@@ -179,7 +202,10 @@ def test_garbage_never_raises_anything_but_a_bounds_error(noise: bytes, parts: l
 def test_ranks_map_to_targets() -> None:
     a, b = RankLoad(kv_usage=0.5, kv_blocks=100), RankLoad(kv_usage=0.1, kv_blocks=300)
     assert loads_for_targets({0: a, 1: b}, 2) == [a, b]
-    assert loads_for_targets({None: a}, 2) == [None, None]  # an unlabelled reading of a DP worker: unplaceable
+    assert loads_for_targets({None: a}, 2) is None  # an unlabelled reading of a DP worker: unplaceable
+    assert loads_for_targets({3: b, 2: a}, 2) == [a, b]  # vLLM hybrid LB: global ranks, sorted onto the targets
+    assert loads_for_targets({0: a, 1: b, 2: a}, 2) is None  # more ranks than targets
+    assert loads_for_targets({1: b}, 2) is None
     assert loads_for_targets({7: a}, 1) == [a]  # vLLM external LB: a one-engine server numbered by its global rank
     whole = loads_for_targets({0: a, 1: b}, 1)[0]  # several engines behind one target: one pool
     assert whole is not None and whole.kv_blocks == 400 and whole.kv_usage == pytest.approx(0.2)
@@ -187,7 +213,9 @@ def test_ranks_map_to_targets() -> None:
 
 # ---- fake workers (a real process; run as ``python -m tests.test_worker_metrics --serve kind:port``) --
 
-KINDS = ("vllm", "sglang", "bundled", "garbage", "huge_line", "huge_body", "absent", "slow", "error")
+KINDS = ("vllm", "sglang", "bundled", "vllm_ext", "garbage", "huge_line", "huge_body", "absent", "slow", "error")
+# vLLM hybrid / external LB: an API server managing engines 2 and 3 of DP 4 labels them by global rank
+VLLM_EXT = VLLM_DP2.replace('engine="0"', 'engine="2"').replace('engine="1"', 'engine="3"')
 HUGE = 50 << 20
 
 
@@ -225,8 +253,9 @@ class FakeWorker:
 
     async def _metrics(self, writer: asyncio.StreamWriter) -> None:
         kind = self.kind
-        if kind in ("vllm", "sglang", "bundled"):
-            await self._answer(writer, 200, {"vllm": VLLM_DP2, "sglang": SGLANG_DP2, "bundled": BUNDLED}[kind].encode())
+        if kind in ("vllm", "sglang", "bundled", "vllm_ext"):
+            bodies = {"vllm": VLLM_DP2, "sglang": SGLANG_DP2, "bundled": BUNDLED, "vllm_ext": VLLM_EXT}
+            await self._answer(writer, 200, bodies[kind].encode())
         elif kind == "garbage":
             rng = random.Random(7)
             await self._answer(writer, 200, BROKEN.encode() + bytes(rng.randrange(256) for _ in range(200_000)))
@@ -275,6 +304,12 @@ def _registry(urls: dict[str, str], dp: dict[str, int]) -> WorkerRegistry:
     return registry
 
 
+async def _round(registry: WorkerRegistry, pool: UpstreamPool) -> None:
+    """A health round, then the scrapes it started (they run on their own)."""
+    await registry.check_all(pool)
+    await registry.scrapes_done()
+
+
 def _kv(registry: WorkerRegistry, tid: str) -> tuple[float, int]:
     t = registry.targets[tid]
     return t.kv_usage, t.kv_capacity_blocks
@@ -287,8 +322,8 @@ def test_registry_reads_targets_and_falls_back_to_unknown(procs: ProcessGroup) -
     async def run() -> None:
         pool = UpstreamPool()
         try:
-            await registry.check_all(pool)
-            assert _kv(registry, "vllm@0") == (0.95, 2000) and _kv(registry, "vllm@1") == (0.1, 2400)
+            await _round(registry, pool)
+            assert _kv(registry, "vllm@0") == (0.95, 2200) and _kv(registry, "vllm@1") == (0.1, 2200)
             assert _kv(registry, "sglang@0") == (pytest.approx(0.3), 500)
             assert _kv(registry, "sglang@1") == (pytest.approx(0.7), 500)
             assert _kv(registry, "bundled") == (0.25, 64)
@@ -299,13 +334,13 @@ def test_registry_reads_targets_and_falls_back_to_unknown(procs: ProcessGroup) -
             # a failing /metrics keeps the last reading for a while, then reads as unknown
             httpx.post(urls["vllm"] + "/mode", json={"kind": "error"})
             httpx.post(urls["sglang"] + "/mode", json={"kind": "slow"})
-            await registry.check_all(pool)
+            await _round(registry, pool)
             assert registry.workers["vllm"].metrics_result == "http_error"
             assert registry.workers["sglang"].metrics_result == "unreachable"  # timed out
-            assert _kv(registry, "vllm@0") == (0.95, 2000) and _kv(registry, "sglang@1")[1] == 500
+            assert _kv(registry, "vllm@0") == (0.95, 2200) and _kv(registry, "sglang@1")[1] == 500
             for name in ("vllm", "sglang"):
                 registry.workers[name].metrics_ok_at -= registry.stale_after_s + 1  # time passes
-            await registry.check_all(pool)
+            await _round(registry, pool)
             assert {tid: _kv(registry, tid) for tid in ("vllm@0", "vllm@1", "sglang@0", "sglang@1")} == \
                 dict.fromkeys(("vllm@0", "vllm@1", "sglang@0", "sglang@1"), (0.0, 0))
             assert registry.workers["vllm"].describe()["targets"][0]["kv_usage"] is None
@@ -313,14 +348,14 @@ def test_registry_reads_targets_and_falls_back_to_unknown(procs: ProcessGroup) -
 
             # a 404 is an answer: unknown at once, and asked again only after a while
             httpx.post(urls["bundled"] + "/mode", json={"kind": "absent"})
-            await registry.check_all(pool)
+            await _round(registry, pool)
             assert _kv(registry, "bundled") == (0.0, 0) and registry.workers["bundled"].metrics_result == "absent"
             httpx.post(urls["bundled"] + "/mode", json={"kind": "bundled"})
             counts = dict(registry.workers["bundled"].metrics_counts)
-            await registry.check_all(pool)
+            await _round(registry, pool)
             assert registry.workers["bundled"].metrics_counts == counts  # backed off: not asked
             registry.workers["bundled"].metrics_next_at = 0.0
-            await registry.check_all(pool)
+            await _round(registry, pool)
             assert _kv(registry, "bundled") == (0.25, 64)
         finally:
             await pool.close()
@@ -337,7 +372,7 @@ def test_hostile_bodies_read_as_unknown_in_bounded_memory(procs: ProcessGroup) -
         try:
             tracemalloc.start()
             for _ in range(2):
-                await registry.check_all(pool)
+                await _round(registry, pool)
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
         finally:
@@ -350,6 +385,119 @@ def test_hostile_bodies_read_as_unknown_in_bounded_memory(procs: ProcessGroup) -
 
     asyncio.run(run())
     assert MAX_BODY_BYTES < HUGE
+
+
+# ---- the registry over in-process fake workers (real sockets, one event loop) ------------------------
+
+
+async def _fakes_here(kinds: list[str]) -> tuple[list[asyncio.Server], dict[str, str]]:
+    """Fake workers served on this loop; kind -> base URL (close the servers when done)."""
+    servers = [await asyncio.start_server(FakeWorker(kind).handle, "127.0.0.1", 0) for kind in kinds]
+    return servers, {kind: f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}" for kind, srv in zip(kinds, servers)}
+
+
+def _in_process(test: Any, kinds: list[str], **health: Any) -> None:
+    async def run() -> None:
+        servers, urls = await _fakes_here(kinds)
+        registry = WorkerRegistry(MeshConfig(health={"interval_s": 0.2, "timeout_s": 0.5, **health}))
+        pool = UpstreamPool()
+        try:
+            await test(registry, pool, urls)
+        finally:
+            await registry.stop()
+            await pool.close()
+            for srv in servers:
+                srv.close()
+    asyncio.run(run())
+
+
+def _add(registry: WorkerRegistry, name: str, url: str, dp: int = 1) -> None:
+    registry.add(WorkerConfig(name=name, url=url, dp_size=dp, block_size=16), source="admin")
+
+
+def test_a_hanging_metrics_does_not_slow_health_and_its_scrape_ends_with_the_worker() -> None:
+    async def test(registry: WorkerRegistry, pool: UpstreamPool, urls: dict[str, str]) -> None:
+        _add(registry, "slow", urls["slow"])
+        _add(registry, "vllm", urls["vllm"], dp=2)
+        slow = registry.workers["slow"]
+        for _ in range(3):  # health.timeout_s is 30: a round that waited for the scrape would not end
+            await asyncio.wait_for(registry.check_all(pool), 10)
+        assert all(w.healthy for w in registry.workers.values())
+        task = registry._scrapes[slow]  # one scrape at most in flight per worker, the first still
+        assert not task.done()
+        await asyncio.wait_for(registry.scrapes_done(), 10) if registry.workers["vllm"] in registry._scrapes else None
+        assert _kv(registry, "vllm@0") == (0.95, 2200)  # the other worker's scrape was not held up
+        registry.remove("slow")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert slow not in registry._scrapes and slow.metrics_result == ""  # nothing written after removal
+        await registry.check_all(pool)
+        await registry.stop()
+        assert not registry._scrapes
+
+    _in_process(test, ["slow", "vllm"], timeout_s=30)
+
+
+def test_a_worker_added_at_runtime_is_scraped_at_once() -> None:
+    async def test(registry: WorkerRegistry, pool: UpstreamPool, urls: dict[str, str]) -> None:
+        await registry.check_all(pool)  # the gateway runs: rounds have started (no worker yet)
+        _add(registry, "vllm", urls["vllm"], dp=2)  # POST /workers, a reload
+        await asyncio.wait_for(registry.scrapes_done(), 10)  # no round in between
+        assert _kv(registry, "vllm@1") == (0.1, 2200)
+
+    _in_process(test, ["vllm"])
+
+
+def test_turning_worker_metrics_off_by_reload_drops_every_reported_value() -> None:
+    async def test(registry: WorkerRegistry, pool: UpstreamPool, urls: dict[str, str]) -> None:
+        _add(registry, "vllm", urls["vllm"], dp=2)
+        await _round(registry, pool)
+        assert _kv(registry, "vllm@0") == (0.95, 2200)
+        registry.reconfigure(MeshConfig(health={"interval_s": 0.2, "timeout_s": 0.5, "worker_metrics": False}))
+        await _round(registry, pool)
+        assert [_kv(registry, t) for t in ("vllm@0", "vllm@1")] == [(0.0, 0), (0.0, 0)]
+        described = registry.workers["vllm"].describe()
+        assert described["metrics"] == {"result": None, "error": None, "age_s": None}
+        assert all(t["kv_usage"] is None and t["reported_running"] is None for t in described["targets"])
+        families = {f.name: f.samples for f in registry.metric_families()}
+        assert not any(families[n] for n in ("mesh_worker_kv_usage", "mesh_worker_kv_capacity_blocks",
+                                             "mesh_worker_reported_running", "mesh_worker_metrics_age_seconds"))
+
+    _in_process(test, ["vllm"])
+
+
+def test_global_rank_labels_map_onto_targets_and_a_mismatch_is_not_ok(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(registry: WorkerRegistry, pool: UpstreamPool, urls: dict[str, str]) -> None:
+        _add(registry, "ext", urls["vllm_ext"], dp=2)
+        _add(registry, "wrong", urls["vllm_ext"] + "/", dp=3)  # 2 ranks listed, dp_size 3
+        for _ in range(3):
+            await _round(registry, pool)
+            registry.workers["wrong"].metrics_next_at = 0.0
+        assert registry.workers["ext"].metrics_result == "ok"
+        assert [_kv(registry, t) for t in ("ext@0", "ext@1")] == [(0.95, 2200), (0.1, 2200)]
+        wrong = registry.workers["wrong"]
+        assert wrong.metrics_result == "unmatched" and "dp_size 3" in (wrong.metrics_error or "")
+        assert wrong.metrics_counts == {"unmatched": 3}
+        assert all(_kv(registry, f"wrong@{r}") == (0.0, 0) for r in range(3))
+        assert len([r for r in caplog.records if "unmatched" in r.getMessage()]) == 1  # logged once
+
+    with caplog.at_level("DEBUG", logger="mesh.registry"):
+        _in_process(test, ["vllm_ext"])
+
+
+def test_a_flapping_metrics_logs_rate_limited_and_timeouts_at_warning(caplog: pytest.LogCaptureFixture) -> None:
+    registry = WorkerRegistry(MeshConfig())
+    _add(registry, "w", "http://127.0.0.1:9")
+    worker = registry.workers["w"]
+    ok = Scrape("ok", {None: RankLoad(kv_usage=0.5)})
+    with caplog.at_level("DEBUG", logger="mesh.registry"):
+        for i in range(10):  # a /metrics that times out every other round
+            registry._apply_scrape(worker, ok, 100.0 + i)
+            registry._apply_scrape(worker, Scrape("unreachable", error="GET /metrics failed: timed out"), 100.5 + i)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == ["INFO", "WARNING"], lines
+    assert "timed out" in lines[1][1]
+    assert worker.metrics_counts == {"ok": 10, "unreachable": 10}
 
 
 # ---- a real gateway over fake workers --------------------------------------------------------------
@@ -396,7 +544,7 @@ def test_gateway_shows_fake_engines_per_target_and_routes_on_them(procs: Process
         text = wait_until(scraped, 30, "every worker scraped")
         usage, capacity = _series(text, "mesh_worker_kv_usage"), _series(text, "mesh_worker_kv_capacity_blocks")
         assert usage == pytest.approx({"vllm@0": 0.95, "vllm@1": 0.1, "sglang@0": 0.3, "sglang@1": 0.7})
-        assert capacity == {"vllm@0": 2000, "vllm@1": 2400, "sglang@0": 500, "sglang@1": 500}
+        assert capacity == {"vllm@0": 2200, "vllm@1": 2200, "sglang@0": 500, "sglang@1": 500}
         assert _series(text, "mesh_worker_reported_waiting") == {"vllm@0": 2, "vllm@1": 0, "sglang@0": 0, "sglang@1": 4}
         assert set(_series(text, "mesh_worker_metrics_age_seconds")) == {"vllm", "sglang"}
         assert _series(text, "mesh_worker_healthy") == dict.fromkeys(urls, 1.0)  # hostile /metrics: still healthy
