@@ -199,8 +199,11 @@ def redact_url(url: str) -> str:
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         if any(k.lower() == "password" for k, _ in query):
             masked = [(k, "***" if k.lower() == "password" else v) for k, v in query]
-            return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(masked, safe="*")))
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+            parts = parts._replace(query=urllib.parse.urlencode(masked, safe="*"))
+        out = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        if url.startswith(f"{parts.scheme}://") and not out.startswith(f"{parts.scheme}://"):
+            out = f"{parts.scheme}://{out.partition(':')[2]}"  # unix:///tmp/r.sock: urlunsplit dropped the //
+        return out
     except ValueError:  # unparsable: show no part of it that could hold a secret
         return "<unparsable redis url>"
 

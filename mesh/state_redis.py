@@ -98,9 +98,11 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, ClusterDownError, RedisClusterException, ResponseError, TryAgainError
+from redis.exceptions import (AskError, ClusterDownError, NoPermissionError, RedisClusterException, ResponseError,
+                              TryAgainError)
 
 from mesh.config import cluster_seed, redact_url
 from mesh.sessions import SessionTable, _norm
@@ -161,6 +163,33 @@ def redis_client(url: str, timeout_s: float, *, cluster: bool = False, seeds: tu
         raise ValueError(f"state.url {redact_url(url)!r} is not a usable {kind} URL: {exc}") from exc
 
 
+def describe(exc: BaseException, timeout_s: float) -> str:
+    """An error as an operator reads it: its class and message, and the node when the error carries
+    one apart from its message. Not ``%r``: redis-py 8's repr is only the category
+    (``network:ConnectionError``), never the cause (``Error 111 connecting to 127.0.0.1:7102``)."""
+    text = str(exc)[:300]
+    if isinstance(exc, TimeoutError) and not text:  # asyncio.timeout's bound over the socket timeouts
+        text = f"no answer within {timeout_s:g} s"
+    addr = getattr(exc, "node_addr", None)
+    node = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) == 2 else failed_node(exc)
+    if node is not None and node not in text:
+        text += f" (node {node})"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def failed_node(exc: BaseException) -> str | None:
+    """``host:port`` of the connection an error was raised on (the innermost one in its traceback),
+    if any: "Connection closed by server." names no node, and in a cluster the seed is not it."""
+    node = None
+    tb = exc.__traceback__
+    while tb is not None:
+        conn = tb.tb_frame.f_locals.get("self")
+        if isinstance(conn, AbstractConnection) and getattr(conn, "host", None):
+            node = f"{conn.host}:{conn.port}"
+        tb = tb.tb_next
+    return node
+
+
 def cluster_ok(info: Mapping[str, Any]) -> bool:
     """``CLUSTER INFO`` of one node, or of each (node name -> info): every one ``cluster_state:ok``."""
     infos = [info] if "cluster_state" in info else list(info.values())
@@ -203,6 +232,10 @@ class RedisStateBackend:
         self._down_logged = False  # an outage was logged; cleared (and logged) when Redis answers again
         self._probe: asyncio.Task[None] | None = None  # cluster: is every master back? (_answered)
         self._probe_after = 0.0
+        # One server: is state.url a Redis Cluster node (INFO cluster)? Asked before the first call
+        # after start and after each outage; a cluster node makes this backend local_only for good.
+        self._mode_checked = cluster
+        self.local_only = False  # refused configuration: no Redis call at all (sessions and load local)
 
     def key(self, session_id: str) -> str:
         return self.prefix + session_id
@@ -246,12 +279,28 @@ class RedisStateBackend:
                         pipe.pexpire(self.key(sid), self.ttl_ms)
                     else:
                         pipe.set(self.key(sid), target, px=self.ttl_ms)
-                await pipe.execute()
+                results = await pipe.execute(raise_on_error=False)
+            self._refused_writes([r for r in results if isinstance(r, Exception)])
             return True
 
         if not bindings:
             return True
         return await self._call("set", op, False, backoff=backoff)
+
+    def _refused_writes(self, errors: list[Exception]) -> None:
+        """A batch's commands that failed. Any error but a refusal fails the batch (raised: queued
+        again). Refusals (WRONGTYPE on another app's key, NOPERM) are counted, logged and dropped:
+        the rest of the batch is written, and a key refused for good is not retried forever (it
+        failed the whole batch, queued again every ``retry_after_s``, and so every binding in it)."""
+        if not errors:
+            return
+        for exc in errors:
+            if not self.refused(exc):
+                raise exc
+        self.errors["set"] += 1
+        self._log_data_error("set", errors[0], f" ({len(errors)} command(s) of a batch, dropped)")
+        if self.on_error is not None:
+            self.on_error("set")
 
     async def ping(self) -> bool:
         """PING the server; in a cluster every master (one down: not reachable)."""
@@ -279,11 +328,13 @@ class RedisStateBackend:
         return isinstance(exc, ResponseError) and not (self.cluster and isinstance(exc, CLUSTER_REPLIES))
 
     async def _call(self, op: str, fn: Callable[[], Any], default: T, *, backoff: bool = True) -> T:
-        if backoff and time.monotonic() < self._down_until:
+        if self.local_only or (backoff and time.monotonic() < self._down_until):
             self.skipped += 1
             return default
         try:
             async with asyncio.timeout(self.timeout_s * 2):  # hard bound over the socket timeouts
+                if not self._mode_checked and not await self._single_server():
+                    return default
                 result: T = await fn()
         except asyncio.CancelledError:
             raise
@@ -295,11 +346,13 @@ class RedisStateBackend:
                 self._log_data_error(op, exc)
             else:
                 self._down_until = time.monotonic() + self.retry_after_s
+                self._mode_checked = self.cluster  # one server: what answers next may be another server
                 if not self._down_logged:  # one line per outage, not one per call
                     self._down_logged = True
-                    log.warning("state backend %s unreachable (%s: %r): going local, retrying every %.1f s",
-                                self.url, op, exc, self.retry_after_s)
-                log.debug("state backend %s failed: %r", op, exc)
+                    where = f"Redis Cluster (seed {self.url})" if self.cluster else self.url
+                    log.warning("state backend %s unreachable (%s: %s): going local, retrying every %.1f s",
+                                where, op, describe(exc, self.timeout_s * 2), self.retry_after_s)
+                log.debug("state backend %s failed: %s", op, describe(exc, self.timeout_s * 2))
                 if self.cluster:
                     await self._forget_layout()
             if self.on_error is not None:
@@ -307,6 +360,24 @@ class RedisStateBackend:
             return default
         self._answered()
         return result
+
+    async def _single_server(self) -> bool:
+        """One server: False (and ``local_only`` for good, one ERROR) when ``state.url`` is a Redis
+        Cluster node. Such a node answers PING and the keys of its own slots, and MOVED for every
+        other key: sessions flapped between replicas, a write batch holding one such key failed
+        whole, and load sharing saw no peers. Asked once per connection (start, each outage's end)."""
+        try:
+            info = await self.redis.info("cluster")
+        except ResponseError:  # an ACL without INFO: cannot tell (a MOVED reply still names the setting)
+            info = {}
+        self._mode_checked = True
+        if str(info.get("cluster_enabled", "0")) != "1":
+            return True
+        self.local_only = True
+        log.error("state backend %s is a Redis Cluster node, but state.cluster is off: set state.cluster: true "
+                  "(and its nodes in state.cluster_seeds). Refused: sessions and load stay local to this replica, "
+                  "nothing is written to Redis, until a restart with that setting", self.url)
+        return False
 
     def _answered(self) -> None:
         """A call succeeded. One server: an outage is over (one line). A cluster: a call to a live
@@ -351,7 +422,13 @@ class RedisStateBackend:
             async with asyncio.timeout(self.timeout_s):
                 await self.redis.aclose()
 
-    def _log_data_error(self, op: str, exc: Exception) -> None:
+    def acl_needs(self) -> str:
+        """The key patterns (and commands) a Redis ACL must allow this backend's user."""
+        if not self.cluster:
+            return f"the keys ~{self.key_prefix}*"
+        return f"the keys ~{self.key_prefix}* ~{self.load_prefix}* (load keys carry a hash tag) and EVAL (+@scripting)"
+
+    def _log_data_error(self, op: str, exc: Exception, what: str = "") -> None:
         """A warning for the 1st, 2nd, 4th, ... command error of each op (bounded log volume)."""
         n = self.errors[op]
         if n & (n - 1) == 0:
@@ -359,7 +436,9 @@ class RedisStateBackend:
             hint = f"; another app's keys under key_prefix {self.key_prefix!r}?" if "WRONGTYPE" in text else ""
             if isinstance(exc, CLUSTER_REPLIES):  # (only ever refused with cluster off)
                 hint = "; state.url is a Redis Cluster node: set state.cluster: true"
-            log.warning("state backend %s: Redis refused a command (%d so far): %s%s", op, n, text, hint)
+            elif isinstance(exc, NoPermissionError) or "NOPERM" in text or "no permissions" in text:
+                hint = f"; the Redis user's ACL must allow {self.acl_needs()}"
+            log.warning("state backend %s: Redis refused a command%s (%d so far): %s%s", op, what, n, text, hint)
 
 
 class SharedSessionTable(SessionTable):
@@ -428,7 +507,11 @@ class SharedSessionTable(SessionTable):
     # -- write-behind --
     async def flush(self, *, final: bool = False) -> bool:
         """Write the queued bindings, a pipeline of at most ``_chunk`` at a time, until none is
-        left or one fails (False); ``final`` (shutdown) ignores the back-off."""
+        left or one fails (False); ``final`` (shutdown) ignores the back-off. A backend that
+        refused its configuration (``local_only``) drops them: nothing is ever written."""
+        if self.backend.local_only:
+            self._pending.clear()
+            return True
         while self._pending:
             if not await self._flush_chunk(final):
                 return False
@@ -554,7 +637,7 @@ def attach(gateway: Any) -> None:
     tasks: list[asyncio.Task[None]] = []
 
     async def start(_: Any) -> None:
-        if not await backend.ping():
+        if not await backend.ping() and not backend.local_only:  # local_only: an ERROR said why
             log.warning("state backend %s not reachable at start; using local session bindings and load until it is",
                         backend.url)  # redacted
         tasks.append(asyncio.create_task(table.run_flusher(), name="mesh-state-flusher"))

@@ -165,3 +165,47 @@ def test_a_flood_of_future_dated_replica_entries_is_pruned_and_peers_still_read(
             c.zrem(PREFIX + "load:replicas", "good-peer", *[f"junk-{i}" for i in range(2000)])
             c.delete(PREFIX + "load:good-peer")
     wait_until(lambda: metric(http, "mesh_remote_in_flight", '{target="e1"}') == 0, what="the peer's load gone")
+
+
+def test_a_write_batch_with_one_refused_key_is_written_and_not_queued_again(server: RedisServer) -> None:  # noqa: F811
+    # One key Redis refuses for good (here an ACL that allows the other sessions' keys only) failed
+    # the whole pipeline: the batch, good bindings too, was queued again every retry_after_s, forever.
+    import asyncio
+
+    from mesh.state_redis import RedisStateBackend, SharedSessionTable
+
+    with server.client() as c:
+        c.execute_command("ACL", "SETUSER", "bq", "on", ">s3cret", "~bq:s:good-*", "+@all")
+    url = server.url.replace("redis://", "redis://bq:s3cret@")
+
+    async def go() -> tuple[bool, dict, dict[str, int]]:
+        backend = RedisStateBackend(url, 60.0, key_prefix="bq:", timeout_s=0.5, retry_after_s=0.0)
+        table = SharedSessionTable(backend, 60.0)
+        try:
+            for sid in ("good-0", "bad", "good-1"):
+                table.bind(sid, "w1", 0.0)
+            return await table.flush(), dict(table._pending), dict(backend.errors)
+        finally:
+            await backend.aclose()
+
+    try:
+        flushed, pending, errors = asyncio.run(go())
+    finally:
+        with server.client() as c:
+            c.execute_command("ACL", "DELUSER", "bq")
+    assert flushed and pending == {} and errors["set"] == 1, (pending, errors)
+    with server.client() as c:
+        assert c.get("bq:s:good-0") == "w1" and c.get("bq:s:good-1") == "w1" and c.get("bq:s:bad") is None
+        c.delete("bq:s:good-0", "bq:s:good-1")
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("unix:///tmp/r.sock", "unix:///tmp/r.sock"),
+    ("unix:///tmp/r.sock?db=0&password=s3cret", "unix:///tmp/r.sock?db=0&password=***"),
+    ("redis://u:s3cret@127.0.0.1:1/0", "redis://u:***@127.0.0.1:1/0"),
+])
+def test_a_redis_url_is_shown_redacted_and_whole(url: str, shown: str) -> None:
+    # unix:///tmp/r.sock was shown as unix:/tmp/r.sock.
+    from mesh.state_redis import RedisStateBackend
+
+    assert RedisStateBackend(url, 60.0).url == shown

@@ -16,7 +16,8 @@ workers, two real gateway processes with ``state: {backend: redis, cluster: true
 - a flush alone (pipelines, no single command) finds the replica that took a dead master's slots;
 - a gateway whose cluster is unreachable at startup serves locally and counts the errors; a dead
   seed in ``url`` is outlived by ``cluster_seeds``; a single-server client pointed at a cluster
-  node names ``state.cluster`` in its warning.
+  node refuses it (one ERROR naming ``state.cluster: true``) and stays local: no Redis writes;
+- an ACL without the load keys' pattern (``{key_prefix}*``) is named in the warning.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import yaml
 from redis.crc import key_slot
 
 from mesh.shared_load import SharedLoad
-from mesh.state_redis import RedisStateBackend
+from mesh.state_redis import RedisStateBackend, SharedSessionTable
 from policies.base import TargetState
 from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
 
@@ -365,6 +366,9 @@ def test_one_master_down_is_one_outage_while_calls_to_the_others_succeed(
         reads, during, after = asyncio.run(go())
     assert reads == [None, "e0"] * 5  # the live master's bindings are still shared
     assert during == (1, 0) and after == (1, 1), caplog.text
+    # The line names the node that failed and the cause, not the seed and the error's category.
+    down = next(r.getMessage() for r in caplog.records if "unreachable" in r.getMessage())
+    assert f"127.0.0.1:{victim}" in down and "network:" not in down, down
 
 
 def test_a_flush_alone_finds_the_replica_that_took_a_dead_masters_slots(cluster: Cluster) -> None:
@@ -417,18 +421,63 @@ def test_a_dead_url_seed_is_outlived_by_cluster_seeds(cluster: Cluster) -> None:
     assert pinged and got == "w3" and sum(errors.values()) == 0, errors
 
 
-def test_a_single_server_client_on_a_cluster_node_names_the_setting(
+def test_a_single_server_config_on_a_cluster_node_is_refused_and_stays_local(
         cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    # state.cluster unset, url a cluster node: PING passed, then keys of the other masters' slots
+    # answered MOVED, sessions flapped between replicas, and the write batch holding one such key
+    # failed whole and was queued again every 0.5 s, for good.
     master = cluster.slots()[0][2]
-    sid = next(f"single-{i}" for i in range(1000) if cluster.master_of(f"one3:s:single-{i}") != master)
+    sids = [f"single-{i}" for i in range(30)]  # over every master's slots, this one's too
 
-    async def go() -> str | None:
-        backend = RedisStateBackend(f"redis://127.0.0.1:{master}/0", 60, key_prefix="one3:", timeout_s=0.5)
+    async def go() -> tuple[bool, bool, dict, bool, str | None, bool]:
+        backend = RedisStateBackend(f"redis://127.0.0.1:{master}/0", 60, key_prefix="one3:", timeout_s=0.5,
+                                    retry_after_s=0.0)
+        table = SharedSessionTable(backend, 60.0)
+        load = SharedLoad(backend, {"e0": TargetState("e0", "w0")}, 0.1, replica_id="single-test")
         try:
-            return await backend.get_session(sid, 0.0)  # another master's slot: MOVED
+            pinged = await backend.ping()
+            for sid in sids:
+                table.bind(sid, "w1", 0.0)
+            flushed = await table.flush()
+            synced = await load.sync_once()
+            return pinged, flushed, dict(table._pending), synced, await table.mirror(sids[0], 0.0), backend.local_only
         finally:
             await backend.aclose()
 
     with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
-        assert asyncio.run(go()) is None
-    assert "set state.cluster: true" in caplog.text and "unreachable" not in caplog.text, caplog.text
+        pinged, flushed, pending, synced, mirrored, local_only = asyncio.run(go())
+    assert not pinged and local_only and not synced and mirrored is None
+    assert flushed and pending == {}  # dropped, not queued again forever
+    for port in cluster.live():
+        with cluster.node(port) as c:
+            assert c.keys("one3:*") == [] and c.keys("*single-test*") == [], port  # no Redis writes at all
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "state.cluster: true" in errors[0], caplog.text
+
+
+def test_an_acl_without_the_load_keys_names_their_pattern(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    # In a cluster the load keys are {aclp:}load:*, outside an ACL of ~aclp:*: the warning said
+    # only NOPERM, not which pattern the ACL must allow.
+    for port in cluster.live():
+        with cluster.node(port) as c:
+            c.execute_command("ACL", "SETUSER", "u", "on", ">s3cretpw", "~aclp:*", "+@all")
+
+    async def go() -> bool:
+        backend = RedisStateBackend(f"redis://u:s3cretpw@127.0.0.1:{cluster.live()[0]}", 60, key_prefix="aclp:",
+                                    timeout_s=0.5, cluster=True)
+        load = SharedLoad(backend, {"e0": TargetState("e0", "w0")}, 0.1, replica_id="acl-test")
+        try:
+            await backend.set_session("s", "w0", 0.0)
+            return await load.sync_once()
+        finally:
+            await backend.aclose()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+            assert asyncio.run(go()) is False
+    finally:
+        for port in cluster.live():
+            with cluster.node(port) as c:
+                c.execute_command("ACL", "DELUSER", "u")
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert refused and "~{aclp:}*" in refused[0] and "s3cretpw" not in caplog.text, caplog.text

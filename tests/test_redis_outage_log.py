@@ -34,6 +34,9 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in lines) == 1, lines
+    # The cause (redis-py 8's repr is only "network:ConnectionError") and the node that failed.
+    down = next(m for m in lines if "unreachable" in m)
+    assert f"127.0.0.1:{srv.port}" in down and "ConnectionError: Conn" in down and "network:" not in down, down
     assert sum("answers again" in m for m in lines) == 1, lines
     assert all("pass" not in m for m in lines)
 
