@@ -373,6 +373,7 @@ async def _stop(gateway: Gateway) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     gateway.tasks.clear()
+    await gateway.registry.stop()  # the /metrics scrapes in flight (the health loop is stopped: none starts)
     gateway.proxy = None
     if gateway.http is not None:
         await gateway.http.close()
