@@ -333,22 +333,18 @@ class Simulator:
                 self._fire(j, t + delay)
 
     def _route(self, info: RequestInfo, t: float) -> tuple[Decision, Any, bool]:
-        """(decision, lease, through a pair), as the gateway routes: a policy with prefill/decode
-        profiles is asked first (``router.decide``, ``mesh.disagg_gateway``); a pair goes to the
-        relay, which commits a prefill lease without the session; anything else (and every
-        decision of a policy without profiles) takes the proxy's path, ``router.route``, which
-        decides again. Raises ``NoCandidate``."""
-        if self.pd_policy:
-            try:
-                decision = self.router.decide(info, t, explain=False)
-            except NoCandidate:
-                decision = None
-            if (decision is not None and decision.decode_target is not None
-                    and decision.decode_target in self.by_id and decision.decode_target != decision.target):
-                prefill = replace(info, session_id=None)
-                return decision, self.router.commit(prefill, Decision(decision.target, "prefill"), t), True
-        decision, lease = self.router.route(info, t)
-        return decision, lease, False
+        """(decision, lease, through a pair), as the gateway routes: the policy decides once
+        (``router.decide``); a pair goes to the relay (``mesh.disagg_gateway``), which commits a
+        prefill lease without the session; anything else takes the proxy's path, which commits
+        that same decision (never decides again), a pair reaching it served whole by its decode
+        worker (``mesh.proxy._served_whole``). Raises ``NoCandidate``."""
+        decision = self.router.decide(info, t, explain=False)
+        if (self.pd_policy and decision.decode_target is not None
+                and decision.decode_target in self.by_id and decision.decode_target != decision.target):
+            prefill = replace(info, session_id=None)
+            return decision, self.router.commit(prefill, Decision(decision.target, "prefill"), t), True
+        decision = _served_whole(decision)
+        return decision, self.router.commit(info, decision, t), False
 
     def _transfer(self, req: SimRequest, t: float) -> None:
         """The pulled blocks arrived: the decode worker admits the request, imports them and
@@ -455,3 +451,12 @@ def apply_event(index: PrefixIndex, op: int, target: str, keys: list[int], paren
         index.remove(target, keys, Tier.CPU)
     elif op == OP_DROP_CPU:
         index.remove(target, keys, Tier.CPU)
+
+
+def _served_whole(decision: Decision) -> Decision:
+    """The decision the ordinary path serves (as ``mesh.proxy``): a pair reaching it is served
+    whole by its decode worker; a prefill worker never runs a request's decode."""
+    if decision.decode_target is None:
+        return decision
+    return replace(decision, target=decision.decode_target, decode_target=None,
+                   reason=f"{decision.reason} (served whole by its decode worker)")

@@ -146,6 +146,25 @@ def test_decode_workers_carry_the_pairs_load_and_sessions(tmp_path: Path) -> Non
     assert all(st.in_flight == 0 and st.prefill_tokens == 0 and st.decode_tokens == 0 for st in sim.targets.values())
 
 
+def test_a_request_that_takes_no_pair_never_runs_on_a_prefill_worker() -> None:
+    """The review's route_dbg.py: the simulator decided once, and for a decision naming no pair
+    routed again (``router.route``), whose random tie-break could return a pair, which then ran
+    whole on its prefill worker (7 of 205 requests here, 51 of 1,017 on 30 sessions). The first
+    decision is committed; a pair reaching the ordinary path is served by its decode worker."""
+    import yaml
+
+    from simulator.profile import load_profile
+
+    spec = yaml.safe_load((ROOT / "examples" / "pipeline_pd.yaml").read_text())["policy"]
+    trace = load_traces(sorted(str(p) for p in WEKA.glob("*.gz")), LoadOptions(max_sessions=8, session_start_spread=300))
+    sim = Simulator(trace, spec, SimConfig(workers=4, prefill_workers=2, profile=load_profile(None, kv_blocks=60000)))
+    result = sim.run()
+    assert len(sim.reqs) == 205 and 0 < result.pairs < 205 and result.rejected == 0
+    whole = [r for r in sim.reqs if r.decode_to < 0]
+    assert len(whole) == 205 - result.pairs
+    assert all(r.worker >= 2 for r in whole), [r.idx for r in whole if r.worker < 2]
+
+
 def test_prefill_workers_with_a_policy_that_never_pairs_warn(tmp_path: Path) -> None:
     """kv_aware never picks a pair: with --prefill-workers the run was silently a mixed cluster's."""
     trace = session_trace(tmp_path / "t.jsonl", [
