@@ -271,7 +271,7 @@ class Simulator:
             req.lease = self.router.commit(info, Decision(dw.id, "decode", overlaps={dw.id: Overlap(exported)}), t)
         req.info = None
         pd = self.profile.pd
-        dur = (pd.transfer_base_ms + pd.transfer_ms_per_block * missing) / 1e3
+        dur = (pd.transfer_base_ms + self.profile.per_block_ms_at(pd.transfer_ms_per_block, self.bs) * missing) / 1e3
         heapq.heappush(self.heap, (t + dur, _TRANSFER, next(self.seq), req, 0))
 
     # ------------------------------------------------------------------ releases

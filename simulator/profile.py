@@ -22,7 +22,9 @@ sequence. Its time is the sum of the parts present in it (all in milliseconds):
 
 A prefill/decode pair moves a prompt's KV in ``pd.transfer_base_ms + pd.transfer_ms_per_block *
 blocks``, ``blocks`` being the exported blocks (all full prompt blocks but the last token's) that
-the decode worker does not already cache; the decode worker then computes the last block, and its
+the decode worker does not already cache; both per-block costs are per profile block
+(``block_size`` tokens, as ``kv_blocks``) and scale by tokens to the trace's blocks
+(``per_block_ms_at``); the decode worker then computes the last block, and its
 token is the client's first (the transfer is in TTFT). KV events reach the router's index
 ``event_lag_ms`` after the engine emits them.
 
@@ -115,6 +117,11 @@ class Profile:
         if self.cpu.blocks == 0:
             return 0
         return max(1, self.cpu.blocks * self.block_size // block_size)
+
+    def per_block_ms_at(self, ms_per_block: float, block_size: int) -> float:
+        """A per-profile-block cost (``cpu.load_ms_per_block``, ``pd.transfer_ms_per_block``) per
+        block of ``block_size`` tokens: the cost is per token moved, as ``blocks_at`` converts."""
+        return ms_per_block * block_size / self.block_size
 
     def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One step prefilling one chunk alone (the oracle tests' formula), the chunk of a

@@ -160,7 +160,7 @@ class WorkerModel:
         self._mixed_tok_s = p.mixed_per_token_ms / 1e3
         self._step_prompt = 0  # prompt tokens of the requests admitted while planning this step
         self._d = (d.base_ms / 1e3, d.per_seq_ms / 1e3, d.per_ctx_token_ms / 1e3, d.per_ctx_token2_ms / 1e3)
-        self._cpu_load_s = profile.cpu.load_ms_per_block / 1e3
+        self._cpu_load_s = profile.per_block_ms_at(profile.cpu.load_ms_per_block, block_size) / 1e3  # per trace block
         state.kv_capacity_blocks = self.capacity
         state.block_size = block_size
 

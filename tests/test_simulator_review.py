@@ -165,6 +165,37 @@ def test_a_request_that_takes_no_pair_never_runs_on_a_prefill_worker() -> None:
     assert all(r.worker >= 2 for r in whole), [r.idx for r in whole if r.worker < 2]
 
 
+def test_per_block_transfer_and_reload_costs_are_per_profile_block(tmp_path: Path) -> None:
+    """The review's pd_units.py: ``pd.transfer_ms_per_block`` and ``cpu.load_ms_per_block`` are
+    per profile block (16 tokens) but were charged per trace block (Mooncake's 512 tokens: 32x
+    too cheap). The same 1,025-token prompt exports 1,024 tokens at 16- and at 64-token trace
+    blocks: the same transfer (64 ms at 1 ms per 16 tokens), so the same TTFT; it used to be
+    84 vs 36 ms."""
+    from simulator.profile import CpuTier, PdTransfer
+
+    profile = Profile(name="hand", block_size=16, kv_blocks=1000, max_num_seqs=8, max_batched_tokens=4096,
+                      prefill=PrefillTiming(base_ms=10.0, per_token_ms=0.0), decode=DecodeTiming(base_ms=5.0),
+                      cpu=CpuTier(blocks=100, load_ms_per_block=0.5),
+                      pd=PdTransfer(transfer_base_ms=0.0, transfer_ms_per_block=1.0))
+    policy = {"name": "pipeline", "params": {"profiles": {"prefill": {"scorers": ["prefix"]},
+                                                          "decode": {"scorers": ["load"]}}}}
+    ttft, reload_per_token = {}, {}
+    for bs in (16, 64):
+        path = tmp_path / f"b{bs}.jsonl"
+        rows = [{"format": "mesh-sessions", "version": 1, "block_size": bs},
+                {"t": 0.0, "input_tokens": 1025, "output_tokens": 1, "hash_ids": list(range(1024 // bs + 1))}]
+        path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+        trace = load_traces([path])
+        assert trace.block_size == bs
+        sim = Simulator(trace, policy, SimConfig(workers=2, profile=profile, prefill_workers=1))
+        result = sim.run()
+        assert result.pairs == 1
+        ttft[bs] = (result.first_token[0] - result.arrival[0]) * 1e3
+        reload_per_token[bs] = sim.workers[1]._cpu_load_s / bs
+    assert ttft[16] == pytest.approx(ttft[64]) and ttft[16] == pytest.approx(10.0 + 64.0 + 10.0)
+    assert reload_per_token[16] == pytest.approx(reload_per_token[64]) == pytest.approx(0.5e-3 / 16)
+
+
 def test_prefill_workers_with_a_policy_that_never_pairs_warn(tmp_path: Path) -> None:
     """kv_aware never picks a pair: with --prefill-workers the run was silently a mixed cluster's."""
     trace = session_trace(tmp_path / "t.jsonl", [
