@@ -3,7 +3,8 @@
 One ``Simulator`` runs one policy over one trace. It owns the cluster state that the gateway's
 registry owns live (``TargetState``s), a ``mesh.index.PrefixIndex`` fed only by the workers' KV
 events, session bindings (``mesh.sessions.SessionTable``), and a ``mesh.router.Router`` built on
-the policy: every arrival calls ``router.route(request, now)``, the first token calls
+the policy: every arrival is decided once (``router.decide``) and that decision committed
+(``router.commit``), never decided again, as the proxy does; the first token calls
 ``lease.first_token()`` and completion ``lease.finish(now)``, exactly as the proxy does.
 
 Prefill/decode pairs are served as ``mesh.disagg``'s relay serves them (``_route``, ``handoff``):

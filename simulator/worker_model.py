@@ -264,6 +264,13 @@ class WorkerModel:
             return
         cpu.update(dict.fromkeys(reversed(keys)))  # in eviction order: oldest first
         self.emit(t, OP_OFFLOAD, self.id, keys, None)
+        self._trim_cpu(t)
+
+    def _trim_cpu(self, t: float) -> None:
+        """Drop the oldest CPU blocks past the tier's capacity (invariant: len(cpu) <= capacity)."""
+        cpu = self.cpu
+        if cpu is None:
+            return
         over = len(cpu) - self.cpu_capacity
         if over > 0:
             gone = [cpu.popitem(False)[0] for _ in range(over)]
@@ -358,8 +365,9 @@ class WorkerModel:
                 room += self.evict(need - room, t)
             if need > room:
                 self._unpin(keys, h)
-                if c:
+                if c:  # the borrowed blocks go back; the eviction above may have filled the tier
                     cpu.update(dict.fromkeys(loaded))  # type: ignore[union-attr]
+                    self._trim_cpu(t)
                 return False, 0
             if c:
                 self.cache.update(dict.fromkeys(loaded, 1))

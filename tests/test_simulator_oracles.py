@@ -198,6 +198,35 @@ def test_runs_are_deterministic_and_pressure_keeps_invariants() -> None:
     assert 0 < a.hit.sum() < a.prompt.sum()
 
 
+def test_the_cpu_tier_never_exceeds_its_capacity() -> None:
+    """The review's repro (invariants.py, cpu_over.py): an admission that borrowed CPU blocks to
+    reload and then found no GPU room put them back after its eviction had filled the tier: 10
+    admissions left it up to 32 blocks over. The invariants (``check``, the CPU bound included)
+    hold at every segment end, and the CPU bound after every admission."""
+    trace = load_traces([MOONCAKE], LoadOptions(max_requests=1500, time_scale=0.02))
+    profile = with_overrides(BUILTIN["h200-8b"], kv_blocks=8448, **{"cpu.blocks": 10000})
+    sim = Simulator(trace, "kv_aware", SimConfig(workers=3, profile=profile))
+    over: list[tuple[str, int]] = []
+    segments = [0]
+    for w in sim.workers:
+        def admit(req, t, w=w, inner=w._admit):  # type: ignore[no-untyped-def]
+            out = inner(req, t)
+            if len(w.cpu) > w.cpu_capacity:
+                over.append((w.id, len(w.cpu) - w.cpu_capacity))
+            return out
+
+        def complete(t, w=w, inner=w.complete):  # type: ignore[no-untyped-def]
+            inner(t)
+            segments[0] += 1
+            w.check()
+
+        w._admit, w.complete = admit, complete  # type: ignore[method-assign]
+    result = sim.run()
+    assert over == []
+    assert segments[0] > 1000 and result.preemptions > 0 and result.cpu_hit.sum() > 0  # the pressure paths ran
+    assert sim.workers[0].cpu_capacity < 10000  # 10,000 16-token blocks in the trace's 512-token blocks
+
+
 PD_POLICY = {"name": "pipeline", "params": {"profiles": {
     "prefill": {"scorers": [{"name": "prefix", "weight": 1.0}]},
     "decode": {"scorers": [{"name": "load", "weight": 1.0}]},

@@ -68,13 +68,13 @@ def test_kv_usage_is_the_blocks_requests_hold_not_what_the_cache_keeps(tmp_path:
     trace = load_traces([session_trace(tmp_path / "t.jsonl", rows)])
     sim = Simulator(trace, HEADROOM_0, SimConfig(workers=1, profile=KV))
     seen: list[float] = []
-    route = sim.router.route
+    decide = sim.router.decide  # the one decision per request (the simulator never decides again)
 
-    def sampled(info: Any, t: float) -> Any:
+    def sampled(info: Any, t: float, *args: Any, **kwargs: Any) -> Any:
         seen.append(sim.workers[0].state.kv_usage)
-        return route(info, t)
+        return decide(info, t, *args, **kwargs)
 
-    sim.router.route = sampled  # type: ignore[method-assign]
+    sim.router.decide = sampled  # type: ignore[method-assign]
     result = sim.run()
     assert seen == [0.0, 0.0, 7 / 100, 0.0]
     assert result.rejected == 1 and list(result.worker) == [0, 0, -1, 0]
