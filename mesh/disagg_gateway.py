@@ -75,8 +75,8 @@ class DisaggProxy(Proxy):
             decision = self.router.decide(parsed.info, now, exclude=full)
         except NoCandidate:
             decision = None
-        if decision is None or decision.decode_target is None:
-            await super()._forward(parsed, client_headers, state, route, start)
+        if decision is None or decision.decode_target is None:  # this decision, not a second one
+            await super()._forward(parsed, client_headers, state, route, start, first=decision)
             return
         await self._relay(parsed, client_headers, state, route, start, decision)
 

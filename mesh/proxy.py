@@ -45,7 +45,7 @@ import random
 import re
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -59,7 +59,7 @@ from mesh.prompt import ParsedRequest, PromptProcessor
 from mesh.registry import WorkerRegistry
 from mesh.router import Lease, Router
 from mesh.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout, split_url
-from policies.base import NoCandidate, TargetState
+from policies.base import Decision, NoCandidate, TargetState
 
 log = logging.getLogger("mesh.proxy")
 
@@ -262,8 +262,11 @@ class Proxy:
 
     # -- routing and attempts --
     async def _forward(
-        self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange, route: str, start: float
+        self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange, route: str, start: float,
+        first: Decision | None = None,
     ) -> None:
+        """``first``: the decision already made for this request (the disaggregated gateway's
+        "prefill here" on a decode worker), committed as is rather than decided again."""
         config = self.registry.config
         retries = config.retries
         out_headers = upstream_headers(client_headers, config.server.forward_authorization)
@@ -276,7 +279,7 @@ class Proxy:
                     break  # no back-off (and no retry counted) when nowhere is left to go
                 self.metrics.retries_total.labels(failure.kind if failure else "error").inc()
                 await asyncio.sleep(_backoff(attempt, retries.backoff_base_s, retries.backoff_max_s))
-            lease = self._route(parsed, excluded, failure)
+            lease = self._route(parsed, excluded, failure, first if not attempt else None)
             if lease is None:
                 break
             target = lease.target
@@ -301,23 +304,25 @@ class Proxy:
         else:
             raise MeshError(failure.status, failure.message, code="upstream_error")
 
-    def _route(self, parsed: ParsedRequest, excluded: list[str], failure: _Failure | None) -> Lease | None:
-        """A lease on the next target, or None when a retry has nowhere left to go."""
+    def _route(self, parsed: ParsedRequest, excluded: list[str], failure: _Failure | None,
+               first: Decision | None = None) -> Lease | None:
+        """A lease on the next target, or None when a retry has nowhere left to go.
+
+        A retry does not move the session: the request may be what fails everywhere (a worker's
+        500 is only suspect), and a session must not leave its cache for it. ``_forward`` binds it
+        to the retry's target once that target served it; until then the session stays pinned,
+        not idle, as for any request of it in flight."""
         now = time.monotonic()
         self.registry.tick(now)
         full = self.registry.full_targets()
         t0 = time.perf_counter()
         info = parsed.info
         try:
-            if failure is None:
-                _, lease = self.router.route(info, now, exclude=excluded + full if full else excluded)
+            if first is not None and first.target not in full:
+                decision = first
             else:
-                # A retry does not move the session: the request may be what fails everywhere
-                # (a worker's 500 is only suspect), and a session must not leave its cache for it.
-                # ``_forward`` binds it to the retry's target once that target served it; until
-                # then the session stays pinned, not idle, as for any request of it in flight.
                 decision = self.router.decide(info, now, excluded + full if full else excluded, explain=False)
-                lease = self.router.commit(info, decision, now, bind=False)
+            lease = self.router.commit(info, _served_whole(decision), now, bind=failure is None)
         except NoCandidate as exc:
             if failure is not None:
                 return None
@@ -631,6 +636,16 @@ def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: b
     return out
 
 
+
+
+def _served_whole(decision: Decision) -> Decision:
+    """The decision the ordinary path serves: a prefill -> decode pair that reaches it (a policy
+    with pair profiles deciding again, e.g. on a retry) is served whole by its decode worker; its
+    prefill worker never runs a request's decode."""
+    if decision.decode_target is None:
+        return decision
+    return replace(decision, target=decision.decode_target, decode_target=None,
+                   reason=f"{decision.reason} (served whole by its decode worker)")
 
 
 def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> tuple[list[tuple[bytes, bytes]], bytes]:

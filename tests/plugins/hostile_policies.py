@@ -54,3 +54,22 @@ class NotAPolicy:
 
 def not_a_class() -> None:
     return None
+
+
+class Redecider(Policy):
+    """A prefill/decode policy (it has ``pd``) whose decisions alternate: "prefill here" on
+    ``local`` (no pair), then the pair (``prefill``, ``decode``). A gateway that decides a
+    second time for one request gets the pair on its ordinary path."""
+
+    name = "redecider"
+
+    def __init__(self, local: str = "d0", prefill: str = "p0", decode: str = "d1") -> None:
+        self.pd = True
+        self.local, self.prefill, self.decode = local, prefill, decode
+        self.calls = 0
+
+    def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
+        self.calls += 1
+        if self.calls % 2:
+            return Decision(self.local, "prefill locally")
+        return Decision(self.prefill, "pair", decode_target=self.decode)
