@@ -322,7 +322,10 @@ class Proxy:
                 decision = first
             else:
                 decision = self.router.decide(info, now, excluded + full if full else excluded, explain=False)
-            lease = self.router.commit(info, _served_whole(decision), now, bind=failure is None)
+            decision = _served_whole(decision)
+            if decision.target not in self.router.targets:  # a plugin's decode_target that is no target
+                raise NoCandidate(f"the policy named an unknown decode target {decision.target!r}")
+            lease = self.router.commit(info, decision, now, bind=failure is None)
         except NoCandidate as exc:
             if failure is not None:
                 return None
