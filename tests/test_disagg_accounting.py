@@ -30,9 +30,9 @@ from policies.base import Decision
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port
 from tests.test_disagg_relay import BODY as RELAY_BODY
 from tests.test_disagg_relay import INFO, VLLM_PARAMS, Workers, _error, _router, decode_ok, vllm_prefill
+from tests.test_disagg_5xx import circuits, fake_state
 from tests.test_disagg_shutdown import error_of, pd_gateway
 
-ADMIN = {"authorization": "Bearer adm"}
 BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 
 # A worker (argv: name, mode, port). Modes:
@@ -125,15 +125,6 @@ def fake(procs: ProcessGroup, name: str, mode: str) -> Proc:
     script.write_text(FAKE_WORKER)
     port = free_port()
     return procs.start_http([PYTHON, str(script), name, mode, str(port)], name=name, port=port, ready_path="/state")
-
-
-def fake_state(worker: Proc) -> dict[str, int]:
-    return dict(httpx.get(worker.url + "/state", timeout=10).json())
-
-
-def circuits(gateway: Proc) -> dict[str, str]:
-    workers = httpx.get(gateway.url + "/workers", headers=ADMIN, timeout=10).json()["workers"]
-    return {w["name"]: w["circuit"] for w in workers}
 
 
 def post(gateway: Proc, stream: bool) -> httpx.Response:
