@@ -70,9 +70,11 @@ def running(pid: int) -> bool:
 
 
 def refused(port: int) -> bool:
+    """No new connection is served: refused, or reset (a probe that reached the backlog as the
+    listener closed is reset by the kernel, not answered)."""
     try:
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
     return False
 
