@@ -29,7 +29,8 @@ from mesh.disagg import Releases, relay_disaggregated
 from mesh.router import Router
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_until
+from tests.fake_http import start_fake
+from tests.procs import Proc, ProcessGroup, wait_until
 from tests.test_disagg_shutdown import PlainRequest, error_of, kill_now, pd_gateway, served
 from tests.test_load_accounting import PD_POLICY
 from tests.test_shutdown_signals import refused
@@ -43,66 +44,39 @@ BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 # never answers POST /kv_transfer/release (it keeps the connection open). GET /state: how many
 # POSTs it got, and its release requests seen and still open.
 FAKE_WORKER = r'''
-import asyncio, json, sys
-
-name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 state = {"posts": 0, "releases": 0, "open": 0}
 
 
-def answer(status, ctype, data):
-    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (status, ctype, len(data), data)
+async def on_request(method, path, body, reader, writer):
+    if method == "GET":
+        out = state if path == "/state" else {"object": "list", "data": [{"id": "echo", "object": "model"}]}
+        writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+    elif path == "/kv_transfer/release":
+        state["releases"] += 1
+        state["open"] += 1
+        try:
+            await reader.read()  # never answered: until the gateway closes the connection
+        finally:
+            state["open"] -= 1
+        return False
+    elif mode.startswith("status:"):
+        state["posts"] += 1
+        code = mode.split(":")[1].encode()
+        writer.write(answer(code + b" Failing", b"text/plain", b"boom from " + name.encode()))
+    else:  # hang-release: a prefill answer naming a transfer of this worker's
+        state["posts"] += 1
+        out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a"}],
+               "kv_transfer_params": {"transfer_id": "t-%d" % state["posts"], "remote_host": "127.0.0.1",
+                                      "remote_port": port, "do_remote_prefill": True}}
+        writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
 
 
-async def handle(reader, writer):
-    try:
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, path = head[0].split(" ")[:2]
-            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
-            body = json.loads(await reader.readexactly(size)) if size else {}
-            if method == "GET":
-                out = state if path == "/state" else {"object": "list", "data": [{"id": "echo", "object": "model"}]}
-                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
-            elif path == "/kv_transfer/release":
-                state["releases"] += 1
-                state["open"] += 1
-                try:
-                    await reader.read()  # never answered: until the gateway closes the connection
-                finally:
-                    state["open"] -= 1
-                return
-            elif mode.startswith("status:"):
-                state["posts"] += 1
-                code = mode.split(":")[1].encode()
-                writer.write(answer(code + b" Failing", b"text/plain", b"boom from " + name.encode()))
-            else:  # hang-release: a prefill answer naming a transfer of this worker's
-                state["posts"] += 1
-                out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a"}],
-                       "kv_transfer_params": {"transfer_id": "t-%d" % state["posts"], "remote_host": "127.0.0.1",
-                                              "remote_port": port, "do_remote_prefill": True}}
-                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
-
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main())
+serve(on_request)
 '''
 
 
 def fake_worker(procs: ProcessGroup, name: str, mode: str) -> Proc:
-    script = procs.log_dir / "fake_5xx_worker.py"
-    script.write_text(FAKE_WORKER)
-    port = free_port()
-    return procs.start_http([PYTHON, str(script), name, mode, str(port)], name=name, port=port, ready_path="/state")
+    return start_fake(procs, "fake_5xx_worker", FAKE_WORKER, name, mode, "/state")
 
 
 def fake_state(worker: Proc) -> dict[str, int]:

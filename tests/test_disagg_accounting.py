@@ -27,7 +27,8 @@ import pytest
 
 from mesh.disagg import RelayConfig, RelayError, relay_disaggregated
 from policies.base import Decision
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port
+from tests.fake_http import start_fake
+from tests.procs import Proc, ProcessGroup
 from tests.test_disagg_relay import BODY as RELAY_BODY
 from tests.test_disagg_relay import INFO, VLLM_PARAMS, Workers, _error, _router, decode_ok, vllm_prefill
 from tests.test_disagg_5xx import circuits, fake_state
@@ -45,15 +46,8 @@ BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 # - "huge": every POST is answered 200 with a JSON body of 65 MiB (past the gateway's 64 MiB bound).
 # GET /state: POSTs and releases seen; any other GET: a model list (health checks).
 FAKE_WORKER = r'''
-import asyncio, json, sys
-
-name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 state = {"posts": 0, "releases": 0}
 SSE = b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}\n\ndata: [DONE]\n\n'
-
-
-def answer(status, ctype, data, extra=b""):
-    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (status, ctype, len(data), extra, data)
 
 
 def error(status, code, extra=b""):
@@ -88,43 +82,23 @@ def post(body):
     raise SystemExit("unknown mode " + mode)
 
 
-async def handle(reader, writer):
-    try:
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, path = head[0].split(" ")[:2]
-            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
-            body = json.loads(await reader.readexactly(size)) if size else {}
-            if method == "GET":
-                out = state if path == "/state" else {"object": "list", "data": [{"id": "echo", "object": "model"}]}
-                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
-            elif path == "/kv_transfer/release":
-                state["releases"] += 1
-                writer.write(answer(b"200 OK", b"application/json", b'{"released": true}'))
-            else:
-                writer.write(post(body))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def on_request(method, path, body, reader, writer):
+    if method == "GET":
+        out = state if path == "/state" else {"object": "list", "data": [{"id": "echo", "object": "model"}]}
+        writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+    elif path == "/kv_transfer/release":
+        state["releases"] += 1
+        writer.write(answer(b"200 OK", b"application/json", b'{"released": true}'))
+    else:
+        writer.write(post(body))
 
 
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main())
+serve(on_request)
 '''
 
 
 def fake(procs: ProcessGroup, name: str, mode: str) -> Proc:
-    script = procs.log_dir / "fake_accounting_worker.py"
-    script.write_text(FAKE_WORKER)
-    port = free_port()
-    return procs.start_http([PYTHON, str(script), name, mode, str(port)], name=name, port=port, ready_path="/state")
+    return start_fake(procs, "fake_accounting_worker", FAKE_WORKER, name, mode, "/state")
 
 
 def post(gateway: Proc, stream: bool) -> httpx.Response:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.fake_http import start_fake
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_until
 from tests.test_load_accounting import PD_POLICY
 from tests.test_shutdown_signals import LONG, StreamReader, refused
@@ -129,64 +130,35 @@ def kill_now(*workers: Proc) -> None:
 #   break-sse / break-json: its first bytes (an event; part of a JSON body), then the connection
 #   closes mid-body, the worker still alive; vllm-400: vLLM's flat error; html-503: an HTML page.
 FAKE_WORKER = r'''
-import asyncio, json, sys
-
-name, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-
-
-def answer(status, ctype, data):
-    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (status, ctype, len(data), data)
-
-
-async def handle(reader, writer):
-    try:
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, path = head[0].split(" ")[:2]
-            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
-            body = json.loads(await reader.readexactly(size)) if size else {}
-            if method == "GET":
-                out = {"object": "list", "data": [{"id": "echo", "object": "model"}]} if path == "/v1/models" else {}
-                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
-            elif mode == "vllm-400":
-                out = {"object": "error", "message": "This model's maximum context length is 16 tokens",
-                       "type": "BadRequestError", "param": None, "code": 400}
-                writer.write(answer(b"400 Bad Request", b"application/json", json.dumps(out).encode()))
-            elif mode == "html-503":
-                writer.write(answer(b"503 Service Unavailable", b"text/html", b"<html><body>upstream overloaded</body></html>"))
-            elif not body.get("stream"):
-                out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
-                writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
-            else:
-                sse = mode == "break-sse"
-                part = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n' if sse else b'{"id": "x", "choices": ['
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n"
-                             % (b"text/event-stream" if sse else b"application/json", len(part), part))
-                await writer.drain()
-                await asyncio.sleep(0.1)
-                return  # mid-body: the connection closes, the worker lives on
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def on_request(method, path, body, reader, writer):
+    if method == "GET":
+        out = {"object": "list", "data": [{"id": "echo", "object": "model"}]} if path == "/v1/models" else {}
+        writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+    elif mode == "vllm-400":
+        out = {"object": "error", "message": "This model's maximum context length is 16 tokens",
+               "type": "BadRequestError", "param": None, "code": 400}
+        writer.write(answer(b"400 Bad Request", b"application/json", json.dumps(out).encode()))
+    elif mode == "html-503":
+        writer.write(answer(b"503 Service Unavailable", b"text/html", b"<html><body>upstream overloaded</body></html>"))
+    elif not body.get("stream"):
+        out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
+        writer.write(answer(b"200 OK", b"application/json", json.dumps(out).encode()))
+    else:
+        sse = mode == "break-sse"
+        part = b'data: {"id": "x", "choices": [{"index": 0, "text": "a"}]}\n\n' if sse else b'{"id": "x", "choices": ['
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n"
+                     % (b"text/event-stream" if sse else b"application/json", len(part), part))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        return False  # mid-body: the connection closes, the worker lives on
 
 
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main())
+serve(on_request)
 '''
 
 
 def fake_worker(procs: ProcessGroup, name: str, mode: str) -> Proc:
-    script = procs.log_dir / "fake_pd_worker.py"
-    script.write_text(FAKE_WORKER)
-    port = free_port()
-    return procs.start_http([PYTHON, str(script), name, mode, str(port)], name=name, port=port, ready_path="/health")
+    return start_fake(procs, "fake_pd_worker", FAKE_WORKER, name, mode, "/health")
 
 
 @pytest.mark.parametrize("mode", ["break-sse", "break-json"])
