@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +32,7 @@ from mesh.kv_events import BlockRemoved as MeshBlockRemoved
 from mesh.kv_events import decode_batch
 from mesh.subscriber import KvEventSubscriber, WorkerEvents
 from policies.base import Overlap, Tier
+from tests.test_kv_events_upstream import UpstreamPublisher
 
 MODEL = "dup-model"
 SEED = namespace_seed(MODEL)
@@ -110,54 +109,11 @@ def low64(h: bytes) -> int:
     return int.from_bytes(h[-8:], "big")
 
 
-class Publisher:
-    """vLLM's ZmqEventPublisher: PUB ``[topic, seq, payload]`` and a ROUTER replay of kept batches."""
+class Publisher(UpstreamPublisher):
+    """vLLM's ZmqEventPublisher (``tests.test_kv_events_upstream``), one batch per ``publish``."""
 
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:*")
-        self.kept: deque[tuple[int, bytes]] = deque(maxlen=1000)
-        self.seq = 0
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._replay, daemon=True)
-        self.thread.start()
-
-    def endpoint(self, sock: zmq.Socket) -> str:
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-
-    def publish(self, *events: Any) -> None:
-        payload = msgspec.msgpack.encode(VBatch(time.time(), list(events), 0))
-        with self.lock:
-            seq, self.seq = self.seq, self.seq + 1
-            self.kept.append((seq, payload))
-            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-
-    def _replay(self) -> None:
-        while not self.stop.is_set():
-            if not self.router.poll(20):
-                continue
-            frames = self.router.recv_multipart()
-            if len(frames) != 3:
-                continue
-            ident, _, start = frames
-            with self.lock:
-                kept = [item for item in self.kept if item[0] >= int.from_bytes(start, "big")]
-            for seq, payload in kept:
-                self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(2)
-        self.router.close(linger=0)
-        self.pub.close(linger=0)
-        self.ctx.term()
+    def publish(self, *events: Any) -> None:  # type: ignore[override]
+        super().publish(VBatch(time.time(), list(events), 0))
 
 
 # ------------------------------------------------------------------ the stack under test
@@ -197,7 +153,7 @@ async def stack() -> AsyncIterator[Stack]:
     registry = CollectorRegistry()
     sub = KvEventSubscriber(index, registry=registry, replay_timeout_s=5.0)
     try:
-        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint(pub.pub), pub.endpoint(pub.router),
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint,
                                                 model=MODEL, block_size=BS))
         yield Stack(pub, sub, index, target, registry)
     finally:
