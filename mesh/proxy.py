@@ -45,7 +45,7 @@ import random
 import re
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -322,7 +322,7 @@ class Proxy:
                 decision = first
             else:
                 decision = self.router.decide(info, now, excluded + full if full else excluded, explain=False)
-            decision = _served_whole(decision)
+            decision = decision.served_whole()
             if decision.target not in self.router.targets:  # a plugin's decode_target that is no target
                 raise NoCandidate(f"the policy named an unknown decode target {decision.target!r}")
             lease = self.router.commit(info, decision, now, bind=failure is None)
@@ -639,16 +639,6 @@ def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: b
     return out
 
 
-
-
-def _served_whole(decision: Decision) -> Decision:
-    """The decision the ordinary path serves: a prefill -> decode pair that reaches it (a policy
-    with pair profiles deciding again, e.g. on a retry) is served whole by its decode worker; its
-    prefill worker never runs a request's decode."""
-    if decision.decode_target is None:
-        return decision
-    return replace(decision, target=decision.decode_target, decode_target=None,
-                   reason=f"{decision.reason} (served whole by its decode worker)")
 
 
 def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -154,6 +154,15 @@ class Decision:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> term -> value
     overlaps: dict[str, Overlap] = field(default_factory=dict)
     decode_target: str | None = None  # set for a prefill -> decode pair
+
+    def served_whole(self) -> Decision:
+        """The decision a path without a relay serves (the gateway's ordinary proxy, the
+        simulator's mixed path): a pair reaching it is served whole by its decode worker; a
+        prefill worker never runs a request's decode."""
+        if self.decode_target is None:
+            return self
+        return replace(self, target=self.decode_target, decode_target=None,
+                       reason=f"{self.reason} (served whole by its decode worker)")
 
     def explain(self) -> dict[str, Any]:
         return {

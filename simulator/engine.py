@@ -338,13 +338,13 @@ class Simulator:
         (``router.decide``); a pair goes to the relay (``mesh.disagg_gateway``), which commits a
         prefill lease without the session; anything else takes the proxy's path, which commits
         that same decision (never decides again), a pair reaching it served whole by its decode
-        worker (``mesh.proxy._served_whole``). Raises ``NoCandidate``."""
+        worker (``Decision.served_whole``). Raises ``NoCandidate``."""
         decision = self.router.decide(info, t, explain=False)
         if (self.pd_policy and decision.decode_target is not None
                 and decision.decode_target in self.by_id and decision.decode_target != decision.target):
             prefill = replace(info, session_id=None)
             return decision, self.router.commit(prefill, Decision(decision.target, "prefill"), t), True
-        decision = _served_whole(decision)
+        decision = decision.served_whole()
         return decision, self.router.commit(info, decision, t), False
 
     def _transfer(self, req: SimRequest, t: float) -> None:
@@ -454,10 +454,3 @@ def apply_event(index: PrefixIndex, op: int, target: str, keys: list[int], paren
         index.remove(target, keys, Tier.CPU)
 
 
-def _served_whole(decision: Decision) -> Decision:
-    """The decision the ordinary path serves (as ``mesh.proxy``): a pair reaching it is served
-    whole by its decode worker; a prefill worker never runs a request's decode."""
-    if decision.decode_target is None:
-        return decision
-    return replace(decision, target=decision.decode_target, decode_target=None,
-                   reason=f"{decision.reason} (served whole by its decode worker)")

@@ -1,7 +1,7 @@
 """A request the prefill/decode policy keeps on one decode worker ("prefill locally") is served
 by that worker, never by a prefill worker. Was: the gateway's ordinary path decided a second
 time; a policy whose second answer named a pair (a random tie-break in the decode profile) had the
-WHOLE request run on the pair's prefill worker (``mesh.proxy._served_whole``)."""
+WHOLE request run on the pair's prefill worker (``Decision.served_whole``)."""
 
 from __future__ import annotations
 
