@@ -13,7 +13,7 @@ Measures, on the GPU it runs on:
 Every timing replays a CUDA graph of the calls (launch overhead out), rotates among input sets
 bigger than L2 where one set would fit in it, and takes the median of repeated replays. Each Triton
 result is checked against SDPA's (relative error column). Imports only torch, triton, rich and
-workers.attention, so it runs on a bare CUDA image:
+workers.model.attention, so it runs on a bare CUDA image:
 
     python3 bench/attention.py [--json bench/results/attention.json] [--budget-s 300] [--quick]
 """
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
-from workers.attention.triton_backend import (  # noqa: E402
+from workers.model.attention.triton_backend import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
     TritonBackend,
@@ -281,7 +281,7 @@ GRAPH_SWEEP = {
 def bench_graph_shapes(ceil: dict[str, float], batch: int = 64, mean_ctx: int = 600) -> list[Row]:
     """Decode at the engine's graph shapes (padded tables, real contexts ~``mean_ctx``), each
     config against the torch backend's output; GB/s over the K/V bytes of the real contexts."""
-    from workers.attention.torch_backend import TorchBackend
+    from workers.model.attention.torch_backend import TorchBackend
 
     rows: list[Row] = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -557,7 +557,7 @@ def main() -> int:
 
 def kernel_resources() -> list[dict[str, Any]]:
     """Registers, spills and shared memory of every compiled variant of the attention kernels."""
-    from workers.attention import triton_backend as tb
+    from workers.model.attention import triton_backend as tb
 
     found = []
     for name in ("_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel"):

@@ -3,7 +3,7 @@
 (Run as a module: as a script, ``bench/policies.py`` would shadow the ``policies`` package.)
 
 Measured through the real ``WorkerRegistry.reconfigure`` and the gateway's ``_Housekeeper``
-listener (``mesh.app``): ``new`` is the listener as shipped (one ``on_workers_removed`` call, one
+listener (``mesh.gateway.app``): ``new`` is the listener as shipped (one ``on_workers_removed`` call, one
 pass over the table, the order rebuilt once when a large share goes); the peer ``per_worker`` is
 the previous behaviour, measured in the same run: one ``unbind_targets`` pass per removed worker,
 each unbinding its sessions one by one.
@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.table import Table
 from sortedcontainers import SortedList
 
-from mesh.app import _Housekeeper
+from mesh.gateway.app import _Housekeeper
 from mesh.config import parse_config
-from mesh.registry import Worker, WorkerRegistry
-from mesh.sessions import SessionTable
+from mesh.cluster.registry import Worker, WorkerRegistry
+from mesh.core.sessions import SessionTable
 
 
 def config(names: list[str]) -> Any:

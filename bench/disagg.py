@@ -6,8 +6,8 @@ Two configurations, each measured in the same run on the same devices:
   requests in flight (long prefills interleave with decode steps in the same batches);
 - ``disagg``: a prefill worker on the first device and a decode worker on the last one (the same
   device when only one is given: two processes share it); every request goes through the gateway
-  relay (``mesh.disagg.relay_disaggregated``): prefill there, KV moved, decode here. On one host
-  with CUDA the KV moves GPU to GPU over CUDA IPC (``workers.kv_ipc``);
+  relay (``mesh.gateway.disagg_relay.relay_disaggregated``): prefill there, KV moved, decode here. On one host
+  with CUDA the KV moves GPU to GPU over CUDA IPC (``workers.transfer.kv_ipc``);
 - ``disagg-tcp``: the same with ``--kv-transfer-ipc off``: the KV is pulled over TCP, as between
   hosts.
 
@@ -43,12 +43,12 @@ from typing import Any
 
 import httpx
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, relay_disaggregated
-from mesh.keys import block_keys, namespace_seed
-from mesh.router import Router
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, relay_disaggregated
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.core.router import Router
 from policies import create_policy
 from policies.base import RequestInfo, Role, TargetState
-from workers.transfer_auth import SECRET_ENV
+from workers.transfer.auth import SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
@@ -76,7 +76,7 @@ def _free_port() -> int:
 def start_worker(args: argparse.Namespace, role: str, device: str, log_dir: Path, name: str,
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "workers.cli", "--preset", args.preset, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "workers.server.cli", "--preset", args.preset, "--host", "127.0.0.1", "--port", str(port),
            "--device", device, "--role", role, "--num-kv-blocks", str(args.kv_blocks),
            "--max-num-batched-tokens", str(args.max_batched_tokens), "--log-level", "warning"]
     if device == "cpu":

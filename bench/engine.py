@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.sequence import SamplingParams  # noqa: E402
+from workers.engine.llm_engine import LLMEngine  # noqa: E402
+from workers.engine.sequence import SamplingParams  # noqa: E402
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PROMPT_LENS = [1024, 2048, 4096, 8192, 16384, 32768]

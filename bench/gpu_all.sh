@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call on the device machine (see docs/DEVICE.md):
+# Everything that needs the GPU, in one command on a GPU machine (see CONTRIBUTING.md):
 #   bash bench/gpu_all.sh tests     # all GPU tests + the CPU-offload bench
 #   bash bench/gpu_all.sh disagg    # prefill/decode disaggregation bench on two GPUs
-# The device image lacks the gateway's packages: they travel as wheels in .whl/ (carry it).
+# A bare CUDA image lacks the gateway's packages: they come as wheels in .whl/ (CONTRIBUTING.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"

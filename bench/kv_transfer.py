@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from workers.config import get_preset
-from workers.kv_layout import Layout
-from workers.kv_transfer import Faults, PullRequest, pull_blocks, serve_pull, serve_tcp
-from workers.transfer_registry import TransferRegistry
+from workers.transfer.kv_layout import Layout
+from workers.transfer.kv_transfer import Faults, PullRequest, pull_blocks, serve_pull, serve_tcp
+from workers.transfer.registry import TransferRegistry
 
 TID = "bench"
 

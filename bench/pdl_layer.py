@@ -38,7 +38,7 @@ import triton.language as tl  # noqa: E402
 from _table import print_table  # noqa: E402
 from graph_floor import chain_graph  # noqa: E402
 from graph_floor import time_graph as replay_ms  # noqa: E402
-from workers import kernels  # noqa: E402
+from workers.model import kernels  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 GDC = not INTERPRET  # the interpreter has no griddepcontrol; it runs programs one by one anyway

@@ -6,7 +6,7 @@ conversations of its sessions; 80% of requests continue a known session (longer 
 Tokenization and key hashing happen before the clock starts (the keys are precomputed); each
 request's text (what ``cache_aware`` matches) has 64 characters per block, 4-26k in all.
 
-Two columns per policy: ``total`` (Router.decide with the real ``mesh.index.PrefixIndex``) and
+Two columns per policy: ``total`` (Router.decide with the real ``mesh.core.index.PrefixIndex``) and
 ``policy`` (the same decisions with the index's answer memoized, i.e. the policy and the router's
 view alone). The peer in the same run is ``round_robin``: the floor cost of the Router itself;
 ratios are against it.
@@ -34,9 +34,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from mesh.index import PrefixIndex
-from mesh.router import Router
-from mesh.sessions import SessionTable
+from mesh.core.index import PrefixIndex
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies import create
 from policies.base import Overlap, Policy, RequestInfo, TargetState
 from policies.registry import names

@@ -16,8 +16,9 @@ SUBCOMMAND_MODULES = (
     "mesh.commands.serve",  # mesh serve --config mesh.yaml
     "mesh.commands.up",  # mesh up [--workers N]
     "mesh.commands.config",  # mesh config validate FILE
-    "workers.cli",  # mesh worker [--preset NAME | --model DIR]
-    "simulator.cli",  # mesh simulate TRACE ... / mesh calibrate
+    "workers.server.cli",  # mesh worker [--preset NAME | --model DIR]
+    "mesh.commands.simulate",  # mesh simulate TRACE ... / mesh calibrate
+    "mesh.commands.replay",  # mesh replay URL TRACE ...
 )
 
 

@@ -107,7 +107,7 @@ class WorkerConfig(_Model):
     # from /v1/models ``parent``). A list of adapter names means "on the first of ``models``".
     loras: dict[str, str] | None = None
     # vLLM's --chat-template-content-format for this pool's template: "auto" detects it from the
-    # template (mesh.chat), "string"/"openai" force it (as the engine is run with, or keys diverge)
+    # template (mesh.request.chat), "string"/"openai" force it (as the engine is run with, or keys diverge)
     chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
 
     @field_validator("name")
@@ -150,7 +150,7 @@ class HealthConfig(_Model):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 2.0
     # each round also reads every worker's /metrics for its KV usage and capacity (vLLM, SGLang,
-    # bundled names: mesh.worker_metrics); off: they stay unknown and the KV checks never fire
+    # bundled names: mesh.cluster.worker_metrics); off: they stay unknown and the KV checks never fire
     worker_metrics: bool = True
     unhealthy_threshold: int = Field(2, ge=1)
     healthy_threshold: int = Field(1, ge=1)
@@ -223,7 +223,7 @@ def cluster_seed(seed: str) -> tuple[str, int] | None:
 
 class StateConfig(_Model):
     """Where session bindings and in-flight load live: this process (``memory``, the default) or
-    Redis, shared by every gateway replica (``mesh.state_redis``): one server, or a Redis Cluster
+    Redis, shared by every gateway replica (``mesh.state.redis_state``): one server, or a Redis Cluster
     (``cluster: true``)."""
 
     backend: Literal["memory", "redis"] = "memory"
@@ -231,7 +231,7 @@ class StateConfig(_Model):
     key_prefix: str = "mesh:"
     timeout_s: float = Field(0.1, gt=0, le=10)  # per Redis call; past it the gateway goes local
     # redis only: every load_sync_s each replica publishes its own per-target load and adds the
-    # other live replicas' to its TargetStates (mesh.shared_load.SharedLoad); 0 = sessions only.
+    # other live replicas' to its TargetStates (mesh.state.shared_load.SharedLoad); 0 = sessions only.
     load_sync_s: float = Field(0.1, ge=0, le=10)
     # redis only: url is a seed node of a Redis Cluster (redis-py's RedisCluster finds the others
     # and follows MOVED/ASK); cluster_seeds are more seeds (host:port, with url's scheme,
@@ -309,7 +309,8 @@ class StateConfig(_Model):
 # DESIGN.md "Defaults": precise KV-aware routing, with session affinity whenever a session id is
 # present. ``session_sticky`` without params wraps ``kv_aware`` (its default inner policy): a
 # request with a session id returns to its bound target while that is healthy and under the load
-# ceiling, and every other request (no session id, new or moving session) is decided by kv_aware.
+# ceiling; a new session is spread to the targets with the fewest live sessions (kv_aware choosing
+# among them), and every other request (no session id, a moving session) is decided by kv_aware.
 DEFAULT_POLICY = "session_sticky"
 
 
@@ -350,7 +351,7 @@ def build_policy(spec: Any) -> Any:
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
-    """The PUB endpoint of data-parallel rank ``rank`` (``mesh.subscriber.offset_endpoint``'s rule)."""
+    """The PUB endpoint of data-parallel rank ``rank`` (``mesh.events.subscriber.offset_endpoint``'s rule)."""
     if rank == 0:
         return endpoint
     if endpoint.startswith("tcp://"):

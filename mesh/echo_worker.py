@@ -35,8 +35,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mesh.chat import ChatTemplateError
-from mesh.tokenizer import ByteTokenizer
+from mesh.request.chat import ChatTemplateError
+from mesh.request.tokenizer import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode
 _WORDS = re.compile(r"\S+\s*")
@@ -204,7 +204,7 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
     return default
 
 
-MAX_CHOICES = 128  # as the bundled worker's (workers.server.MAX_CHOICES)
+MAX_CHOICES = 128  # as the bundled worker's (workers.server.app.MAX_CHOICES)
 
 
 def _choices(body: dict[str, Any]) -> int:

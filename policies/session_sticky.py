@@ -1,9 +1,17 @@
 """Session-sticky data-parallel routing (ATOM Mesh ``dp_sticky``, made cache-aware).
 
 A request with a session id goes back to the target (worker, DP rank) its session is bound to,
-while that target is available, serves the model and is under the load ceiling. Otherwise the
-session is (re)bound by the inner policy, run over the targets under the ceiling: by default
-prefix overlap first, then fewest live sessions, then load.
+while that target is available, serves the model and is under the load ceiling, whatever it
+still caches (a session whose blocks were evicted recomputes them at home: moving costs the same
+recompute and pollutes another worker's cache). Otherwise the session is (re)bound:
+
+- a new session is spread: it goes among the targets under the ceiling with the fewest live
+  sessions, the inner policy choosing among those. What a new session matches elsewhere is
+  recomputed once where it lands (a shared system prompt is then cached there for every later
+  session too), while a session placed on a crowded worker crowds it for its whole life: a
+  system prompt that is most of a first turn must not pull every new session to the first worker
+  that cached it;
+- a moving session goes where the inner policy puts it over the other targets under the ceiling.
 
 Reads bindings only through ``cluster.sessions.bound_target``; the ``Router`` writes them
 (``SessionStore.bind``) after the decision and counts a move when a live binding changes target.
@@ -17,6 +25,7 @@ from typing import Any
 
 from policies import registry
 from policies.base import ClusterView, Decision, Policy, RequestInfo, TargetState
+from policies.params import number
 from policies.registry import PluginError, register
 
 # The issue's order for a new session, when the precise kv_aware policy is not installed.
@@ -37,12 +46,6 @@ def default_inner() -> str | dict[str, Any]:
     return "kv_aware" if "kv_aware" in registry.names("policy") else FALLBACK_INNER
 
 
-def _number(owner: str, value: Any, lo: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
-        raise PluginError(f"policy 'session_sticky': {owner} must be a finite number >= {lo}, got {value!r}")
-    return float(value)
-
-
 @register("policy", "session_sticky")
 class SessionSticky(Policy):
     """Sticky sessions with a load ceiling.
@@ -50,8 +53,16 @@ class SessionSticky(Policy):
     Params: ``inner`` (a policy spec; default ``kv_aware`` if installed, else a lexicographic
     pipeline prefix > live_sessions > load), ``max_in_flight`` (absolute ceiling on the bound
     target's in-flight requests; 0 = none), ``load_factor`` and ``load_slack`` (relative ceiling:
-    ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none).
+    ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none),
+    ``spread_new`` (true: new sessions go to the fewest live sessions first; false: where the
+    inner policy puts them).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
+
+    Example::
+
+        policy:
+          name: session_sticky
+          params: {inner: kv_aware, load_factor: 1.5, load_slack: 4, spread_new: true}
     """
 
     def __init__(
@@ -60,13 +71,17 @@ class SessionSticky(Policy):
         max_in_flight: int = 0,
         load_factor: float = 1.5,
         load_slack: float = 4.0,
+        spread_new: bool = True,
         seed: int | None = None,
     ) -> None:
         spec = default_inner() if inner is None else inner
         self.inner: Policy = registry.create("policy", spec, seed=seed)
-        self.max_in_flight = int(_number("max_in_flight", max_in_flight, 0))
-        self.load_factor = _number("load_factor", load_factor, 0)
-        self.load_slack = _number("load_slack", load_slack, 0)
+        self.max_in_flight = int(number("session_sticky", "max_in_flight", max_in_flight, 0))
+        self.load_factor = number("session_sticky", "load_factor", load_factor, 0)
+        self.load_slack = number("session_sticky", "load_slack", load_slack, 0)
+        if not isinstance(spread_new, bool):
+            raise PluginError(f"policy 'session_sticky': spread_new must be true or false, got {spread_new!r}")
+        self.spread_new = spread_new
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         sid, store = request.session_id, cluster.sessions
@@ -89,6 +104,10 @@ class SessionSticky(Policy):
         # New or moving session: the best target under the ceiling (all usable ones if none is).
         under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
+        if bound is None and self.spread_new:
+            fewest = min(t.live_sessions for t in narrowed)
+            narrowed = [t for t in narrowed if t.live_sessions == fewest]
+            why = f"new session, spread ({fewest} live sessions)"
         view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
@@ -141,11 +160,12 @@ class SessionSticky(Policy):
             "max_in_flight": self.max_in_flight,
             "load_factor": self.load_factor,
             "load_slack": self.load_slack,
+            "spread_new": self.spread_new,
         }
 
 
 def _gone(cluster: ClusterView, bound: str) -> str:
-    """Why the bound target is not in the view: excluded by the caller (``mesh.router.RoutedView``:
+    """Why the bound target is not in the view: excluded by the caller (``mesh.core.router.RoutedView``:
     at its admission limit, or failed this request), else removed."""
     state = next((t for t in getattr(cluster, "excluded", ()) if t.id == bound), None)
     if state is None:

@@ -1,13 +1,13 @@
 """The event loop: replays a trace on simulated workers through the gateway's own Router.
 
 One ``Simulator`` runs one policy over one trace. It owns the cluster state that the gateway's
-registry owns live (``TargetState``s), a ``mesh.index.PrefixIndex`` fed only by the workers' KV
-events, session bindings (``mesh.sessions.SessionTable``), and a ``mesh.router.Router`` built on
+registry owns live (``TargetState``s), a ``mesh.core.index.PrefixIndex`` fed only by the workers' KV
+events, session bindings (``mesh.core.sessions.SessionTable``), and a ``mesh.core.router.Router`` built on
 the policy: every arrival is decided once (``router.decide``) and that decision committed
 (``router.commit``), never decided again, as the proxy does; the first token calls
 ``lease.first_token()`` and completion ``lease.finish(now)``, exactly as the proxy does.
 
-Prefill/decode pairs are served as ``mesh.disagg``'s relay serves them (``_route``, ``handoff``):
+Prefill/decode pairs are served as ``mesh.gateway.disagg_relay``'s relay serves them (``_route``, ``handoff``):
 a prefill lease (without the session) on the prefill worker until its prefill ends, whose token is
 discarded; then a decode lease on the decode worker, which pulls the exported blocks it lacks,
 computes the last block and produces the client's first token, where the session is bound.
@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from mesh.index import PrefixIndex
-from mesh.router import Router
+from mesh.core.index import PrefixIndex
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies import create_policy
 from policies.base import Decision, NoCandidate, Overlap, RequestInfo, Role, TargetState, Tier
 from simulator.block_text import BlockText
@@ -41,10 +42,6 @@ from simulator.worker_model import (
     OP_DROP_CPU, CapacityError, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, SimRequest, WorkerModel,
 )
 
-try:  # session bindings (mesh.sessions); without it the Router runs with sessions=None
-    from mesh.sessions import SessionTable
-except ImportError:  # pragma: no cover - present in this repository
-    SessionTable = None  # type: ignore[assignment,misc]
 
 # Event kinds, in their order at equal times: segment ends, releases, KV transfers, then the
 # wake-ups of idle workers (so requests released at one instant share the first step).
@@ -162,7 +159,7 @@ class Simulator:
         self.bs = trace.block_size
         self.index = PrefixIndex()
         self.text = BlockText()  # text-based policies (cache_aware) match a spelling of the block keys
-        self.sessions = SessionTable(config.session_ttl_s, config.max_bound_sessions) if SessionTable else None
+        self.sessions = SessionTable(config.session_ttl_s, config.max_bound_sessions)
         self.targets: dict[str, TargetState] = {}
         self.workers: list[WorkerModel] = []
         for i in range(config.workers):
@@ -191,7 +188,7 @@ class Simulator:
         self.rejected = 0
         self.pairs = 0
         self.transferred_blocks = 0
-        self.pd_policy = getattr(self.policy, "pd", None) is not None  # as mesh.disagg_gateway tells
+        self.pd_policy = getattr(self.policy, "pd", None) is not None  # as mesh.gateway.disagg_proxy tells
         self._touch = getattr(self.sessions, "touch", None)
         self.session_moves = 0
         self.last_target: dict[str, str] = {}
@@ -239,7 +236,7 @@ class Simulator:
     def _pd_request_ended(self, session: str) -> Callable[[Any, float], None]:
         touch = self._touch
 
-        def ended(lease: Any, now: float) -> None:  # mesh.disagg's session_request_ended
+        def ended(lease: Any, now: float) -> None:  # mesh.gateway.disagg_relay's session_request_ended
             if self.targets.get(lease.target.id) is lease.target:
                 touch(session, lease.target.id, now)  # type: ignore[misc]
 
@@ -259,7 +256,7 @@ class Simulator:
                 self._fire(j, t + delay)
 
     def handoff(self, req: SimRequest, t: float) -> None:
-        """A pair's prefill finished at ``t``: as ``mesh.disagg``'s relay, the prefill answer ends
+        """A pair's prefill finished at ``t``: as ``mesh.gateway.disagg_relay``'s relay, the prefill answer ends
         the prefill lease, the decode worker's lease starts (the exported blocks count as its
         cached prefix), and the decode worker pulls the exported blocks it does not hold."""
         dw = self.workers[req.decode_to]
@@ -335,7 +332,7 @@ class Simulator:
 
     def _route(self, info: RequestInfo, t: float) -> tuple[Decision, Any, bool]:
         """(decision, lease, through a pair), as the gateway routes: the policy decides once
-        (``router.decide``); a pair goes to the relay (``mesh.disagg_gateway``), which commits a
+        (``router.decide``); a pair goes to the relay (``mesh.gateway.disagg_proxy``), which commits a
         prefill lease without the session; anything else takes the proxy's path, which commits
         that same decision (never decides again), a pair reaching it served whole by its decode
         worker (``Decision.served_whole``). Raises ``NoCandidate``."""
@@ -398,7 +395,7 @@ class Simulator:
 
         notes = []
         if self.sessions is None:
-            notes.append("mesh.sessions not available: routed with sessions=None")
+            notes.append("mesh.core.sessions not available: routed with sessions=None")
         if self.config.prefill_workers and not self.pairs:
             why = "it has no prefill/decode profiles" if not self.pd_policy else "it chose no pair"
             notes.append(f"--prefill-workers {self.config.prefill_workers} but no request went through a "

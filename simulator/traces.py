@@ -14,7 +14,7 @@ Formats (detected from the file's content, never its name):
 
 Every loaded request becomes a ``TraceRequest`` whose ``keys`` are router block keys of the
 simulation block size: a chained mapping of the trace's ids (equal id prefixes give equal keys,
-and a key names its whole prefix, as ``mesh.keys`` does), re-blocked when the simulation block
+and a key names its whole prefix, as ``mesh.core.keys`` does), re-blocked when the simulation block
 size differs from the trace's. Only full blocks get keys.
 
 Session-aware replay: a request either arrives at a fixed time (``arrival``) or is released by
@@ -92,7 +92,7 @@ class LoadOptions:
     time_scale: float = 1.0  # multiplies arrival times and think times (0.5 = twice the rate)
     max_sessions: int | None = None  # first N sessions (a request without one counts as one)
     max_requests: int | None = None  # first N requests (dependents of dropped ones are dropped)
-    namespace: str = "mesh-sim"  # seeds the key chains (like mesh.keys' model namespace)
+    namespace: str = "mesh-sim"  # seeds the key chains (like mesh.core.keys' model namespace)
     # Each session's fixed times shifted by its own uniform offset in [0, S) seconds (after
     # time_scale), drawn with ``seed`` in the order sessions first appear; its later turns follow
     # (they are released by their predecessors). WEKA sessions all start at t=0 otherwise.

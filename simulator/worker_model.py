@@ -44,7 +44,7 @@ from operator import add, not_, sub
 _NOT_POSITIVE = (0).__ge__  # v <= 0: a free block
 from typing import Any
 
-from mesh.router import Lease
+from mesh.core.router import Lease
 from policies.base import TargetState
 from simulator.profile import Profile
 
@@ -564,7 +564,7 @@ class WorkerModel:
     def used_blocks(self) -> int:
         """Blocks held by requests: cached blocks some running request references (a shared one
         once) plus private ones. Unreferenced cached blocks are in the free pool, as in vLLM and
-        the bundled engine (``workers/block_manager.py``): evictable, so free."""
+        the bundled engine (``workers/engine/block_manager.py``): evictable, so free."""
         return len(self.cache) - self.n_free + self.private
 
     def _update_usage(self) -> None:

@@ -1,6 +1,6 @@
 """A disaggregated test cluster: bundled tiny-preset workers with roles as real processes (on
 loopback, or each in its own network namespace), a ``Router`` over them with a prefill/decode
-pipeline, and the gateway relay (``mesh.disagg``) driven from the test process.
+pipeline, and the gateway relay (``mesh.gateway.disagg_relay``) driven from the test process.
 
 Shared by ``test_disagg.py`` (loopback, fault injection) and ``test_disagg_netns.py``.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import httpx
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
-from mesh.keys import block_keys, namespace_seed
-from mesh.router import Router
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.core.router import Router
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 from tests.procs import REPO, Proc, ProcessGroup, free_port
-from workers.transfer_auth import SECRET_ENV
+from workers.transfer.auth import SECRET_ENV
 
 MODEL = "tiny"
 SECRET = "test-deployment-secret"  # shared by a cluster's workers: kv_transfer_params are signed
@@ -53,7 +53,7 @@ class Worker:
 
 
 def worker_command(port: int, role: str, host: str = "127.0.0.1", *extra: str) -> list[str]:
-    return [sys.executable, "-m", "workers.cli", "--preset", MODEL, "--host", host, "--port", str(port),
+    return [sys.executable, "-m", "workers.server.cli", "--preset", MODEL, "--host", host, "--port", str(port),
             "--num-kv-blocks", "256", "--cpu-threads", "1", "--log-level", "warning", "--role", role, *extra]
 
 

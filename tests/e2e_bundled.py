@@ -51,7 +51,7 @@ def start_workers(procs: ProcessGroup, names: list[str], *, num_kv_blocks: int =
     out = {}
     for name in names:
         port, kv, replay = free_port(), free_port(), free_port()
-        cmd = [PYTHON, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
                "--block-size", str(BLOCK), "--num-kv-blocks", str(num_kv_blocks), "--cpu-threads", "1",
                "--max-model-len", "8192", "--log-level", "warning",
                # vLLM's convention: the publisher binds a wildcard address, the gateway connects

@@ -1,4 +1,4 @@
-"""mesh.app in-process: lifespan hooks, state on app.state, OpenAPI, the FastAPI fallback path."""
+"""mesh.gateway.app in-process: the lifespan, state on app.state, OpenAPI, the FastAPI fallback path."""
 
 from __future__ import annotations
 
@@ -7,28 +7,22 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from mesh.app import Gateway, create_app
+from mesh.gateway.app import Gateway, create_app
+from mesh.gateway.proxy import Proxy
 from mesh.config import parse_config
-from mesh.index import PrefixIndex
+from mesh.core.index import PrefixIndex
 
 
-async def test_lifespan_runs_hooks_with_the_pool_open() -> None:
+async def test_the_lifespan_builds_the_data_plane_and_takes_it_down() -> None:
     app = create_app(parse_config({}))
     gateway: Gateway = app.state.gateway
-    seen: list[tuple[str, bool]] = []
-
-    async def start(gw: Gateway) -> None:
-        seen.append(("start", gw.http is not None and gw.proxy is not None))
-
-    async def stop(gw: Gateway) -> None:
-        seen.append(("stop", gw.http is not None))
-
-    gateway.on_start.append(start)
-    gateway.on_stop.append(stop)
+    assert gateway.proxy is None and gateway.http is None and gateway.shared is None
     async with app.router.lifespan_context(app):
+        assert type(gateway.proxy) is Proxy and gateway.proxy.pool is gateway.http
+        assert gateway.ingest.subscriber is not None  # KV event ingestion runs
         assert len(gateway.tasks) == 1  # housekeeping (health checks, session expiry)
-    assert seen == [("start", True), ("stop", True)]
     assert gateway.http is None and gateway.proxy is None and not gateway.tasks
+    assert gateway.ingest.subscriber is None
 
 
 def test_router_shares_the_registry_targets_and_the_index() -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from workers.attention import get_backend
-from workers.attention.torch_backend import TorchBackend
+from workers.model.attention import get_backend
+from workers.model.attention.torch_backend import TorchBackend
 
 
 @dataclass(frozen=True)

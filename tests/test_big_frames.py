@@ -1,8 +1,8 @@
 """One huge live KV event frame, over real processes: a gateway keeps answering while it applies it.
 
-A ~12 MiB EventBatch of ~85k BlockStored events (vLLM's map layout) took one uninterrupted ~3-5 s
-of the gateway's event loop to decode and apply, so every HTTP request stalled behind it. The
-subscriber now applies one frame in slices (``mesh.subscriber.KvEventSubscriber._apply_frame``).
+A ~12 MiB EventBatch of ~85k BlockStored events (vLLM's map layout) takes ~3-5 s to decode and
+apply; the subscriber applies one frame in slices (``mesh.events.subscriber.KvEventSubscriber._apply_frame``),
+so HTTP requests are answered between slices instead of stalling behind the whole frame.
 
 Shown against a real ``mesh serve`` process, a real echo worker and the vLLM-format publisher of
 ``tests/test_subscriber.py`` (real ZMQ): a ``/health`` request is answered between two
@@ -26,10 +26,10 @@ import msgspec
 import pytest
 import yaml
 
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
-from mesh.kv_events import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
-from mesh.subscriber import KvEventSubscriber, WorkerEvents
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.wire import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from tests.procs import ProcessGroup, free_port, wait_until
 from tests.test_subscriber import BATCH_LAYOUTS, EVENT_LAYOUTS, HASH_MODES, Publisher, encode_events
 
@@ -114,7 +114,7 @@ def test_a_huge_live_frame_is_applied_in_slices_while_the_gateway_answers(procs:
 
 
 async def test_a_frame_over_the_bound_is_dropped_as_lost_and_the_stream_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "mesh.subscriber")
+    caplog.set_level(logging.WARNING, "mesh.events.subscriber")
     pub = Publisher()
     index = PrefixIndex()
     sub = KvEventSubscriber(index, max_frame_bytes=64 << 10)

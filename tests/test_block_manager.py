@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mesh.keys import block_keys, namespace_seed
-from workers.block_manager import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
-from workers.sequence import SamplingParams, Sequence
+from mesh.core.keys import block_keys, namespace_seed
+from workers.engine.block_manager import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
+from workers.engine.sequence import SamplingParams, Sequence
 
 BS = 4
 SEED = namespace_seed("test-model")

@@ -1,8 +1,8 @@
 """``simulator.block_text.BlockText`` spells block keys as characters for text-based
-policies in ``mesh simulate``. Codes were plain code points in order of first sight, so the
-55,297th distinct key became a lone surrogate (U+D800): the request's ``text`` could not be
-encoded, and a policy that hashes or encodes it (a plugin's consistent hash, any UTF-8 use)
-raised UnicodeEncodeError mid-simulation. Codes now skip the surrogate range."""
+policies in ``mesh simulate``. Codes are code points in order of first sight that skip the
+surrogate range (U+D800..U+DFFF), so the 55,297th distinct key and every later one are
+encodable: a policy that hashes or encodes the request's ``text`` (a plugin's consistent hash,
+any UTF-8 use) never meets a lone surrogate mid-simulation."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A reload that removes several workers unbinds all their sessions in one pass over the table.
 
-``mesh.registry.WorkerRegistry.reconfigure`` removed workers one by one, and the gateway's
-housekeeping listener scanned the whole session table once per removed worker (100 workers at 1M
-sessions: 100 full scans). Removals of one reload are now one event (``remove_many``), heard once
-by listeners that define ``on_workers_removed``; ``SessionTable.scans`` counts the passes.
+The removals of one reload (``mesh.cluster.registry.WorkerRegistry.reconfigure``) are one event
+(``remove_many``), heard once by listeners that define ``on_workers_removed``, so the gateway's
+housekeeping listener scans the session table once, not once per removed worker (100 workers at
+1M sessions would be 100 full scans); ``SessionTable.scans`` counts the passes.
 
 Shown in process (the real registry, listener and table; passes counted, never timed) and over a
 real gateway process with echo workers: sessions bound to the removed workers are unbound, the
@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import yaml
 
-from mesh.app import _Housekeeper
+from mesh.gateway.app import _Housekeeper
 from mesh.config import parse_config
-from mesh.index import PrefixIndex
-from mesh.registry import Worker, WorkerRegistry
-from mesh.sessions import SessionTable
+from mesh.core.index import PrefixIndex
+from mesh.cluster.registry import Worker, WorkerRegistry
+from mesh.core.sessions import SessionTable
 from tests.procs import ProcessGroup, free_port
 
 POLICY = {"policy": {"name": "session_sticky", "params": {"inner": "round_robin"}}}  # spreads new sessions
@@ -70,7 +70,7 @@ def test_a_reload_removing_several_workers_scans_the_session_table_once() -> Non
     keep = ["w0", "w3", "w7"]
     reg.reconfigure(parse_config(config(keep)))
     assert sorted(reg.workers) == keep
-    assert table.scans == 1  # one pass for the 6 workers (7 targets) removed, was one per worker
+    assert table.scans == 1  # one pass for the 6 workers (7 targets) removed, not one per worker
     assert sorted(per_worker.removed) == sorted([*set(names) - set(keep), "dp"])
     for sid, tid in bound.items():
         assert table.bound_target(sid, now=2.0) == (tid if tid in keep else None), sid

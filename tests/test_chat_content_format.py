@@ -2,9 +2,9 @@
 auto``): a template that loops over a message's content ("openai") gets the text parts as a list of
 ``{"type": "text", "text": ...}``; any other ("string") gets them joined with "\\n".
 
-Was: every template got strings, so a template looping over ``message['content']`` (Llama 3.x
-vision, Mistral, Gemma, Qwen3.5 shapes) iterated characters and rendered no text at all: the
-gateway's prompt, hence every block key, was not the engine's. Oracle: ``transformers``'
+A template looping over ``message['content']`` (Llama 3.x vision, Mistral, Gemma, Qwen3.5
+shapes) given strings would iterate characters and render no text at all: the gateway's prompt,
+hence every block key, would not be the engine's. Oracle: ``transformers``'
 ``apply_chat_template`` (what vLLM calls) given the conversation in the form vLLM's
 ``_parse_chat_message_content`` builds (rebuilt here from vLLM's code, not through mesh), and a
 bundled worker serving a real checkpoint with a content-looping template, over real processes.
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from mesh.chat import ChatOptions, ChatRenderer, detect_content_format
+from mesh.request.chat import ChatOptions, ChatRenderer, detect_content_format
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_http
 from tests.test_prompt_path import CHATML, build_tokenizer
 
@@ -153,7 +153,7 @@ def test_gateway_and_a_worker_count_a_content_looping_templates_prompt_alike(pro
 
     model = _tiny_checkpoint(tmp_path / "model", PARTS)
     port = free_port()
-    cmd = [PYTHON, "-m", "workers.cli", "--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1",
+    cmd = [PYTHON, "-m", "workers.server.cli", "--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--block-size", "16", "--num-kv-blocks", "256",
            "--cpu-threads", "1", "--max-model-len", "2048", "--log-level", "warning"]
     worker = procs.start(cmd, name="cf-worker", port=port)
@@ -168,7 +168,7 @@ def test_gateway_and_a_worker_count_a_content_looping_templates_prompt_alike(pro
                              add_special_tokens=False))
     as_strings = len(hf.encode(hf_render(PARTS, vllm_conversation(MESSAGES, "string"), model, add_generation_prompt=True),
                                add_special_tokens=False))
-    assert expected != as_strings  # the old rendering counted another prompt
+    assert expected != as_strings  # rendering strings counts another prompt
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     with httpx.Client(timeout=60) as http:
         routed = http.post(gateway.url + "/debug/route", json=body)

@@ -2,9 +2,9 @@
 ``documents``, ``chat_template_kwargs`` (Qwen3's ``enable_thinking``), ``add_generation_prompt``,
 ``continue_final_message``, and ``add_special_tokens`` (a Llama BOS on completions).
 
-Was: the gateway ignored them all, so an agent's request with tools (the tool block opens the
-prompt) or a completion through a BOS-adding tokenizer hashed to keys that matched no engine's
-cache from block 0. Oracle: ``transformers`` (what vLLM calls), with tools dumped by pydantic
+A gateway ignoring them would hash an agent's request with tools (the tool block opens the
+prompt) or a completion through a BOS-adding tokenizer to keys that match no engine's cache from
+block 0. Oracle: ``transformers`` (what vLLM calls), with tools dumped by pydantic
 models shaped like vLLM's ``ChatCompletionToolsParam``; and the bundled worker's ``/tokenize``
 against the gateway's ``/debug/route`` over real processes.
 """
@@ -19,11 +19,11 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from mesh.chat import ChatOptions, ChatRenderer, ChatTemplateError
+from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError
 from mesh.config import WorkerConfig, parse_config
-from mesh.prompt import PromptProcessor
-from mesh.registry import WorkerRegistry
-from mesh.tokenizer import HFTokenizer
+from mesh.request.prompt import PromptProcessor
+from mesh.cluster.registry import WorkerRegistry
+from mesh.request.tokenizer import HFTokenizer
 from tests.e2e_bundled import start_workers, write_config
 from tests.procs import ProcessGroup, free_port, wait_until
 from tests.test_prompt_path import build_tokenizer

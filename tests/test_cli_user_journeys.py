@@ -22,8 +22,8 @@ def mesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_mesh_up_takes_an_example_policy_file(procs: ProcessGroup) -> None:
-    """``mesh simulate --policy examples/pipeline.yaml`` works; ``mesh up --policy`` with the same
-    file refused to start: "unknown policy 'examples/pipeline.yaml'"."""
+    """``mesh up --policy`` takes the same policy file as ``mesh simulate --policy``
+    (``examples/pipeline.yaml``), not a policy name ("unknown policy 'examples/pipeline.yaml'")."""
     port = free_port()
     up = procs.start([PYTHON, "-m", "mesh", "up", "--engine", "echo", "--workers", "2", "--port", str(port),
                       "--policy", "examples/pipeline.yaml"], name="up", port=port)
@@ -36,7 +36,8 @@ def test_mesh_up_takes_an_example_policy_file(procs: ProcessGroup) -> None:
 
 
 def test_mesh_up_and_simulate_refuse_an_undecodable_policy_file(tmp_path: Path) -> None:
-    """A policy file that is not UTF-8 was a UnicodeDecodeError traceback out of mesh simulate."""
+    """A policy file that is not UTF-8 is an error line (exit 2) in mesh up and mesh simulate, not a
+    UnicodeDecodeError traceback."""
     bad = tmp_path / "p.yaml"
     bad.write_bytes(b"\xff\xfepolicy: x\n")
     trace = ROOT / "examples" / "traces" / "agent_sessions.jsonl"
@@ -48,8 +49,8 @@ def test_mesh_up_and_simulate_refuse_an_undecodable_policy_file(tmp_path: Path) 
 
 
 def test_config_validate_names_the_policy_and_documents_its_argument() -> None:
-    """Every example but round_robin.yaml validated as 'policy custom' (a {name: ...} spec), and
-    ``mesh config validate --help`` said nothing about FILE."""
+    """An example config validates under its policy's name (``policy pipeline``), not as 'policy
+    custom' (a {name: ...} spec), and ``mesh config validate --help`` documents FILE."""
     proc = mesh("config", "validate", "examples/pipeline_pd.yaml")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "OK: examples/pipeline_pd.yaml (4 workers, policy pipeline)"
@@ -60,8 +61,8 @@ def test_config_validate_names_the_policy_and_documents_its_argument() -> None:
 
 
 def test_help_says_what_mesh_is_and_a_bad_flag_shows_the_subcommands_usage() -> None:
-    """``mesh --help`` showed an internal docstring; ``mesh simulate T --bogus`` printed the root
-    usage (``mesh [-h] COMMAND ...``) instead of simulate's."""
+    """``mesh --help`` says what Mesh is (not an internal docstring); ``mesh simulate T --bogus``
+    prints simulate's usage, not the root usage (``mesh [-h] COMMAND ...``)."""
     top = mesh("--help")
     assert top.returncode == 0 and "cache-aware router" in top.stdout
     bad = mesh("simulate", "trace.jsonl", "--bogus")

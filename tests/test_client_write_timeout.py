@@ -1,9 +1,9 @@
 """``server.client_write_timeout_s``: a client that stops reading is abandoned once one write to it
 has waited that long, in the ordinary and the disaggregated path, over real processes.
 
-Was: a hung client (socket open, never reading) held its worker's slot (in-flight count, context
-tokens, an admission slot) until ``request_timeout_s``, an hour by default, and the handler stayed
-parked on the client after that. Now the write that blocks past the timeout ends the request:
+A hung client (socket open, never reading) does not hold its worker's slot (in-flight count,
+context tokens, an admission slot) until ``request_timeout_s``, an hour by default: the write that
+blocks past the timeout ends the request:
 the upstream exchange is closed (the worker stops generating), the lease ends (the load returns to
 zero), the client's connection is dropped, ``mesh_client_write_timeouts_total`` counts it and a
 warning is logged; the worker's health is untouched (the client was slow, not the worker). A

@@ -1,6 +1,6 @@
 """A config path that names a FIFO (or a device) is refused at once, never waited on: opening a
 FIFO for reading blocks until a writer comes, and a reload runs on the gateway's event loop, so a
-config swapped for a FIFO hung the whole gateway (``/health`` included) at the next SIGHUP.
+config swapped for a FIFO would hang the whole gateway (``/health`` included) at the next SIGHUP.
 Real gateway process, real FIFO."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_a_reload_from_a_fifo_is_refused_and_the_gateway_keeps_answering(procs: 
     config.unlink()
     os.mkfifo(config)
     with httpx.Client(base_url=gateway.url, timeout=10) as http:
-        resp = http.post("/admin/reload", headers=ADMIN)  # was: no answer, the loop blocked in open()
+        resp = http.post("/admin/reload", headers=ADMIN)  # answered: the loop never blocks in open()
         assert resp.status_code == 400 and "regular file" in resp.json()["error"]["message"]
         os.kill(gateway.pid, signal.SIGHUP)
         wait_until(lambda: http.get("/health").status_code == 200, what="the gateway answering after SIGHUP")

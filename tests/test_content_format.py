@@ -1,11 +1,11 @@
 """``chat_template_content_format`` (vLLM's ``--chat-template-content-format``): forced per worker
 pool in the gateway's config and per bundled worker by a flag, over real processes.
 
-Was: the format was always detected from the template (``auto``), with no way to force it as a
-vLLM deployment run with ``--chat-template-content-format string|openai`` does; such an engine
-renders another prompt than the gateway, so no block key matched its cache. Now ``auto`` keeps
-the detection, ``string``/``openai`` force it, in the gateway (``/debug/route``'s prompt_tokens)
-and in the bundled worker (``/tokenize``, a served request's usage) alike. The oracle is
+A vLLM deployment run with ``--chat-template-content-format string|openai`` renders another
+prompt than detection from the template would, so the gateway must force the same format for its
+block keys to match that engine's cache: ``auto`` keeps the detection, ``string``/``openai``
+force it, in the gateway (``/debug/route``'s prompt_tokens) and in the bundled worker
+(``/tokenize``, a served request's usage) alike. The oracle is
 transformers' ``apply_chat_template`` given the conversation vLLM builds for that format.
 """
 
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from mesh.chat import DEFAULT_CHAT_TEMPLATE
+from mesh.request.chat import DEFAULT_CHAT_TEMPLATE
 from mesh.config import ConfigError, parse_config
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 from tests.test_chat_content_format import MESSAGES, PARTS, hf_render, vllm_conversation
@@ -62,7 +62,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     port = free_port()
-    cmd = [PYTHON, "-m", "workers.cli", "--preset", "tiny", "--served-model-name", "tiny", "--host", "127.0.0.1",
+    cmd = [PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--served-model-name", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--num-kv-blocks", "128", "--cpu-threads", "1", "--max-model-len", "1024",
            "--log-level", "warning", "--chat-template-content-format", "openai"]
     worker = module_procs.start(cmd, name="tiny-openai", port=port)
@@ -112,11 +112,11 @@ def test_a_bad_value_is_a_config_error_that_names_the_field() -> None:
 
 
 def test_a_bad_worker_flag_is_refused_before_loading_anything() -> None:
-    from mesh.chat import CONTENT_FORMATS
-    from workers.cli import CONTENT_FORMATS as FLAG_CHOICES
+    from mesh.request.chat import CONTENT_FORMATS
+    from workers.server.cli import CONTENT_FORMATS as FLAG_CHOICES
 
     assert FLAG_CHOICES == CONTENT_FORMATS  # the CLI keeps its own copy (no jinja2 import at --help)
-    done = subprocess.run([PYTHON, "-m", "workers.cli", "--chat-template-content-format", "jinja"],
+    done = subprocess.run([PYTHON, "-m", "workers.server.cli", "--chat-template-content-format", "jinja"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--chat-template-content-format" in done.stderr and "invalid choice: 'jinja'" in done.stderr, done.stderr

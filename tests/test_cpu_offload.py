@@ -26,9 +26,9 @@ import httpx
 import pytest
 import torch
 
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
-from mesh.subscriber import KvEventSubscriber, WorkerEvents
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from policies.base import Overlap, Tier
 from tests.disagg_cluster import (
     Cluster,
@@ -41,12 +41,12 @@ from tests.disagg_cluster import (
     wait_for,
 )
 from tests.procs import ProcessGroup, free_port
-from workers.block_manager import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
+from workers.engine.block_manager import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
 from workers.config import EngineConfig, get_preset
-from workers.engine import LLMEngine
-from workers.model import build_model
-from workers.scheduler import ScheduledBatch
-from workers.sequence import SamplingParams
+from workers.engine.llm_engine import LLMEngine
+from workers.model.decoder import build_model
+from workers.engine.scheduler import ScheduledBatch
+from workers.engine.sequence import SamplingParams
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -1,6 +1,6 @@
 """/debug/route decides as the proxy routes: a target at its admission limit (max_in_flight) is
 left out of the view. The built-in policies skip full targets themselves; a plugin that does not
-was shown routing to the full target in /debug/route while the real request went elsewhere."""
+is shown routing where the real request goes, never to the full target."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def test_debug_route_leaves_out_a_full_target_as_routing_does(procs: ProcessGrou
 
 
 def test_debug_route_previews_without_drawing_the_policys_ties(procs: ProcessGroup, tmp_path: Path) -> None:
-    """A preview leaves the policy as it found it (mesh.preview): kv_aware's random tie-break and
-    round_robin's cursor. Each preview names where the next identical request really goes (the
-    tie-break draw of the preview was the live request's draw, so about half went elsewhere)."""
+    """A preview leaves the policy as it found it (mesh.core.preview): kv_aware's random tie-break and
+    round_robin's cursor. Each preview names where the next identical request really goes (a
+    preview never consumes the live request's tie-break draw)."""
     e0, e1, e2 = (procs.echo_worker(n) for n in ("e0", "e1", "e2"))
     workers = [{"name": n, "url": p.url, "models": ["echo"]} for n, p in (("e0", e0), ("e1", e1), ("e2", e2))]
     body = {"model": "echo", "prompt": "x", "max_tokens": 1}  # shorter than a block: no prefix, all tie

@@ -1,5 +1,5 @@
 """Prefill -> decode disaggregation end to end on loopback: real worker processes
-(``workers.disagg_server``, tiny preset, CPU), the gateway relay (``mesh.disagg``) and a
+(``workers.transfer.disagg_server``, tiny preset, CPU), the gateway relay (``mesh.gateway.disagg_relay``) and a
 ``Router`` with a prefill/decode pipeline, driven from the test process.
 
 Every test ends with no leaked, pinned or in-use block, no live transfer and no pending
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, prefill_body
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, prefill_body
 from policies.base import Decision
 from tests.disagg_cluster import (
     Cluster,
@@ -35,8 +35,8 @@ from tests.disagg_cluster import (
     wait_for,
 )
 from tests.procs import ProcessGroup, kill_process
-from workers.kv_ipc import lease_blocks
-from workers.kv_layout import Layout, TransferError
+from workers.transfer.kv_ipc import lease_blocks
+from workers.transfer.kv_layout import Layout, TransferError
 
 CHAT_PATH = "/v1/chat/completions"
 POOL = ["p0", "p1", "d0", "d1"]
@@ -314,7 +314,7 @@ async def test_no_pair_answers_an_error_not_a_hang(cluster: Cluster) -> None:
 
 
 async def test_an_ipc_read_lease_keeps_blocks_pinned_until_the_peer_is_done(cluster: Cluster) -> None:
-    """The read lease a same-host peer holds while it copies blocks GPU to GPU (``workers.kv_ipc``),
+    """The read lease a same-host peer holds while it copies blocks GPU to GPU (``workers.transfer.kv_ipc``),
     over the prefill worker's real TCP port: it answers the authoritative block ids, a release
     during the lease waits for it, a lease for other keys or a released transfer is refused."""
     p0 = cluster.workers["p0"].url

@@ -1,10 +1,10 @@
 """The disaggregated relay charges a worker's 5xx answers as the ordinary proxy does (one rule,
-``mesh.proxy.status_verdict``), for prefill and decode workers alike, over real processes: a
+``mesh.gateway.proxy.status_verdict``), for prefill and decode workers alike, over real processes: a
 ``mesh serve`` gateway with echo workers (an echo prefill answers without ``kv_transfer_params``:
 the relay's fallback) and raw-socket fake workers answering one status to every request.
 
-- 502/503/504: a failure of the worker's at once, and the request is retried elsewhere (was: no
-  worker charged, so a prefill worker answering 503 to everything kept getting traffic);
+- 502/503/504: a failure of the worker's at once, and the request is retried elsewhere (a prefill
+  worker answering 503 to everything has its circuit opened and stops getting traffic);
 - 500: retried, and charged only once another worker of that role serves the request; a 500 from
   every worker charges none, and the client gets the last one in the OpenAI shape, naming it;
 - a relay cut by the gateway's shutdown answers its 503 without waiting on its transfer's
@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mesh.disagg import Releases, relay_disaggregated
-from mesh.router import Router
+from mesh.gateway.disagg_relay import Releases, relay_disaggregated
+from mesh.core.router import Router
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 from tests.fake_http import start_fake
@@ -109,8 +109,8 @@ def post(gateway: Proc, stream: bool) -> httpx.Response:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_worker_answering_503_to_everything_has_its_circuit_opened(procs: ProcessGroup, tmp_path: Path,
                                                                       role: str) -> None:
-    """The relay charged no worker for a 5xx: a worker answering 503 to every request never
-    reached its failure threshold and kept getting (and failing) a share of the requests."""
+    """The relay charges a worker for a 503: one answering 503 to every request reaches its
+    failure threshold and stops getting (and failing) a share of the requests."""
     workers = pair_workers(procs, role, {"bad": "status:503"})
     gateway, _ = pd_gateway(procs, tmp_path, workers, threshold=2)
     bad = workers["bad"][0]
@@ -132,7 +132,7 @@ def test_a_worker_answering_503_to_everything_has_its_circuit_opened(procs: Proc
 def test_a_500_is_charged_once_another_worker_serves_the_request(procs: ProcessGroup, tmp_path: Path,
                                                                  role: str) -> None:
     """A 500 may be the request's fault, so it is charged only when another worker of the same
-    role then serves the request (the proxy's rule); the relay never charged it."""
+    role then serves the request (the proxy's rule, which the relay follows)."""
     workers = pair_workers(procs, role, {"bad": "status:500"})
     gateway, _ = pd_gateway(procs, tmp_path, workers)  # threshold 1: one charge opens the circuit
     for i in range(30):
@@ -168,10 +168,10 @@ def test_a_500_from_every_worker_charges_none_and_reaches_the_client(procs: Proc
 
 
 def test_a_hung_prefill_release_does_not_hold_the_shutdown_answer(procs: ProcessGroup, tmp_path: Path) -> None:
-    """A relay ended by the shutdown timeout awaited its transfer's release at the prefill worker
-    (up to 5 s) before answering its client: a hung prefill worker held the 503 past uvicorn's
-    last resort, which cut the client off. Now the release runs in the background, owned by the
-    relay and ended at the gateway's exit."""
+    """A relay ended by the shutdown timeout answers its client's 503 without awaiting its
+    transfer's release at the prefill worker (up to 5 s; a hung prefill worker would hold the 503
+    past uvicorn's last resort, which cuts the client off): the release runs in the background,
+    owned by the relay and ended at the gateway's exit."""
     p0 = fake_worker(procs, "p0", "hang-release")
     d0 = procs.echo_worker("d0", "--first-token-delay-s", "30")
     gateway, port = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")},
@@ -222,8 +222,9 @@ async def test_releases_close_cancels_a_hung_release_and_drops_later_ones() -> N
 
 
 async def test_a_stream_cut_by_closing_the_relay_client_ends_with_the_shutdown_error(procs: ProcessGroup) -> None:
-    """``RelayResponse.body()`` (bench/disagg.py reads it) named the decode worker as failed for
-    a stream broken by its caller closing the relay's client (the gateway's shutdown)."""
+    """``RelayResponse.body()`` (bench/disagg.py reads it) says "shutting down" for a stream broken
+    by its caller closing the relay's client (the gateway's shutdown), not that the decode worker
+    failed."""
     p0 = procs.echo_worker("p0")
     d0 = procs.echo_worker("d0", "--token-delay-s", "0.05", "--repeat", "200")
     policy = create_policy(PD_POLICY)

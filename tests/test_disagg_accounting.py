@@ -7,11 +7,12 @@ relay's mock cluster for the per-code matrix):
   connection, or it broke: the prefill's transfer server or the network between) once the same
   decode worker then takes another prefill worker's transfer for the request; ``kv_transfer_gone``
   (released before the pull: a deadline, a cancel) never. A prefill answer is its worker's success
-  only once its transfer was taken (was: a success at its 200, so a prefill worker whose transfer
-  server is dead was never charged and kept getting traffic);
-- when every transfer fails, the error names the last pair (was: no worker header);
+  only once its transfer was taken, not at its 200, so a prefill worker whose transfer server is
+  dead is charged and stops getting traffic;
+- when every transfer fails, the error names the last pair (``x-mesh-worker`` and
+  ``x-mesh-prefill-worker``);
 - a decode stream that closes before any data, and a non-streamed decode 200 with an empty body,
-  are the decode worker's failures, retried elsewhere (was: not charged; the empty 200 reached
+  are the decode worker's failures, charged and retried elsewhere (the empty 200 never reaches
   the client as a success);
 - every prefill worker answering 429: the client gets the worker's own ``retry-after``.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mesh.disagg import RelayConfig, RelayError, relay_disaggregated
+from mesh.gateway.disagg_relay import RelayConfig, RelayError, relay_disaggregated
 from policies.base import Decision
 from tests.fake_http import start_fake
 from tests.procs import Proc, ProcessGroup
@@ -110,8 +111,8 @@ def post(gateway: Proc, stream: bool) -> httpx.Response:
 
 def test_a_prefill_worker_whose_transfers_fail_has_its_circuit_opened(procs: ProcessGroup, tmp_path: Path) -> None:
     """The decode worker cannot pull from "bad" (its transfer server is dead: kv_transfer_failed)
-    and pulls from "good" fine. Was: "bad" was a success at each prefill 200 and never charged,
-    so it kept getting traffic, each request paying a wasted prefill, a failed pull and a new pair."""
+    and pulls from "good" fine. "bad" is charged, not credited at each prefill 200, so its circuit
+    opens and requests stop paying a wasted prefill, a failed pull and a new pair on it."""
     workers = {"bad": (fake(procs, "bad", "prefill"), "prefill"), "good": (fake(procs, "good", "prefill"), "prefill"),
                "d0": (fake(procs, "d0", "decode:502:kv_transfer_failed:bad"), "decode")}
     gateway, _ = pd_gateway(procs, tmp_path, workers, threshold=2)
@@ -215,8 +216,8 @@ async def test_a_failed_pull_is_not_charged_when_another_decode_worker_serves() 
 
 
 async def test_every_transfer_failing_charges_no_prefill_and_credits_none() -> None:
-    """The reviewer's S13: three prefill workers, every transfer to d0 fails. Was: each recorded
-    as a success; the error named no worker."""
+    """Three prefill workers, every transfer to d0 fails: none is recorded as a success (nor
+    charged), and the error names the pair and every prefill worker tried."""
     w = Workers()
     for p in ("p0", "p1", "p2"):
         w.on(p, vllm_prefill())
@@ -257,7 +258,7 @@ async def test_a_prefill_200_without_json_is_charged_and_another_pair_serves() -
 def test_an_empty_decode_answer_is_retried_and_charged(procs: ProcessGroup, tmp_path: Path, stream: bool) -> None:
     """A decode worker answering 200 with nothing (a stream closing before any data; a JSON answer
     with an empty body) is a failure of its own at once, and another decode worker answers, as the
-    proxy treats it. Was: the stream was retried uncharged; the empty 200 reached the client."""
+    proxy treats it; the empty 200 never reaches the client."""
     workers = {"p0": (fake(procs, "p0", "prefill"), "prefill"), "empty": (fake(procs, "empty", "empty"), "decode"),
                "good": (fake(procs, "good", "decode:502:kv_transfer_failed:nobody"), "decode")}
     gateway, _ = pd_gateway(procs, tmp_path, workers)  # threshold 1
@@ -278,7 +279,7 @@ def test_an_empty_decode_answer_is_retried_and_charged(procs: ProcessGroup, tmp_
 def test_an_answer_past_64_mib_is_the_workers_failure_not_the_gateways_memory(procs: ProcessGroup, tmp_path: Path,
                                                                                role: str) -> None:
     """A worker answering a non-streamed body without end (here 65 MiB) is cut at the proxy's bound
-    (``MAX_ANSWER_BYTES``), charged, and another worker answers. Was: read whole, unbounded."""
+    (``MAX_ANSWER_BYTES``), never read whole; it is charged, and another worker answers."""
     good = "prefill" if role == "prefill" else "decode:502:kv_transfer_failed:nobody"
     workers = {"huge": (fake(procs, "huge", "huge"), role), "good": (fake(procs, "good", good), role)}
     other = "prefill" if role == "decode" else "decode"
@@ -299,7 +300,7 @@ def test_an_answer_past_64_mib_is_the_workers_failure_not_the_gateways_memory(pr
 
 def test_every_prefill_429_forwards_the_workers_retry_after(procs: ProcessGroup, tmp_path: Path) -> None:
     """Every prefill worker is busy: the client gets the last one's 429 with its own retry-after
-    (as the proxy forwards a worker's headers), naming it; no circuit opens. Was: the name only."""
+    (as the proxy forwards a worker's headers), not the worker's name alone; no circuit opens."""
     workers = {"b0": (fake(procs, "b0", "busy:7"), "prefill"), "b1": (fake(procs, "b1", "busy:7"), "prefill"),
                "d0": (fake(procs, "d0", "decode:502:kv_transfer_failed:nobody"), "decode")}
     gateway, _ = pd_gateway(procs, tmp_path, workers)

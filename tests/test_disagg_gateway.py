@@ -1,5 +1,5 @@
-"""``mesh.disagg_gateway``: the gateway app (``mesh.app.create_app``, in process; a config with
-worker roles attaches the disaggregation hook) serves requests through a (prefill, decode) pair of real worker processes,
+"""``mesh.gateway.disagg_proxy``: the gateway app (``mesh.gateway.app.create_app``, in process; a config with
+worker roles builds the disaggregated proxy) serves requests through a (prefill, decode) pair of real worker processes,
 answering one ordinary OpenAI response; without prefill/decode profiles it proxies as usual."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mesh import disagg_gateway
-from mesh.app import create_app
+from mesh.gateway import disagg_proxy
+from mesh.gateway.app import create_app
 from mesh.config import parse_config
 from tests.disagg_cluster import PD_POLICY, Cluster, assert_no_leaks, completion, direct, parse_answer, prompt_tokens, status
 from tests.procs import ProcessGroup, free_port, wait_http
@@ -36,10 +36,10 @@ def _config(cluster: Cluster, policy: Any) -> Any:
 
 @contextlib.asynccontextmanager
 async def _gateway(cluster: Cluster, policy: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(_config(cluster, policy))  # workers with roles: build_gateway attaches the relay
+    app = create_app(_config(cluster, policy))  # workers with roles: the lifespan builds a DisaggProxy
     gateway = app.state.gateway
     async with app.router.lifespan_context(app):
-        assert isinstance(gateway.proxy, disagg_gateway.DisaggProxy)
+        assert isinstance(gateway.proxy, disagg_proxy.DisaggProxy)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh", timeout=120) as client:
             yield client
 

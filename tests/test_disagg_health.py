@@ -1,7 +1,7 @@
 """The disaggregated relay reports its attempts to the workers' passive health, as the mixed-mode
 proxy does: a decode worker that dies (connections refused) has its circuit opened by the
-requests that met it, so routing leaves it before the next health round. Was: the relay never
-reported, so only the active health check (here an hour away) could take the dead worker out."""
+requests that met it, so routing leaves it before the next health round, without waiting for
+the active health check (here an hour away)."""
 
 from __future__ import annotations
 

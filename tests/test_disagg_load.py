@@ -185,9 +185,9 @@ def short_ttl(cluster: Cluster, module_procs: ProcessGroup) -> Iterator[httpx.Cl
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_session_is_not_idle_while_its_disaggregated_request_runs(short_ttl: httpx.Client, stream: bool) -> None:
-    # The decode lease is committed without the session (bound at the first bytes instead), so
-    # its end did not restart the session's idle time: a turn longer than idle_ttl_s (150 words
-    # at 0.01 s against 1 s) came back to no binding, and its next turn was routed fresh.
+    # The decode lease is committed without the session (bound at the first bytes instead); its
+    # end still restarts the session's idle time: after a turn longer than idle_ttl_s (150 words
+    # at 0.01 s against 1 s) the binding is there, and the next turn goes to the same worker.
     session = f"pd-long-{stream}"
     body = {"model": "m", "prompt": " ".join(f"w{i}" for i in range(150)), "max_tokens": 150, "stream": stream}
     with short_ttl.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as resp:
@@ -200,10 +200,9 @@ def test_a_session_is_not_idle_while_its_disaggregated_request_runs(short_ttl: h
 
 
 def test_a_decode_worker_at_its_in_flight_limit_takes_no_second_request(cluster: Cluster, module_procs: ProcessGroup) -> None:
-    # The gateway's admission limit (max_in_flight) held for the ordinary path only: the relay
-    # committed a decode lease on a worker already at its limit, so a decode worker with
-    # max_in_flight 1 served two requests at once. Now a worker at its limit counts as one that
-    # refused admission: the request waits in the decode queue for headroom.
+    # The gateway's admission limit (max_in_flight) holds for the relay too: a decode worker at
+    # its limit counts as one that refused admission, so one with max_in_flight 1 never serves
+    # two requests at once; the request waits in the decode queue for headroom.
     config = {"server": {"admin_key": "adm", "request_timeout_s": 30}, "health": {"interval_s": 60}, "policy": PD_POLICY,
               "workers": [{"name": "p0", "url": cluster.workers["p0"].url, "models": ["m"], "role": "prefill"},
                           {"name": "d0", "url": cluster.workers["d0"].url, "models": ["m"], "role": "decode",
@@ -236,8 +235,8 @@ def test_a_decode_worker_at_its_in_flight_limit_takes_no_second_request(cluster:
 
 
 def test_a_prefill_worker_at_its_in_flight_limit_takes_no_second_request(cluster: Cluster, module_procs: ProcessGroup) -> None:
-    # The pair was decided without the gateway's admission limits: a prefill worker with
-    # max_in_flight 1 took a second request while its first prefill ran. Now a request every
+    # The pair is decided within the gateway's admission limits: a prefill worker with
+    # max_in_flight 1 takes no second request while its first prefill runs; a request every
     # prefill worker of which is full is answered 429 with Retry-After, as on the ordinary path.
     config = {"server": {"admin_key": "adm", "request_timeout_s": 30}, "health": {"interval_s": 60}, "policy": PD_POLICY,
               "workers": [{"name": "p0", "url": cluster.workers["p0"].url, "models": ["m"], "role": "prefill",

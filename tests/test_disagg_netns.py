@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mesh.index import PrefixIndex
-from mesh.subscriber import KvEventSubscriber, WorkerEvents
+from mesh.core.index import PrefixIndex
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from policies.base import Decision
 from tests.disagg_cluster import (
     MODEL,

@@ -1,7 +1,8 @@
 """A request the prefill/decode policy keeps on one decode worker ("prefill locally") is served
-by that worker, never by a prefill worker. Was: the gateway's ordinary path decided a second
-time; a policy whose second answer named a pair (a random tie-break in the decode profile) had the
-WHOLE request run on the pair's prefill worker (``Decision.served_whole``)."""
+by that worker, never by a prefill worker: the gateway's ordinary path commits that decision
+instead of deciding again (a second answer naming a pair, from a random tie-break in the decode
+profile, would run the WHOLE request on the pair's prefill worker), and a pair reaching the
+ordinary path is served whole by its decode worker (``Decision.served_whole``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``mesh.disagg``: the relay's contract and its retry, queue and lease rules, against workers
+"""``mesh.gateway.disagg_relay``: the relay's contract and its retry, queue and lease rules, against workers
 emulated by ``httpx.MockTransport`` (vLLM's P/D HTTP contract: a prefill with ``max_tokens: 1``
 and ``kv_transfer_params: {do_remote_decode: true}`` answers ``kv_transfer_params`` that the
 decode request carries back, both with one ``X-Request-Id``). Real processes: ``test_disagg.py``."""
@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from mesh.disagg import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
-from mesh.router import Router
-from mesh.sessions import SessionTable
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 

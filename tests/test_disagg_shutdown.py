@@ -1,4 +1,4 @@
-"""The disaggregated relay (``mesh.disagg``, ``mesh.disagg_gateway``) under the gateway's own
+"""The disaggregated relay (``mesh.gateway.disagg_relay``, ``mesh.gateway.disagg_proxy``) under the gateway's own
 shutdown and its other failure paths, over real processes: a ``mesh serve`` gateway with echo
 workers in prefill/decode roles (an echo prefill answers without ``kv_transfer_params``: the
 relay's fallback, whose leases and failure paths are the disaggregated ones).
@@ -81,9 +81,9 @@ def error_of(body: Any) -> dict[str, Any]:
 
 def test_a_relay_cut_by_the_shutdown_timeout_blames_the_gateway_not_its_workers(
         procs: ProcessGroup, tmp_path: Path) -> None:
-    """At the shutdown timeout the relay's streams (and its requests waiting on a worker) were not
-    ended by the gateway (only the ordinary proxy's pool was closed): uvicorn cancelled them and
-    the client's connection was cut, or, once they broke, each was charged to its worker."""
+    """At the shutdown timeout the gateway ends the relay's streams (and its requests waiting on a
+    worker) itself, as the ordinary proxy's: each client gets the shutdown error (an error event and
+    [DONE], or a 503), its connection is not cut by uvicorn, and no worker is charged."""
     p0 = procs.echo_worker("p0")
     d0 = procs.echo_worker("d0", "--token-delay-s", "0.2", "--repeat", "200")
     gateway, port = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, "--shutdown-timeout", "1")
@@ -164,10 +164,10 @@ def fake_worker(procs: ProcessGroup, name: str, mode: str) -> Proc:
 @pytest.mark.parametrize("mode", ["break-sse", "break-json"])
 def test_a_decode_worker_that_breaks_every_stream_opens_its_circuit(procs: ProcessGroup, tmp_path: Path,
                                                                     mode: str) -> None:
-    """The relay counted a decode stream's first bytes as its worker's success, which reset the
-    failures the breaks counted: a worker breaking every stream never reached the threshold (the
-    proxy counts a stream's success once it ended whole). A streamed answer that is not an event
-    stream was not charged at all when it broke."""
+    """The relay counts a decode stream as its worker's success once it ended whole, as the proxy
+    does, not at its first bytes (which would reset the failures the breaks counted), so a worker
+    breaking every stream reaches the threshold. A streamed answer that is not an event stream is
+    charged too when it breaks."""
     p0 = procs.echo_worker("p0")
     d0 = fake_worker(procs, "d0", mode)
     gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, threshold=2)
@@ -188,8 +188,9 @@ def test_a_decode_worker_that_breaks_every_stream_opens_its_circuit(procs: Proce
                                                       ("decode", "vllm-400", 400)])
 def test_a_workers_non_openai_error_reaches_the_client_in_the_openai_shape(
         procs: ProcessGroup, tmp_path: Path, role: str, mode: str, status: int) -> None:
-    """The relay answered a worker's error body as it came: vLLM's flat ``{"object": "error"}``, an
-    HTML page under ``content-type: application/json`` (the ordinary proxy rewraps them)."""
+    """The relay rewraps a worker's non-OpenAI error body in the OpenAI shape, as the ordinary
+    proxy does: vLLM's flat ``{"object": "error"}``, an HTML page under ``content-type:
+    application/json``."""
     fake = fake_worker(procs, "fake", mode)
     other = procs.echo_worker("echo")
     workers = {"fake": (fake, role), "echo": (other, "decode" if role == "prefill" else "prefill")}
@@ -205,7 +206,7 @@ def test_a_workers_non_openai_error_reaches_the_client_in_the_openai_shape(
 
 def test_a_relay_cut_at_the_request_timeout_counts_as_a_stream_error(procs: ProcessGroup, tmp_path: Path) -> None:
     """``mesh_stream_errors_total`` counts streams ended with an error event after the first byte:
-    the relay's request-timeout event was not counted (the proxy counts its own)."""
+    the relay's request-timeout event is counted, as the proxy counts its own."""
     p0 = procs.echo_worker("p0")
     d0 = procs.echo_worker("d0", "--token-delay-s", "0.2", "--repeat", "200")
     gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")},

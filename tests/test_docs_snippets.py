@@ -4,7 +4,7 @@ that is a Mesh config (a mapping with a top-level section such as `workers:`, `s
 every relative Markdown link there resolves.
 
 YAML's duplicate keys are refused here: PyYAML keeps the last one silently, so a block with three
-`policy:` lines (docs/policies.md had one) validated as its last line alone."""
+`policy:` lines would validate as its last line alone."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End to end (issue 4): precise cache-aware routing over real bundled workers and real KV events.
+"""End to end: precise cache-aware routing over real bundled workers and real KV events.
 
 Three tiny-preset worker processes publish their KV events over ZMQ; two gateway processes front
 them: one on the default policy (session-sticky over kv_aware) with speculative index entries off

@@ -1,4 +1,4 @@
-"""End to end (issue 5): session-sticky routing with idle expiry over real bundled workers.
+"""End to end: session-sticky routing with idle expiry over real bundled workers.
 
 Three tiny-preset workers (real processes, KV events over ZMQ) behind three gateway processes:
 ``main`` on the default policy (session_sticky over kv_aware), ``idle`` the same with a 1 s idle

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from workers.config import EngineConfig, get_preset
-from workers.engine import AsyncLLMEngine, LLMEngine
-from workers.model import build_model
-from workers.sequence import SamplingParams
+from workers.engine.llm_engine import AsyncLLMEngine, LLMEngine
+from workers.model.decoder import build_model
+from workers.engine.sequence import SamplingParams
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

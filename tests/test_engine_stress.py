@@ -1,18 +1,17 @@
-"""Seeded stress of the engine in-process (tiny preset, CPU) and the bugs it found.
-
-Each test is the smallest sequence that failed before its fix."""
+"""Seeded stress of the engine in-process (tiny preset, CPU), and the smallest sequences of the
+cases it exercises: each such test pins one rule of the scheduler and block manager."""
 
 from __future__ import annotations
 
 import torch
 import pytest
 
-from mesh.keys import block_keys, namespace_seed
-from workers.block_ops import BlockOps
+from mesh.core.keys import block_keys, namespace_seed
+from workers.transfer.block_ops import BlockOps
 from workers.config import EngineConfig, get_preset
-from workers.engine import LLMEngine
-from workers.model import build_model
-from workers.sequence import SamplingParams
+from workers.engine.llm_engine import LLMEngine
+from workers.model.decoder import build_model
+from workers.engine.sequence import SamplingParams
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -259,9 +258,10 @@ def test_seeded_stress_keeps_outputs_refcounts_events_and_cached_tokens(
 def test_one_token_prefill_chunk_is_not_run_as_a_decode_on_the_graph_path(
         model: torch.nn.Module, async_decode: bool, budget: int, chunk: int | None) -> None:
     """A step whose token budget (or the chunk size) leaves one token for a prefill in progress
-    scheduled that token as a "decode". The CUDA graph path computes a decode at the sequence's
-    *last* position (and samples from it): position 0 of a 5-token prompt ran as position 4 with
-    no context, sampled a bogus token, and the next step indexed past the block table."""
+    schedules that token as a prefill, not a "decode": the CUDA graph path computes a decode at the
+    sequence's *last* position (and samples from it), so position 0 of a 5-token prompt would run
+    as position 4 with no context, sample a bogus token, and the next step index past the block
+    table."""
     from tests.test_async_decode import _emulate_graphs
 
     prompt = [7, 3, 9, 1, 4]
@@ -282,7 +282,7 @@ async def test_async_loop_waits_for_the_unpin_then_serves_the_request(model: tor
     blocks streams nothing and is not aborted; the unpin (fire and forget) wakes the loop."""
     import asyncio
 
-    from workers.kv_transfer import TransferEngine
+    from workers.transfer.kv_transfer import TransferEngine
 
     eng = _engine(model)
     first = list(range(20))

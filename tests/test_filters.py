@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.index import PrefixIndex
+from mesh.core.index import PrefixIndex
 from policies.base import ClusterView, RequestInfo, Role, TargetState
 from policies.registry import PluginError, create
 

@@ -22,7 +22,7 @@ ADMIN = {"authorization": "Bearer admin-secret"}
 
 def alias_bomb(levels: int = 7) -> str:
     """A billion-laughs policy: a few hundred bytes that alias-expand to 9**levels strings (7: a
-    65 MB error message before the fix; 9 or 10 levels took all memory)."""
+    65 MB error message if expanded; 9 or 10 levels would take all memory)."""
     lines = ["policy:", "  name: round_robin", "  params:", "    junk:",
              "      - &l0 [" + ",".join(["laughlaugh"] * 9) + "]"]
     lines += [f"      - &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
@@ -63,7 +63,7 @@ def test_a_file_over_the_size_limit_is_refused_without_reading_it_all(tmp_path: 
     with huge.open("wb") as f:
         f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used
     with pytest.raises(ConfigError) as info:
-        load_config(huge)  # was read whole (/dev/zero, endless, is now refused as not a regular file)
+        load_config(huge)  # refused unread (/dev/zero, endless, is refused as not a regular file)
     assert "over the limit" in str(info.value)
 
 
@@ -111,8 +111,8 @@ def test_reload_and_sighup_with_hostile_files_keep_the_running_config(gateway: t
 
 
 def test_a_reload_of_an_empty_file_keeps_the_running_config(gateway: tuple) -> None:
-    """An empty file (an editor's truncate-then-write caught halfway) was taken for "all
-    defaults": the reload dropped every worker and the admin key, locking the admin API."""
+    """An empty file (an editor's truncate-then-write caught halfway) is refused (a 400), not taken
+    for "all defaults", which would drop every worker and the admin key, locking the admin API."""
     http, config, _ = gateway
     original = config.read_text()
     config.write_text("")
@@ -132,9 +132,9 @@ def _replace_file(path: Path, text: str) -> None:
                                       "tcp://10.0.0.5:99999", "10.0.0.5:5557"])
 @pytest.mark.parametrize("field", ["endpoint", "replay_endpoint"])
 def test_a_kv_events_endpoint_zmq_cannot_connect_to_is_a_config_error(field: str, endpoint: str, tmp_path: Path) -> None:
-    """Was accepted; the subscriber's connect then raised, its stream ended with a "socket error"
-    log line, and the worker's prefix index stayed untrusted for good (a bad replay endpoint
-    too: the replay socket connected outside the replay's error handling)."""
+    """Refused by the config, not left to the subscriber, whose connect would raise, end its
+    stream with a "socket error" log line and leave the worker's prefix index untrusted for good
+    (a bad replay endpoint too)."""
     kv = {"endpoint": "tcp://10.0.0.5:5557", field: endpoint}
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump({"workers": [{"name": "a", "url": "http://10.0.0.5:8000", "kv_events": kv}]}))
@@ -156,8 +156,9 @@ def test_admin_add_with_a_bad_kv_events_endpoint_is_a_400(gateway: tuple) -> Non
                                               ("balance_abs_threshold", ".nan"), ("balance_rel_threshold", ".nan"),
                                               ("max_tree_chars", ".inf")])
 def test_cache_aware_non_finite_params_are_config_errors(param: str, value: str, tmp_path: Path) -> None:
-    """NaN passed every range check (never balance, never evict: the prompt trees grew for good);
-    an infinite max_tree_chars raised OverflowError (a traceback in `mesh simulate --policy`)."""
+    """NaN and infinite parameters are config errors: NaN passes a range check written with
+    comparisons (never balance, never evict: the prompt trees would grow for good), and an infinite
+    max_tree_chars would raise OverflowError (a traceback in `mesh simulate --policy`)."""
     path = tmp_path / "mesh.yaml"
     path.write_text(f"policy: {{name: cache_aware, params: {{{param}: {value}}}}}\n")
     with pytest.raises(ConfigError) as info:
@@ -175,8 +176,8 @@ def test_cache_aware_non_finite_params_are_config_errors(param: str, value: str,
     ({"endpoint": "tcp://10.0.0.5:5557", "topic": "kv"}, {"endpoint": "tcp://10.0.0.5:5557", "topic": "kv-b"}),
 ])
 def test_two_workers_on_one_kv_event_stream_is_a_config_error(a: dict, b: dict, tmp_path: Path) -> None:
-    """Was accepted: both workers' streams read the one engine's events, so the prefix index
-    credited the other worker with blocks it never held and routed for hits it did not have."""
+    """Refused: both workers' streams would read the one engine's events, so the prefix index
+    would credit the other worker with blocks it never held and route for hits it does not have."""
     def worker(name: str, port: int, kv: dict) -> dict:
         dp = kv.pop("dp_size", 1)
         return {"name": name, "url": f"http://10.0.0.5:{port}", "dp_size": dp, "kv_events": kv}
@@ -201,7 +202,7 @@ def test_kv_event_streams_apart_by_endpoint_or_topic_still_load(tmp_path: Path) 
 
 
 def test_two_workers_sharing_a_replay_endpoint_is_a_config_error(tmp_path: Path) -> None:
-    """Was accepted: on connect and on every gap, one worker's replayed batches were applied to
+    """Refused: on connect and on every gap, one worker's replayed batches would be applied to
     the other's index entries."""
     kv = {"replay_endpoint": "tcp://10.0.0.5:5600"}
     workers = [{"name": "a", "url": "http://10.0.0.5:8000", "kv_events": {"endpoint": "tcp://10.0.0.5:5557", **kv}},

@@ -1,5 +1,5 @@
 """Hostile ``kv_transfer_params`` and bodies against real prefill and decode workers (tiny preset,
-CPU, KV transfer over TCP): a malformed peer address is a 400 in the OpenAI shape (it was a bare
+CPU, KV transfer over TCP): a malformed peer address is a 400 in the OpenAI shape (not a bare
 500 from deep in the pull), and a body over the relay's 64 MiB read-ahead still arrives whole."""
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def test_a_body_over_the_read_ahead_arrives_whole(pair: tuple[httpx.Client, http
     _, decode = pair
     body = b'{"prompt": "abc", "max_tokens": 1, "pad": "' + b"a" * (65 << 20) + b'"}'  # 65 MiB > 64 MiB
     resp = decode.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert resp.status_code == 200, resp.text[:300]  # was a 400: the replay cut the body at 64 MiB
+    assert resp.status_code == 200, resp.text[:300]  # not a 400: the replay never cuts the body at 64 MiB
 
 
 def test_an_invalid_prefill_request_names_its_field(pair: tuple[httpx.Client, httpx.Client]) -> None:
-    """The disaggregated prefill path answered a bad field with ``param: null`` and only the first
-    message; it now names the field as the ordinary routes do."""
+    """The disaggregated prefill path names a bad field (``param``) as the ordinary routes do, not
+    ``param: null`` with only the first message."""
     prefill, _ = pair
     resp = prefill.post("/v1/completions", json={"prompt": "x", "max_tokens": "many",
                                                  "kv_transfer_params": {"do_remote_decode": True}})

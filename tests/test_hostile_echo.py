@@ -1,6 +1,6 @@
 """Hostile requests against the echo worker (``mesh up --engine echo``), directly and through a
 gateway: bad values are 400s in the OpenAI shape, never a plain-text 500 (which the gateway counts
-as a worker fault: five of them opened the circuit and took the worker out for everyone)."""
+as a worker fault: five of them would open the circuit and take the worker out for everyone)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import tracemalloc
 import msgspec
 import zmq
 
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
-from mesh.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
 from policies.base import Overlap
 from tests.test_subscriber import (
     BS, MODEL, SEED, Publisher, ToyEngine, caught_up, check_index, encode_events, nudge_until, sessions, subscribed, wait_until,
@@ -27,8 +27,8 @@ def _stored(h: int, tokens: list[int], lora: str | None = None) -> dict:
 
 
 async def test_a_replay_endpoint_zmq_refuses_is_a_failed_replay_not_a_dead_stream() -> None:
-    """The replay socket's connect raised out of the stream task: the stream ended before reading
-    one live batch, so the worker's index stayed empty and untrusted for good."""
+    """A replay socket whose connect is refused fails that replay only: the stream task goes on
+    reading live batches, so the worker's index fills and is trusted, not empty for good."""
     rng = random.Random(7)
     pub = Publisher(with_replay=False)
     index = PrefixIndex()
@@ -49,7 +49,8 @@ async def test_a_replay_endpoint_zmq_refuses_is_a_failed_replay_not_a_dead_strea
 
 
 async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None:
-    """Each distinct lora_name of a BlockStored was cached as a namespace seed forever."""
+    """Distinct lora_names of BlockStored events (a new one per event) are not each cached as a
+    namespace seed forever: memory stays bounded."""
     rng = random.Random(8)
     pub = Publisher()
     index = PrefixIndex()
@@ -73,9 +74,9 @@ async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None
 
 
 async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
-    """Slices were counted in frames only (64 between yields): 64 large frames of many small
-    events (~0.3 s each on a busy core) held the gateway's loop, and every request, ~20 s. A
-    slice now also ends after 256 KiB of payload. Checked on a replay (its frames are all in hand,
+    """A slice ends after 64 frames or 256 KiB of payload, whichever comes first, so 64 large
+    frames of many small events (~0.3 s each on a busy core) cannot hold the gateway's loop, and
+    every request, ~20 s, as slices counted in frames alone would. Checked on a replay (its frames are all in hand,
     so the slices do not depend on network timing): another task sees the batches arrive one by
     one, and the index ends exactly as the events say."""
     rng = random.Random(9)
@@ -111,10 +112,10 @@ async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
 
 
 async def test_a_restarted_publisher_that_stays_idle_is_not_trusted_with_its_old_blocks() -> None:
-    """The stream was healthy again as soon as the SUB reconnected, though continuity is proven
-    only by the next frame: a worker that restarted (its cache empty) and sent nothing yet was
-    credited every block of its previous incarnation. Now it is untrusted (routing by load)
-    until a frame arrives, and that frame resets and rebuilds its entries."""
+    """A reconnected SUB does not make the stream healthy: continuity is proven only by the next
+    frame, so a worker that restarted (its cache empty) and sent nothing yet is not credited the
+    blocks of its previous incarnation. It is untrusted (routing by load) until a frame arrives,
+    and that frame resets and rebuilds its entries."""
     rng = random.Random(10)
     pub = Publisher()
     index = PrefixIndex()
@@ -186,8 +187,8 @@ async def test_garbage_events_amid_valid_ones_leave_the_index_exactly_right() ->
 
 
 async def test_a_giant_replayed_frame_is_refused_by_the_socket_not_received_whole() -> None:
-    """A replay socket's frame was received whole before its size was checked (a 2 GB one too).
-    The replay socket now refuses a frame over max(4 * max_frame_bytes, 64 MiB): that replay
+    """A replay socket's frame is not received whole before its size is checked (a 2 GB one would
+    be): the replay socket refuses a frame over max(4 * max_frame_bytes, 64 MiB): that replay
     fails (and the stream resets on the next gap, as an oversized batch would); live batches go on."""
     rng = random.Random(12)
     pub = Publisher()
@@ -216,7 +217,8 @@ async def test_a_giant_replayed_frame_is_refused_by_the_socket_not_received_whol
 
 
 async def test_a_replay_over_its_byte_budget_fails_instead_of_growing() -> None:
-    """A replay was bounded in batches only (200,000, of any size)."""
+    """A replay is bounded in bytes, not only in batches (200,000, of any size): one over its byte
+    budget fails."""
     rng = random.Random(13)
     pub = Publisher()
     for i in range(40):  # 40 batches of ~100 KiB, kept for replay only
@@ -269,8 +271,8 @@ class _ScriptedReplay:
 async def test_a_restart_that_overtakes_the_old_seq_between_two_replays_is_called_a_restart() -> None:
     """After a reconnect the stream asks the replay for ``last`` on; a new incarnation still short of
     ``last`` answers nothing, then, asked for everything, may have passed ``last`` meanwhile: the
-    reset was labelled ``gap_lost`` (mesh_kv_events_resets), not ``restart`` (test_subscriber's
-    restart test failed ~1 run in 4 under load on this race)."""
+    reset is labelled ``restart`` (mesh_kv_events_resets), not ``gap_lost`` (a race that
+    test_subscriber's restart test meets under load)."""
     rng = random.Random(14)
     pub = Publisher()
     index = PrefixIndex()

@@ -1,7 +1,7 @@
 """/metrics label cardinality. No gateway label takes client input (routes and statuses are fixed
-sets, worker and target labels come from the config or the admin API), but a worker removed at
-runtime kept its series for good: an autoscaler naming workers after pods (a new name each
-time) grew the registry without bound. ``Metrics`` is a registry listener that drops them.
+sets, worker and target labels come from the config or the admin API), and a worker removed at
+runtime has its series dropped (``Metrics`` is a registry listener), so an autoscaler naming
+workers after pods (a new name each time) does not grow the registry without bound.
 
 Real registry, real echo worker, real health checks over HTTP."""
 
@@ -11,8 +11,8 @@ import asyncio
 
 from mesh.config import WorkerConfig, parse_config
 from mesh.metrics import Metrics
-from mesh.registry import WorkerRegistry
-from mesh.upstream import UpstreamPool
+from mesh.cluster.registry import WorkerRegistry
+from mesh.gateway.upstream import UpstreamPool
 from tests.procs import ProcessGroup
 
 

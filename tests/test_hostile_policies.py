@@ -76,9 +76,9 @@ def test_config_validate_names_a_bad_plugin_in_one_line(spec: dict, message: str
 
 @pytest.mark.parametrize("kind_key", ["scorers", "filters", "picker", "policy"])
 def test_a_config_cannot_make_the_gateway_instantiate_an_arbitrary_class(kind_key: str, tmp_path: Path) -> None:
-    # `module:Class` imports any module on the path; a class that is not a plugin of that kind was
-    # instantiated with the YAML params before its kind was checked: `mesh config validate` (and
-    # the gateway's start and reload) of this file ran `touch` (any command).
+    # `module:Class` imports any module on the path; a class that is not a plugin of that kind is
+    # refused before it is instantiated with the YAML params: otherwise `mesh config validate` (and
+    # the gateway's start and reload) of this file would run `touch` (any command).
     marker = tmp_path / "pwned"
     gadget = {"name": "subprocess:Popen", "params": {"args": ["touch", str(marker)]}}
     if kind_key == "policy":
@@ -116,8 +116,8 @@ def test_a_plugin_module_that_exits_at_import_is_an_error_not_an_exit(procs: Pro
 
 def test_debug_route_dry_runs_a_wrapped_plugin_behind_the_guard(procs: ProcessGroup, tmp_path: Path) -> None:
     """session_sticky around a plugin: /debug/route shows the inner policy's dry run for a session
-    kept on its target. The guard hid the plugin (no dry run shown); calling it bare would have
-    let its bug through as a 500. Now the dry run is guarded: the fallback shows, with a 200."""
+    kept on its target, behind the guard: neither hidden (no dry run shown) nor called bare (its
+    bug would be a 500): the guarded dry run shows the fallback, with a 200."""
     e0, e1 = procs.echo_worker("e0"), procs.echo_worker("e1")
     config = tmp_path / "mesh.yaml"
     config.write_text(yaml.safe_dump({

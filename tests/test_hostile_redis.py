@@ -58,8 +58,8 @@ def chat(http: httpx.Client, session: str) -> str:
 
 
 def test_a_wrong_type_load_key_does_not_stop_session_sharing(gateway: tuple) -> None:
-    # Another app's string where the replica set lives: every load round failed and put the whole
-    # backend in back-off, so session bindings were (almost) never written to Redis any more.
+    # Another app's string where the replica set lives: every load round fails, but that does not
+    # put the whole backend in back-off: session bindings are still written to Redis.
     http, srv = gateway
     with srv.client() as c:
         c.set(PREFIX + "load:replicas", "another app's string")
@@ -79,8 +79,8 @@ def test_a_wrong_type_load_key_does_not_stop_session_sharing(gateway: tuple) -> 
 
 
 def test_a_peer_whose_load_key_is_not_a_hash_does_not_hide_the_other_peers(gateway: tuple) -> None:
-    # One bad entry in the replica set (a member whose key holds a string) failed the whole round:
-    # no remote load at all, every 0.1 s, for as long as the entry stayed.
+    # One bad entry in the replica set (a member whose key holds a string) is skipped, not a
+    # failure of the whole round: the other peers' load is still read every 0.1 s.
     http, srv = gateway
     with srv.client() as c:
         c.set(PREFIX + "load:bad-peer", "not a hash")
@@ -118,9 +118,9 @@ def test_a_hostile_shared_binding_is_not_followed(gateway: tuple, value: str) ->
 
 def test_bindings_made_while_redis_stalls_are_shared_once_it_answers(gateway: tuple) -> None:
     # A stalled Redis (CLIENT PAUSE: slow, not dead): requests answer locally meanwhile, and the
-    # bindings they made are written once Redis answers again. They were dropped (a failed or
-    # backed-off batch was thrown away): a session that went quiet stayed unknown to the other
-    # replicas, which routed its next turn afresh.
+    # bindings they made are written once Redis answers again, not dropped with a failed or
+    # backed-off batch: a session that went quiet is known to the other replicas, which route its
+    # next turn to its worker.
     import threading
 
     http, srv = gateway
@@ -144,8 +144,8 @@ def _stall(srv: RedisServer, seconds: float) -> None:
 
 
 def test_a_flood_of_future_dated_replica_entries_is_pruned_and_peers_still_read(gateway: tuple) -> None:
-    # Entries dated in the future were never pruned, and every round read every member's whole
-    # hash: junk in the replica set grew each round's work for good.
+    # Entries dated in the future are pruned too, so junk in the replica set cannot grow each
+    # round's work (every round reads each member's hash) for good.
     http, srv = gateway
     future = int(time.time() * 1000) + 10**9
     with srv.client() as c:
@@ -168,11 +168,12 @@ def test_a_flood_of_future_dated_replica_entries_is_pruned_and_peers_still_read(
 
 
 def test_a_write_batch_with_one_refused_key_is_written_and_not_queued_again(server: RedisServer) -> None:  # noqa: F811
-    # One key Redis refuses for good (here an ACL that allows the other sessions' keys only) failed
-    # the whole pipeline: the batch, good bindings too, was queued again every retry_after_s, forever.
+    # One key Redis refuses for good (here an ACL that allows the other sessions' keys only) fails
+    # the whole pipeline; the good bindings are written and the refused one dropped (counted), not
+    # the whole batch queued again every retry_after_s, forever.
     import asyncio
 
-    from mesh.state_redis import RedisStateBackend, SharedSessionTable
+    from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
 
     with server.client() as c:
         c.execute_command("ACL", "SETUSER", "bq", "on", ">s3cret", "~bq:s:good-*", "+@all")
@@ -205,7 +206,7 @@ def test_a_write_batch_with_one_refused_key_is_written_and_not_queued_again(serv
     ("redis://u:s3cret@127.0.0.1:1/0", "redis://u:***@127.0.0.1:1/0"),
 ])
 def test_a_redis_url_is_shown_redacted_and_whole(url: str, shown: str) -> None:
-    # unix:///tmp/r.sock was shown as unix:/tmp/r.sock.
-    from mesh.state_redis import RedisStateBackend
+    # unix:///tmp/r.sock is shown whole (not as unix:/tmp/r.sock).
+    from mesh.state.redis_state import RedisStateBackend
 
     assert RedisStateBackend(url, 60.0).url == shown

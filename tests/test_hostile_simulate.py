@@ -46,7 +46,7 @@ def test_odd_numeric_flags_are_one_line_errors(args: list[str], message: str) ->
 @pytest.mark.parametrize("flag", ["--json", "--html"])
 @pytest.mark.parametrize("where", ["directory", "missing_parent", "parent_is_file"])
 def test_an_unwritable_report_path_fails_before_simulating(flag: str, where: str, tmp_path: Path) -> None:
-    # The report used to be written after the whole run: a typo'd path threw away hours of simulation.
+    # The report path is checked before the run: a typo'd path never throws away hours of simulation.
     (tmp_path / "file").write_text("x")
     path = {"directory": tmp_path, "missing_parent": tmp_path / "nope" / "r.out",
             "parent_is_file": tmp_path / "file" / "r.out"}[where]
@@ -79,17 +79,17 @@ def mesh_cmd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 
 @pytest.mark.parametrize("port", ["99999"])
 def test_serve_with_a_port_out_of_range_is_one_error_line(port: str) -> None:
-    # was a pydantic ValidationError traceback
+    # one line, not a pydantic ValidationError traceback
     assert_one_line_error(mesh_cmd("serve", "--port", port), "server.port")
 
 
 @pytest.mark.parametrize("args, message", [
-    # a traceback (ConfigError), after the workers had been started (minutes for the bundled engine)
+    # an error line, not a traceback (ConfigError) once the workers are up (minutes for the bundled engine)
     (["--policy", "no_such_policy"], "unknown policy 'no_such_policy'"),
     (["--port", "99999"], "server.port"),
-    # uvicorn's bind error, after the workers had been started
+    # an error line, not uvicorn's bind error once the workers are up
     (["--host", "bad host!"], "--host 'bad host!'"),
-    # 100,000 worker processes were started
+    # refused, not 100,000 worker processes started
     (["--workers", "100000"], "--workers must be <= 64"),
 ])
 def test_up_refuses_bad_flags_before_starting_any_worker(args: list[str], message: str) -> None:
@@ -134,7 +134,7 @@ def test_a_multi_member_gzip_trace_still_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("flag", ["trace", "--profile"])
 def test_a_device_or_fifo_is_not_read_forever(flag: str, tmp_path: Path) -> None:
-    # /dev/zero was read until memory ran out; a FIFO with no writer blocked forever
+    # refused unread: /dev/zero would be read until memory ran out, a FIFO with no writer block forever
     import os
 
     fifo = tmp_path / "fifo.jsonl"
@@ -157,8 +157,8 @@ def test_a_device_or_fifo_is_not_read_forever(flag: str, tmp_path: Path) -> None
 ])
 def test_calibrate_checks_its_flags_before_measuring(args: list[str], message: str, tmp_path: Path) -> None:
     # The endpoint does not exist: an error about the flag (not the endpoint) proves it came first.
-    # --out used to be tried after all the measurements (minutes on a GPU endpoint); the counts
-    # were clamped or written into the profile silently (--kv-blocks -5: a profile that won't load).
+    # --out is tried before the measurements (minutes on a GPU endpoint); bad counts are refused,
+    # not clamped or written into the profile silently (--kv-blocks -5: a profile that won't load).
     out = ["--out", str(tmp_path / "p.yaml")] if "--out" not in args else []
     proc = mesh_cmd("calibrate", "--url", "http://127.0.0.1:9", "--quick", *out, *args)
     assert_one_line_error(proc, message)

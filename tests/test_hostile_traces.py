@@ -99,11 +99,11 @@ def _bomb(head: list[str], indent: str, levels: int = 7) -> str:
 
 
 SIM_FILES = {
-    # --policy FILE: an alias bomb printed its 65 MB expansion in the error; deep YAML a traceback
+    # --policy FILE: an alias bomb is refused unexpanded (no 65 MB error); deep YAML is an error line
     ("--policy", "bomb.yaml"): (_bomb(["policy:", "  name: round_robin", "  params:", "    junk:"], "      "),
                                 "expands to more than"),
     ("--policy", "deep.yaml"): ("policy: " + "[" * 5000 + "]" * 5000 + "\n", "not a readable YAML file"),
-    # --profile FILE: deep YAML or JSON was a traceback
+    # --profile FILE: deep YAML or JSON is an error line, not a traceback
     ("--profile", "deep.yaml"): ("profile: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
     ("--profile", "deep.json"): ('{"profile": ' + DEEP + "}\n", "not valid JSON"),
 }

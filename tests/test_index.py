@@ -11,8 +11,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.index import PrefixIndex, chain_keys
-from mesh.keys import block_keys, namespace_seed
+from mesh.core.index import PrefixIndex, chain_keys
+from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Overlap, Tier
 
 TARGETS = ["a", "b", "c", "d@1"]
@@ -430,7 +430,7 @@ def test_unknown_parent_is_skipped_and_bad_token_counts_raise() -> None:
 
 
 def test_an_engine_hash_stored_again_for_other_content_drops_the_block_it_named() -> None:
-    """Was: the target kept claiming the old block for good (no event could remove it)."""
+    """The target stops claiming the old block, which no later event could remove."""
     index = PrefixIndex()
     ns = namespace_seed("m")
     old_tokens, new_tokens = list(range(32)), list(range(100, 132))
@@ -447,8 +447,8 @@ def test_an_engine_hash_stored_again_for_other_content_drops_the_block_it_named(
 
 
 def test_budget_after_engine_removals_evicts_the_cold_leftover_not_the_newest_chain() -> None:
-    """An engine's BlockRemoved left the parent a leaf without an LRU entry: the next eviction
-    took the newest chain's last block and kept the cold leftover."""
+    """An engine's BlockRemoved that leaves the parent a leaf gives it an LRU entry: the next
+    eviction takes the cold leftover, not the newest chain's last block."""
     ns = namespace_seed("m")
     index = PrefixIndex(max_keys=10)
     cold, hot = list(range(40)), list(range(1000, 1040))
@@ -461,8 +461,9 @@ def test_budget_after_engine_removals_evicts_the_cold_leftover_not_the_newest_ch
 
 @pytest.mark.parametrize("offload", ["tier update", "cpu store"])
 def test_budget_keeps_the_hash_of_a_block_evicted_from_the_index_but_held_on_the_engines_cpu(offload: str) -> None:
-    """With a key budget, a node evicted from the index lost its CPU bit; the engine's GPU removal
-    then forgot the hash, and every later store below the engine's CPU copy was skipped."""
+    """With a key budget, a node evicted from the index keeps its engine hash while the engine holds
+    a CPU copy: the engine's GPU removal does not forget the hash, so a later store below the
+    engine's CPU copy is applied."""
     ns = namespace_seed("m")
     index = PrefixIndex(max_keys=4)
     parent = list(range(16))

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-import mesh.index
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
+import mesh.core.index
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Tier
 from tests.test_index import consistent_with_holdings
 
@@ -20,7 +20,7 @@ TARGETS = ["a", "b", "c", "d"]
 
 @pytest.fixture(autouse=True)
 def small_bulk_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mesh.index, "_BULK_MIN", 2)
+    monkeypatch.setattr(mesh.core.index, "_BULK_MIN", 2)
 
 
 class PerBlock(PrefixIndex):
@@ -255,7 +255,7 @@ def test_engine_events_through_the_bulk_paths_track_every_engine_exactly(seed: i
 def test_default_threshold_long_sessions_evicted_tail_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """At the default threshold: sessions of 40-80 blocks under a shared prefix, their tails
     evicted 16-48 blocks at a time (one or two sessions per event), as the bench's workload."""
-    monkeypatch.setattr(mesh.index, "_BULK_MIN", 16)
+    monkeypatch.setattr(mesh.core.index, "_BULK_MIN", 16)
     rng = random.Random(9)
     ns = namespace_seed("m")
     bs = 2

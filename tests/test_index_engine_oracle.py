@@ -4,7 +4,7 @@ seeded random event sequences, careless and hostile ones included, against an in
 brute-force model of what each engine says it holds.
 
 The model keeps, per target, the engine's hash -> router key map and per key its tiers and
-speculative deadline; router keys come from ``mesh.keys.block_keys`` chained from the parent's key.
+speculative deadline; router keys come from ``mesh.core.keys.block_keys`` chained from the parent's key.
 It follows the index's documented rules for careless publishers: a removal of an unknown hash or a
 store below an unknown parent does nothing; an engine hash stored again for other content (in an
 earlier event or earlier in the same one) names the new block only, the block it named before is
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import mesh.index
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
+import mesh.core.index
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Overlap, Tier
 
 NS = namespace_seed("oracle")
@@ -392,7 +392,8 @@ def run_exact(seed: int, targets: list[str], steps: int, every: int = 1, scrub_b
 # ------------------------------------------------------------------------ bugs found, minimal
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_hash_named_twice_in_one_event_names_the_later_block_only(shared: bool) -> None:
-    """Was: both blocks stayed claimed, and the earlier one for good (no hash resolved to it)."""
+    """Only the later block stays claimed: the earlier one is released, not claimed for good (no
+    hash resolves to it any more)."""
     index = PrefixIndex()
     tokens = list(range(40))  # 20 blocks of 2: long enough for the bulk paths
     keys = block_keys(tokens, 2, NS)
@@ -412,9 +413,9 @@ def test_a_hash_named_twice_in_one_event_names_the_later_block_only(shared: bool
 
 
 def test_a_store_below_a_parent_hash_that_the_same_event_renames_keeps_the_tree_whole() -> None:
-    """Was: the parent's node was freed (its hash renamed) before the chain was written below its
-    nid: the chain hung from a freed node (match counted the missing parent; a later scrub or
-    eviction raised KeyError or leaked nodes)."""
+    """The chain is written below the parent's nid before that node is freed (its hash renamed),
+    so it never hangs from a freed node (match would count the missing parent; a later scrub or
+    eviction would raise KeyError or leak nodes)."""
     index = PrefixIndex()
     tokens = list(range(100, 108))
     keys = block_keys(tokens, 2, NS)
@@ -648,9 +649,9 @@ def test_budget_evicts_the_least_recently_stored_or_matched_leaf_first(seed: int
 
 @pytest.mark.parametrize("bulk", [False, True])
 def test_an_engine_removal_below_a_shared_prefix_keeps_the_prefix_recency(bulk: bool) -> None:
-    """Was: a session removed by its engine while its parent still had another child took its
-    recency along: the shared prefix, used after the cold session below it and after an
-    unrelated one, was evicted before the unrelated one once the cold session had gone."""
+    """A session removed by its engine while its parent still has another child leaves the
+    parent's recency in place: the shared prefix, used after the cold session below it and after
+    an unrelated one, outlives the unrelated one once the cold session has gone."""
     n = 16 if bulk else 1  # 16 blocks: the hot session's removal takes _drop_tail
     index = PrefixIndex(max_keys=3 + n)
     tok = iter(range(10**6))
@@ -675,7 +676,7 @@ def test_an_engine_removal_below_a_shared_prefix_keeps_the_prefix_recency(bulk: 
 def bulk_min(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     """The default bulk threshold (the 20-block system prompt and long sessions reach it), and a
     low one so that most events take _join_run, _drop_tail and the recycled-nid runs."""
-    monkeypatch.setattr(mesh.index, "_BULK_MIN", request.param)
+    monkeypatch.setattr(mesh.core.index, "_BULK_MIN", request.param)
     return request.param
 
 
@@ -703,9 +704,9 @@ def test_engine_events_under_a_key_budget_never_overclaim(seed: int, bulk_min: i
 
 
 def test_an_evicted_leaf_hands_its_recency_past_holderless_parents() -> None:
-    """Was: an eviction that took a leaf's holder-less parents along (blocks an engine freed from
-    the middle of a chain, expired speculation) dropped each with its own stamp, not the newest
-    below it: the prefix above inherited the oldest, and went before a newer unrelated session.
+    """An eviction that takes a leaf's holder-less parents along (blocks an engine freed from the
+    middle of a chain, expired speculation) passes the newest stamp below them up, not each one's
+    own: the prefix above inherits it and outlives an unrelated session used before that stamp.
     (The key layer is the shortest route to such parents; the random LRU sequences reach it
     through speculation.)"""
     index = PrefixIndex(max_keys=5)

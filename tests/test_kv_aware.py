@@ -1,4 +1,5 @@
-"""Policy kv_aware on fixed inputs: Dynamo's cost, tiers, health fallback, ties, sampling."""
+"""Policy kv_aware on fixed inputs: the cost (prefill work, decode weighed by decode_weight), tiers,
+health fallback, ties, sampling."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from mesh.index import PrefixIndex
+from mesh.core.index import PrefixIndex
 from policies import registry
 from policies.base import ClusterView, NoCandidate, Overlap, RequestInfo, TargetState, Tier
 from policies.kv_aware import KvAware
@@ -43,9 +44,30 @@ def test_queued_prefill_and_decode_load_outweigh_a_small_overlap() -> None:
     b = TargetState("b", "b", decode_tokens=16 * 2)
     d = KvAware(seed=0).decide(request(), view([a, b], index))
     prompt = (10 * 16 + 5) / 16
-    assert d.scores["a"]["cost"] == pytest.approx(20 + prompt - 3 + 4)
-    assert d.scores["b"]["cost"] == pytest.approx(prompt + 2)
+    assert d.scores["a"]["cost"] == pytest.approx(20 + prompt - 3 + 0.05 * 4)
+    assert d.scores["b"]["cost"] == pytest.approx(prompt + 0.05 * 2)
     assert d.target == "b"
+
+
+def test_decode_weight_weighs_decoding_context_against_prefill() -> None:
+    index = PrefixIndex()
+    index.store("a", KEYS)
+    a = TargetState("a", "a", decode_tokens=16 * 80)  # all cached, but busy decoding 80 blocks
+    b = TargetState("b", "b")
+    assert KvAware(seed=0).decide(request(), view([a, b], index)).target == "a"  # 4 blocks of decode < 10.3 to prefill
+    assert KvAware(decode_weight=1.0, seed=0).decide(request(), view([a, b], index)).target == "b"  # Dynamo's weight
+
+
+def test_a_follow_up_turn_stays_with_its_long_prefix_beside_busier_decoding() -> None:
+    """A 600-block turn cached on a worker decoding 2,400 blocks of context, against an idle one."""
+    keys = list(range(1, 601))
+    index = PrefixIndex()
+    index.store("home", keys[:560])
+    info = RequestInfo(model="m", block_keys=keys, block_size=16, prompt_tokens=600 * 16)
+    home = TargetState("home", "home", decode_tokens=16 * 2400)
+    idle = TargetState("idle", "idle")
+    assert KvAware(seed=0).decide(info, view([home, idle], index)).target == "home"
+    assert KvAware(decode_weight=1.0, seed=0).decide(info, view([home, idle], index)).target == "idle"
 
 
 def test_prefill_load_scale_weighs_prefill_against_decode() -> None:
@@ -53,8 +75,8 @@ def test_prefill_load_scale_weighs_prefill_against_decode() -> None:
     index.store("a", KEYS)
     a = TargetState("a", "a", decode_tokens=16 * 8)  # all cached, but busy decoding
     b = TargetState("b", "b")
-    assert KvAware(seed=0).decide(request(), view([a, b], index)).target == "a"
-    assert KvAware(prefill_load_scale=0.5, seed=0).decide(request(), view([a, b], index)).target == "b"
+    assert KvAware(decode_weight=1.0, seed=0).decide(request(), view([a, b], index)).target == "a"
+    assert KvAware(decode_weight=1.0, prefill_load_scale=0.5, seed=0).decide(request(), view([a, b], index)).target == "b"
 
 
 def test_cpu_hits_count_below_gpu_hits() -> None:

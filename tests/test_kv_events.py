@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from mesh.kv_events import (
+from mesh.events.wire import (
     AllBlocksCleared,
     Batch,
     BlockRemoved,

@@ -1,5 +1,5 @@
 """The engine's KV events, read by a subscriber written here from the wire format alone
-(pyzmq + a plain msgpack decode, nothing from ``workers.kv_events``): the set of blocks it
+(pyzmq + a plain msgpack decode, nothing from ``workers.server.kv_events``): the set of blocks it
 rebuilds equals the engine's cached set after a random workload with evictions, live and through
 replay; its own recomputed block keys equal the engine's hashes."""
 
@@ -16,13 +16,13 @@ import pytest
 import torch
 import zmq
 
-from mesh.keys import block_keys, namespace_seed
-from workers.block_manager import BlockStored
+from mesh.core.keys import block_keys, namespace_seed
+from workers.engine.block_manager import BlockStored
 from workers.config import EngineConfig, get_preset
-from workers.engine import LLMEngine
-from workers.kv_events import KVEventPublisher
-from workers.model import build_model
-from workers.sequence import SamplingParams
+from workers.engine.llm_engine import LLMEngine
+from workers.server.kv_events import KVEventPublisher
+from workers.model.decoder import build_model
+from workers.engine.sequence import SamplingParams
 
 TINY = get_preset("tiny")
 

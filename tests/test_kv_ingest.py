@@ -1,4 +1,4 @@
-"""mesh.kv_ingest in-process: the gateway's subscriber follows the registry (real ZMQ sockets).
+"""mesh.events.ingest in-process: the gateway's subscriber follows the registry (real ZMQ sockets).
 
 The vLLM-format publisher is the independent one of ``tests/test_subscriber.py``. Workers have no
 HTTP server here (ingestion does not depend on health); the gateway runs its real lifespan.
@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mesh.app import Gateway, create_app
+from mesh.gateway.app import Gateway, create_app
 from mesh.config import WorkerConfig, parse_config
-from mesh.keys import block_keys, namespace_seed
+from mesh.core.keys import block_keys, namespace_seed
 from tests.test_subscriber import BS, MODEL, Publisher, encode_events
 
 RNG = random.Random(3)

@@ -1,4 +1,4 @@
-"""``workers.kv_transfer`` in one process: the wire format, engine-thread block operations and the
+"""``workers.transfer.kv_transfer`` in one process: the wire format, engine-thread block operations and the
 pin taken when a prefill finishes, between real tiny-preset engines (no sockets here; the
 processes-and-sockets paths are in ``test_disagg.py`` and ``test_disagg_netns.py``)."""
 
@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from mesh.keys import block_keys, namespace_seed
-from workers.block_manager import BlockStored
+from mesh.core.keys import block_keys, namespace_seed
+from workers.engine.block_manager import BlockStored
 from workers.config import EngineConfig, get_preset
-from workers.engine import LLMEngine
-from workers.block_ops import BlockOps
-from workers.kv_layout import Layout, TransferError, layout_of
-from workers.kv_transfer import Faults, FrameReader, PullRequest, TransferEngine, serve_pull
-from workers.sequence import SamplingParams
-from workers.transfer_registry import TransferRegistry
+from workers.engine.llm_engine import LLMEngine
+from workers.transfer.block_ops import BlockOps
+from workers.transfer.kv_layout import Layout, TransferError, layout_of
+from workers.transfer.kv_transfer import Faults, FrameReader, PullRequest, TransferEngine, serve_pull
+from workers.engine.sequence import SamplingParams
+from workers.transfer.registry import TransferRegistry
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -281,7 +281,7 @@ def test_an_import_cancelled_twice_mid_run_still_hands_its_pins_to_the_hold() ->
     """The decode side's engine-thread import may already run when its task is cancelled (client
     gone, shutdown): the pins it takes must still reach the request's ``Hold`` (then released),
     however many cancels arrive, and the cancel must not return before the import ended."""
-    from workers.disagg_server import Hold, settled_import
+    from workers.transfer.disagg_server import Hold, settled_import
 
     src = _engine()
     prompt = _prompt(64, seed=21)
@@ -344,9 +344,9 @@ def test_a_peer_copy_imports_the_peers_pages_and_stops_at_the_lease_deadline() -
 
 
 def test_a_peer_export_must_describe_this_workers_page_layout() -> None:
-    """``workers.kv_ipc._check_layout`` (no GPU needed): dtype, page shape, contiguity, offset
+    """``workers.transfer.kv_ipc._check_layout`` (no GPU needed): dtype, page shape, contiguity, offset
     and allocation size of a peer export are checked before anything is mapped."""
-    from workers.kv_ipc import _check_layout
+    from workers.transfer.kv_ipc import _check_layout
 
     local = _engine().runner.kv_cache
     size = list(local.shape)

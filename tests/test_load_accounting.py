@@ -181,8 +181,8 @@ def _bound(client: httpx.Client, session: str) -> str | None:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_session_is_not_idle_while_its_request_runs(short_ttl: httpx.Client, stream: bool) -> None:
-    # The idle time ran from the start of a turn: a turn longer than idle_ttl_s (here 8 tokens
-    # at 0.3 s against 1 s) came back to no binding at all, and its next turn was routed fresh.
+    # The idle time runs from the end of a turn, not its start: after a turn longer than
+    # idle_ttl_s (here 8 tokens at 0.3 s against 1 s) the binding is there for the next turn.
     session = f"long-{stream}"
     body = {"model": "m", "prompt": "a b c d e f g h", "max_tokens": 8, "stream": stream}
     with short_ttl.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as resp:
@@ -259,8 +259,8 @@ PD_POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {
 
 
 def test_a_decode_worker_removed_during_the_prefill_hands_the_decode_to_another(procs: ProcessGroup) -> None:
-    # The pair was chosen before the prefill; the decode worker was removed while the prefill
-    # ran: committing its lease raised KeyError and the client got a 500 (internal gateway error).
+    # The pair is chosen before the prefill; the decode worker is removed while the prefill runs:
+    # the decode goes to another decode worker, not a KeyError at commit and a 500 to the client.
     script = procs.log_dir / "pd_worker.py"
     script.write_text(PD_WORKER)
     fakes = {}
@@ -327,12 +327,14 @@ def test_debug_route_binding_agrees_with_where_each_sessions_last_turn_went(clus
 
 
 def test_a_client_that_stops_reading_a_finished_answer_holds_no_load_past_the_timeout(procs: ProcessGroup) -> None:
-    # A non-streamed answer, read whole from the worker, was written to a client that did not
-    # read it, with the lease held until it did: forever for a hung client. The worker sent its whole stream (the gateway holds its last MiB at most) while the client
-    # stopped reading: no upstream timeout fires for a finished answer, so the lease (in_flight,
-    # every context token as decode load) was held for as long as the client kept its socket
-    # open. Several sizes, so that some answer lies between what the client's socket absorbs
-    # and that plus the gateway's read buffer (past it the gateway stops reading the worker).
+    # A non-streamed answer, read whole from the worker, is written to a client that does not
+    # read it: the lease ends at the request timeout, not when the client reads (forever for a hung
+    # client). The worker sends its whole stream (the gateway holds its last MiB at most) while the
+    # client has stopped reading: no upstream timeout fires for a finished answer, so without the
+    # request timeout the lease (in_flight, every context token as decode load) would be held for as
+    # long as the client kept its socket open. Several sizes, so that some answer lies between
+    # what the client's socket absorbs and that plus the gateway's read buffer (past it the
+    # gateway stops reading the worker).
     worker = procs.echo_worker("fast", "--model", "m")
     config = {"server": {"admin_key": "adm", "request_timeout_s": 1.0},
               "workers": [{"name": "fast", "url": worker.url, "models": ["m"]}]}
@@ -360,9 +362,9 @@ def test_a_client_that_stops_reading_a_finished_answer_holds_no_load_past_the_ti
 
 
 def test_a_request_every_worker_fails_leaves_its_session_where_it_was(procs: ProcessGroup) -> None:
-    # A request that makes every worker answer 500 (its own fault: README, retries) was retried
-    # on each worker in turn, and each retry re-bound its session: the session's next turn went
-    # to the last worker tried, away from its cache, with a move counted per retry.
+    # A request that makes every worker answer 500 (its own fault: README, retries) is retried
+    # on each worker in turn without re-binding its session: the session's next turn goes to its
+    # bound worker and its cache, not to the last worker tried, and no move is counted.
     workers = [procs.echo_worker(f"p{i}", "--model", "m", "--fail-on", "POISON") for i in range(3)]
     config = {"server": {"admin_key": "adm"}, "policy": "session_sticky",
               "circuit_breaker": {"failure_threshold": 100, "open_s": 1},

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from mesh.config import ConfigError, WorkerConfig, parse_config
-from mesh.registry import WorkerRegistry, split_models
-from mesh.upstream import UpstreamPool
+from mesh.cluster.registry import WorkerRegistry, split_models
+from mesh.gateway.upstream import UpstreamPool
 from tests.procs import ProcessGroup, free_port, wait_until
 from tests.test_subscriber import Publisher
 
@@ -39,7 +39,7 @@ def test_static_loras_as_a_mapping_or_a_list_and_clear_errors() -> None:
     assert w.loras == {LORA: BASE}
     listed = WorkerConfig.model_validate({"name": "w", "url": "http://h:1", "models": [BASE], "loras": [LORA, "b"]})
     assert listed.loras == {LORA: BASE, "b": BASE}  # a list runs on the first of models
-    assert WorkerConfig(name="w", url="http://h:1").loras is None  # old configs unchanged
+    assert WorkerConfig(name="w", url="http://h:1").loras is None  # a config without loras: none
     assert WorkerConfig(name="w", url="http://h:1", loras={LORA: BASE}).loras == {LORA: BASE}  # models discovered
     bad = [
         ({"models": [BASE], "loras": {LORA: "nope"}}, "runs on 'nope', which is not in models"),

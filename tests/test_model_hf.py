@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager
 from workers.config import EngineConfig, config_from_hf
-from workers.model_runner import ModelRunner
-from workers.scheduler import ScheduledBatch
-from workers.sequence import SamplingParams, Sequence
+from workers.engine.model_runner import ModelRunner
+from workers.engine.scheduler import ScheduledBatch
+from workers.engine.sequence import SamplingParams, Sequence
 
 SMALL = dict(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -1,6 +1,6 @@
-"""Through the real CLI (``mesh config validate``)a ``pipeline`` with no scorers
-scores every candidate 0, so its picker chooses at random: the policy silently behaved like
-``random`` (a scorer list lost to a YAML indentation slip gave no sign). It is a loud warning
+"""Through the real CLI (``mesh config validate``): a ``pipeline`` with no scorers scores every
+candidate 0, so its picker chooses at random and the policy behaves like ``random`` (a scorer list
+lost to a YAML indentation slip would give no other sign). It is a loud warning
 naming the profile, not an error: ``tests/test_policies_pipeline.py`` relies on it as a fair
 random choice.
 """

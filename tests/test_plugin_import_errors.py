@@ -1,6 +1,6 @@
-"""Through the real CLI (``mesh config validate``)a ``module:Class`` plugin whose
-module cannot be imported said only "No module named 'x'"; the plugin's directory is not on the
-import path, and the message now says how to put it there (or which dependency is missing)."""
+"""Through the real CLI (``mesh config validate``): for a ``module:Class`` plugin whose module
+cannot be imported, the message says more than "No module named 'x'": how to put the plugin's
+directory on the import path (or which dependency is missing)."""
 
 from __future__ import annotations
 

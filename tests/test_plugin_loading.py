@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mesh.router import Router
-from mesh.sessions import SessionTable
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies.base import RequestInfo, TargetState
 from policies import create_policy
 from policies.registry import PluginError, create
@@ -171,7 +171,7 @@ def test_examples_are_gateway_configs_whose_policy_builds(path: Path, monkeypatc
     assert config.workers and data["policy"]
     name = data["policy"] if isinstance(data["policy"], str) else data["policy"]["name"]
     if name in ("kv_aware", "cache_aware") and name not in names("policy"):
-        # Written by the index work (issue 4); until it lands the example must name exactly it.
+        # A policy this build does not register: the example is refused, naming exactly it.
         with pytest.raises(PluginError, match=f"unknown policy '{name}'"):
             create("policy", data["policy"])
         return
@@ -200,6 +200,7 @@ def test_example_rendezvous_scorer_is_stable_and_spreads_sessions(monkeypatch: p
     {"name": "pipeline", "params": {"picker": {"name": "max_score", "prams": {}}}},
 ])
 def test_a_typo_in_a_plugin_specs_own_keys_is_refused(spec: dict[str, object]) -> None:
-    """Was: the misspelt key was dropped with the parameters under it, without a word."""
+    """A misspelt key is a PluginError naming it, never dropped silently with the parameters
+    under it."""
     with pytest.raises(PluginError, match="unknown keys"):
         create_policy(spec)

@@ -12,8 +12,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
 
 def test_the_plugin_table_names_real_parameters() -> None:
-    """The filter row listed `max_in_flight` as an admission_headroom parameter; the filter takes
-    no such parameter (it reads the worker's own max_in_flight) and a config that set it failed."""
+    """Every parameter the plugin table names is one its plugin takes (admission_headroom, for
+    one, takes no `max_in_flight`: it reads the worker's own, and a config setting it fails)."""
     rows = [line for line in DOC.read_text().splitlines() if re.match(r"\| (filter|scorer|picker) \|", line)]
     assert len(rows) == 3
     checked = 0

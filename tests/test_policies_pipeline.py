@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from mesh.index import PrefixIndex
-from mesh.router import Router
+from mesh.core.index import PrefixIndex
+from mesh.core.router import Router
 from policies.base import ClusterView, NoCandidate, RequestInfo, Role, TargetState
 from policies.pipeline import Pipeline, Scorer
 from policies.registry import PluginError, create, register

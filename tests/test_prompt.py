@@ -1,4 +1,4 @@
-"""mesh.prompt: body validation, rendering, block keys, session key-chain cache, session ids."""
+"""mesh.request.prompt: body validation, rendering, block keys, session key-chain cache, session ids."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from mesh.config import WorkerConfig, parse_config
 from mesh.errors import MeshError
-from mesh.keys import block_keys, namespace_seed
-from mesh.prompt import OFFLOAD_CHARS, ChainCache, PromptProcessor, render_chatml
-from mesh.registry import WorkerRegistry
-from mesh.tokenizer import ByteTokenizer
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.request.prompt import OFFLOAD_CHARS, ChainCache, PromptProcessor, render_chatml
+from mesh.cluster.registry import WorkerRegistry
+from mesh.request.tokenizer import ByteTokenizer
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 message = st.fixed_dictionaries(
@@ -103,7 +103,7 @@ async def test_session_id_from_header_or_body_is_hashed() -> None:
 
 
 def test_chain_cache_is_bounded_by_entries_and_tokens() -> None:
-    from mesh.keys import KeyChain
+    from mesh.core.keys import KeyChain
 
     cache = ChainCache(max_entries=3, max_tokens=100)
     for i in range(5):

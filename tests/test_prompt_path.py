@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 from mesh.config import WorkerConfig, parse_config
 from mesh.errors import MeshError
-from mesh.keys import block_keys, namespace_seed
-from mesh.prompt import TOKENIZER_RETRY_S, PromptProcessor
-from mesh.registry import WorkerRegistry
-from mesh.chat import ChatOptions, ChatRenderer, ChatTemplateError, normalize_message
-from mesh.tokenizer import GIL_FREE_CHARS, HFTokenizer, load_tokenizer
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.request.prompt import TOKENIZER_RETRY_S, PromptProcessor
+from mesh.cluster.registry import WorkerRegistry
+from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError, normalize_message
+from mesh.request.tokenizer import GIL_FREE_CHARS, HFTokenizer, load_tokenizer
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until
 
@@ -114,7 +114,8 @@ def test_a_chat_template_jinja_file_is_the_template_as_transformers_loads_it(tmp
 
 
 def test_special_tokens_reach_the_template_as_transformers_passes_them(tmp_path: Path) -> None:
-    """A null bos_token (Qwen's configs) rendered "None" into the prompt; pad/unk were missing."""
+    """A null bos_token (Qwen's configs) renders as transformers renders it, not as "None"; pad and
+    unk reach the template too."""
     from transformers import AutoTokenizer
 
     directory = build_tokenizer(tmp_path / "model")
@@ -129,8 +130,8 @@ def test_special_tokens_reach_the_template_as_transformers_passes_them(tmp_path:
 def test_messages_reach_the_template_as_vllm_builds_them() -> None:
     """vLLM (chat_utils ``_parse_chat_message_content`` + ``_postprocess_messages``) hands the
     template a rebuilt message: tool-call ``arguments`` parsed from their JSON string, only the
-    known fields. A Qwen2.5-style ``tool_call.arguments | tojson`` rendered the string quoted and
-    escaped, so every agent turn after a tool call diverged from the engine's prompt."""
+    known fields. A Qwen2.5-style ``tool_call.arguments | tojson`` renders the parsed object, not the
+    string quoted and escaped, so an agent turn after a tool call matches the engine's prompt."""
     template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for tc in m.tool_calls or [] %}"
                 "<{{ tc.function.name }} {{ tc.function.arguments | tojson }}>{% endfor %}"
                 "{{ m | length }}{{ m.name is defined }}\n{% endfor %}")
@@ -210,7 +211,7 @@ async def test_session_chains_equal_from_scratch_keys_with_a_bpe_tokenizer(tok_d
 
 async def test_a_tokenizer_that_fails_to_load_is_not_reloaded_by_every_request(tmp_path: Path, tok_dir: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import mesh.prompt
+    import mesh.request.prompt
 
     broken = tmp_path / "tokenizer.json"
     good = (tok_dir / "tokenizer.json").read_text()
@@ -221,7 +222,7 @@ async def test_a_tokenizer_that_fails_to_load_is_not_reloaded_by_every_request(t
         loads.append(spec)
         return load_tokenizer(spec)
 
-    monkeypatch.setattr(mesh.prompt, "load_tokenizer", counting_load)
+    monkeypatch.setattr(mesh.request.prompt, "load_tokenizer", counting_load)
     reg = WorkerRegistry(parse_config({}))
     reg.add(WorkerConfig(name="w", url="http://h:1", models=["m"], tokenizer=str(broken)))
     p = PromptProcessor(reg)
@@ -271,8 +272,8 @@ def test_a_template_that_raises_on_client_data_is_a_400_not_a_500(echo_gateway: 
 
 
 def test_a_tokenizer_json_saved_with_truncation_and_padding_counts_every_token(echo_gateway: tuple[str, Path]) -> None:
-    """The gateway's tokenizer.json was saved with truncation at 8 and padding to 12: transformers
-    (vLLM) encodes the whole prompt; the gateway cut every prompt to 8-12 tokens (one key for
+    """The gateway's tokenizer.json is saved with truncation at 8 and padding to 12: the gateway
+    counts every token of the prompt as transformers (vLLM) does, not 8-12 tokens (one key for
     every prompt, and max_prompt_tokens never reached)."""
     from transformers import AutoTokenizer
 
@@ -288,7 +289,8 @@ def test_a_tokenizer_json_saved_with_truncation_and_padding_counts_every_token(e
 def test_a_huge_prompt_with_a_tokenizer_json_does_not_stall_the_event_loop(echo_gateway: tuple[str, Path]) -> None:
     """~4 MB of text (over a second of BPE) to /debug/route; once its last byte is sent, 100
     /health requests, one after another, are all answered before its reply (an ordering, not a
-    timing: while the tokenizer held the GIL the loop answered nothing until it was done)."""
+    timing: a tokenizer holding the GIL for the whole prompt would let the loop answer nothing
+    until it was done)."""
     url, _ = echo_gateway
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 330_000}]}).encode()
     uploaded, done = threading.Event(), threading.Event()
@@ -400,7 +402,7 @@ def test_a_workers_tokenizer_is_loaded_when_it_joins_not_by_the_first_request(
         tok_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Parsing a large tokenizer.json holds the GIL for seconds: the gateway loads each worker's
     tokenizer as the worker joins (config, reload, admin API), and a broken one is logged then."""
-    from mesh.app import build_gateway
+    from mesh.gateway.app import build_gateway
 
     gateway = build_gateway(parse_config({"workers": [{"name": "w", "url": "http://h:1", "tokenizer": str(tok_dir)}]}))
     assert isinstance(gateway.prompts._tokenizers.get(str(tok_dir)), HFTokenizer)  # before any request

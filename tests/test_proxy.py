@@ -1,11 +1,11 @@
-"""mesh.proxy helpers: header hygiene, bearer checks (the proxy itself runs in the e2e tests)."""
+"""mesh.gateway.proxy helpers: header hygiene, bearer checks (the proxy itself runs in the e2e tests)."""
 
 from __future__ import annotations
 
 import pytest
 
 from mesh.errors import MeshError
-from mesh.proxy import check_bearer, upstream_headers
+from mesh.gateway.proxy import check_bearer, upstream_headers
 
 
 def test_upstream_headers_hygiene() -> None:

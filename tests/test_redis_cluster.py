@@ -41,8 +41,8 @@ import xxhash
 import yaml
 from redis.crc import key_slot
 
-from mesh.shared_load import SharedLoad
-from mesh.state_redis import RedisStateBackend, SharedSessionTable
+from mesh.state.shared_load import SharedLoad
+from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
 from policies.base import TargetState
 from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
 
@@ -362,7 +362,7 @@ def test_one_master_down_is_one_outage_while_calls_to_the_others_succeed(
         finally:
             await backend.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+    with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
         reads, during, after = asyncio.run(go())
     assert reads == [None, "e0"] * 5  # the live master's bindings are still shared
     assert during == (1, 0) and after == (1, 1), caplog.text
@@ -373,8 +373,8 @@ def test_one_master_down_is_one_outage_while_calls_to_the_others_succeed(
 
 def test_a_flush_alone_finds_the_replica_that_took_a_dead_masters_slots(cluster: Cluster) -> None:
     # Pipelines only (the write-behind flush): redis-py asks the cluster for its layout again after
-    # a failed single command, not after a failed pipeline with retries off, so every flush went
-    # to the dead master of slots a replica had taken over, for good.
+    # a failed single command, not after a failed pipeline with retries off; the backend forgets
+    # the layout itself, so a flush does not go to the dead master of slots a replica took over.
     victim = next(m for _, _, m, replicas in cluster.slots() if replicas)
     sids = [s for s in (f"flush-{i}" for i in range(100)) if cluster.master_of(f"flush5:s:{s}") == victim][:3]
     backend = RedisStateBackend(cluster.url, 60, key_prefix="flush5:", timeout_s=0.5, cluster=True)
@@ -423,9 +423,9 @@ def test_a_dead_url_seed_is_outlived_by_cluster_seeds(cluster: Cluster) -> None:
 
 def test_a_single_server_config_on_a_cluster_node_is_refused_and_stays_local(
         cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
-    # state.cluster unset, url a cluster node: PING passed, then keys of the other masters' slots
-    # answered MOVED, sessions flapped between replicas, and the write batch holding one such key
-    # failed whole and was queued again every 0.5 s, for good.
+    # state.cluster unset, url a cluster node: PING passes, but keys of the other masters' slots
+    # would answer MOVED, sessions flap between replicas, and the write batch holding one such key
+    # fail whole every 0.5 s, for good: the config is refused (an ERROR) and the state stays local.
     master = cluster.slots()[0][2]
     sids = [f"single-{i}" for i in range(30)]  # over every master's slots, this one's too
 
@@ -444,7 +444,7 @@ def test_a_single_server_config_on_a_cluster_node_is_refused_and_stays_local(
         finally:
             await backend.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+    with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
         pinged, flushed, pending, synced, mirrored, local_only = asyncio.run(go())
     assert not pinged and local_only and not synced and mirrored is None
     assert flushed and pending == {}  # dropped, not queued again forever
@@ -473,7 +473,7 @@ def test_an_acl_without_the_load_keys_names_their_pattern(cluster: Cluster, capl
             await backend.aclose()
 
     try:
-        with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+        with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
             assert asyncio.run(go()) is False
     finally:
         for port in cluster.live():

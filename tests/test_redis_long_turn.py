@@ -1,8 +1,9 @@
 """A turn longer than the idle time keeps its shared binding alive (``state.backend: redis``).
 
-The local table pins a session while a request of it runs, but the Redis copy was written with
-``PX idle_ttl`` when the turn started: a turn longer than the idle time let the key expire
-mid-turn, and another replica routed a concurrent turn of that session afresh (no binding).
+The local table pins a session while a request of it runs, and the Redis copy, written with
+``PX idle_ttl`` when the turn started, is kept alive too: a turn longer than the idle time does
+not let the key expire mid-turn, so another replica routes a concurrent turn of that session to
+its bound worker.
 Real redis-server, two real gateway replicas, a slow streaming echo worker.
 """
 

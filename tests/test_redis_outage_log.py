@@ -1,6 +1,6 @@
-"""A Redis outage is one warning when it starts and one when Redis answers again (was: only debug
-lines, so an operator saw it only in mesh_state_backend_errors_total); a refused command names
-another app's keys only when Redis said WRONGTYPE (an out-of-memory refusal pointed there too).
+"""A Redis outage is one warning when it starts and one when Redis answers again (not debug lines
+only, which left an operator mesh_state_backend_errors_total alone); a refused command names
+another app's keys only when Redis said WRONGTYPE (not for an out-of-memory refusal).
 Real redis-server processes, killed and restarted."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from mesh.state_redis import RedisStateBackend
+from mesh.state.redis_state import RedisStateBackend
 from tests.procs import ProcessGroup
 from tests.test_state_redis import RedisServer
 
@@ -30,7 +30,7 @@ def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(
         assert await backend.get_session("s", 0.0) is None  # a fresh server: nothing shared yet
         await backend.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+    with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in lines) == 1, lines
@@ -54,7 +54,7 @@ def test_an_out_of_memory_refusal_does_not_blame_another_apps_keys(
         await backend.set_session("s", "w0", 0.0)
         await backend.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+    with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
         asyncio.run(go())
     refused = [r.getMessage() for r in caplog.records if "refused a command" in r.getMessage()]
     assert refused and "maxmemory" in refused[0] and "another app" not in refused[0], refused

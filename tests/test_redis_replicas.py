@@ -1,14 +1,14 @@
 """Gateway replicas sharing one real redis-server (``state.backend: redis``).
 
 - A replica whose wall clock is minutes off (no NTP on its host) still shares load with the
-  others: the replica set was dated by each replica's own clock and pruned a minute either side
-  of the reader's clock, so two replicas two minutes apart pruned each other every
-  round, silently (no error counted, ``mesh_load_sync_peers`` 0 on both).
+  others: the replica set is dated by Redis's clock, not each replica's own (pruned a minute
+  either side of the reader's clock, two replicas two minutes apart would prune each other every
+  round, silently: no error counted, ``mesh_load_sync_peers`` 0 on both).
 - No key under the prefix lives forever: once every replica is gone (SIGKILL) the replica set
-  expires too (it had no TTL, and only a live replica ever pruned it).
-- Bindings queued during a long outage are all written once Redis is back: one pipeline of every
-  queued binding took longer than the call's time bound past ~10k sessions, failed, was queued
-  again with the newer ones, and so never got through again (sharing stopped for good).
+  expires too (it has a TTL: a live replica is not the only thing that prunes it).
+- Bindings queued during a long outage are all written once Redis is back, in bounded
+  pipelines: one pipeline of every queued binding would take longer than the call's time bound
+  past ~10k sessions, fail, be queued again with the newer ones, and never get through.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import httpx
 import pytest
 import yaml
 
-from mesh.shared_load import SharedLoad
-from mesh.state_redis import RedisStateBackend, SharedSessionTable
+from mesh.state.shared_load import SharedLoad
+from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
 from policies.base import TargetState
 from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, wait_until
 from tests.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
@@ -76,7 +76,7 @@ def test_a_replica_whose_clock_is_minutes_behind_still_shares_load(
     a = start_gateway(module_procs, config, "gateway-skew-a")
     b = start_gateway(module_procs, config, "gateway-skew-b", skew_s=SKEW_S)
     with contextlib.closing(a), contextlib.closing(b):
-        # Each sees the other (it was 0 on both: each pruned the other's entry every round).
+        # Each sees the other (not 0 on both: neither prunes the other's entry).
         wait_until(lambda: metric(a, "mesh_load_sync_peers") == 1 and metric(b, "mesh_load_sync_peers") == 1,
                    timeout_s=10, what="both replicas seeing each other despite the skew")
         for url in workers.values():
@@ -181,8 +181,8 @@ def test_a_request_ending_on_one_replica_does_not_undo_another_replicas_newer_mo
 
 
 def test_bindings_queued_through_a_long_outage_are_all_written_once_redis_is_back(server: RedisServer) -> None:  # noqa: F811
-    # 60k sessions bound locally while Redis was unreachable: one pipeline of all of them took
-    # longer than 2 x timeout_s, failed, and was queued again whole, forever.
+    # 60k sessions bound locally while Redis is unreachable: one pipeline of all of them would take
+    # longer than 2 x timeout_s, fail, and be queued again whole, forever.
     n = 60_000
     prefix = "outage6:"
 

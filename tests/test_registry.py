@@ -1,4 +1,4 @@
-"""mesh.registry: membership, dp targets, URL validation, health thresholds, circuit breaker, discovery.
+"""mesh.cluster.registry: membership, dp targets, URL validation, health thresholds, circuit breaker, discovery.
 
 Health checks run against real echo worker processes (and a port nobody listens on).
 """
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, parse_config
-from mesh.registry import CircuitBreaker, RegistryError, Worker, WorkerRegistry
-from mesh.upstream import UpstreamPool
+from mesh.cluster.registry import CircuitBreaker, RegistryError, Worker, WorkerRegistry
+from mesh.gateway.upstream import UpstreamPool
 from policies.base import Role
 from tests.procs import ProcessGroup, free_port
 
@@ -100,7 +100,7 @@ def test_circuit_breaker_opens_half_opens_and_closes() -> None:
     cb.record_success()  # consecutive failures only
     assert not cb.record_failure(2.0) and not cb.record_failure(3.0)
     assert cb.record_failure(4.0) and cb.is_open
-    cb.record_success()  # a request sent before it opened, finishing whole: still open (was: closed)
+    cb.record_success()  # a request sent before it opened, finishing whole: still open (it does not close it)
     cb.tick(13.9)
     assert cb.is_open
     cb.tick(14.0)

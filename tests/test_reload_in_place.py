@@ -1,7 +1,7 @@
 """A reload that changes only a worker's settings (admission limit, models, API key, tokenizer)
-keeps the worker: its in-flight load, health, sessions and cached prefixes. Was: any change
-removed and re-added it, so requests in flight were forgotten (in_flight 0 while they ran) and
-it was unhealthy, answering 503, until its next health check. A change of what names its engine
+keeps the worker: its in-flight load, health, sessions and cached prefixes, rather than removing
+and re-adding it (requests in flight forgotten, in_flight 0 while they run, and the worker
+unhealthy, answering 503, until its next health check). A change of what names its engine
 (url, role, data-parallel size, block size, KV event stream) still replaces it, and the reload
 health-checks the new worker at once."""
 
@@ -45,14 +45,14 @@ def test_a_settings_only_reload_keeps_the_workers_load_and_health(procs: Process
         _config(config, echo.url, max_in_flight=5)
         assert http.post("/admin/reload", headers=ADMIN).status_code == 200
         worker = http.get("/workers", headers=ADMIN).json()["workers"][0]
-        assert worker["healthy"] and worker["targets"][0]["in_flight"] == 3  # was: unhealthy, 0
-        assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200  # was: 503
+        assert worker["healthy"] and worker["targets"][0]["in_flight"] == 3  # not unhealthy, not 0
+        assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200  # not a 503
         for t in threads:
             t.join()
         assert results == [200, 200, 200] and in_flight() == 0
         _config(config, echo.url.replace("127.0.0.1", "localhost"), max_in_flight=5)  # another engine address
         assert http.post("/admin/reload", headers=ADMIN).status_code == 200
-        # a new worker, health-checked by the reload itself (was: unhealthy until the next round,
-        # an hour away here, and every request a 503)
+        # a new worker, health-checked by the reload itself (not unhealthy until the next round,
+        # an hour away here, with every request a 503)
         assert http.get("/workers", headers=ADMIN).json()["workers"][0]["url"].startswith("http://localhost")
         assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200

@@ -1,8 +1,8 @@
 """A reload that changes a setting read only at startup (the state backend, the index budget, the
 upstream connect timeout) is refused with ``restart_required``, naming the
-settings, and applies nothing; was: accepted, the new values shown as the config while the Redis
-client, load sync and index kept the old ones (a changed ``state.url`` silently kept the old
-Redis)."""
+settings, and applies nothing: accepting it would show the new values as the config while the
+Redis client, load sync and index keep the old ones (a changed ``state.url`` silently keeping the
+old Redis)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Sampling parameters that are no number at all (NaN, +-inf) are refused where they are built.
 
-Was: ``SamplingParams`` took any float. ``validate`` compared with ``<``, and every comparison
-with NaN is false, so ``SamplingParams(temperature=nan)`` passed ``validate`` and reached the
-sampler (logits / NaN: every probability NaN, the same token forever); an infinite temperature
-passed too. Only the HTTP layer's own check stood in the way, so any other caller of the engine
-(a benchmark, the disaggregated path, a future endpoint) could feed it. Now the constructor
-raises ``ValueError`` naming the field, and the server turns that into a 400 in OpenAI's error
-shape, over a real worker process.
+Every comparison with NaN is false, so a range check written with ``<`` passes
+``temperature=nan``, which would reach the sampler (logits / NaN: every probability NaN, the same
+token forever); an infinite temperature too. The check sits in ``SamplingParams`` itself, not only
+in the HTTP layer, so no other caller of the engine (a benchmark, the disaggregated path, a
+future endpoint) can feed it one: the constructor raises ``ValueError`` naming the field, and
+the server turns that into a 400 in OpenAI's error shape, over a real worker process.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_http
-from workers.sequence import InvalidSamplingParams, SamplingParams
+from workers.engine.sequence import InvalidSamplingParams, SamplingParams
 
 NOT_NUMBERS = [math.nan, math.inf, -math.inf]
 
@@ -51,7 +50,7 @@ def test_valid_params_still_construct_and_ranges_are_checked_at_admission() -> N
 @pytest.fixture(scope="module")
 def worker(module_procs: ProcessGroup) -> Iterator[str]:
     port = free_port()
-    cmd = [PYTHON, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--num-kv-blocks", "64", "--cpu-threads", "1", "--max-model-len", "512", "--log-level", "warning"]
     proc = module_procs.start(cmd, name="tiny", port=port)
     wait_http(proc.url + "/health", proc=proc, timeout_s=120)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.index import PrefixIndex
-from mesh.sessions import SessionTable
+from mesh.core.index import PrefixIndex
+from mesh.core.sessions import SessionTable
 from policies.base import ClusterView, RequestInfo, TargetState, Tier
 from policies.registry import PluginError, create
 from policies.scorers import fewer_is_better

@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from mesh.index import PrefixIndex
-from mesh.router import Lease, Router
-from mesh.sessions import SessionTable
+from mesh.core.index import PrefixIndex
+from mesh.core.router import Lease, Router
+from mesh.core.sessions import SessionTable
 from policies.base import RequestInfo, TargetState
 from policies.registry import PluginError, create, names
 from policies.session_sticky import FALLBACK_INNER, default_inner
@@ -236,3 +236,59 @@ def test_a_request_of_n_choices_decodes_over_its_prompt_once_per_choice() -> Non
     assert (a.in_flight, a.prefill_tokens, a.decode_tokens) == (1, 0, 201)
     lease.finish(1.0)
     assert (a.in_flight, a.prefill_tokens, a.decode_tokens) == (0, 0, 0)
+
+
+def test_new_sessions_sharing_a_system_prompt_spread_over_every_target() -> None:
+    """The first worker that caches the shared system prompt does not attract every new session."""
+    router, targets, index, table = setup(["a", "b", "c"], inner="kv_aware")
+    placed = []
+    for i in range(9):  # sequential new conversations: each finishes before the next starts
+        keys = SYSTEM + [1000 * (i + 1) + j for j in range(2)]
+        target, reason, _ = go(router, turn(f"s{i}", keys), float(i))
+        index.store(target, keys)  # the worker now caches the whole prompt
+        placed.append(target)
+        assert reason.startswith("new session, spread"), reason
+    assert Counter(placed) == {"a": 3, "b": 3, "c": 3}
+    for i, home in enumerate(placed):  # every later turn returns home
+        keys = SYSTEM + [1000 * (i + 1) + j for j in range(4)]
+        assert go(router, turn(f"s{i}", keys), 20.0 + i)[:2] == (home, "bound")
+    assert router.session_moves == 0 and [table.live_sessions(t) for t in "abc"] == [3, 3, 3]
+
+
+def test_among_the_least_crowded_targets_the_cached_prefix_still_wins() -> None:
+    router, targets, index, _ = setup(["a", "b", "c"], inner="kv_aware")
+    index.store("b", SYSTEM)
+    targets["a"].live_sessions = 1
+    target, reason, _ = go(router, turn("new", SYSTEM + [7, 8]), 0.0)
+    assert target == "b" and "spread (0 live sessions)" in reason
+
+
+def test_a_new_session_whose_prompt_is_mostly_a_cached_system_prompt_is_still_spread() -> None:
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware")
+    system = list(range(500, 540))
+    index.store("a", system)
+    targets["a"].live_sessions = 1
+    target, reason, _ = go(router, turn("new", system + [9]), 0.0)  # 40 of 41 blocks cached on a
+    assert target == "b" and reason.startswith("new session, spread (0 live sessions)")
+
+
+def test_spread_new_false_keeps_the_inner_policys_placement() -> None:
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware", spread_new=False)
+    index.store("a", SYSTEM)
+    targets["a"].live_sessions = 3
+    assert go(router, turn("new", SYSTEM + [5]), 0.0)[0] == "a"
+
+
+@pytest.mark.parametrize("params", [{"spread_new": "yes"}, {"spread_new": 1}])
+def test_bad_spread_params_are_refused(params: dict[str, object]) -> None:
+    with pytest.raises(PluginError, match="session_sticky"):
+        create("policy", {"name": "session_sticky", "params": params})
+
+
+def test_a_session_whose_blocks_were_evicted_stays_home() -> None:
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware")
+    convo = SYSTEM + list(range(200, 240))
+    home, _, _ = go(router, turn("s", convo), 0.0)
+    other = "b" if home == "a" else "a"
+    index.store(other, convo)  # the other worker holds the whole conversation (another session's copy)
+    assert go(router, turn("s", convo + [1]), 1.0)[:2] == (home, "bound")  # home caches none of it

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.sessions import MAX_ID_CHARS, MemoryStateBackend, SessionTable, session_key
+from mesh.core.sessions import MAX_ID_CHARS, MemoryStateBackend, SessionTable, session_key
 
 TTL = 10.0
 

@@ -1,7 +1,7 @@
-"""``mesh_sessions_live`` counts only bindings that are not idle-expired (it counted expired ones
-until the next decision or housekeeping round, up to health.interval_s), and a session id from the
-body is stripped as a header value is (``" a"`` in ``user`` and ``a`` in the header were two
-sessions). Real gateway, echo worker."""
+"""``mesh_sessions_live`` counts only bindings that are not idle-expired (at once, not at the next
+decision or housekeeping round, up to health.interval_s later), and a session id from the body is
+stripped as a header value is (``" a"`` in ``user`` and ``a`` in the header are one session).
+Real gateway, echo worker."""
 
 from __future__ import annotations
 

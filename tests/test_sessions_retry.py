@@ -1,8 +1,7 @@
-"""A retried request keeps its session pinned: the retry's lease was committed without the
-session, so nothing kept it alive while the retried attempt ran, and a retried turn longer than
-``sessions.idle_ttl_s`` expired its own binding mid-turn (a concurrent turn then routed as a new
-session). Real gateway and echo workers; the first worker answers 500 (a retry), the second
-streams slowly."""
+"""A retried request keeps its session pinned: the retry's lease is committed with the session
+(without binding it), so a retried turn longer than ``sessions.idle_ttl_s`` does not expire its
+own binding mid-turn (a concurrent turn would then route as a new session). Real gateway and
+echo workers; the first worker answers 500 (a retry), the second streams slowly."""
 
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def test_a_retried_turn_longer_than_the_idle_time_keeps_its_session(procs: Proce
         wait_until(streaming_on_other, what="the retry streaming on the other worker")
         threading.Event().wait(1.6)  # > idle_ttl_s with the retry still streaming (3 s)
         assert turn.is_alive(), "the retried stream ended too soon for this test"
-        assert bound_now() is not None  # was: None (expired mid-turn)
+        assert bound_now() is not None  # not expired mid-turn
         turn.join()
         assert done[0].status_code == 200 and done[0].headers["x-mesh-worker"] == other
         assert bound_now() == other  # bound to the worker that served it, once it did

@@ -3,8 +3,8 @@ called by the router's commit and its lease's end)."""
 
 from __future__ import annotations
 
-from mesh.router import Router
-from mesh.sessions import SessionTable
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies.base import RequestInfo, TargetState
 from policies.session_sticky import SessionSticky
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from mesh.prompt import sglang_routing_text
+from mesh.request.prompt import sglang_routing_text
 from tests.procs import ProcessGroup, free_port
 
 

@@ -1,8 +1,9 @@
 """A stream cut by the gateway's own shutdown timeout is not blamed on its worker.
 
-``end_in_flight`` ends what is still in flight by closing the upstream pool; the proxy saw a
-broken upstream and said "worker w0 failed mid-stream", charged w0's circuit breaker (opened
-here, with ``failure_threshold: 1``) and counted ``mesh_stream_errors_total``. Real ``mesh serve``
+``end_in_flight`` ends what is still in flight by closing the upstream pool; the proxy, which
+sees a broken upstream, ends the stream with the gateway's shutdown error, not "worker w0 failed
+mid-stream", and charges no circuit breaker (w0's would open here, with ``failure_threshold: 1``).
+Real ``mesh serve``
 and echo worker processes, a real SIGTERM.
 """
 

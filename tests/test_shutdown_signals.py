@@ -148,7 +148,8 @@ def test_up_sigterm_with_a_stream_in_flight_stops_everything(procs: ProcessGroup
 
 
 def test_up_sigkilled_leaves_no_worker_running(procs: ProcessGroup) -> None:
-    """A SIGKILLed ``mesh up`` runs no finally: its workers were left running, ports held."""
+    """A SIGKILLed ``mesh up`` runs no finally, yet its workers die with it (none left running,
+    ports held)."""
     up, workers = start_up(procs)
     os.kill(up.pid, signal.SIGKILL)
     up.popen.wait(10)
@@ -156,7 +157,8 @@ def test_up_sigkilled_leaves_no_worker_running(procs: ProcessGroup) -> None:
 
 
 def test_up_stops_the_cluster_and_names_a_worker_that_died(procs: ProcessGroup) -> None:
-    """A worker killed under ``mesh up`` was never noticed: the cluster ran on, one worker short."""
+    """A worker killed under ``mesh up`` stops the cluster (exit 1), naming the worker, instead of
+    the cluster running on one worker short."""
     up, workers = start_up(procs)
     os.kill(workers[1], signal.SIGKILL)
     assert up.popen.wait(30) == 1, up.log_tail()
@@ -167,9 +169,9 @@ def test_up_stops_the_cluster_and_names_a_worker_that_died(procs: ProcessGroup) 
 
 
 def test_worker_sigterm_ends_requests_in_flight_cleanly_and_frees_its_ports(procs: ProcessGroup) -> None:
-    """``mesh worker`` drained without a bound (a long generation held a SIGTERM for as long as it
-    ran) and exited -15; at the timeout every request gets an error, and a worker restarted at once
-    binds the same HTTP and KV event ports."""
+    """``mesh worker`` drains for a bounded time (a long generation does not hold a SIGTERM for as
+    long as it runs) and exits 0, not -15; at the timeout every request gets an error, and a worker
+    restarted at once binds the same HTTP and KV event ports."""
     port, events, replay = free_port(), free_port(), free_port()
     cmd = [PYTHON, "-m", "mesh", "worker", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--kv-events-endpoint", f"tcp://*:{events}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",

@@ -34,8 +34,9 @@ def session_trace(path: Path, sessions: int = 8, turns: int = 6) -> Path:
 
 
 def test_cache_aware_matches_prompts_in_the_simulator(tmp_path: Path) -> None:
-    """cache_aware matched an empty text in the simulator (traces carry no text), so it always
-    routed to the least loaded worker: its numbers were least_load's under its name."""
+    """cache_aware matches a spelling of the block keys in the simulator (traces carry no text),
+    not an empty text, which would always route to the least loaded worker and give least_load's
+    numbers under its name."""
     out = tmp_path / "r.json"
     proc = mesh("simulate", str(session_trace(tmp_path / "t.jsonl")), "--workers", "4", "--quiet",
                 "--policy", "cache_aware", "--policy", "least_load", "--seed", "3", "--json", str(out))
@@ -66,9 +67,9 @@ class Raising(Scorer):
 
 
 def test_plugin_picker_named_as_a_string_is_guarded(tmp_path: Path) -> None:
-    """``picker: "module:Class"`` (a plain string, as docs/policies.md writes built-in pickers)
-    escaped the guard: a picker returning a bad index was a traceback out of mesh simulate (and
-    a 500 per request in the gateway) instead of a plugin error."""
+    """``picker: "module:Class"`` (a plain string, as docs/policies.md writes built-in pickers) is
+    behind the guard: a picker returning a bad index is a plugin error, not a traceback out of
+    mesh simulate (and a 500 per request in the gateway)."""
     (tmp_path / "badplug.py").write_text(BAD_PLUGINS)
     spec = tmp_path / "p.yaml"
     spec.write_text("policy: {name: pipeline, params: {scorers: [prefix], picker: 'badplug:OutOfRange'}}\n")
@@ -80,7 +81,8 @@ def test_plugin_picker_named_as_a_string_is_guarded(tmp_path: Path) -> None:
 
 
 def test_a_raising_plugin_scorer_is_reported_as_raising(tmp_path: Path) -> None:
-    """A scorer that raised ValueError was reported as having 'returned something other than numbers'."""
+    """A scorer that raises ValueError is reported as raising, not as having 'returned something
+    other than numbers'."""
     (tmp_path / "badplug.py").write_text(BAD_PLUGINS)
     spec = tmp_path / "p.yaml"
     spec.write_text("policy: {name: pipeline, params: {scorers: ['badplug:Raising']}}\n")
@@ -92,9 +94,10 @@ def test_a_raising_plugin_scorer_is_reported_as_raising(tmp_path: Path) -> None:
 
 
 def test_a_request_larger_than_a_worker_names_the_kv_blocks_value_that_fits(tmp_path: Path) -> None:
-    """The WEKA directory (prompts up to 879k tokens) failed mid-run with 'needs 13311 KV blocks of
-    64 tokens but worker w5 holds 13000: raise kv_blocks in the profile': counted in the trace's
-    blocks while --kv-blocks counts the profile's (16 tokens), so --kv-blocks 13311 made it worse."""
+    """A request larger than one worker's KV is refused before the run (exit 2), naming the
+    --kv-blocks value that fits, in the profile's blocks (16 tokens) as --kv-blocks counts them,
+    not the trace's (64 tokens; on the WEKA directory, prompts up to 879k tokens, a count in the
+    trace's blocks, 'needs 13311 KV blocks of 64 tokens', would send a user to a worse value)."""
     trace = tmp_path / "big.jsonl"
     trace.write_text("\n".join([
         json.dumps({"format": "mesh-sessions", "version": 1, "block_size": 64}),
@@ -111,9 +114,9 @@ def test_a_request_larger_than_a_worker_names_the_kv_blocks_value_that_fits(tmp_
 
 
 def test_rejected_requests_are_shown_not_hidden(tmp_path: Path) -> None:
-    """A policy whose filters left no candidate for some requests (here: only workers with an empty
-    KV cache, and every request arriving at once) had them dropped from the table's 'requests'
-    count with nothing saying so: 8 requests printed as '2 requests', exit 0."""
+    """A policy whose filters leave no candidate for some requests (here: only workers with an empty
+    KV cache, and every request arriving at once) has them shown as rejected (a table column and a
+    warning), not silently dropped from the 'requests' count (8 requests printed as '2 requests')."""
     spec = tmp_path / "tight.yaml"
     spec.write_text("policy: {name: pipeline, params: {filters: [{name: admission_headroom, "
                     "params: {max_kv_usage: 0.0}}], scorers: [load]}}\n")
@@ -132,7 +135,7 @@ def test_rejected_requests_are_shown_not_hidden(tmp_path: Path) -> None:
 
 def test_a_plugin_whose_constructor_raises_is_a_plugin_error(tmp_path: Path) -> None:
     """A constructor raising anything but TypeError/ValueError (a RuntimeError, a KeyError from a
-    missing setting) was a traceback out of mesh simulate."""
+    missing setting) is a plugin error, not a traceback out of mesh simulate."""
     (tmp_path / "initplug.py").write_text(
         "from policies.base import Policy\n\n\nclass BadInit(Policy):\n    name = 'bad_init'\n\n"
         "    def __init__(self):\n        raise RuntimeError('init boom')\n\n"
@@ -146,8 +149,8 @@ def test_a_plugin_whose_constructor_raises_is_a_plugin_error(tmp_path: Path) -> 
 
 
 def test_no_blank_lines_from_the_progress_bar_in_a_log(tmp_path: Path) -> None:
-    """With stderr not a terminal (a CI log, a pipe) the transient progress bar printed one empty
-    line per policy before the table."""
+    """With stderr not a terminal (a CI log, a pipe) the transient progress bar prints no empty line
+    per policy before the table."""
     trace = session_trace(tmp_path / "t.jsonl", sessions=2, turns=2)
     proc = mesh("simulate", str(trace), "--profile", "unit", "--policy", "round_robin", "--policy", "kv_aware")
     assert proc.returncode == 0, proc.stderr
@@ -156,8 +159,8 @@ def test_no_blank_lines_from_the_progress_bar_in_a_log(tmp_path: Path) -> None:
 
 
 def test_the_table_fits_an_80_column_terminal(tmp_path: Path) -> None:
-    """In an 80-column terminal every cell of the 13-column table was cut to one character and an
-    ellipsis ('kv…', '2,…'); a narrow terminal now gets one column per policy."""
+    """A narrow terminal (80 columns) gets one column per policy, so no cell of the 13-column table
+    is cut to one character and an ellipsis ('kv…', '2,…')."""
     import io
 
     from rich.console import Console

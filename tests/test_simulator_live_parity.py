@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from mesh.index import PrefixIndex
-from mesh.router import Router
-from mesh.sessions import SessionTable
+from mesh.core.index import PrefixIndex
+from mesh.core.router import Router
+from mesh.core.sessions import SessionTable
 from policies import create_policy
 from policies.base import RequestInfo, TargetState
 from simulator.engine import SimConfig, Simulator, apply_event

@@ -199,9 +199,9 @@ def test_runs_are_deterministic_and_pressure_keeps_invariants() -> None:
 
 
 def test_the_cpu_tier_never_exceeds_its_capacity() -> None:
-    """The review's repro (invariants.py, cpu_over.py): an admission that borrowed CPU blocks to
-    reload and then found no GPU room put them back after its eviction had filled the tier: 10
-    admissions left it up to 32 blocks over. The invariants (``check``, the CPU bound included)
+    """An admission that borrows CPU blocks to reload and then finds no GPU room puts them back
+    after its eviction has filled the tier: the tier is trimmed to its capacity (untrimmed, 10 such
+    admissions would leave it up to 32 blocks over). The invariants (``check``, the CPU bound included)
     hold at every segment end, and the CPU bound after every admission."""
     trace = load_traces([MOONCAKE], LoadOptions(max_requests=1500, time_scale=0.02))
     profile = with_overrides(BUILTIN["h200-8b"], kv_blocks=8448, **{"cpu.blocks": 10000})
@@ -237,7 +237,7 @@ def test_prefill_decode_pair_puts_the_kv_transfer_in_ttft(tmp_path: Path) -> Non
     """As the relay serves a pair (docs/disaggregation.md): the prefill's own token is discarded,
     the decode worker pulls the (n - 1) // block_size exported blocks, computes the last block
     and streams the client's first token. So TTFT = prefill + transfer + that step, and the
-    transfer is not in the ITL (it used to be: TTFT was stamped at the prefill's token)."""
+    transfer is not in the ITL (TTFT is not stamped at the prefill's token)."""
     rows = [{"t": 0.0, "input_tokens": 64, "output_tokens": 5, "hash_ids": [1, 2, 3, 4]}]
     trace = load_traces([session_trace(tmp_path, rows)])
     profile = with_overrides(FORMULA, **{"pd.transfer_base_ms": 3.0, "pd.transfer_ms_per_block": 0.5})
@@ -259,8 +259,8 @@ def test_prefill_decode_pair_puts_the_kv_transfer_in_ttft(tmp_path: Path) -> Non
 
 
 def test_the_decode_worker_pulls_only_the_blocks_it_lacks(tmp_path: Path) -> None:
-    """The real decode worker pins the prefix it caches and pulls only the rest; the transfer
-    time used to charge every block of the prompt. The second request shares 6 of 8 blocks with
+    """The real decode worker pins the prefix it caches and pulls only the rest, and the transfer
+    time charges only the blocks pulled, not every block of the prompt. The second request shares 6 of 8 blocks with
     the first, which the decode worker then caches: 7 exported, 6 held, 1 pulled."""
     rows = [{"t": 0.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": list(range(8))},
             {"t": 1.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": [*range(6), 50, 51]}]

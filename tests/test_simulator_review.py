@@ -1,15 +1,14 @@
-"""A review's findings on ``mesh simulate``'s modelling, each fixed and pinned here (in-process
-and through the CLI):
+"""``mesh simulate``'s modelling, checked in-process and through the CLI:
 
 - KV usage: the engines' ``kv_cache_usage`` is the fraction of blocks held by requests; cached
-  blocks no request references sit in the free pool. The simulator counted them as used, so every
-  warm worker read ~0.96 while idle and ``admission_headroom`` rejected almost every request.
+  blocks no request references sit in the free pool, so a warm idle worker does not read ~0.96
+  and ``admission_headroom`` admits requests the cluster has room for.
 - A prefill/decode pair's first token comes from the decode worker after the KV transfer (the
-  prefill's token is discarded): the transfer was in ITL, not TTFT (tests/test_simulator_oracles.py
+  prefill's token is discarded): the transfer is in TTFT, not ITL (tests/test_simulator_oracles.py
   has the formula oracles, and of the transfer charging only the blocks the decode worker lacks).
-- ``--prefill-workers`` with a policy that never picks a pair said nothing.
+- ``--prefill-workers`` with a policy that never picks a pair warns.
 - WEKA sessions all start at t=0: ``--session-start-spread`` spreads them.
-- The table promised TTFT/ITL percentiles and showed ITL's mean only; "moves" was unexplained.
+- The table shows TTFT and ITL percentiles (p50, p99) and explains "moves" in a footnote.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def test_kv_usage_is_the_blocks_requests_hold_not_what_the_cache_keeps(tmp_path:
     arrives mid-decode, D a second later on an idle worker whose cache still holds A's and B's
     blocks. The usage a policy sees: 0 before the first step, (5 shared-once cached + 2 private
     blocks) / 100 while A and B run, 0 once nothing runs: D is admitted under max_kv_usage 0,
-    C is not. D used to be rejected too (its worker read 5 cached blocks as used)."""
+    C is not (D's worker does not read its 5 cached blocks as used)."""
     rows = [
         {"session": "a", "t": 0.0, "input_tokens": 64, "output_tokens": 3, "hash_ids": [1, 2, 3, 4]},
         {"session": "b", "t": 0.0, "input_tokens": 64, "output_tokens": 3, "hash_ids": [1, 2, 3, 9]},
@@ -84,9 +83,9 @@ def test_kv_usage_is_the_blocks_requests_hold_not_what_the_cache_keeps(tmp_path:
 
 
 def test_the_example_pipeline_admits_requests_after_warm_up() -> None:
-    """The reviewer's repro: examples/pipeline.yaml (admission_headroom max_kv_usage 0.95) on the
-    Mooncake synthetic trace rejected 3,740 of 3,993 requests (347 of the first 600): every warm
-    worker read ~0.96 usage. The cluster has room: nothing is rejected."""
+    """examples/pipeline.yaml (admission_headroom max_kv_usage 0.95) on the Mooncake synthetic
+    trace: the cluster has room, so nothing is rejected (a warm worker reading its cached blocks as
+    used, ~0.96, would reject 347 of the first 600)."""
     proc = mesh("simulate", str(SYNTHETIC), "--max-requests", "600", "--workers", "4", "--quiet",
                 "--policy", "examples/pipeline.yaml", "--json", "/dev/stdout")
     assert proc.returncode == 0, proc.stderr
@@ -97,9 +96,9 @@ def test_the_example_pipeline_admits_requests_after_warm_up() -> None:
 
 # ------------------------------------------------------------------------------ prefill/decode
 def test_a_slow_kv_transfer_moves_ttft_not_itl(tmp_path: Path) -> None:
-    """The reviewer's repro: a 2 s transfer (slowpd) against a free one. Every pair request's
-    TTFT grows by 2 s, so the mean by 2 s x pairs / requests; ITL stays put. It used to be the
-    other way round (ITL p99 7.6 ms -> 2,007 ms, TTFT p50 unchanged)."""
+    """A 2 s transfer (slowpd) against a free one. Every pair request's TTFT grows by 2 s, so the
+    mean by 2 s x pairs / requests; ITL stays put (with the transfer in ITL, its p99 would go from
+    7.6 ms to 2,007 ms)."""
     reports = {}
     for name, base in (("fast", 0.0), ("slow", 2000.0)):
         profile = tmp_path / f"{name}.yaml"
@@ -121,7 +120,7 @@ def test_a_slow_kv_transfer_moves_ttft_not_itl(tmp_path: Path) -> None:
 def test_decode_workers_carry_the_pairs_load_and_sessions(tmp_path: Path) -> None:
     """As the relay accounts a pair: a prefill lease on the prefill worker until its answer, then
     a decode lease on the decode worker, which the session is bound to. The decode workers' load
-    was never charged (their in_flight stayed 0 for the decode profile's load scorer)."""
+    is charged (their in_flight is not 0 for the decode profile's load scorer)."""
     rows = [{"session": "s", "t": 0.0, "input_tokens": 256, "output_tokens": 40, "hash_ids": list(range(16))},
             {"session": "s", "think_s": 0.1, "input_tokens": 512, "output_tokens": 4, "hash_ids": list(range(32))}]
     trace = load_traces([session_trace(tmp_path / "t.jsonl", rows)])
@@ -147,10 +146,9 @@ def test_decode_workers_carry_the_pairs_load_and_sessions(tmp_path: Path) -> Non
 
 
 def test_a_request_that_takes_no_pair_never_runs_on_a_prefill_worker() -> None:
-    """The review's route_dbg.py: the simulator decided once, and for a decision naming no pair
-    routed again (``router.route``), whose random tie-break could return a pair, which then ran
-    whole on its prefill worker (7 of 205 requests here, 51 of 1,017 on 30 sessions). The first
-    decision is committed; a pair reaching the ordinary path is served by its decode worker."""
+    """The first decision is committed, never decided again (a second decision's random tie-break
+    could return a pair, which would run whole on its prefill worker: 7 of 205 requests here), and
+    a pair reaching the ordinary path is served by its decode worker."""
     import yaml
 
     from simulator.profile import load_profile
@@ -166,11 +164,11 @@ def test_a_request_that_takes_no_pair_never_runs_on_a_prefill_worker() -> None:
 
 
 def test_per_block_transfer_and_reload_costs_are_per_profile_block(tmp_path: Path) -> None:
-    """The review's pd_units.py: ``pd.transfer_ms_per_block`` and ``cpu.load_ms_per_block`` are
-    per profile block (16 tokens) but were charged per trace block (Mooncake's 512 tokens: 32x
-    too cheap). The same 1,025-token prompt exports 1,024 tokens at 16- and at 64-token trace
-    blocks: the same transfer (64 ms at 1 ms per 16 tokens), so the same TTFT; it used to be
-    84 vs 36 ms."""
+    """``pd.transfer_ms_per_block`` and ``cpu.load_ms_per_block`` are per profile block (16
+    tokens), converted by tokens to the trace's blocks (charged per trace block, Mooncake's 512
+    tokens would be 32x too cheap). The same 1,025-token prompt exports 1,024 tokens at 16- and at
+    64-token trace blocks: the same transfer (64 ms at 1 ms per 16 tokens), so the same TTFT (not
+    84 vs 36 ms)."""
     from simulator.profile import CpuTier, PdTransfer
 
     profile = Profile(name="hand", block_size=16, kv_blocks=1000, max_num_seqs=8, max_batched_tokens=4096,
@@ -197,7 +195,8 @@ def test_per_block_transfer_and_reload_costs_are_per_profile_block(tmp_path: Pat
 
 
 def test_prefill_workers_with_a_policy_that_never_pairs_warn(tmp_path: Path) -> None:
-    """kv_aware never picks a pair: with --prefill-workers the run was silently a mixed cluster's."""
+    """kv_aware never picks a pair: with --prefill-workers the run warns that it is a mixed
+    cluster's, not silently."""
     trace = session_trace(tmp_path / "t.jsonl", [
         {"session": f"s{i}", "t": i * 0.01, "input_tokens": 2048, "output_tokens": 8, "hash_ids": list(range(i, i + 128))}
         for i in range(6)])

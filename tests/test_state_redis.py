@@ -1,4 +1,4 @@
-"""Session bindings shared through a real ``redis-server`` (``mesh.state_redis``).
+"""Session bindings shared through a real ``redis-server`` (``mesh.state.redis_state``).
 
 Unit part: ``RedisStateBackend`` and ``SharedSessionTable`` against a real server (set/get/delete,
 the idle TTL refreshed on every use and then expired by Redis, two tables as two replicas, an
@@ -33,8 +33,8 @@ import xxhash
 import yaml
 
 from mesh.config import ConfigError, MeshConfig, parse_config
-from mesh.sessions import MemoryStateBackend, SessionTable
-from mesh.state_redis import RedisStateBackend, SharedSessionTable
+from mesh.core.sessions import MemoryStateBackend, SessionTable
+from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
 from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
 
 if shutil.which("redis-server") is None:  # .ci/run installs it; so does `apt-get install redis-server`
@@ -163,7 +163,7 @@ def test_bad_urls_are_clear_config_errors() -> None:
 
 
 def test_the_default_state_backend_is_memory() -> None:
-    from mesh.app import build_gateway
+    from mesh.gateway.app import build_gateway
 
     assert MeshConfig().state.backend == "memory"
     gateway = build_gateway(MeshConfig())
@@ -272,18 +272,12 @@ def test_a_flush_cancelled_mid_write_is_written_by_the_next_flush(server: RedisS
 
 
 def state_gateway(url: str, prefix: str, load_sync_s: float) -> Any:
-    """A real gateway object with ``state.backend: redis``; only its state_redis hooks are run."""
-    from mesh.app import build_gateway
+    """A real gateway object with ``state.backend: redis``; only its shared state is started."""
+    from mesh.gateway.app import build_gateway
 
     config = parse_config({"state": {"backend": "redis", "url": url, "key_prefix": prefix, "timeout_s": 0.2,
                                      "load_sync_s": load_sync_s}})
     return build_gateway(config)
-
-
-async def run_hooks(gateway: Any, hooks: list[Any]) -> None:
-    for hook in hooks:
-        if hook.__module__ == "mesh.state_redis":
-            await hook(gateway)
 
 
 def test_shutdown_writes_the_last_bindings_and_leaves_even_right_after_an_error(server: RedisServer) -> None:
@@ -294,7 +288,7 @@ def test_shutdown_writes_the_last_bindings_and_leaves_even_right_after_an_error(
     async def go() -> tuple[Any, ...]:
         c = server.client()
         try:
-            await run_hooks(gateway, gateway.on_start)
+            await gateway.shared.start()
             await until(lambda: bool(c.exists(table.shared_load.key)), "the load sync publishing")
             c.client_pause(20_000, all=False)
             try:
@@ -302,7 +296,7 @@ def test_shutdown_writes_the_last_bindings_and_leaves_even_right_after_an_error(
             finally:
                 c.client_unpause()
             table.bind("s", "w1", 1.0)  # the last commit before shutdown
-            await run_hooks(gateway, gateway.on_stop)
+            await gateway.shared.stop()
             members = c.zrange("unit7:load:replicas", 0, -1)
             return failed, table.backend.errors["set"], c.get("unit7:s:s"), c.exists(table.shared_load.key), members
         finally:
@@ -326,14 +320,14 @@ def test_the_redis_password_is_never_shown(server: RedisServer, caplog: pytest.L
     gateway = state_gateway(url, "unit8:", 0)
 
     async def go() -> dict[str, Any]:
-        await run_hooks(gateway, gateway.on_start)
+        await gateway.shared.start()
         try:
             return gateway.sessions.stats()  # type: ignore[no-any-return]
         finally:
-            await run_hooks(gateway, gateway.on_stop)
+            await gateway.shared.stop()
             await query.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="mesh.state_redis"):
+    with caplog.at_level(logging.WARNING, logger="mesh.state.redis_state"):
         stats = run(go())
     assert stats["backend"]["url"] == f"redis://:***@127.0.0.1:{port}/0"
     assert "not reachable" in caplog.text and ":***@" in caplog.text

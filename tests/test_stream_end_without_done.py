@@ -2,12 +2,12 @@
 
 A worker that delimits its answer by closing the connection (HTTP/1.0 style: no Content-Length,
 no chunked encoding, or a proxy in between doing so) and dies mid-stream sends a plain FIN: the
-body's end, to the HTTP layer. Was: the gateway relayed that as a clean end, so the client got a
-truncated stream that looked complete, and the worker's passive health was not told. OpenAI
-servers end every completion stream with ``data: [DONE]``: one that ends without it is now
-treated as a reset mid-stream is (whole events only, an OpenAI-shaped error event, then the end;
-a failure for the worker's circuit breaker; ``mesh_stream_errors_total``), in the ordinary path
-and in the disaggregated relay. A well-formed close-delimited stream (with ``[DONE]``), a stream
+body's end, to the HTTP layer. Relayed as a clean end, the client would get a truncated stream
+that looks complete, and the worker's passive health would not be told. OpenAI servers end every
+completion stream with ``data: [DONE]``: one that ends without it is treated as a reset
+mid-stream is (whole events only, an OpenAI-shaped error event, then the end; a failure for the
+worker's circuit breaker; ``mesh_stream_errors_total``), in the ordinary path and in the
+disaggregated relay. A well-formed close-delimited stream (with ``[DONE]``), a stream
 that is not SSE, and a stream whose client left first are not failures.
 """
 

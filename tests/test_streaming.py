@@ -147,7 +147,7 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     script.write_text(FAKE_WORKER)
     fport, eport, bport, tport, gport = free_port(), free_port(), free_port(), free_port(), free_port()
     # a bundled engine worker (started first: it takes longest)
-    tiny = module_procs.start([PYTHON, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(tport),
+    tiny = module_procs.start([PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(tport),
                                "--block-size", "16", "--num-kv-blocks", "512", "--cpu-threads", "1",
                                "--max-model-len", "8192", "--log-level", "warning"], name="tiny", port=tport)
     fake = module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport)
@@ -189,8 +189,8 @@ def sse_data(raw: bytes) -> list[str]:
 
 
 def test_a_stream_broken_mid_event_ends_with_a_clean_error_event(cluster: Cluster) -> None:
-    # The worker died after sending the first 30 bytes of an event: those bytes were relayed and
-    # the error event glued onto them ('data: {"id":"x","object":"textdata: {"error":...').
+    # The worker dies after sending the first 30 bytes of an event: those bytes are not relayed
+    # with the error event glued onto them ('data: {"id":"x","object":"textdata: {"error":...').
     before = cluster.metric("mesh_stream_errors_total")
     with cluster.http.stream("POST", "/v1/completions", json={"model": "f", "prompt": "partial", "stream": True}) as resp:
         assert resp.status_code == 200
@@ -324,10 +324,10 @@ def test_hundreds_of_concurrent_streams_complete_unmixed(cluster: Cluster) -> No
 
 
 def test_a_slow_reader_timing_out_frees_its_worker_and_does_not_count_against_it(cluster: Cluster, module_procs: ProcessGroup) -> None:
-    # The request timeout fired while the gateway had stopped reading the worker (its client did
-    # not read): the worker was charged 'stream broke: UpstreamTimeout', and two such clients
-    # opened a healthy worker's circuit for everybody. And the stalled client's lease was held
-    # (in_flight 1, an admission slot) until it read again or closed: forever for a hung client.
+    # The request timeout fires while the gateway has stopped reading the worker (its client does
+    # not read): the worker is not charged ('stream broke: UpstreamTimeout'), so two such clients
+    # cannot open a healthy worker's circuit for everybody; and the stalled client's lease ends
+    # (in_flight 1, an admission slot) rather than lasting until it reads again or closes.
     config = module_procs.log_dir / "short.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm", "request_timeout_s": 1},
@@ -360,8 +360,8 @@ def test_a_slow_reader_timing_out_frees_its_worker_and_does_not_count_against_it
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_second_unrequested_response_is_not_mixed_into_the_answer_or_the_next(cluster: Cluster, stream: bool) -> None:
-    # The worker sent a response nobody asked for right behind its answer (one write): its body
-    # was appended to the answer ('{"id":"one",...}{"id":"two",...}').
+    # The worker sends a response nobody asked for right behind its answer (one write): its body
+    # is not appended to the answer ('{"id":"one",...}{"id":"two",...}').
     resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "double", "stream": stream})
     assert resp.status_code == 200 and resp.json()["id"] == "one", resp.text
     for _ in range(3):  # the pooled connection is not reused with the stray answer on it
@@ -395,8 +395,8 @@ def test_a_client_leaving_frees_the_request_on_a_bundled_worker(cluster: Cluster
 
 
 def test_streams_that_break_mid_way_open_the_workers_circuit(cluster: Cluster, module_procs: ProcessGroup) -> None:
-    # Each stream recorded a success at its first byte, then its failure: the consecutive count
-    # went 1, 0, 1, 0... and a worker that broke every stream never had its circuit opened.
+    # A stream records its success once it ended whole, not at its first byte (the consecutive
+    # count would go 1, 0, 1, 0...), so a worker that breaks every stream has its circuit opened.
     config = module_procs.log_dir / "strict.yaml"
     config.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm"},
@@ -413,8 +413,8 @@ def test_streams_that_break_mid_way_open_the_workers_circuit(cluster: Cluster, m
 
 
 def test_a_retry_with_nowhere_left_to_go_is_not_waited_for_nor_counted(cluster: Cluster) -> None:
-    """Model "f" is served by the failing fake alone: its 500 is the answer at once. Was: the
-    gateway slept the back-off (1 s here) first and counted a retry that never happened."""
+    """Model "f" is served by the failing fake alone: its 500 is the answer at once, with no
+    back-off slept (1 s here) and no retry counted."""
     retries = 'mesh_retries_total{reason="status_500"}'
     before = cluster.metric(retries)
     resp = cluster.http.post("/v1/completions", json={"model": "f", "prompt": "err500", "max_tokens": 2})

@@ -1,7 +1,7 @@
 """The KV event subscriber over real ZMQ sockets, fed by a vLLM-format publisher written here.
 
 The publisher below is written from REFERENCE.md section 2 alone (it shares no code with the
-bundled engine's publisher nor with ``mesh.kv_events``): PUB frames ``[topic, seq, payload]``, a
+bundled engine's publisher nor with ``mesh.events.wire``): PUB frames ``[topic, seq, payload]``, a
 ROUTER replay socket answering ``[b"", start]`` in either reply layout, every payload layout.
 """
 
@@ -22,9 +22,9 @@ import xxhash
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from mesh.index import PrefixIndex
-from mesh.keys import block_keys, namespace_seed
-from mesh.subscriber import KvEventSubscriber, WorkerEvents, offset_endpoint
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents, offset_endpoint
 from policies.base import Overlap, Tier
 
 MODEL = "toy"
@@ -196,7 +196,7 @@ class ToyEngine:
             victim = next(b for b in self.gpu if b not in protect)
             self._evict(victim, events)
         # new blocks are stored in runs: a block still cached past the first miss gets no second
-        # copy and no second BlockStored (a store of a held hash is one more copy: mesh/index.py)
+        # copy and no second BlockStored (a store of a held hash is one more copy: mesh/core/index.py)
         parent = self.gpu[blocks[hit - 1]] if hit else None
         start = hit
         for i in range(hit, len(blocks) + 1):
@@ -606,11 +606,11 @@ def test_rank_endpoints_follow_vllms_port_offset() -> None:
 
 
 def test_log_limiter_keeps_a_few_lines_per_window_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
-    from mesh.subscriber import LogLimiter
+    from mesh.events.subscriber import LogLimiter
 
     now = [0.0]
     limiter = LogLimiter(burst=3, window_s=60.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="mesh.subscriber"):
+    with caplog.at_level(logging.WARNING, logger="mesh.events.subscriber"):
         for i in range(50):  # a publisher sending garbage: one line per frame without the limit
             limiter.log(logging.WARNING, ("w0", "undecodable"), "kv events %s: seq %d undecodable", "w0", i)
         limiter.log(logging.WARNING, ("w1", "undecodable"), "kv events %s: seq %d undecodable", "w1", 0)

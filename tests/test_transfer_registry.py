@@ -1,4 +1,4 @@
-"""``workers.transfer_registry``: exactly-once release of pinned transfers whatever the order of
+"""``workers.transfer.registry``: exactly-once release of pinned transfers whatever the order of
 consumers, cancels, deadlines and readers; admission bounds never exceeded."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.transfer_registry import Admission, Release, TransferGone, TransferRegistry
+from workers.transfer.registry import Admission, Release, TransferGone, TransferRegistry
 
 
 class Unpins:

@@ -1,4 +1,4 @@
-"""mesh.upstream: keep-alive reuse, stale sockets, chunked bodies, timeouts, early close, connect errors.
+"""mesh.gateway.upstream: keep-alive reuse, stale sockets, chunked bodies, timeouts, early close, connect errors.
 
 A scripted HTTP server on a real loopback socket plays the worker.
 """
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from mesh.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
+from mesh.gateway.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
 from tests.procs import free_port
 
 Handler = Callable[[bytes, asyncio.StreamWriter], "asyncio.Future[None] | object"]
@@ -87,13 +87,13 @@ async def test_keep_alive_reuses_one_connection(pool: UpstreamPool) -> None:
 
 
 async def test_prune_closes_expired_idle_connections(pool: UpstreamPool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import mesh.upstream
+    import mesh.gateway.upstream
 
     server, url, srv = await serve(lambda n, req, w: w.write(ok(b"{}")))
     async with srv:
         await pool.get(url + "/a")
         assert pool.idle_connections == 1 and pool.prune() == 0
-        monkeypatch.setattr(mesh.upstream, "IDLE_TIMEOUT_S", 0.0)
+        monkeypatch.setattr(mesh.gateway.upstream, "IDLE_TIMEOUT_S", 0.0)
         assert pool.prune() == 1 and pool.idle_connections == 0
         await asyncio.wait_for(server.disconnects.wait(), 2)
 

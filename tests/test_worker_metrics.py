@@ -1,4 +1,4 @@
-"""The gateway reads each worker's KV usage and capacity from its /metrics (mesh/worker_metrics.py,
+"""The gateway reads each worker's KV usage and capacity from its /metrics (mesh/cluster/worker_metrics.py,
 ``WorkerRegistry.read_metrics``).
 
 Parsing: vLLM (two DP ranks, ``engine`` label), SGLang (``dp_rank``, ``tp_rank``), the bundled
@@ -31,9 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh.config import MeshConfig, WorkerConfig
-from mesh.registry import WorkerRegistry, loads_for_targets
-from mesh.upstream import UpstreamPool
-from mesh.worker_metrics import MAX_BODY_BYTES, MetricsError, MetricsScanner, RankLoad, Scrape, parse
+from mesh.cluster.registry import WorkerRegistry, loads_for_targets
+from mesh.gateway.upstream import UpstreamPool
+from mesh.cluster.worker_metrics import MAX_BODY_BYTES, MetricsError, MetricsScanner, RankLoad, Scrape, parse
 from tests.e2e_bundled import ADMIN, ADMIN_KEY, start_workers
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 
@@ -481,7 +481,7 @@ def test_global_rank_labels_map_onto_targets_and_a_mismatch_is_not_ok(caplog: py
         assert all(_kv(registry, f"wrong@{r}") == (0.0, 0) for r in range(3))
         assert len([r for r in caplog.records if "unmatched" in r.getMessage()]) == 1  # logged once
 
-    with caplog.at_level("DEBUG", logger="mesh.registry"):
+    with caplog.at_level("DEBUG", logger="mesh.cluster.registry"):
         _in_process(test, ["vllm_ext"])
 
 
@@ -490,7 +490,7 @@ def test_a_flapping_metrics_logs_rate_limited_and_timeouts_at_warning(caplog: py
     _add(registry, "w", "http://127.0.0.1:9")
     worker = registry.workers["w"]
     ok = Scrape("ok", {None: RankLoad(kv_usage=0.5)})
-    with caplog.at_level("DEBUG", logger="mesh.registry"):
+    with caplog.at_level("DEBUG", logger="mesh.cluster.registry"):
         for i in range(10):  # a /metrics that times out every other round
             registry._apply_scrape(worker, ok, 100.0 + i)
             registry._apply_scrape(worker, Scrape("unreachable", error="GET /metrics failed: timed out"), 100.5 + i)

@@ -1,9 +1,9 @@
 """``n`` > 1 (several choices per prompt) on the bundled worker, as vLLM serves it: real
-``workers.cli --preset tiny`` processes, a real gateway process (``mesh.commands.serve``), a real
+``workers.server.cli --preset tiny`` processes, a real gateway process (``mesh.commands.serve``), a real
 echo worker, over real HTTP (the official ``openai`` client, ``httpx``, a raw socket).
 
-Was: the worker answered every ``n`` != 1 with a 400 ("only n=1 is supported"); the echo worker
-ignored ``n`` (one choice).
+The worker serves ``n`` choices (no 400 "only n=1 is supported"), and the echo worker answers
+``n`` choices too (not one).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from mesh.disagg import decode_body, prefill_body
+from mesh.gateway.disagg_relay import decode_body, prefill_body
 from tests.e2e_bundled import BundledWorker, Gateway, start_gateway, start_workers, wait_workers, write_config
 from tests.procs import ProcessGroup, wait_until
 
@@ -280,8 +280,8 @@ class _OneFails:
         self.closed: set[str] = set()
 
     async def run(self, rid: str, *args: Any) -> AsyncIterator[Any]:
-        from workers.engine import RequestOutput, RequestRejected
-        from workers.server import Chunk
+        from workers.engine.llm_engine import RequestOutput, RequestRejected
+        from workers.server.app import Chunk
 
         self.open.add(rid)
         try:
@@ -295,14 +295,14 @@ class _OneFails:
 
 
 def _children(n: int) -> list[Any]:
-    from workers.sequence import SamplingParams
-    from workers.server import Child
+    from workers.engine.sequence import SamplingParams
+    from workers.server.app import Child
 
     return [Child(i, 0, f"cmpl-1-{i}", [1, 2, 3], SamplingParams(max_tokens=9), 0 if i else None) for i in range(n)]
 
 
 def test_an_error_in_one_choice_ends_the_stream_with_the_error_then_done() -> None:
-    from workers.server import CompletionRequest, stream_choices
+    from workers.server.app import CompletionRequest, stream_choices
 
     api = _OneFails()
     req = CompletionRequest(model=MODEL, prompt="x", stream=True, n=3)
@@ -317,8 +317,8 @@ def test_an_error_in_one_choice_ends_the_stream_with_the_error_then_done() -> No
 
 
 def test_an_error_in_one_choice_fails_the_unstreamed_answer_and_closes_the_others() -> None:
-    from workers.engine import RequestRejected
-    from workers.server import collect_choices
+    from workers.engine.llm_engine import RequestRejected
+    from workers.server.app import collect_choices
 
     api = _OneFails()
 

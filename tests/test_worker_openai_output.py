@@ -1,5 +1,5 @@
 """What the bundled worker answers, read by the official ``openai`` client from a real
-``workers.cli --preset tiny`` process over real HTTP (streamed and not)."""
+``workers.server.cli --preset tiny`` process over real HTTP (streamed and not)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _a_stop_in(text: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI, stream: bool) -> None:
-    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string (was: ignored, cut)."""
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string (not ignored, not cut)."""
     full, _ = _greedy(client)
     at, stop = _a_stop_in(full)
     assert _greedy(client, stream, stop=[stop]) == (full[:at], "stop")
@@ -47,7 +47,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI,
 
 def test_streams_parse_and_match_the_unstreamed_answer(client: openai.OpenAI) -> None:
     """Chunk object names, one id, the final usage chunk (no choices, cached tokens), finish reasons,
-    a seeded answer equal streamed and not (a regression guard: this held already)."""
+    a seeded answer equal streamed and not."""
     messages = [{"role": "user", "content": "hello there"}]
     kw = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0.8, "seed": 7}
     whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]

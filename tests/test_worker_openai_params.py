@@ -1,13 +1,14 @@
 """OpenAI request fields the bundled engine cannot honour are a 400 naming the field, never ignored.
 
-A real ``workers.cli --preset tiny`` process, driven directly and through a real gateway process
+A real ``workers.server.cli --preset tiny`` process, driven directly and through a real gateway process
 (``mesh.commands.serve``), over real HTTP (the official ``openai`` client and ``httpx``).
 
-Was: the worker's request models take extra fields (``extra="allow"``, for vLLM's extensions) and
-nothing read ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``top_logprobs``,
+The worker's request models take extra fields (``extra="allow"``, for vLLM's extensions), so
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``top_logprobs``,
 ``response_format``, ``tools``/``tool_choice``, ``suffix``, ``best_of`` or vLLM's ``min_tokens``,
-``repetition_penalty``, ``min_p``, ``guided_json``...: a 200 whose text ignored what was asked
-(a JSON schema answered with free text, a tool call never made, a penalty never applied).
+``repetition_penalty``, ``min_p``, ``guided_json``... are each refused where the engine cannot
+honour them, not answered by a 200 whose text ignores what was asked (a JSON schema answered
+with free text, a tool call never made, a penalty never applied).
 vLLM applies the penalties and biases and, without a tool parser, refuses ``tools`` with a 400.
 """
 
@@ -121,7 +122,7 @@ def test_the_default_values_of_those_fields_are_accepted(urls: dict[str, str]) -
 
 
 def test_a_bad_max_completion_tokens_is_named_as_sent(urls: dict[str, str]) -> None:
-    """Was: the worker named ``max_tokens`` for a request that sent only ``max_completion_tokens``."""
+    """A request that sent only ``max_completion_tokens`` has it named in the 400, not ``max_tokens``."""
     resp = _post(urls["worker"], "chat", {"max_tokens": None, "max_completion_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_completion_tokens", resp.text
     resp = _post(urls["worker"], "chat", {"max_tokens": 5, "max_completion_tokens": 0})  # the one that counts
@@ -132,8 +133,8 @@ def test_a_bad_max_completion_tokens_is_named_as_sent(urls: dict[str, str]) -> N
 
 def test_a_body_sent_without_a_json_content_type_gets_a_400_that_says_so(urls: dict[str, str]) -> None:
     """``curl -d`` without ``-H content-type: application/json`` sends a form type: the gateway reads
-    the JSON anyway, the worker (FastAPI) cannot, and said only 'body: Input should be a valid
-    dictionary or object to extract fields from'."""
+    the JSON anyway, the worker (FastAPI) cannot, and its 400 says why (the content type), not
+    only 'body: Input should be a valid dictionary or object to extract fields from'."""
     body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 2}'
     resp = httpx.post(urls["worker"] + "/v1/completions", content=body,
                       headers={"content-type": "application/x-www-form-urlencoded"})
@@ -147,7 +148,8 @@ def test_a_body_sent_without_a_json_content_type_gets_a_400_that_says_so(urls: d
 
 @pytest.mark.parametrize("where", ["worker", "gateway"])
 def test_stream_options_without_stream_is_a_400(urls: dict[str, str], where: str) -> None:
-    """OpenAI and vLLM refuse ``stream_options`` on a request that does not stream; it was ignored."""
+    """``stream_options`` on a request that does not stream is a 400, as OpenAI and vLLM refuse it
+    (never ignored)."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
     resp = httpx.post(urls[where] + "/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
@@ -155,12 +157,12 @@ def test_stream_options_without_stream_is_a_400(urls: dict[str, str], where: str
 
 def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
     """After the headers, a rejection or a dead engine is an error event; the stream then ends
-    with ``data: [DONE]`` as vLLM's does (was: no [DONE], which the gateway reads as a cut stream)."""
+    with ``data: [DONE]`` as vLLM's does (without it, the gateway reads a cut stream)."""
     import asyncio
 
-    from workers.engine import RequestRejected
-    from workers.sequence import SamplingParams
-    from workers.server import CompletionRequest, _stream
+    from workers.engine.llm_engine import RequestRejected
+    from workers.engine.sequence import SamplingParams
+    from workers.server.app import CompletionRequest, _stream
 
     class Api:  # the generator's only collaborator; the real engine cannot be made to fail here
         model_name = "tiny"
@@ -182,7 +184,8 @@ def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
 
 @pytest.mark.parametrize("where", ["worker", "gateway"])
 def test_the_openai_client_retrieves_a_model_and_gets_a_404_for_an_unknown_one(urls: dict[str, str], where: str) -> None:
-    """``client.models.retrieve`` (GET /v1/models/{id}) was a 404 for every id."""
+    """``client.models.retrieve`` (GET /v1/models/{id}) returns a served model, and a 404
+    (``model_not_found``) only for an unknown one."""
     client = openai.OpenAI(base_url=urls[where] + "/v1", api_key="x", max_retries=0)
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as err:

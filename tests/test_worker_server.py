@@ -30,14 +30,14 @@ def _free_port() -> int:
 
 def _worker_command() -> list[str]:
     """``python -m mesh worker``; while some other subcommand module of the mesh CLI is not in the
-    tree yet, the same ``workers.cli.run`` through ``python -m workers.cli``."""
+    tree yet, the same ``workers.server.cli.run`` through ``python -m workers.server.cli``."""
     try:
         from mesh.cli import build_parser
 
         build_parser()
         return [sys.executable, "-m", "mesh", "worker"]
     except ImportError:
-        return [sys.executable, "-m", "workers.cli"]
+        return [sys.executable, "-m", "workers.server.cli"]
 
 
 REPLAY_PORT = _free_port()
@@ -204,7 +204,7 @@ def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
     import msgspec
     import zmq
 
-    from mesh.keys import block_keys, namespace_seed
+    from mesh.core.keys import block_keys, namespace_seed
 
     prompt = f"events {uuid.uuid4().hex} " + "x" * 40  # 88 bytes: 5 full blocks
     _client(worker).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
@@ -235,7 +235,7 @@ def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
 
 
 def test_stop_strings_cut_the_text_even_across_chunks() -> None:
-    from workers.server import StopText
+    from workers.server.app import StopText
 
     text = StopText(["END", "\n\n"])
     out = []

@@ -1,11 +1,11 @@
 """``server.client_write_timeout_s``, over real processes.
 
 A non-streamed answer is written to the client in one ASGI message: the write returns at once
-(the transport buffers it) and the handler ends, so no write ever waited and the write watch never
-saw the client. A hung client then pinned the whole answer (up to 64 MB) in the gateway's memory,
-and its connection, for as long as its socket stayed open: uvicorn's keep-alive close waits for
-the buffer to drain, forever. Now a response whose bytes are still buffered when its handler ends
-is watched until they drain; a connection that takes none of them for the write timeout is dropped.
+(the transport buffers it) and the handler ends, so no write waits and a watch on writes alone
+never sees the client, which could then pin the whole answer (up to 64 MB) in the gateway's
+memory, and its connection, for as long as its socket stays open: uvicorn's keep-alive close
+waits for the buffer to drain, forever. So a response whose bytes are still buffered when its
+handler ends is watched until they drain; a connection that takes none of them for the write timeout is dropped.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Client write timeouts are logged at most once per ``LOG_EVERY_S`` (10 s).
 
-Was: one warning per timed-out client, with no limit: many hung clients flooded the gateway's log.
-Now the first is logged in full; the ones within the next 10 s are counted, and one line says how
+Not one warning per timed-out client, with no limit (many hung clients would flood the gateway's
+log): the first is logged in full; the ones within the next 10 s are counted, and one line says how
 many once that time is up. ``mesh_client_write_timeouts_total`` still counts every one.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mesh.client_io import LOG_EVERY_S, RateLimitedWarning
+from mesh.gateway.client_io import LOG_EVERY_S, RateLimitedWarning
 from tests.procs import ProcessGroup, stalled_client, wait_until
 from tests.test_client_write_timeout import WORD, Gateway, _dropped, _gateway
 

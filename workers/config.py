@@ -169,7 +169,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # most new tokens of one sequence per step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    # CPU offload tier (``workers.kv_offload``): blocks of host memory (pinned on CUDA) that keep
+    # CPU offload tier (``workers.offload.kv_offload``): blocks of host memory (pinned on CUDA) that keep
     # evicted prefix blocks for restore instead of recompute; 0: off.
     cpu_offload_blocks: int = 0
     device: str = "auto"  # auto | cpu | cuda[:N]
@@ -178,7 +178,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     max_graph_batch_size: int = 256
     seed: int = 0
-    served_model_name: str | None = None  # also the namespace of block keys (mesh.keys)
+    served_model_name: str | None = None  # also the namespace of block keys (mesh.core.keys)
     # KV events (vLLM wire format); None: no publisher.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

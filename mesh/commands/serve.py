@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mesh.app import create_app
+    from mesh.gateway.app import create_app
     from mesh.commands.config import load_or_report
 
     config = load_or_report(args.config)
@@ -114,7 +114,7 @@ def gateway_server(app: Any, config: Any, shutdown_timeout_s: float, name: str =
     """The gateway's uvicorn server, with a bounded drain (mesh.commands.graceful): at the
     timeout, the gateway's upstream connections close, so each request still in flight ends with
     a clean error (an error event ending its stream)."""
-    from mesh.app import end_in_flight
+    from mesh.gateway.app import end_in_flight
     from mesh.commands.graceful import GracefulServer
 
     return GracefulServer(config, name=name, shutdown_timeout_s=shutdown_timeout_s,

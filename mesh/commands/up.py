@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.commands.graceful import add_argument as add_shutdown_argument
-from workers.transfer_auth import SECRET_ENV  # no torch: a constant and hmac helpers
+from workers.transfer.auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
 MAX_LOCAL_WORKERS = 64  # processes on this one machine; 100,000 were started, one by one
@@ -73,11 +73,11 @@ PD_POLICY: dict[str, Any] = {"name": "pipeline", "params": {"profiles": {
 def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None, role: str = "mixed") -> list[str]:
     if engine == "echo":
         return [sys.executable, "-m", "mesh.echo_worker", "--port", str(port), "--name", name]
-    cmd = [sys.executable, "-m", "workers.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port)]
     if role != "mixed":
         cmd += ["--role", role]
     if kv_ports is not None:
-        # vLLM's convention (workers.kv_events): the publisher binds a wildcard address and
+        # vLLM's convention (workers.server.kv_events): the publisher binds a wildcard address and
         # connects to any other; the gateway's subscriber connects to 127.0.0.1.
         cmd += ["--kv-events-endpoint", f"tcp://*:{kv_ports[0]}",
                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{kv_ports[1]}"]  # fmt: skip
@@ -105,7 +105,7 @@ class LocalWorker:
 
 
 def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None) -> list[LocalWorker]:
-    # one secret per local cluster: its workers sign and check kv_transfer_params (workers.transfer_auth)
+    # one secret per local cluster: its workers sign and check kv_transfer_params (workers.transfer.auth)
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)}
     out = []
     for i, role in enumerate(roles or ["mixed"] * n):
@@ -228,7 +228,7 @@ async def watch_workers(workers: list[LocalWorker], log_dir: Path, server: Any, 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from mesh.app import create_app
+    from mesh.gateway.app import create_app
     from mesh.commands.serve import gateway_server, uvicorn_config
     from mesh.config import parse_config
 

@@ -1,6 +1,6 @@
 """OpenAI's ``n`` on the GPU: a ``mesh worker`` process (tiny preset on CUDA: Triton attention,
 CUDA graphs, asynchronous decode) serves several choices per prompt, the siblings joining the
-running batch at the first child's first token (``workers.server.WorkerAPI.children``).
+running batch at the first child's first token (``workers.server.app.WorkerAPI.children``).
 
 - greedy choices are identical and equal the single-choice answer, streamed and not;
 - seeded sampled choices: choice ``i`` equals a single-choice request seeded ``seed + i``;

@@ -26,13 +26,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from mesh.keys import block_keys, namespace_seed  # noqa: E402
+from mesh.core.keys import block_keys, namespace_seed  # noqa: E402
 from workers.config import EngineConfig, get_preset  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
-from workers.block_ops import BlockOps  # noqa: E402
-from workers.kv_transfer import Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
-from workers.sequence import SamplingParams  # noqa: E402
-from workers.transfer_registry import TransferRegistry  # noqa: E402
+from workers.engine.llm_engine import LLMEngine  # noqa: E402
+from workers.transfer.block_ops import BlockOps  # noqa: E402
+from workers.transfer.kv_transfer import Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
+from workers.engine.sequence import SamplingParams  # noqa: E402
+from workers.transfer.registry import TransferRegistry  # noqa: E402
 
 BS = 16
 DEVICES = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]

@@ -1,4 +1,4 @@
-"""Same-host KV transfer over CUDA IPC (``workers.kv_ipc``) between two ``mesh worker`` processes
+"""Same-host KV transfer over CUDA IPC (``workers.transfer.kv_ipc``) between two ``mesh worker`` processes
 on the GPU(s): the decode worker copies the prefill worker's pages GPU to GPU under a read lease,
 and its greedy output equals a mixed worker's, token for token. With ``--kv-transfer-ipc off``
 the same requests take the TCP pull (the fallback) and give the same output.

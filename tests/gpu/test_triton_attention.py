@@ -3,7 +3,7 @@
 Every case draws fresh random inputs. Cache slots that no context covers hold NaN, outputs are
 allocated from memory that was just filled with NaN (so an element the kernel never writes shows
 up), and a NaN anywhere fails the case. Imports only torch, triton, pytest and
-``workers.attention``: this runs on the bare device image (tests/gpu/run.sh).
+``workers.model.attention``: this runs on the bare device image (tests/gpu/run.sh).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from workers.attention import get_backend  # noqa: E402
-from workers.attention.torch_backend import TorchBackend  # noqa: E402
-from workers.attention.triton_backend import (  # noqa: E402
+from workers.model.attention import get_backend  # noqa: E402
+from workers.model.attention.torch_backend import TorchBackend  # noqa: E402
+from workers.model.attention.triton_backend import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
     TritonBackend,

@@ -1,0 +1,1 @@
+"""State shared by several gateway replicas through Redis: session bindings and in-flight load."""

@@ -1,5 +1,0 @@
-"""Attention backends behind one interface (see ``base.AttentionBackend``)."""
-
-from workers.attention.base import AttentionBackend, get_backend
-
-__all__ = ["AttentionBackend", "get_backend"]

@@ -1,0 +1,1 @@
+"""The CPU offload tier of the KV cache."""
