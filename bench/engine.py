@@ -15,7 +15,7 @@ Measured in one run, on the GPU it runs on:
   matmul ceiling with FLOPs = 2 x linear params x tokens + causal attention (2 x L^2 x heads x
   head_dim per layer) + the LM head of the last token.
 
-Targets (issue 3): decode at batch 64 >= 50% of the bandwidth roofline; 32k prefill >= 40% of
+Targets: decode at batch 64 >= 50% of the bandwidth roofline; 32k prefill >= 40% of
 the matmul ceiling. Imports torch, numpy, xxhash and the engine only (rich if present):
 
     python3 bench/engine.py [--presets qwen2-0.5b,llama3-8b] [--json bench/results/engine.json]

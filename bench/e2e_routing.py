@@ -1,0 +1,745 @@
+"""End-to-end routing: real routers in front of the same real bundled workers, on agent traces.
+
+Per worker configuration (GPU KV blocks x CPU tier), N bundled workers are started once
+(``python -m mesh worker --preset P --device D --num-kv-blocks K --cpu-offload-blocks C`` with
+their KV event streams bound); then, per load level (concurrent sessions) and repeat, every
+router in turn runs the same replay cold (every worker's prefix cache reset on both tiers, a new
+router process):
+
+- ``round_robin``: Mesh with ``policy: round_robin`` (the floor);
+- ``sglang``: the real sglang-router, ``python -m sglang_router.launch_router --policy cache_aware``;
+- ``mesh_kv_aware``: Mesh ``kv_aware``, the replay sending no session ids;
+- ``mesh_default``: Mesh's default policy (session_sticky over kv_aware), with session ids;
+- ``mesh_cache_aware``: Mesh's ``cache_aware`` (sglang-router's algorithm inside Mesh).
+
+A Mesh run is accepted only once every worker's KV event stream is live
+(``mesh_kv_events_healthy`` = 1 for each on the gateway's ``/metrics``), checked again after the
+run; the gateway's predicted and reported cached tokens (``mesh_prefix_predicted_tokens_total``,
+``mesh_prefix_reported_tokens_total``) are recorded. The replay is ``mesh replay``'s, in-process
+(``mesh.replay``): closed-loop sessions, prompts built from the trace's block ids (text: one
+letter per token of the bundled byte-level tokenizer), streamed ``/v1/completions``. The
+workers' own ``/metrics`` give a second hit rate (their ``prompt_cached_tokens``) and, for
+sglang-router (which names no worker in its responses), the router's ``/metrics`` give its
+requests per worker.
+
+``--budget-s`` sizes every run (a fixed duration per matrix point, the same for each router)
+so that the whole matrix fits; ``--run-s`` fixes it (0: replay the whole slice). Every process
+runs in its own process group and is killed on exit; one that dies is named with its log tail.
+
+    python bench/e2e_routing.py                                   # H200: 4 x llama3-8b, full matrix
+    python bench/e2e_routing.py --kv-blocks 4000 --cpu-blocks 0 --concurrency 16,24   # one config
+    python bench/e2e_routing.py --preset tiny --device cpu --workers 2 --kv-blocks 512 \\
+        --concurrency 2 --cpu-blocks 0 --sessions 2 --max-turns 3 --run-s 0 --prompt-scale 64
+    python bench/e2e_routing.py --make-slice /work/shared/traces/weka  # rewrite the default slice
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+import argparse
+import asyncio
+import atexit
+import gzip
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SLICE = ROOT / "bench" / "data" / "weka-routing"
+ROUTERS = ("round_robin", "sglang", "mesh_kv_aware", "mesh_default", "mesh_cache_aware")
+BASELINE = "sglang"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    name: str
+    kind: str  # "mesh" | "sglang"
+    policy: Any = None  # Mesh policy spec; None: the default
+    session_ids: bool = True
+
+
+SPECS = {
+    "round_robin": RouterSpec("round_robin", "mesh", "round_robin"),
+    "sglang": RouterSpec("sglang", "sglang"),
+    "mesh_kv_aware": RouterSpec("mesh_kv_aware", "mesh", "kv_aware", session_ids=False),
+    "mesh_default": RouterSpec("mesh_default", "mesh", None),
+    "mesh_cache_aware": RouterSpec("mesh_cache_aware", "mesh", "cache_aware"),
+}
+
+
+class BenchError(RuntimeError):
+    """Stops the benchmark: a worker died or never came up (the message names it)."""
+
+
+def log(msg: str) -> None:
+    print(f"[e2e_routing {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ============================================================================ the trace slice
+def make_slice(src: Path, out: Path, sessions: int, max_prompt: int) -> list[str]:
+    """The first ``sessions`` WEKA files of ``src`` (sorted) whose longest prompt is at most
+    ``max_prompt`` tokens, copied unchanged (gzipped JSON) into ``out``."""
+    picked = []
+    for f in sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")):
+        raw = f.read_bytes()
+        doc = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+        def prompts(reqs: list[dict[str, Any]]) -> list[int]:
+            return [x for r in reqs for x in (prompts(r.get("requests") or []) if r.get("type") == "subagent"
+                                               else [int(r["in"])])]
+
+        if max(prompts(doc["requests"]), default=0) <= max_prompt:
+            picked.append((f.name, raw if raw[:2] == b"\x1f\x8b" else gzip.compress(raw, mtime=0)))
+        if len(picked) == sessions:
+            break
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name, data in picked:
+        (out / (name if name.endswith(".gz") else name + ".gz")).write_bytes(data)
+    return [n for n, _ in picked]
+
+
+# ============================================================================ processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    port: int
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def death(self) -> str:
+        return f"{self.name} (pid {self.popen.pid}) exited with code {self.popen.returncode}; log {self.log}:\n{self.tail()}"
+
+
+class Procs:
+    """Every process this benchmark started, each in its own process group; all killed on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+        atexit.register(self.stop_all)
+
+    def spawn(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
+              **extra: int) -> Proc:
+        path = self.log_dir / f"{name}.log"
+        with open(path, "wb") as fh:
+            fh.write((" ".join(cmd) + "\n").encode())
+            fh.flush()
+            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        proc = Proc(name, popen, path, port, dict(extra))
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Proc, timeout_s: float = 15.0) -> None:
+        if proc.alive():
+            try:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+                proc.popen.wait(timeout_s)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.popen.wait()
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in reversed(list(self.procs)):
+            self.stop(proc, timeout_s=10.0)
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+    import httpx
+
+    resp = httpx.request(method, url, json=body, timeout=timeout)
+    try:
+        return resp.status_code, resp.json()
+    except ValueError:
+        return resp.status_code, resp.text
+
+
+def http_text(url: str, timeout: float = 5.0) -> str:
+    import httpx
+
+    return httpx.get(url, timeout=timeout).text
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """Every sample of metric ``name`` in a Prometheus text page: label text -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, value = line.rsplit(" ", 1)
+            out[head[len(name):].strip("{}")] = float(value)
+    return out
+
+
+def label(labels: str, key: str) -> str:
+    for part in labels.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() == key:
+            return v.strip().strip('"')
+    return labels
+
+
+def wait_for(what: str, check: Any, watch: list[Proc], timeout_s: float, interval_s: float = 0.25) -> Any:
+    """Poll ``check`` until truthy; BenchError naming a watched process that died."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        for p in watch:
+            if not p.alive():
+                raise BenchError(f"{p.death()}\n(while waiting for {what})")
+        try:
+            got = check()
+            if got:
+                return got
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s{f' (last: {last})' if last else ''}")
+        time.sleep(interval_s)
+
+
+# ============================================================================ workers
+WORKER_COUNTERS = ("prompt_tokens", "prompt_cached_tokens", "prefill_computed_tokens", "generation_tokens",
+                   "preemptions", "blocks_evicted", "cpu_prefix_cache_hits", "cpu_blocks_restored", "cpu_blocks_saved")
+
+
+def start_workers(procs: Procs, args: argparse.Namespace, kv_blocks: int, cpu_blocks: int) -> list[Proc]:
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    workers = []
+    for i in range(args.workers):
+        port, kv, replay = free_ports(3)
+        cmd = [sys.executable, "-m", "mesh", "worker", "--preset", args.preset, "--device", devices[i % len(devices)],
+               "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
+               "--num-kv-blocks", str(kv_blocks), "--cpu-offload-blocks", str(cpu_blocks),
+               "--max-model-len", str(args.max_model_len), "--seed", str(i),
+               "--kv-events-endpoint", f"tcp://*:{kv}", "--kv-events-replay-endpoint", f"tcp://*:{replay}",
+               "--log-level", "warning", *args.worker_arg]
+        if args.cpu_threads:
+            cmd += ["--cpu-threads", str(args.cpu_threads)]
+        workers.append(procs.spawn(f"w{i}-kv{kv_blocks}-cpu{cpu_blocks}", cmd, port, kv=kv, replay=replay))
+    return workers
+
+
+def worker_counters(w: Proc) -> dict[str, float]:
+    text = http_text(w.url + "/metrics", timeout=10)
+    out = {}
+    for key in WORKER_COUNTERS:
+        got = samples(text, f"mesh_worker_{key}_total") or samples(text, f"mesh_worker_{key}")
+        out[key] = sum(got.values())
+    return out
+
+
+def reset_caches(workers: list[Proc], timeout_s: float = 60.0) -> None:
+    """Both tiers of every worker's prefix cache forgotten (refused while blocks are in use:
+    requests of the previous run may still be ending)."""
+    for w in workers:
+        wait_for(f"{w.name}: prefix cache reset", lambda w=w: http_json("POST", w.url + "/reset_prefix_cache")[0] == 200,
+                 workers, timeout_s, 0.5)
+
+
+# ============================================================================ routers
+def mesh_config(workers: list[Proc], spec: RouterSpec, block_size: int, port: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port, "admin_key": "bench", "request_timeout_s": 900},
+        "workers": [{"name": f"w{i}", "url": w.url, "block_size": block_size,
+                     "kv_events": {"endpoint": f"tcp://127.0.0.1:{w.extra['kv']}",
+                                   "replay_endpoint": f"tcp://127.0.0.1:{w.extra['replay']}"}}
+                    for i, w in enumerate(workers)],
+        "health": {"interval_s": 1.0, "timeout_s": 5, "unhealthy_threshold": 3},
+    }
+    if spec.policy is not None:
+        cfg["policy"] = spec.policy
+    return cfg
+
+
+@dataclass
+class Router:
+    spec: RouterSpec
+    proc: Proc
+    metrics_url: str  # the router's own /metrics
+    worker_names: dict[str, str]  # worker URL -> name
+
+
+def start_router(procs: Procs, spec: RouterSpec, workers: list[Proc], args: argparse.Namespace, tag: str) -> Router:
+    import yaml
+
+    names = {w.url: f"w{i}" for i, w in enumerate(workers)}
+    if spec.kind == "mesh":
+        port = free_port()
+        path = procs.log_dir / f"{spec.name}-{tag}.yaml"
+        path.write_text(yaml.safe_dump(mesh_config(workers, spec, args.block_size, port), sort_keys=False))
+        proc = procs.spawn(f"{spec.name}-{tag}", [sys.executable, "-m", "mesh", "serve", "--config", str(path),
+                                                  "--log-level", "warning"], port)
+        return Router(spec, proc, proc.url + "/metrics", names)
+    port, prom = free_ports(2)
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", "cache_aware", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(prom), "--request-timeout-secs", "900", "--worker-urls",
+           *(w.url for w in workers)]
+    proc = procs.spawn(f"{spec.name}-{tag}", cmd, port)
+    return Router(spec, proc, f"http://127.0.0.1:{prom}/metrics", names)
+
+
+def events_live(router: Router, n: int) -> dict[str, float]:
+    return samples(http_text(router.metrics_url), "mesh_kv_events_healthy")
+
+
+def wait_router(router: Router, workers: list[Proc], model: str, timeout_s: float) -> dict[str, Any]:
+    """Up, every worker healthy (and for Mesh every KV event stream live); what was checked."""
+    n = len(workers)
+    watch = [router.proc, *workers]
+    t0 = time.monotonic()
+    if router.spec.kind == "mesh":
+        wait_for(f"{router.proc.name}: {n} healthy workers",
+                 lambda: http_json("GET", router.proc.url + "/health")[1].get("healthy_workers") == n, watch, timeout_s)
+        wait_for(f"{router.proc.name}: model {model}",
+                 lambda: model in [m["id"] for m in http_json("GET", router.proc.url + "/v1/models")[1]["data"]],
+                 watch, timeout_s)
+        try:
+            streams = wait_for(f"{router.proc.name}: {n} live KV event streams (mesh_kv_events_healthy)",
+                               lambda: (lambda s: s if len(s) == n and all(v == 1.0 for v in s.values()) else None)(
+                                   events_live(router, n)), watch, timeout_s)
+        except TimeoutError as exc:
+            return {"ok": False, "error": str(exc), "streams": events_live(router, n), "ready_s": time.monotonic() - t0}
+        return {"ok": True, "streams": {label(k, "worker"): v for k, v in streams.items()},
+                "ready_s": time.monotonic() - t0}
+
+    def registered() -> bool:
+        ws = http_json("GET", router.proc.url + "/workers")[1]["workers"]
+        return len(ws) == n and all(w["is_healthy"] for w in ws)
+
+    wait_for(f"{router.proc.name}: {n} healthy workers", registered, watch, timeout_s)
+    return {"ok": True, "ready_s": time.monotonic() - t0}
+
+
+def router_counts(router: Router) -> dict[str, Any]:
+    """After a run: Mesh's predicted/reported cached tokens and event health; sglang-router's
+    requests per worker (its circuit breaker's outcomes)."""
+    text = http_text(router.metrics_url, timeout=10)
+    if router.spec.kind == "mesh":
+        pred = samples(text, "mesh_prefix_predicted_tokens_total")
+        rep = samples(text, "mesh_prefix_reported_tokens_total")
+        streams = samples(text, "mesh_kv_events_healthy")
+        return {
+            "prefix_tokens": {"predicted": sum(pred.values()), "reported": sum(rep.values()),
+                              "per_target": {label(k, "target"): {"predicted": v, "reported": rep.get(k, 0.0)}
+                                             for k, v in pred.items()}},
+            "events_live_after": bool(streams) and all(v == 1.0 for v in streams.values()),
+            "streams_after": {label(k, "worker"): v for k, v in streams.items()},
+        }
+    outcomes = samples(text, "smg_worker_cb_outcomes_total")
+    per: dict[str, int] = {}
+    for labels, v in outcomes.items():
+        name = router.worker_names.get(label(labels, "worker"), label(labels, "worker"))
+        per[name] = per.get(name, 0) + int(v)
+    return {"router_requests_per_worker": dict(sorted(per.items()))}
+
+
+# ============================================================================ one run
+async def _replay_watched(prep: Any, opts: Any, label_: str, watch: list[Proc], progress: Any) -> Any:
+    """The replay, cancelled when a watched process dies (BenchError names it)."""
+    from mesh.replay.run import replay
+
+    task = asyncio.ensure_future(replay(prep, opts, label_, progress))
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            break
+        dead = next((p for p in watch if not p.alive()), None)
+        if dead is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise BenchError(dead.death())
+    return task.result()
+
+
+def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args: argparse.Namespace, model: str,
+            concurrency: int, run_s: float | None, tag: str) -> dict[str, Any]:
+    from mesh.replay.client import ClientOptions
+    from mesh.replay.progress import ProgressLine
+
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"router": spec.name, "kind": spec.kind, "policy": spec.policy or "default",
+                           "session_ids": spec.session_ids, "ok": False, "error": None}
+    reset_caches(workers)
+    before = {f"w{i}": worker_counters(w) for i, w in enumerate(workers)}
+    router = start_router(procs, spec, workers, args, tag)
+    try:
+        try:
+            ready = wait_router(router, workers, model, args.startup_timeout)
+        except (TimeoutError, BenchError) as exc:
+            if any(not w.alive() for w in workers):
+                raise
+            row["error"] = f"{spec.name} did not come up: {exc}"
+            if not router.proc.alive():
+                row["error"] = router.proc.death()
+            log(row["error"])
+            return row
+        row["ready"] = ready
+        if not ready["ok"]:
+            row["error"] = f"run refused: {ready['error']}"
+            log(f"{spec.name}: {row['error']}")
+            return row
+        opts = ClientOptions(url=router.proc.url, model=model, session_header="x-session-id" if spec.session_ids else None,
+                             concurrency=concurrency, duration_s=run_s or None, timeout_s=args.request_timeout)
+        progress = ProgressLine(len(prep.plan.turns), prefix=f"  {tag} {spec.name}", interval_s=args.progress_s)
+        try:
+            summary, _ = asyncio.run(_replay_watched(prep, opts, spec.name, [router.proc, *workers], progress))
+        except BenchError as exc:
+            if any(not w.alive() for w in workers):
+                raise
+            row["error"] = str(exc)
+            log(f"{spec.name} died during the run: {exc}")
+            return row
+        finally:
+            progress.close()
+        row.update(router_counts(router))
+    finally:
+        procs.stop(router.proc)
+    after = {f"w{i}": worker_counters(w) for i, w in enumerate(workers)}
+    deltas = {w: {k: after[w][k] - before[w][k] for k in WORKER_COUNTERS} for w in after}
+    prompt = sum(d["prompt_tokens"] for d in deltas.values())
+    cached = sum(d["prompt_cached_tokens"] for d in deltas.values())
+    per_worker = summary["requests_per_worker"]
+    source = "x-mesh-worker"
+    if set(per_worker) <= {"unknown"} and row.get("router_requests_per_worker"):
+        per_worker, source = row["router_requests_per_worker"], "router metrics"
+    row.update({
+        "ok": summary["requests"] > 0, "requests": summary["requests"], "errors": summary["errors"],
+        "not_sent": summary["not_sent"], "ttft_ms": summary["ttft_ms"], "itl_ms": summary["itl_ms"],
+        "e2e_ms": summary["e2e_ms"], "hit_rate": summary["hit_rate"],
+        "worker_hit_rate": cached / prompt if prompt else 0.0, "throughput_req_s": summary["throughput_req_s"],
+        "throughput_tok_s": summary["throughput_tok_s"], "session_moves": summary["session_moves"],
+        "requests_per_worker": per_worker, "requests_per_worker_source": source,
+        "worker_prompt_tokens": {w: d["prompt_tokens"] for w, d in deltas.items()}, "worker_deltas": deltas,
+        "error_samples": summary["error_samples"], "wall_s": time.monotonic() - t0, "summary": summary,
+    })
+    if summary["requests"] == 0:
+        row["error"] = "no request was served: " + "; ".join(summary["error_samples"][:2])
+    return row
+
+
+# ============================================================================ the matrix
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+@dataclass
+class Budget:
+    """Sizes the runs of each matrix point so that the whole matrix fits ``total_s``."""
+
+    total_s: float
+    started: float = field(default_factory=time.monotonic)
+    startup_s: list[float] = field(default_factory=list)  # worker start-ups measured
+    overhead_s: list[float] = field(default_factory=list)  # per run: reset + router start + drain
+
+    def left(self) -> float:
+        return self.total_s - (time.monotonic() - self.started)
+
+    def run_s(self, runs_left: int, starts_left: int, lo: float, hi: float) -> float:
+        startup = max(self.startup_s) if self.startup_s else 90.0
+        overhead = (sum(self.overhead_s) / len(self.overhead_s)) if self.overhead_s else 15.0
+        spare = self.left() - starts_left * startup - runs_left * overhead - 10.0
+        return max(lo, min(hi, spare / max(1, runs_left)))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A router's repeats in one row: latencies and rates averaged, counts summed."""
+    ok = [r for r in rows if r.get("ok")]
+    if not ok:
+        return {**rows[0], "repeats": len(rows)}
+    if len(ok) == 1:
+        return {**ok[0], "repeats": len(rows)}
+    out = {k: ok[0][k] for k in ("router", "kind", "policy", "session_ids")}
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        out[key] = {q: _mean([r[key][q] for r in ok]) for q in ok[0][key]}
+    for key in ("hit_rate", "worker_hit_rate", "throughput_req_s", "throughput_tok_s"):
+        out[key] = _mean([r[key] for r in ok])
+    for key in ("requests", "errors", "not_sent"):
+        out[key] = sum(r[key] for r in ok)
+    moves = [r["session_moves"] for r in ok if r["session_moves"] is not None]
+    out["session_moves"] = sum(moves) if moves else None
+    per: dict[str, int] = {}
+    for r in ok:
+        for w, n in r["requests_per_worker"].items():
+            per[w] = per.get(w, 0) + n
+    out.update({"requests_per_worker": per, "requests_per_worker_source": ok[0]["requests_per_worker_source"],
+                "ok": True, "error": None, "repeats": len(rows), "ok_repeats": len(ok)})
+    if "prefix_tokens" in ok[0]:
+        out["prefix_tokens"] = {k: sum(r["prefix_tokens"][k] for r in ok) for k in ("predicted", "reported")}
+        out["events_live_after"] = all(r.get("events_live_after") for r in ok)
+    return out
+
+
+def add_ratios(routers: dict[str, dict[str, Any]]) -> None:
+    base = routers.get(BASELINE)
+    for row in routers.values():
+        for key, q in (("ttft_mean_vs_sglang", "mean"), ("ttft_p99_vs_sglang", "p99")):
+            ok = base is not None and base.get("ok") and row.get("ok") and base["ttft_ms"][q] > 0
+            row[key] = row["ttft_ms"][q] / base["ttft_ms"][q] if ok else None  # type: ignore[index]
+
+
+def print_point(point: dict[str, Any], width: int) -> None:
+    from bench._table import print_table
+
+    def ms(v: float) -> str:
+        return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.1f} ms"
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    rows = []
+    for name, r in point["routers"].items():
+        if not r.get("ok"):
+            rows.append([name, "failed", *["-"] * 11, (r.get("error") or "")[:60]])
+            continue
+        pt = r.get("prefix_tokens")
+        rows.append([
+            name, f"{r['requests']:,}", f"{r['errors']:,}", ms(r["ttft_ms"]["mean"]), ms(r["ttft_ms"]["p50"]),
+            ms(r["ttft_ms"]["p99"]), f"{r['hit_rate']:.1%}", f"{r['worker_hit_rate']:.1%}",
+            ratio(r.get("ttft_mean_vs_sglang")), ratio(r.get("ttft_p99_vs_sglang")),
+            "-" if r["session_moves"] is None else f"{r['session_moves']:,}",
+            " ".join(f"{w}:{n}" for w, n in sorted(r["requests_per_worker"].items())),
+            "-" if not pt else f"{pt['predicted']:,.0f}/{pt['reported']:,.0f}",
+            "" if r["kind"] != "mesh" else ("events live" if r.get("events_live_after") else "EVENTS NOT LIVE"),
+        ])
+    title = (f"kv {point['kv_blocks']} blocks/worker, cpu tier {point['cpu_blocks']} blocks, "
+             f"{point['concurrency']} sessions, {point['run_s'] or 'whole slice'}"
+             f"{' s' if point['run_s'] else ''} per run, ideal hit {point['ideal_hit_rate']:.1%}")
+    print_table(title, ["router", "requests", "errors", "TTFT mean", "TTFT p50", "TTFT p99", "hit rate", "worker hit",
+                        "mean/sglang", "p99/sglang", "moves", "per worker", "pred/reported", "notes"], rows,
+                width=width, left=["router", "per worker", "notes"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", nargs="+", default=[str(SLICE)], help=f"trace files or directories (default {SLICE.relative_to(ROOT)})")
+    ap.add_argument("--preset", default="llama3-8b", help="bundled worker preset (default llama3-8b)")
+    ap.add_argument("--device", default="cuda", help="worker device, or a comma list assigned round robin (default cuda)")
+    ap.add_argument("--workers", type=int, default=4, help="bundled workers (default 4)")
+    ap.add_argument("--kv-blocks", default="4000,2000", help="GPU KV blocks per worker, a comma list (default 4000,2000)")
+    ap.add_argument("--cpu-blocks", default="0,4000",
+                    help="CPU offload tier blocks per worker (0: off), a comma list (default 0,4000)")
+    ap.add_argument("--concurrency", default="16,24", help="concurrent sessions, a comma list (default 16,24)")
+    ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)} (default all)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per router and matrix point (default 1)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run's time budget (default 540: 9 min)")
+    ap.add_argument("--run-s", type=float, help="fixed seconds per run (0: replay the whole slice); default: from the budget")
+    ap.add_argument("--min-run-s", type=float, default=10.0, help="shortest run the budget may size (default 10)")
+    ap.add_argument("--max-run-s", type=float, default=120.0, help="longest run the budget may size (default 120)")
+    ap.add_argument("--sessions", type=int, help="the first N sessions of the trace")
+    ap.add_argument("--max-turns", type=int, help="at most N requests per session")
+    ap.add_argument("--prompt-scale", type=float, default=16.0, help="trace tokens per prompt token (default 16)")
+    ap.add_argument("--output-tokens", type=int, default=32, help="max_tokens of every request (default 32)")
+    ap.add_argument("--time-scale", type=float, default=0.01, help="think-time multiplier (default 0.01)")
+    ap.add_argument("--max-think-s", type=float, default=2.0, help="cap of a scaled think time (default 2)")
+    ap.add_argument("--block-size", type=int, default=16, help="the workers' and Mesh's KV block size (default 16)")
+    ap.add_argument("--max-model-len", type=int, default=32768, help="worker --max-model-len (default 32768); longer "
+                                                                      "requests are not replayed")
+    ap.add_argument("--cpu-threads", type=int, help="worker --cpu-threads (CPU runs)")
+    ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for every worker (repeatable), e.g. --worker-arg=--no-cuda-graphs")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for workers / a router")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="per-request timeout (default 300)")
+    ap.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines (default 10)")
+    ap.add_argument("--json", dest="json_out", default=None,
+                    help="write the results (default $OUT/e2e_routing.json, else bench/results/e2e_routing.json)")
+    ap.add_argument("--out-dir", help="process logs (default $OUT/e2e_routing_logs, else a temporary directory)")
+    ap.add_argument("--width", type=int, default=200, help="table width")
+    ap.add_argument("--make-slice", type=Path, metavar="WEKA_DIR", help=f"write the default slice from WEKA_DIR and exit")
+    ap.add_argument("--slice-sessions", type=int, default=48)
+    ap.add_argument("--slice-max-prompt", type=int, default=262_144, help="longest raw prompt of a slice session (tokens)")
+    args = ap.parse_args(argv)
+    args.routers_list = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bad = [r for r in args.routers_list if r not in SPECS]
+    if bad:
+        ap.error(f"unknown router(s) {', '.join(bad)}; choose from {', '.join(ROUTERS)}")
+    try:
+        args.kv_list, args.cpu_list, args.conc_list = _ints(args.kv_blocks), _ints(args.cpu_blocks), _ints(args.concurrency)
+    except ValueError:
+        ap.error("--kv-blocks, --cpu-blocks and --concurrency take comma lists of integers")
+    if not (args.kv_list and args.cpu_list and args.conc_list) or min(args.kv_list) < 1 or min(args.conc_list) < 1 \
+            or min(args.cpu_list) < 0:
+        ap.error("--kv-blocks and --concurrency need values >= 1, --cpu-blocks >= 0")
+    if args.workers < 1 or args.repeats < 1:
+        ap.error("--workers and --repeats must be >= 1")
+    if args.json_out is None:
+        args.json_out = str(Path(os.environ["OUT"]) / "e2e_routing.json") if os.environ.get("OUT") else \
+            str(ROOT / "bench" / "results" / "e2e_routing.json")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.make_slice:
+        names = make_slice(args.make_slice, SLICE, args.slice_sessions, args.slice_max_prompt)
+        size = sum(p.stat().st_size for p in SLICE.iterdir())
+        print(f"wrote {len(names)} sessions ({size / 1e6:.2f} MB) to {SLICE}: {names[0]} .. {names[-1]}")
+        return 0
+    out_dir = Path(args.out_dir) if args.out_dir else (
+        Path(os.environ["OUT"]) / "e2e_routing_logs" if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="e2e-routing-")))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # the finally below kills every process group
+
+    signal.signal(signal.SIGTERM, on_signal)
+    procs = Procs(out_dir)
+    try:
+        return run(args, procs, out_dir)
+    finally:
+        procs.stop_all()
+
+
+def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
+    from mesh.replay.run import ReplaySetup, prepare
+    from simulator.report import write_json
+    from simulator.traces import TraceError
+
+    budget = Budget(args.budget_s)
+    try:
+        prep = prepare(ReplaySetup(
+            traces=args.trace, sessions=args.sessions, max_turns=args.max_turns, time_scale=args.time_scale,
+            max_think_s=args.max_think_s, prompt_scale=args.prompt_scale, output_tokens=args.output_tokens,
+            max_prompt_tokens=args.max_model_len - args.output_tokens - 1, engine_block_size=args.block_size))
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"e2e_routing: error: {exc}", file=sys.stderr)
+        return 2
+    plan = prep.plan
+    log(f"trace: {len(plan.turns):,} requests in {len(plan.groups)} sessions, {prep.ideal.prompt_units:,} prompt tokens "
+        f"at scale {args.prompt_scale:g}, ideal hit rate {prep.ideal.session:.1%}; logs in {out_dir}")
+    for w in prep.warnings:
+        log(f"warning: {w}")
+    configs = [(kv, cpu) for kv in args.kv_list for cpu in args.cpu_list]
+    n_points = len(configs) * len(args.conc_list)
+    runs_total = n_points * len(args.routers_list) * args.repeats
+    payload: dict[str, Any] = {
+        "bench": "e2e_routing", "version": 1,
+        "config": {k: v for k, v in vars(args).items() if k not in ("make_slice",)},
+        "trace": prep.trace_info(), "reference": prep.reference(), "points": [], "warnings": [], "ok": False,
+    }
+    runs_done = 0
+    exit_code = 0
+    try:
+        for ci, (kv, cpu) in enumerate(configs):
+            t_start = time.monotonic()
+            log(f"config {ci + 1}/{len(configs)}: starting {args.workers} x {args.preset} workers on {args.device}, "
+                f"{kv} KV blocks, CPU tier {cpu} blocks")
+            workers = start_workers(procs, args, kv, cpu)
+            infos = [wait_for(f"{w.name} /health", lambda w=w: (lambda r: r[1] if r[0] == 200 else None)(
+                http_json("GET", w.url + "/health")), workers, args.startup_timeout, 0.5) for w in workers]
+            model = http_json("GET", workers[0].url + "/v1/models")[1]["data"][0]["id"]
+            budget.startup_s.append(time.monotonic() - t_start)
+            log(f"workers up in {budget.startup_s[-1]:.0f} s: {infos[0].get('num_kv_blocks')} KV blocks of "
+                f"{infos[0].get('block_size')}, {infos[0].get('attention_backend')} attention, model {model}")
+            for conc in args.conc_list:
+                runs_left = runs_total - runs_done
+                starts_left = len(configs) - ci - 1
+                if args.run_s is not None:
+                    run_s = args.run_s
+                else:
+                    run_s = budget.run_s(runs_left, starts_left, args.min_run_s, args.max_run_s)
+                    if budget.left() < runs_left * args.min_run_s:
+                        payload["warnings"].append(f"budget exhausted before kv {kv} cpu {cpu} conc {conc}: skipped")
+                        log(payload["warnings"][-1])
+                        continue
+                point = {"kv_blocks": kv, "cpu_blocks": cpu, "concurrency": conc, "run_s": run_s,
+                         "ideal_hit_rate": prep.ideal.session, "worker_info": infos[0], "runs": [], "routers": {}}
+                log(f"point kv {kv} cpu {cpu} conc {conc}: {len(args.routers_list)} routers x {args.repeats}, "
+                    f"{f'{run_s:.0f} s' if run_s else 'the whole slice'} per run ({budget.left():.0f} s of budget left)")
+                per_router: dict[str, list[dict[str, Any]]] = {r: [] for r in args.routers_list}
+                for rep in range(args.repeats):
+                    for name in args.routers_list:
+                        t_run = time.monotonic()
+                        tag = f"kv{kv}-cpu{cpu}-c{conc}-r{rep}"
+                        row = run_one(procs, SPECS[name], workers, prep, args, model, conc, run_s, tag)
+                        row["repeat"] = rep
+                        runs_done += 1
+                        took = time.monotonic() - t_run
+                        budget.overhead_s.append(max(0.0, took - (run_s or 0.0)))
+                        per_router[name].append(row)
+                        point["runs"].append({k: v for k, v in row.items() if k != "summary"})
+                        if row.get("ok"):
+                            log(f"  {name}: {row['requests']:,} requests, {row['errors']} errors, TTFT mean "
+                                f"{row['ttft_ms']['mean']:.1f} ms, p99 {row['ttft_ms']['p99']:.1f} ms, hit "
+                                f"{row['hit_rate']:.1%} (workers {row['worker_hit_rate']:.1%}), {took:.0f} s")
+                        else:
+                            exit_code = 1
+                point["routers"] = {name: combine(rows) for name, rows in per_router.items()}
+                add_ratios(point["routers"])
+                for rows in per_router.values():  # the full replay summaries stay with the runs
+                    for row in rows:
+                        row.pop("summary", None)
+                payload["points"].append(point)
+                print_point(point, args.width)
+                write_json(args.json_out, payload)
+            for w in workers:
+                procs.stop(w)
+    except BenchError as exc:
+        log(f"stopped: {exc}")
+        payload["warnings"].append(f"stopped: {exc}"[:4000])
+        exit_code = 1
+    payload["ok"] = exit_code == 0 and bool(payload["points"])
+    payload["wall_s"] = time.monotonic() - budget.started
+    write_json(args.json_out, payload)
+    log(f"wrote {args.json_out} ({runs_done}/{runs_total} runs, {payload['wall_s']:.0f} s)")
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
