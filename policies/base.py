@@ -58,6 +58,12 @@ class TargetState:
     def available(self) -> bool:
         return self.healthy and not self.draining and not self.circuit_open
 
+    @property
+    def at_admission_limit(self) -> bool:
+        """The admission rule, the one definition every caller uses: a target with a
+        ``max_in_flight`` takes no new request while that many are in flight."""
+        return 0 < self.max_in_flight <= self.in_flight
+
 
 def target_id(worker: str, dp_rank: int = 0, dp_size: int = 1) -> str:
     return worker if dp_size <= 1 else f"{worker}@{dp_rank}"

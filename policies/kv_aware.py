@@ -84,7 +84,7 @@ class KvAware(Policy):
             if ov is not None:
                 new -= ov.gpu_blocks + cpu_weight * ov.cpu_blocks
             costs[t.id] = (scale * new if new > 0 else 0.0) + dw * t.decode_tokens / tbs
-            if t.max_in_flight and t.in_flight >= t.max_in_flight:
+            if t.at_admission_limit:
                 full.append(t.id)
         if not costs:
             raise NoCandidate(f"no healthy worker serves model {model!r}")
@@ -131,7 +131,7 @@ class KvAware(Policy):
                 new -= ov.gpu_blocks + cpu_weight * ov.cpu_blocks
             cost = (scale * new if new > 0 else 0.0) + dw * t.decode_tokens / tbs
             cap = t.max_in_flight
-            if cap and t.in_flight >= cap:
+            if cap and t.in_flight >= cap:  # TargetState.at_admission_limit, inlined on the hot path
                 if cost <= fcut:
                     if cost < flo:
                         flo, fcut = cost, cost + _TIE * max(1.0, abs(cost))

@@ -5,8 +5,8 @@ while that target is available, serves the model and is under the load ceiling, 
 still caches (a session whose blocks were evicted recomputes them at home: moving costs the same
 recompute and pollutes another worker's cache). Otherwise the session is (re)bound:
 
-- a new session is spread: it goes among the targets under the ceiling with the fewest live
-  sessions, the inner policy choosing among those. What a new session matches elsewhere is
+- a new session is spread: it goes among the targets under the ceiling within ``session_slack``
+  of the fewest live sessions, the inner policy choosing among those (by queued work and prefix). What a new session matches elsewhere is
   recomputed once where it lands (a shared system prompt is then cached there for every later
   session too), while a session placed on a crowded worker crowds it for its whole life: a
   system prompt that is most of a first turn must not pull every new session to the first worker
@@ -54,8 +54,9 @@ class SessionSticky(Policy):
     pipeline prefix > live_sessions > load), ``max_in_flight`` (absolute ceiling on the bound
     target's in-flight requests; 0 = none), ``load_factor`` and ``load_slack`` (relative ceiling:
     ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none),
-    ``spread_new`` (true: new sessions go to the fewest live sessions first; false: where the
-    inner policy puts them).
+    ``spread_new`` (true: a new session goes among the targets within ``session_slack`` (1) of
+    the fewest live sessions, the inner policy choosing by load and prefix among them; false:
+    where the inner policy puts it).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
 
     Example::
@@ -72,6 +73,7 @@ class SessionSticky(Policy):
         load_factor: float = 1.5,
         load_slack: float = 4.0,
         spread_new: bool = True,
+        session_slack: int = 1,
         seed: int | None = None,
     ) -> None:
         spec = default_inner() if inner is None else inner
@@ -82,6 +84,7 @@ class SessionSticky(Policy):
         if not isinstance(spread_new, bool):
             raise PluginError(f"policy 'session_sticky': spread_new must be true or false, got {spread_new!r}")
         self.spread_new = spread_new
+        self.session_slack = int(number("session_sticky", "session_slack", session_slack, 0))
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         sid, store = request.session_id, cluster.sessions
@@ -106,8 +109,8 @@ class SessionSticky(Policy):
         narrowed = under or [t for t in usable if t.id != bound] or usable
         if bound is None and self.spread_new:
             fewest = min(t.live_sessions for t in narrowed)
-            narrowed = [t for t in narrowed if t.live_sessions == fewest]
-            why = f"new session, spread ({fewest} live sessions)"
+            narrowed = [t for t in narrowed if t.live_sessions <= fewest + self.session_slack]
+            why = f"new session, spread (<= {fewest + self.session_slack} live sessions)"
         view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
@@ -127,7 +130,7 @@ class SessionSticky(Policy):
 
     @staticmethod
     def _over(t: TargetState, ceiling: float) -> bool:
-        return t.in_flight > ceiling or 0 < t.max_in_flight <= t.in_flight
+        return t.in_flight > ceiling or t.at_admission_limit
 
     def _why_not(
         self, request: RequestInfo, state: TargetState | None, usable: list[TargetState], ceiling: float
@@ -142,7 +145,7 @@ class SessionSticky(Policy):
         if self._over(state, ceiling):
             # Moving only helps when some other target is under the ceiling.
             if any(t is not state and not self._over(t, ceiling) for t in usable):
-                if 0 < state.max_in_flight <= state.in_flight:
+                if state.at_admission_limit:
                     return f"bound target at its admission limit ({state.in_flight}/{state.max_in_flight})"
                 return f"bound target over load ceiling (in_flight {state.in_flight} > {ceiling:.1f})"
         return None
@@ -161,6 +164,7 @@ class SessionSticky(Policy):
             "load_factor": self.load_factor,
             "load_slack": self.load_slack,
             "spread_new": self.spread_new,
+            "session_slack": self.session_slack,
         }
 
 
@@ -170,7 +174,7 @@ def _gone(cluster: ClusterView, bound: str) -> str:
     state = next((t for t in getattr(cluster, "excluded", ()) if t.id == bound), None)
     if state is None:
         return "bound target gone"
-    if 0 < state.max_in_flight <= state.in_flight:
+    if state.at_admission_limit:
         return f"bound target at its admission limit ({state.in_flight}/{state.max_in_flight})"
     return "bound target excluded (it failed this request)"
 
