@@ -22,6 +22,12 @@ workers' own ``/metrics`` give a second hit rate (their ``prompt_cached_tokens``
 sglang-router (which names no worker in its responses), the router's ``/metrics`` give its
 requests per worker.
 
+The default trace, ``bench/data/weka-routing/`` (0.8 MB), is the first 48 WEKA agent sessions of
+``/work/shared/traces/weka`` (kv-cache-tester's traces, Apache-2.0) whose longest prompt is at
+most 256k tokens, copied unchanged by ``--make-slice``: 3,176 requests, 64-token blocks, so at
+``--prompt-scale 16`` prompts of 6.3k tokens on average (16.3k at most) and an ideal
+(same-session) hit rate of 96%.
+
 ``--budget-s`` sizes every run (a fixed duration per matrix point, the same for each router)
 so that the whole matrix fits; ``--run-s`` fixes it (0: replay the whole slice). Every process
 runs in its own process group and is killed on exit; one that dies is named with its log tail.
@@ -46,7 +52,6 @@ import asyncio
 import atexit
 import gzip
 import json
-import math
 import os
 import shutil
 import signal
@@ -72,7 +77,7 @@ class RouterSpec:
 
 SPECS = {
     "round_robin": RouterSpec("round_robin", "mesh", "round_robin"),
-    "sglang": RouterSpec("sglang", "sglang"),
+    "sglang": RouterSpec("sglang", "sglang", "cache_aware"),
     "mesh_kv_aware": RouterSpec("mesh_kv_aware", "mesh", "kv_aware", session_ids=False),
     "mesh_default": RouterSpec("mesh_default", "mesh", None),
     "mesh_cache_aware": RouterSpec("mesh_cache_aware", "mesh", "cache_aware"),
@@ -216,7 +221,7 @@ def samples(text: str, name: str) -> dict[str, float]:
     """Every sample of metric ``name`` in a Prometheus text page: label text -> value."""
     out = {}
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             head, value = line.rsplit(" ", 1)
             out[head[len(name):].strip("{}")] = float(value)
     return out
@@ -271,6 +276,11 @@ def start_workers(procs: Procs, args: argparse.Namespace, kv_blocks: int, cpu_bl
     return workers
 
 
+def health(w: Proc) -> dict[str, Any] | None:
+    status, body = http_json("GET", w.url + "/health")
+    return body if status == 200 and isinstance(body, dict) else None
+
+
 def worker_counters(w: Proc) -> dict[str, float]:
     text = http_text(w.url + "/metrics", timeout=10)
     out = {}
@@ -280,12 +290,17 @@ def worker_counters(w: Proc) -> dict[str, float]:
     return out
 
 
-def reset_caches(workers: list[Proc], timeout_s: float = 60.0) -> None:
+def reset_caches(workers: list[Proc], timeout_s: float = 60.0) -> list[str]:
     """Both tiers of every worker's prefix cache forgotten (refused while blocks are in use:
-    requests of the previous run may still be ending)."""
-    for w in workers:
-        wait_for(f"{w.name}: prefix cache reset", lambda w=w: http_json("POST", w.url + "/reset_prefix_cache")[0] == 200,
-                 workers, timeout_s, 0.5)
+    requests of the previous run may still be ending); the workers that refused until the end."""
+    refused = []
+    for i, w in enumerate(workers):
+        try:
+            wait_for(f"{w.name}: prefix cache reset",
+                     lambda w=w: http_json("POST", w.url + "/reset_prefix_cache")[0] == 200, workers, timeout_s, 0.5)
+        except TimeoutError:
+            refused.append(f"w{i}")
+    return refused
 
 
 # ============================================================================ routers
@@ -331,7 +346,7 @@ def start_router(procs: Procs, spec: RouterSpec, workers: list[Proc], args: argp
     return Router(spec, proc, f"http://127.0.0.1:{prom}/metrics", names)
 
 
-def events_live(router: Router, n: int) -> dict[str, float]:
+def events_live(router: Router) -> dict[str, float]:
     return samples(http_text(router.metrics_url), "mesh_kv_events_healthy")
 
 
@@ -346,12 +361,15 @@ def wait_router(router: Router, workers: list[Proc], model: str, timeout_s: floa
         wait_for(f"{router.proc.name}: model {model}",
                  lambda: model in [m["id"] for m in http_json("GET", router.proc.url + "/v1/models")[1]["data"]],
                  watch, timeout_s)
+        def live() -> dict[str, float] | None:
+            streams = events_live(router)
+            return streams if len(streams) == n and all(v == 1.0 for v in streams.values()) else None
+
         try:
-            streams = wait_for(f"{router.proc.name}: {n} live KV event streams (mesh_kv_events_healthy)",
-                               lambda: (lambda s: s if len(s) == n and all(v == 1.0 for v in s.values()) else None)(
-                                   events_live(router, n)), watch, timeout_s)
+            streams = wait_for(f"{router.proc.name}: {n} live KV event streams (mesh_kv_events_healthy)", live, watch,
+                               timeout_s)
         except TimeoutError as exc:
-            return {"ok": False, "error": str(exc), "streams": events_live(router, n), "ready_s": time.monotonic() - t0}
+            return {"ok": False, "error": str(exc), "streams": events_live(router), "ready_s": time.monotonic() - t0}
         return {"ok": True, "streams": {label(k, "worker"): v for k, v in streams.items()},
                 "ready_s": time.monotonic() - t0}
 
@@ -410,9 +428,12 @@ def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args
     from mesh.replay.progress import ProgressLine
 
     t0 = time.monotonic()
-    row: dict[str, Any] = {"router": spec.name, "kind": spec.kind, "policy": spec.policy or "default",
+    row: dict[str, Any] = {"router": spec.name, "kind": spec.kind, "policy": spec.policy or "session_sticky (default)",
                            "session_ids": spec.session_ids, "ok": False, "error": None}
-    reset_caches(workers)
+    refused = reset_caches(workers)
+    if refused:
+        row["not_cold"] = refused
+        log(f"warning: {spec.name}: the prefix caches of {', '.join(refused)} could not be reset (blocks in use)")
     before = {f"w{i}": worker_counters(w) for i, w in enumerate(workers)}
     router = start_router(procs, spec, workers, args, tag)
     try:
@@ -459,6 +480,7 @@ def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args
         "ok": summary["requests"] > 0, "requests": summary["requests"], "errors": summary["errors"],
         "not_sent": summary["not_sent"], "ttft_ms": summary["ttft_ms"], "itl_ms": summary["itl_ms"],
         "e2e_ms": summary["e2e_ms"], "hit_rate": summary["hit_rate"],
+        "ideal_hit_rate_served": summary.get("ideal_hit_rate_served"),
         "worker_hit_rate": cached / prompt if prompt else 0.0, "throughput_req_s": summary["throughput_req_s"],
         "throughput_tok_s": summary["throughput_tok_s"], "session_moves": summary["session_moves"],
         "requests_per_worker": per_worker, "requests_per_worker_source": source,
@@ -487,9 +509,12 @@ class Budget:
     def left(self) -> float:
         return self.total_s - (time.monotonic() - self.started)
 
+    def overhead(self) -> float:
+        return (sum(self.overhead_s) / len(self.overhead_s)) if self.overhead_s else 15.0
+
     def run_s(self, runs_left: int, starts_left: int, lo: float, hi: float) -> float:
         startup = max(self.startup_s) if self.startup_s else 90.0
-        overhead = (sum(self.overhead_s) / len(self.overhead_s)) if self.overhead_s else 15.0
+        overhead = self.overhead()
         spare = self.left() - starts_left * startup - runs_left * overhead - 10.0
         return max(lo, min(hi, spare / max(1, runs_left)))
 
@@ -552,6 +577,7 @@ def print_point(point: dict[str, Any], width: int) -> None:
         rows.append([
             name, f"{r['requests']:,}", f"{r['errors']:,}", ms(r["ttft_ms"]["mean"]), ms(r["ttft_ms"]["p50"]),
             ms(r["ttft_ms"]["p99"]), f"{r['hit_rate']:.1%}", f"{r['worker_hit_rate']:.1%}",
+            "-" if r.get("ideal_hit_rate_served") is None else f"{r['ideal_hit_rate_served']:.1%}",
             ratio(r.get("ttft_mean_vs_sglang")), ratio(r.get("ttft_p99_vs_sglang")),
             "-" if r["session_moves"] is None else f"{r['session_moves']:,}",
             " ".join(f"{w}:{n}" for w, n in sorted(r["requests_per_worker"].items())),
@@ -560,9 +586,9 @@ def print_point(point: dict[str, Any], width: int) -> None:
         ])
     title = (f"kv {point['kv_blocks']} blocks/worker, cpu tier {point['cpu_blocks']} blocks, "
              f"{point['concurrency']} sessions, {point['run_s'] or 'whole slice'}"
-             f"{' s' if point['run_s'] else ''} per run, ideal hit {point['ideal_hit_rate']:.1%}")
+             f"{' s' if point['run_s'] else ''} per run, ideal hit of the whole slice {point['ideal_hit_rate']:.1%}")
     print_table(title, ["router", "requests", "errors", "TTFT mean", "TTFT p50", "TTFT p99", "hit rate", "worker hit",
-                        "mean/sglang", "p99/sglang", "moves", "per worker", "pred/reported", "notes"], rows,
+                        "ideal (served)", "mean/sglang", "p99/sglang", "moves", "per worker", "pred/reported", "notes"], rows,
                 width=width, left=["router", "per worker", "notes"])
 
 
@@ -601,10 +627,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="write the results (default $OUT/e2e_routing.json, else bench/results/e2e_routing.json)")
     ap.add_argument("--out-dir", help="process logs (default $OUT/e2e_routing_logs, else a temporary directory)")
     ap.add_argument("--width", type=int, default=200, help="table width")
-    ap.add_argument("--make-slice", type=Path, metavar="WEKA_DIR", help=f"write the default slice from WEKA_DIR and exit")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="an extra Mesh router NAME with this policy spec (JSON), with session ids; name it in --routers")
+    ap.add_argument("--make-slice", type=Path, metavar="WEKA_DIR", help="write the default slice from WEKA_DIR and exit")
     ap.add_argument("--slice-sessions", type=int, default=48)
     ap.add_argument("--slice-max-prompt", type=int, default=262_144, help="longest raw prompt of a slice session (tokens)")
     args = ap.parse_args(argv)
+    for variant in args.variant:
+        name, _, spec = variant.partition("=")
+        try:
+            SPECS[name] = RouterSpec(name, "mesh", json.loads(spec))
+        except ValueError:
+            ap.error(f"--variant takes NAME=JSON_POLICY_SPEC, got {variant!r}")
     args.routers_list = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in args.routers_list if r not in SPECS]
     if bad:
@@ -663,8 +697,8 @@ def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
     plan = prep.plan
     log(f"trace: {len(plan.turns):,} requests in {len(plan.groups)} sessions, {prep.ideal.prompt_units:,} prompt tokens "
         f"at scale {args.prompt_scale:g}, ideal hit rate {prep.ideal.session:.1%}; logs in {out_dir}")
-    for w in prep.warnings:
-        log(f"warning: {w}")
+    for warning in prep.warnings:
+        log(f"warning: {warning}")
     configs = [(kv, cpu) for kv in args.kv_list for cpu in args.cpu_list]
     n_points = len(configs) * len(args.conc_list)
     runs_total = n_points * len(args.routers_list) * args.repeats
@@ -675,14 +709,23 @@ def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
     }
     runs_done = 0
     exit_code = 0
+    if args.run_s is None:
+        need = len(configs) * 90.0 + runs_total * (15.0 + args.min_run_s)
+        if need > args.budget_s:
+            payload["warnings"].append(
+                f"the matrix ({len(configs)} worker configs x {len(args.conc_list)} loads x {len(args.routers_list)} "
+                f"routers x {args.repeats}) needs about {need:.0f} s at --min-run-s {args.min_run_s:g} > --budget-s "
+                f"{args.budget_s:g}: later points will be skipped; run one worker config per invocation "
+                "(e.g. --kv-blocks 4000 --cpu-blocks 0)")
+            log(f"warning: {payload['warnings'][-1]}")
     try:
         for ci, (kv, cpu) in enumerate(configs):
             t_start = time.monotonic()
             log(f"config {ci + 1}/{len(configs)}: starting {args.workers} x {args.preset} workers on {args.device}, "
                 f"{kv} KV blocks, CPU tier {cpu} blocks")
             workers = start_workers(procs, args, kv, cpu)
-            infos = [wait_for(f"{w.name} /health", lambda w=w: (lambda r: r[1] if r[0] == 200 else None)(
-                http_json("GET", w.url + "/health")), workers, args.startup_timeout, 0.5) for w in workers]
+            infos = [wait_for(f"{w.name} /health", lambda w=w: health(w), workers, args.startup_timeout, 0.5)
+                     for w in workers]
             model = http_json("GET", workers[0].url + "/v1/models")[1]["data"][0]["id"]
             budget.startup_s.append(time.monotonic() - t_start)
             log(f"workers up in {budget.startup_s[-1]:.0f} s: {infos[0].get('num_kv_blocks')} KV blocks of "
@@ -694,7 +737,8 @@ def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
                     run_s = args.run_s
                 else:
                     run_s = budget.run_s(runs_left, starts_left, args.min_run_s, args.max_run_s)
-                    if budget.left() < runs_left * args.min_run_s:
+                    point_runs = len(args.routers_list) * args.repeats
+                    if budget.left() < point_runs * (args.min_run_s + budget.overhead()):
                         payload["warnings"].append(f"budget exhausted before kv {kv} cpu {cpu} conc {conc}: skipped")
                         log(payload["warnings"][-1])
                         continue
@@ -722,15 +766,12 @@ def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
                             exit_code = 1
                 point["routers"] = {name: combine(rows) for name, rows in per_router.items()}
                 add_ratios(point["routers"])
-                for rows in per_router.values():  # the full replay summaries stay with the runs
-                    for row in rows:
-                        row.pop("summary", None)
                 payload["points"].append(point)
                 print_point(point, args.width)
                 write_json(args.json_out, payload)
             for w in workers:
                 procs.stop(w)
-    except BenchError as exc:
+    except (BenchError, TimeoutError) as exc:
         log(f"stopped: {exc}")
         payload["warnings"].append(f"stopped: {exc}"[:4000])
         exit_code = 1

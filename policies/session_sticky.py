@@ -42,6 +42,9 @@ FALLBACK_INNER: dict[str, Any] = {
 }
 
 
+SPREAD_BY = ("sessions", "kv_room")
+
+
 def default_inner() -> str | dict[str, Any]:
     return "kv_aware" if "kv_aware" in registry.names("policy") else FALLBACK_INNER
 
@@ -56,7 +59,8 @@ class SessionSticky(Policy):
     ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none),
     ``spread_new`` (true: a new session goes among the targets within ``session_slack`` (1) of
     the fewest live sessions, the inner policy choosing by load and prefix among them; false:
-    where the inner policy puts it).
+    where the inner policy puts it), ``spread_by`` (``sessions``; ``kv_room``: among those, the
+    least context in flight first).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
 
     Example::
@@ -74,6 +78,7 @@ class SessionSticky(Policy):
         load_slack: float = 4.0,
         spread_new: bool = True,
         session_slack: int = 1,
+        spread_by: str = "sessions",
         seed: int | None = None,
     ) -> None:
         spec = default_inner() if inner is None else inner
@@ -85,6 +90,9 @@ class SessionSticky(Policy):
             raise PluginError(f"policy 'session_sticky': spread_new must be true or false, got {spread_new!r}")
         self.spread_new = spread_new
         self.session_slack = int(number("session_sticky", "session_slack", session_slack, 0))
+        if spread_by not in SPREAD_BY:
+            raise PluginError(f"policy 'session_sticky': spread_by must be one of {', '.join(SPREAD_BY)}, got {spread_by!r}")
+        self.spread_by = spread_by
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         sid, store = request.session_id, cluster.sessions
@@ -108,14 +116,24 @@ class SessionSticky(Policy):
         under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
         if bound is None and self.spread_new:
-            fewest = min(t.live_sessions for t in narrowed)
-            narrowed = [t for t in narrowed if t.live_sessions <= fewest + self.session_slack]
-            why = f"new session, spread (<= {fewest + self.session_slack} live sessions)"
+            narrowed, why = self._spread(narrowed)
         view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
         d.reason = f"{why} ({d.reason})"
         return d
+
+    def _spread(self, candidates: list[TargetState]) -> tuple[list[TargetState], str]:
+        """A new session's candidates: within ``session_slack`` of the fewest live sessions and,
+        with ``spread_by: kv_room``, among those the least context in flight (the KV its running
+        sessions hold now: prompt work queued plus context decoding)."""
+        cap = min(t.live_sessions for t in candidates) + self.session_slack
+        out = [t for t in candidates if t.live_sessions <= cap]
+        if self.spread_by == "kv_room":
+            room = min(t.prefill_tokens + t.decode_tokens for t in out)
+            out = [t for t in out if t.prefill_tokens + t.decode_tokens == room]
+            return out, f"new session, spread (<= {cap} live sessions, {room} tokens in flight)"
+        return out, f"new session, spread (<= {cap} live sessions)"
 
     def _bound(self, request: RequestInfo, cluster: ClusterView, bound: str) -> Decision:
         ov = cluster.overlaps(request)
@@ -165,6 +183,7 @@ class SessionSticky(Policy):
             "load_slack": self.load_slack,
             "spread_new": self.spread_new,
             "session_slack": self.session_slack,
+            "spread_by": self.spread_by,
         }
 
 

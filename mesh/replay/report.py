@@ -1,0 +1,353 @@
+"""The replay's report: the metrics of ``mesh simulate`` over real measurements, and renderings.
+
+A replay's requests become a ``simulator.engine.RunResult`` (send time as arrival, the first token
+chunk, the end of the stream, the reported usage, the serving worker) and go through
+``simulator.report.summarize``: a real run's JSON has exactly the fields, names and definitions
+of a simulated run's (``policies.<label>``), so ``--compare sim.json`` lines them up. Added per
+run:
+
+- ``hit_rate``: reported ``cached_tokens`` over reported prompt tokens (the built prompt's length
+  where a server reports no usage); ``cached_reported``: whether any response reported cached
+  tokens at all (an endpoint without it reads 0%, not a measurement);
+- ``errors`` (and ``errors_by_status``, ``error_samples``), ``not_sent`` (the duration ran out);
+- ``throughput_req_s``; ``itl_gaps_ms``: the raw gaps between token chunks, over all of them;
+- ``requests_per_worker`` (from the worker header; ``unknown`` where none came back) and
+  ``session_moves``: later turns of a session served by another worker than its previous turn
+  (None when no response named its worker);
+- ``ideal_hit_rate``: the trace's reference at the replay's token scale (``prompts.ideal_hit_rate``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mesh.replay.client import PlayResult
+from mesh.replay.prompts import IdealHitRate
+from mesh.replay.schedule import Plan
+from simulator.engine import RunResult
+from simulator.report import dist, summarize, write_json
+
+UNKNOWN_WORKER = "unknown"
+__all__ = ["compare_rows", "render_compare", "render_table", "requests_table", "run_result", "summarize_replay",
+           "write_html", "write_json"]
+
+
+def run_result(plan: Plan, play: PlayResult, label: str, spec: Any = None, sessions: bool = True) -> RunResult:
+    """The sent requests as a ``RunResult`` (errors: worker -1, outside the served metrics)."""
+    sent = [i for i, o in enumerate(play.outcomes) if o.sent]
+    names = sorted({o.worker or UNKNOWN_WORKER for o in play.outcomes if o.ok})
+    index = {w: k for k, w in enumerate(names)}
+    arrival = np.array([play.outcomes[i].send for i in sent], dtype=np.float64)
+    finish = np.array([play.outcomes[i].end for i in sent], dtype=np.float64)
+    first = np.array([o.end if math.isnan(o.first) else o.first for o in (play.outcomes[i] for i in sent)],
+                     dtype=np.float64)
+    prompt = np.array([_prompt_tokens(plan, i, play.outcomes[i]) for i in sent], dtype=np.int64)
+    hit = np.array([play.outcomes[i].cached_tokens or 0 for i in sent], dtype=np.int64)
+    output = np.array([o.completion_tokens if o.completion_tokens is not None else o.tokens
+                       for o in (play.outcomes[i] for i in sent)], dtype=np.int64)
+    worker = np.array([index[o.worker or UNKNOWN_WORKER] if o.ok else -1 for o in (play.outcomes[i] for i in sent)],
+                      dtype=np.int64)
+    moves = session_moves(plan, play)
+    return RunResult(
+        policy=label, policy_spec=spec, workers=names, block_size=0, arrival=arrival, first_token=first,
+        finish=finish, prompt=prompt, output=output, hit=hit, cpu_hit=np.zeros_like(hit), worker=worker,
+        preemptions=0, rejected=0, session_moves=moves or 0, router_session_moves=0,
+        busy_s=[0.0] * len(names), steps=[0] * len(names), queue_t=np.zeros(0), queue_len=np.zeros(0),
+        running=np.zeros(0), wall_s=play.wall_s, sessions_enabled=sessions,
+    )
+
+
+def _prompt_tokens(plan: Plan, i: int, o: Any) -> int:
+    return int(o.prompt_tokens) if o.prompt_tokens is not None else plan.turns[i].units
+
+
+def session_moves(plan: Plan, play: PlayResult) -> int | None:
+    """Later turns (trace order) of a session served by another worker than its previous served
+    turn; None when no response named its worker."""
+    last: dict[str, str] = {}
+    moves = 0
+    named = False
+    for t in plan.turns:
+        o = play.outcomes[t.pos]
+        if t.session is None or not o.ok or not o.worker:
+            continue
+        named = True
+        prev = last.get(t.session)
+        if prev is not None and prev != o.worker:
+            moves += 1
+        last[t.session] = o.worker
+    return moves if named else None
+
+
+def summarize_replay(plan: Plan, play: PlayResult, label: str, ideal: IdealHitRate | None = None,
+                     spec: Any = None, sessions: bool = True) -> dict[str, Any]:
+    """``simulator.report.summarize`` of the run, plus the replay's own fields (module doc)."""
+    outs = play.outcomes
+    sent = [o for o in outs if o.sent]
+    if any(o.ok for o in sent):
+        s = summarize(run_result(plan, play, label, spec, sessions))
+    else:  # nothing served: summarize's maxima have no values
+        s = _empty_summary(label, spec, play.wall_s)
+    errors = [o for o in sent if o.error is not None]
+    s["session_moves"] = session_moves(plan, play)
+    s["sent"] = len(sent)
+    s["errors"] = len(errors)
+    s["errors_by_status"] = dict(sorted(Counter(str(o.status) if o.status else "transport" for o in errors).items()))
+    s["error_samples"] = [f"{n} x {msg}" for msg, n in Counter(o.error for o in errors).most_common(5)]
+    s["not_sent"] = len(outs) - len(sent)
+    s["truncated"] = play.truncated
+    s["throughput_req_s"] = s["requests"] / s["makespan_s"] if s["makespan_s"] else 0.0
+    gaps = np.array([g for o in sent if o.ok for g in o.gaps], dtype=np.float64)
+    s["itl_gaps_ms"] = dist(gaps)
+    s["cached_reported"] = any(o.cached_tokens is not None for o in sent)
+    s["requests_per_worker"] = {w["id"]: w["requests"] for w in s["per_worker"]}
+    s["ideal_hit_rate"] = ideal.session if ideal is not None else None
+    s["ideal_hit_rate_global"] = ideal.global_ if ideal is not None else None
+    return s
+
+
+def _empty_summary(label: str, spec: Any, wall_s: float) -> dict[str, Any]:
+    zero = {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    return {"policy": label, "spec": spec, "requests": 0, "rejected": 0, "pd_pairs": 0, "hit_rate": 0.0,
+            "cpu_hit_rate": 0.0, "prompt_tokens": 0, "output_tokens": 0, "ttft_ms": dict(zero), "itl_ms": dict(zero),
+            "e2e_ms": dict(zero), "throughput_tok_s": 0.0, "input_throughput_tok_s": 0.0, "makespan_s": 0.0,
+            "session_moves": 0, "router_session_moves": 0, "preemptions": 0, "load_spread": 0.0,
+            "hit_rate_spread": [0.0, 0.0], "per_worker": [], "wall_s": wall_s, "notes": []}
+
+
+def requests_table(plan: Plan, play: PlayResult) -> list[dict[str, Any]]:
+    """One record per planned request (JSON-ready): times in s from the start, usage, worker."""
+    rows = []
+    for t in plan.turns:
+        o = play.outcomes[t.pos]
+        rows.append({
+            "i": t.pos, "trace_idx": t.request.idx, "source": t.request.source, "session": t.session,
+            "group": t.group, "deps": [[p, "start" if trig == 0 else "done", round(d, 6)] for p, trig, d in t.deps],
+            "sent": o.sent, "send_s": _r(o.send), "first_s": _r(o.first), "end_s": _r(o.end),
+            "ttft_ms": _r((o.first - o.send) * 1000), "units": t.units, "max_tokens": t.max_tokens,
+            "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+            "completion_tokens": o.completion_tokens, "worker": o.worker, "status": o.status, "error": o.error,
+        })
+    return rows
+
+
+def _r(x: float) -> float | None:
+    return None if math.isnan(x) else round(float(x), 6)
+
+
+# ------------------------------------------------------------------------------ terminal
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.1f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _workers(s: dict[str, Any]) -> str:
+    return " ".join(f"{w}:{n}" for w, n in s.get("requests_per_worker", {}).items()) or "-"
+
+
+def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str = "mesh replay",
+                 reference: dict[str, Any] | None = None) -> None:
+    """One column per run (metric rows: fits any terminal), the trace's ideal hit rate beside."""
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold", caption=TABLE_NOTE, caption_justify="left")
+    table.add_column("metric", no_wrap=True)
+    for label in summaries:
+        table.add_column(label, justify="right", no_wrap=True)
+    if reference is not None:
+        table.add_column("ideal (trace)", justify="right", no_wrap=True, style="dim")
+    rows: list[tuple[str, Any]] = [
+        ("requests", lambda s: f"{s['requests']:,}"),
+        ("errors", lambda s: f"{s.get('errors', 0):,}"),
+        ("not sent", lambda s: f"{s.get('not_sent', 0):,}"),
+        ("hit rate", lambda s: _pct(s["hit_rate"]) + ("" if s.get("cached_reported", True) else " (n/a)")),
+        ("TTFT mean", lambda s: _ms(s["ttft_ms"]["mean"])),
+        ("TTFT p50", lambda s: _ms(s["ttft_ms"]["p50"])),
+        ("TTFT p90", lambda s: _ms(s["ttft_ms"]["p90"])),
+        ("TTFT p99", lambda s: _ms(s["ttft_ms"]["p99"])),
+        ("ITL mean", lambda s: _ms(s["itl_ms"]["mean"])),
+        ("ITL p50", lambda s: _ms(s["itl_ms"]["p50"])),
+        ("ITL p99", lambda s: _ms(s["itl_ms"]["p99"])),
+        ("E2E mean", lambda s: _ms(s["e2e_ms"]["mean"])),
+        ("E2E p50", lambda s: _ms(s["e2e_ms"]["p50"])),
+        ("E2E p99", lambda s: _ms(s["e2e_ms"]["p99"])),
+        ("req/s", lambda s: f"{s.get('throughput_req_s', 0.0):,.2f}"),
+        ("out tok/s", lambda s: f"{s['throughput_tok_s']:,.0f}"),
+        ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
+        ("session moves", lambda s: "-" if s.get("session_moves") is None else f"{s['session_moves']:,}"),
+        ("per worker", _workers),
+    ]
+    for name, fmt in rows:
+        ref = ""
+        if reference is not None and name == "hit rate":
+            ref = f"{_pct(reference.get('ideal_hit_rate'))} (any session: {_pct(reference.get('ideal_hit_rate_global'))})"
+        table.add_row(name, *(fmt(s) for s in summaries.values()), *((ref,) if reference is not None else ()))
+    console.print(table)
+
+
+TABLE_NOTE = ("hit rate: reported cached_tokens / prompt tokens; ideal: every prefix seen before in the same session "
+              "reused, at the replay's token scale. ITL p50/p99: over requests, of each one's mean time per output "
+              "token after the first. session moves: later turns served by another worker than the previous turn.")
+
+# (label, path into a summary, kind) of the comparison's rows
+_COMPARE = (
+    ("requests", ("requests",), "n"), ("hit rate", ("hit_rate",), "pct"),
+    ("TTFT mean", ("ttft_ms", "mean"), "ms"), ("TTFT p50", ("ttft_ms", "p50"), "ms"),
+    ("TTFT p90", ("ttft_ms", "p90"), "ms"), ("TTFT p99", ("ttft_ms", "p99"), "ms"),
+    ("ITL mean", ("itl_ms", "mean"), "ms"), ("ITL p50", ("itl_ms", "p50"), "ms"), ("ITL p99", ("itl_ms", "p99"), "ms"),
+    ("E2E mean", ("e2e_ms", "mean"), "ms"), ("E2E p50", ("e2e_ms", "p50"), "ms"), ("E2E p99", ("e2e_ms", "p99"), "ms"),
+    ("out tok/s", ("throughput_tok_s",), "n"), ("in tok/s", ("input_throughput_tok_s",), "n"),
+    ("load spread", ("load_spread",), "f"), ("session moves", ("session_moves",), "n"),
+)
+
+
+def _get(s: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    v: Any = s
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def compare_rows(mine: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]]:
+    """Metric by metric: this run's value, the other's, and the ratio mine / other."""
+    rows = []
+    for label, path, kind in _COMPARE:
+        a, b = _get(mine, path), _get(other, path)
+        ratio = a / b if a is not None and b not in (None, 0.0) else None
+        rows.append({"metric": label, "kind": kind, "value": a, "other": b, "ratio": ratio})
+    return rows
+
+
+def pick_summary(payload: dict[str, Any], name: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(label, summary) of a ``mesh simulate`` or ``mesh replay`` JSON: ``name``, or its first."""
+    runs = payload.get("policies")
+    if not isinstance(runs, dict) or not runs:
+        raise ValueError("not a mesh simulate / mesh replay report (no 'policies')")
+    if name is None:
+        label = next(iter(runs))
+    elif name in runs:
+        label = name
+    else:
+        raise ValueError(f"no run {name!r} in the report (it has: {', '.join(runs)})")
+    return label, runs[label]
+
+
+def _fmt(kind: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return {"pct": lambda: f"{v:.1%}", "ms": lambda: _ms(v), "f": lambda: f"{v:.2f}"}.get(kind, lambda: f"{v:,.0f}")()
+
+
+def render_compare(rows: list[dict[str, Any]], mine: str, other: str, console: Any, title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold")
+    for col, justify in (("metric", "left"), (mine, "right"), (other, "right"), ("ratio", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(r["metric"], _fmt(r["kind"], r["value"]), _fmt(r["kind"], r["other"]),
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}x")
+    console.print(table)
+
+
+# ------------------------------------------------------------------------------ HTML
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _plots(results: dict[str, RunResult]) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs: dict[str, str] = {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        served = r.worker >= 0
+        ttft = np.sort((r.first_token - r.arrival)[served])
+        if ttft.size:
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    figs["ttft_cdf"] = _png(fig)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, r in results.items():
+        served = r.worker >= 0
+        t, hit, prompt = r.arrival[served], r.hit[served], r.prompt[served]
+        if t.size > 1:
+            edges = np.linspace(t.min(), t.max() + 1e-9, 41)
+            idx = np.clip(np.digitize(t, edges) - 1, 0, 39)
+            h = np.bincount(idx, weights=hit, minlength=40)
+            p = np.bincount(idx, weights=prompt, minlength=40)
+            ok = p > 0
+            ax.plot(((edges[:-1] + edges[1:]) / 2)[ok], h[ok] / p[ok], label=label)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("replay time (s)")
+    ax.set_ylabel("reported hit rate (token-weighted)")
+    ax.set_title("Hit rate over time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    figs["hit_rate"] = _png(fig)
+    plt.close(fig)
+    return figs
+
+
+def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, RunResult]) -> None:
+    """A self-contained report: the table of ``mesh simulate``'s HTML, settings, inline plots."""
+    figs = _plots(results)
+    head = "".join(f"<th>{h}</th>" for h in (
+        "run", "requests", "errors", "hit rate", "ideal", "TTFT mean ms", "p50", "p90", "p99", "ITL mean ms",
+        "E2E mean ms", "req/s", "out tok/s", "session moves", "per worker", "wall s"))
+    rows = []
+    for label, s in payload["policies"].items():
+        t = s["ttft_ms"]
+        cells = (label, f"{s['requests']:,}", f"{s.get('errors', 0):,}", f"{s['hit_rate']:.1%}",
+                 _pct(s.get("ideal_hit_rate")), f"{t['mean']:.1f}", f"{t['p50']:.1f}", f"{t['p90']:.1f}",
+                 f"{t['p99']:.1f}", f"{s['itl_ms']['mean']:.2f}", f"{s['e2e_ms']['mean']:.1f}",
+                 f"{s.get('throughput_req_s', 0):.2f}", f"{s['throughput_tok_s']:,.0f}",
+                 "-" if s.get("session_moves") is None else f"{s['session_moves']:,}", _workers(s), f"{s['wall_s']:.2f}")
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in cells) + "</tr>")
+    settings = html.escape(json.dumps({k: v for k, v in payload.items() if k not in ("policies", "requests")},
+                                      indent=2, default=str))
+    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in payload.get("warnings") or [])
+    imgs = "".join(f'<figure><img src="{src}" alt="{name}"></figure>' for name, src in figs.items())
+    doc = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>mesh replay report</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}
+th{{background:#f3f3f3}} figure{{display:inline-block;margin:1em}} pre{{background:#f7f7f7;padding:1em}}
+</style></head><body>
+<h1>mesh replay</h1>
+<table><tr>{head}</tr>{''.join(rows)}</table>
+{f'<h2>Warnings</h2><ul>{warnings}</ul>' if warnings else ''}
+<h2>Plots</h2>{imgs}
+<h2>Settings</h2><pre>{settings}</pre>
+</body></html>
+"""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(doc)
