@@ -1,0 +1,139 @@
+"""The ZMQ side of a KV event stream: the SUB socket and its monitor, and the replay socket.
+
+The SUB socket receives live frames; its monitor reports the connection going down (the stream is
+unhealthy and the next frame must prove continuity) and coming back. The replay socket (a
+DEALER, opened on a stream's first replay and kept) asks the publisher's ROUTER for every kept
+batch from a seq: ``[b"", start]`` -> ``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``
+per batch, then an end marker whose seq is -1. A replay is bounded in time, batches and bytes
+(ZMQ itself refuses a message over ``max_message_bytes``); a failed one closes the socket, so
+late replies never mix into the next replay. Ownership: each stream task owns its sockets and
+closes them when it ends; the ``zmq.asyncio.Context`` is the subscriber's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+import zmq.utils.monitor
+
+from mesh.events.health import LogLimiter
+from mesh.events.stream import Stream, split_frame
+
+END_SEQ = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayLimits:
+    timeout_s: float  # from the request to the end marker
+    max_batches: int
+    max_bytes: int  # payload bytes in all
+    max_message_bytes: int  # one message; ZMQ drops the connection over it
+
+
+def monitor_sub(sub: zmq.asyncio.Socket, topic: str, rcvhwm: int) -> zmq.asyncio.Socket:
+    """Set the SUB socket's options and subscription; returns its connection monitor."""
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, rcvhwm)
+    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    return sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+
+
+async def watch_connection(stream: Stream, monitor: zmq.asyncio.Socket, notify: Callable[[Stream], None]) -> None:
+    """Track the SUB connection: down = unhealthy, and the next frame must prove continuity."""
+    h = stream.health
+    while True:
+        event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            h.connected = False
+            h.disconnects += 1
+            stream.lost = True
+        elif event == zmq.EVENT_CONNECTED:
+            h.connected = True
+        notify(stream)
+
+
+def close_stream(stream: Stream, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
+    """Close every socket of ``stream`` (the SUB socket, its monitor, the replay socket)."""
+    with contextlib.suppress(zmq.ZMQError):
+        sub.disable_monitor()
+    if monitor is not None:
+        monitor.close(linger=0)
+    sub.close(linger=0)
+    if stream.dealer is not None:
+        stream.dealer.close(linger=0)
+        stream.dealer = None
+
+
+async def fetch_replay(
+    ctx: zmq.asyncio.Context, stream: Stream, start: int, limits: ReplayLimits, logs: LogLimiter
+) -> list[tuple[int, bytes]] | None:
+    """Every batch the publisher kept from ``start``, by seq; None when the replay failed."""
+    h = stream.health
+    if h.replay_endpoint is None:
+        raise ValueError(f"kv events {h.target}: no replay endpoint")
+    sock = stream.dealer
+    try:
+        if sock is None:
+            sock = stream.dealer = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+            # inside the try: an endpoint ZMQ refuses is a failed replay (it raised out of the
+            # stream task, which ended: the worker's events were no longer read at all)
+            sock.connect(h.replay_endpoint)
+        out = await _request(sock, stream, start, limits)
+    except (TimeoutError, asyncio.TimeoutError, OverflowError, zmq.ZMQError) as exc:
+        logs.log(logging.WARNING, (h.target, "replay failed"), "kv events %s: replay from %d failed: %s",
+                 h.target, start, exc)
+        h.bump(h.replays, "failed")
+        if sock is not None:
+            sock.close(linger=0)  # late replies must not mix into the next replay
+        stream.dealer = None
+        return None
+    h.bump(h.replays, "ok")
+    out.sort(key=lambda f: f[0])
+    return out
+
+
+async def _request(
+    sock: zmq.asyncio.Socket, stream: Stream, start: int, limits: ReplayLimits
+) -> list[tuple[int, bytes]]:
+    """Send the replay request and receive batches up to the end marker, within ``limits``."""
+    h = stream.health
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.timeout_s
+    out: list[tuple[int, bytes]] = []
+    size = 0
+    # a DEALER without a connected peer blocks on send: bound it by the same deadline
+    await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), limits.timeout_s)
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):  # POLLIN, the default
+            raise TimeoutError(f"no end marker within {limits.timeout_s}s")
+        frames = await sock.recv_multipart()
+        if frames and frames[0] == b"":
+            frames = frames[1:]
+        parsed = split_frame(frames, signed=True)
+        if parsed is None:
+            h.bump(h.dropped, "malformed")
+            continue
+        seq, payload = parsed
+        if seq == END_SEQ:
+            return out
+        out.append((seq, payload))
+        size += len(payload)
+        if len(out) > limits.max_batches or size > limits.max_bytes:
+            raise OverflowError(f"replay longer than {limits.max_batches} batches or {limits.max_bytes} bytes")
+
+
+async def cancel(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
