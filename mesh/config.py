@@ -3,6 +3,8 @@
 Every section has defaults, so ``MeshConfig()`` (no file at all) is a usable gateway with no
 static workers. ``load_config(path)`` reads and validates a file; any problem raises
 ``ConfigError`` whose ``errors`` list holds one ``"path.to.field: message"`` line per problem.
+The document's bounds (``document_problem``) and those lines (``format_errors``) are
+``mesh.yaml_document``'s, importable from here too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from mesh.files import FileProblem, read_regular_file
+from mesh.yaml_document import document_problem, format_errors
 from policies.base import Role
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -24,11 +27,6 @@ MIB = 1024 * 1024
 # What a ZMQ SUB/DEALER can connect to: tcp with a host (name, IPv4, [IPv6]) and a numeric port
 # (a data-parallel rank r connects to port + r), or a local transport.
 ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}|(ipc|inproc)://[^\s\0]+")
-# Bounds on a decoded YAML document, aliases expanded: anchors can make a small file a huge
-# structure (billion laughs) that an error message would repr in full, and nesting deeper than
-# this is no config (the YAML parser itself recurses once per level).
-MAX_DOC_VALUES = 250_000
-MAX_DOC_DEPTH = 64
 MAX_FILE_BYTES = 16 * MIB  # a config of 1,000 workers is ~200 KiB; PyYAML parses ~1 MiB/s
 
 
@@ -414,18 +412,6 @@ def check_worker_url(url: str, server: ServerConfig) -> None:
         raise ValueError(f"worker url {url!r}: host {parsed.hostname!r} not in allowed_worker_hosts")
 
 
-def format_errors(exc: ValidationError) -> list[str]:
-    """One ``path: message`` line per pydantic error, the path written as in the YAML."""
-    lines = []
-    for err in exc.errors():
-        path = ""
-        for part in err["loc"]:
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{path or '(top level)'}: {msg}")
-    return lines
-
-
 def parse_config(data: Any, source: str | None = None, *, check_policy: bool = True) -> MeshConfig:
     """Validate a decoded YAML document; ``None`` (an empty file) means all defaults."""
     if data is None:
@@ -470,34 +456,3 @@ def load_config(path: str | Path | None = None, *, allow_empty: bool = True) -> 
     if data is None and not allow_empty:
         raise ConfigError(["the file is empty (being written?): write the new config to another file and rename it over this one"], source)
     return parse_config(data, source)
-
-
-def document_problem(data: Any) -> str | None:
-    """Why a decoded document is no config (too many values once aliases are expanded, too deep,
-    or recursive through an alias); None when it is fine. Iterative, and each shared container
-    is visited once, so a billion-laughs document costs its size on disk, not its expansion."""
-    sizes: dict[int, int] = {}  # id -> expanded values, containers finished
-    open_ids: set[int] = set()  # containers on the current path (a recursive alias loops back)
-    stack: list[tuple[Any, bool]] = [(data, False)]
-    while stack:
-        node, done = stack.pop()
-        if not isinstance(node, (dict, list)):
-            continue
-        key = id(node)
-        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-        if done:
-            open_ids.discard(key)
-            sizes[key] = 1 + sum(sizes.get(id(c), 1) for c in children)
-            if sizes[key] > MAX_DOC_VALUES:
-                return f"the document expands to more than {MAX_DOC_VALUES} values (YAML anchors and aliases count once per use)"
-            continue
-        if key in sizes:
-            continue
-        if key in open_ids:
-            return "a YAML alias refers to a value that contains it (recursive structure)"
-        if len(open_ids) >= MAX_DOC_DEPTH:
-            return f"values nested more than {MAX_DOC_DEPTH} levels deep"
-        open_ids.add(key)
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if isinstance(c, (dict, list)) and id(c) not in sizes)
-    return None

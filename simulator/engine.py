@@ -162,14 +162,7 @@ class Simulator:
         self.sessions = SessionTable(config.session_ttl_s, config.max_bound_sessions)
         self.targets: dict[str, TargetState] = {}
         self.workers: list[WorkerModel] = []
-        for i in range(config.workers):
-            role = Role.MIXED
-            if config.prefill_workers:
-                role = Role.PREFILL if i < config.prefill_workers else Role.DECODE
-            state = TargetState(id=f"w{i}", worker=f"w{i}", role=role, block_size=self.bs,
-                                models=frozenset({config.model}))
-            self.targets[state.id] = state
-            self.workers.append(WorkerModel(i, state, self.profile, self.bs, self))
+        self._add_workers()
         self.by_id = {w.id: w for w in self.workers}
         self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
                              speculative_ttl_s=config.speculative_ttl_s)
@@ -200,6 +193,19 @@ class Simulator:
         self.q_t: list[float] = []
         self.q_len: list[int] = []
         self.q_run: list[int] = []
+
+    def _add_workers(self) -> None:
+        """One ``WorkerModel`` and its ``TargetState`` per worker; with prefill workers, they
+        come first and the rest decode."""
+        config = self.config
+        for i in range(config.workers):
+            role = Role.MIXED
+            if config.prefill_workers:
+                role = Role.PREFILL if i < config.prefill_workers else Role.DECODE
+            state = TargetState(id=f"w{i}", worker=f"w{i}", role=role, block_size=self.bs,
+                                models=frozenset({config.model}))
+            self.targets[state.id] = state
+            self.workers.append(WorkerModel(i, state, self.profile, self.bs, self))
 
     # ------------------------------------------------------------------ worker callbacks
     def schedule(self, worker: WorkerModel, t: float, wake: bool = False) -> None:

@@ -185,12 +185,17 @@ def _bins(t: np.ndarray, lo: float, hi: float, n: int = 60) -> tuple[np.ndarray,
 
 
 def _series(results: dict[str, RunResult]) -> dict[str, str]:
+    """The report's plots, as inline PNG data URLs by name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figs: dict[str, str] = {}
+    return {"ttft_cdf": _ttft_cdf(plt, results), "hit_rate": _hit_rate(plt, results),
+            "queue": _queue(plt, results), "load": _load(plt, results)}
+
+
+def _ttft_cdf(plt: Any, results: dict[str, RunResult]) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = ("-", "--", "-.", ":")  # with widths narrowing, equal curves stay visible on each other
     for k, (label, r) in enumerate(results.items()):
@@ -205,11 +210,12 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
     ax.set_title("TTFT CDF")
     ax.grid(alpha=0.3)
     ax.legend()
-    figs["ttft_cdf"] = _png(fig)
-    plt.close(fig)
+    return _close(plt, fig)
 
-    # Hit rate and queue over time: one small panel per policy (shared axes). Overlaid, five
-    # policies' lines hid each other and the raw queue samples were a solid block of colour.
+
+def _hit_rate(plt: Any, results: dict[str, RunResult]) -> str:
+    """Hit rate over time: one small panel per policy (shared axes). Overlaid, several policies'
+    lines hide each other and the raw samples become a solid block of colour."""
     fig, axes = _panels(plt, len(results))
     for ax, (label, r) in zip(axes, results.items()):
         served = r.worker >= 0
@@ -227,9 +233,11 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
     fig.supxlabel("simulated time (s)")
     fig.supylabel("prefix hit rate (token-weighted)")
     fig.suptitle("Hit rate over time")
-    figs["hit_rate"] = _png(fig)
-    plt.close(fig)
+    return _close(plt, fig)
 
+
+def _queue(plt: Any, results: dict[str, RunResult]) -> str:
+    """Queue length over time, one panel per policy: mean and max per time bin."""
     fig, axes = _panels(plt, len(results))
     for ax, (label, r) in zip(axes, results.items()):
         ax.set_title(label, fontsize=9)
@@ -248,9 +256,10 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
     fig.supxlabel("simulated time (s)")
     fig.supylabel("requests waiting for admission")
     fig.suptitle("Queue length over time (sampled at arrivals; mean and max per time bin)")
-    figs["queue"] = _png(fig)
-    plt.close(fig)
+    return _close(plt, fig)
 
+
+def _load(plt: Any, results: dict[str, RunResult]) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(results))
     for k, (label, r) in enumerate(results.items()):
@@ -263,9 +272,14 @@ def _series(results: dict[str, RunResult]) -> dict[str, str]:
     ax.set_ylabel("requests prefilled")
     ax.set_title("Per-worker load")
     ax.legend()
-    figs["load"] = _png(fig)
+    return _close(plt, fig)
+
+
+def _close(plt: Any, fig: Any) -> str:
+    """The figure as a PNG data URL; the figure is closed."""
+    png = _png(fig)
     plt.close(fig)
-    return figs
+    return png
 
 
 def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, RunResult]) -> None:

@@ -1,59 +1,37 @@
-"""One simulated worker: its KV cache (the true state), continuous batching, step timing.
+"""One simulated worker's scheduler: continuous batching over its KV cache, and its segments.
 
-Ownership and invariants:
+Ownership: ``WorkerModel`` extends ``simulator.worker_cache.WorkerCache`` (the true prefix
+cache, its invariants and its KV events) with the waiting, prefilling and decoding requests and
+the current segment; ``simulator.step_timing.StepTiming`` prices each segment. The engine
+(``simulator.engine``) drives it: ``enqueue`` on arrival, ``complete`` at a segment's end.
 
-- ``cache`` (GPU) and ``cpu`` (offload tier) are the worker's *true* prefix cache, keyed by
-  router block keys; a key there is one computed, hashable prompt block. The router's
-  ``PrefixIndex`` only learns of them through the KV events the worker emits (``emit``), which
-  the engine may delay by the profile's event lag.
-- ``cache[key] > 0`` is how many running requests use the block (it is pinned); ``<= 0`` means
-  unreferenced, ``-cache[key]`` naming the release that freed it. ``segments`` orders the free
-  blocks: one list per release, oldest release first, each in eviction order. Together they are
-  exactly vLLM's free-block queue: eviction takes ``segments``' front, skipping entries that a
-  later hit or release made stale (``cache[key]`` no longer names that release), and never
-  touches a block in use. Every running request pins a prefix of its own chain
-  (``keys[:registered]``), so pin counts never increase along a chain: a prompt's cached prefix
-  is a pinned run followed by a free run, and the blocks a release frees are a suffix of its
-  chain. They join the queue tail first, so a prompt's tail is evicted before its head.
-- Usage: ``used_blocks`` (what ``TargetState.kv_usage`` reports, as the engines' ``kv_cache_usage``)
-  counts the referenced cached blocks (a shared one once) and ``private``; unreferenced cached
-  blocks are free (evictable), as in vLLM's free queue.
-- Capacity: ``len(cache) + private <= capacity`` where ``private`` counts blocks held outside
-  the cache (prompt blocks not yet computed, partial tails, generated tokens, and the decode
-  growth reserved for the current segment). ``capacity == 0`` means unbounded: nothing is
-  pinned or evicted (every value stays 0).
+- Usage: ``used_blocks`` (what ``TargetState.kv_usage`` reports, as the engines'
+  ``kv_cache_usage``) counts the referenced cached blocks (a shared one once) and ``private``.
 - Scheduling follows vLLM v1: every step decodes one token for each decoding sequence, then
   spends the rest of the token budget on prefill chunks, first of running prefills, then of
   waiting requests admitted in FCFS order (a blocked head blocks the queue). A request's blocks
-  are all reserved at admission; decode growth is reserved per segment; when it cannot be
-  found even after eviction, the newest decoding request is preempted (vLLM's LIFO) and
-  recomputed later.
-- Time: when no prefill is pending the batch is stable until the first sequence finishes, so
-  ``k`` decode steps are taken as one segment whose duration is summed in closed form. An
-  arrival during a segment cuts it at the next step boundary (``interrupt``).
+  are all reserved at admission; decode growth is reserved per segment; when it cannot be found
+  even after eviction, the newest decoding request is preempted (vLLM's LIFO) and recomputed.
+- Time: with no prefill pending the batch is stable until the first sequence finishes, so ``k``
+  decode steps are one segment; an arrival during it cuts it at the next step boundary.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable
-from bisect import bisect_left
-from itertools import compress, count, repeat
-from operator import add, not_, sub
-
-_NOT_POSITIVE = (0).__ge__  # v <= 0: a free block
+from collections import deque
+from itertools import compress, count
+from operator import not_
 from typing import Any
 
 from mesh.core.router import Lease
 from policies.base import TargetState
 from simulator.profile import Profile
+from simulator.step_timing import StepTiming
+from simulator.worker_cache import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, Emit, WorkerCache
 
-# KV events, as (time, op, target, keys, parent key of keys[0] for chain stores)
-Emit = Callable[[float, int, str, list[int], "int | None"], None]
-OP_STORE, OP_REMOVE, OP_OFFLOAD, OP_RELOAD, OP_DROP_CPU = range(5)
-# OP_STORE: a computed chain on the GPU; OP_REMOVE: evicted from the GPU (no CPU tier);
-# OP_OFFLOAD: evicted from the GPU into the CPU tier; OP_RELOAD: a chain restored from the CPU
-# tier to the GPU; OP_DROP_CPU: evicted from the CPU tier.
+# What other modules and tests import from here (the cache and its events live in worker_cache).
+__all__ = ["OP_DROP_CPU", "OP_OFFLOAD", "OP_RELOAD", "OP_REMOVE", "OP_STORE", "CapacityError", "Emit", "SimRequest",
+           "WorkerModel"]
 
 
 class CapacityError(RuntimeError):
@@ -102,8 +80,8 @@ def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
 
-class WorkerModel:
-    """A worker's scheduler and KV cache, driven by the engine's event loop."""
+class WorkerModel(WorkerCache):
+    """A worker's scheduler over its KV cache (``WorkerCache``), driven by the engine's event loop."""
 
     def __init__(
         self,
@@ -113,21 +91,11 @@ class WorkerModel:
         block_size: int,
         sim: Any,
     ) -> None:
+        super().__init__(state.id, block_size, profile.blocks_at(block_size), profile.cpu_blocks_at(block_size),
+                         sim.emit)
         self.index = index
         self.state = state
-        self.id = state.id
         self.profile = profile
-        self.bs = block_size
-        self.capacity = profile.blocks_at(block_size)
-        cpu_blocks = profile.cpu_blocks_at(block_size)
-        self.cpu: OrderedDict[int, None] | None = OrderedDict() if cpu_blocks else None
-        self.cpu_capacity = cpu_blocks
-        self.cache: dict[int, int] = {}  # key -> users (> 0), or -(release stamp) when free
-        self.n_free = 0  # cached blocks no running request uses
-        self.segments: deque[tuple[int, list[int]]] = deque()  # (stamp, keys) oldest first
-        self.seg_pos = 0  # next entry to look at in segments[0]
-        self.stamp = 0
-        self.private = 0
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[SimRequest] = []
@@ -135,9 +103,7 @@ class WorkerModel:
         # engine callbacks: emit(t, op, target, keys), schedule(worker, t), first_token(req, t),
         # finished(req, t), handoff(req, t); counters: queued, preemptions
         self.sim = sim
-        self.emit: Emit = sim.emit
         self.schedule = sim.schedule
-        self.releases = 0  # bumps whenever blocks are unpinned or freed
         self.blocked_at = -1  # releases count when the queue head last failed to fit
         # current segment
         self.busy = False
@@ -151,45 +117,11 @@ class WorkerModel:
         self.busy_s = 0.0
         self.steps = 0
         self.seq = 0
-        p, d = profile.prefill, profile.decode
-        self._p = (p.base_ms / 1e3, p.per_token_ms / 1e3, p.per_token2_ms / 1e3, p.per_token_ctx_ms / 1e3)
-        self._hit_s = p.per_hit_token_ms / 1e3  # per prefix-hit token of a request admitted in the step
+        self.timing = StepTiming(profile, block_size)
         self._step_hits = 0  # hit tokens of the requests admitted while planning this step
-        self._mixed_s = p.mixed_ms / 1e3  # a step that prefills and decodes: extra cost
-        self._mixed_seq_s = p.mixed_per_seq_ms / 1e3
-        self._mixed_tok_s = p.mixed_per_token_ms / 1e3
         self._step_prompt = 0  # prompt tokens of the requests admitted while planning this step
-        self._d = (d.base_ms / 1e3, d.per_seq_ms / 1e3, d.per_ctx_token_ms / 1e3, d.per_ctx_token2_ms / 1e3)
-        self._cpu_load_s = profile.per_block_ms_at(profile.cpu.load_ms_per_block, block_size) / 1e3  # per trace block
         state.kv_capacity_blocks = self.capacity
         state.block_size = block_size
-
-    # ------------------------------------------------------------------ timing (seconds)
-    def decode_span(self, k: int, batch: int, ctx: int) -> float:
-        """Time of ``k`` decode steps of ``batch`` sequences starting at ``ctx`` KV tokens."""
-        if k <= 0:
-            return 0.0
-        base, per_seq, per_ctx, per_ctx2 = self._d
-        tri = k * (k - 1) / 2
-        t = k * (base + per_seq * batch) + per_ctx * (k * ctx + batch * tri)
-        if per_ctx2:
-            sq = k * ctx * ctx + 2 * ctx * batch * tri + batch * batch * (k - 1) * k * (2 * k - 1) / 6
-            t += per_ctx2 * sq
-        return t
-
-    def _steps_done(self, elapsed: float) -> int:
-        """Decode steps of the current segment completed ``elapsed`` seconds after its start."""
-        lo, hi = 0, self.seg_k  # invariant: span(lo) <= elapsed, answer < hi unless elapsed >= span(k)
-        batch, ctx = len(self.decoding), self.ctx_tokens
-        if self.decode_span(hi, batch, ctx) <= elapsed:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.decode_span(mid, batch, ctx) <= elapsed:
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
     # ------------------------------------------------------------------ arrivals
     def enqueue(self, req: SimRequest, t: float) -> None:
@@ -210,128 +142,16 @@ class WorkerModel:
     def interrupt(self, t: float) -> None:
         """Cut the running decode segment at the first step boundary at or after ``t``."""
         elapsed = t - self.seg_start
-        j = self._steps_done(elapsed)
         batch, ctx = len(self.decoding), self.ctx_tokens
-        k = j if self.decode_span(j, batch, ctx) >= elapsed else j + 1
+        j = self.timing.steps_done(self.seg_k, elapsed, batch, ctx)
+        k = j if self.timing.decode_span(j, batch, ctx) >= elapsed else j + 1
         k = max(k, 0)
         if k >= self.seg_k:
             return
         self.seg_k = k
-        self.seg_end = self.seg_start + self.decode_span(k, batch, ctx)
+        self.seg_end = self.seg_start + self.timing.decode_span(k, batch, ctx)
         self.version += 1
         self.schedule(self, self.seg_end)
-
-    # ------------------------------------------------------------------ KV cache
-    @property
-    def cached_blocks(self) -> int:
-        return len(self.cache)
-
-    def cached_prefix(self, keys: list[int], limit: int) -> int:
-        """Leading blocks of ``keys[:limit]`` in the GPU cache (referenced or not)."""
-        return self._hits(keys, limit)[1]
-
-    def evict(self, m: int, t: float) -> int:
-        """Evict up to ``m`` unreferenced blocks, least recently released first."""
-        m = min(m, self.n_free)
-        if m <= 0:
-            return 0
-        cache = self.cache
-        get = cache.get
-        segments = self.segments
-        out: list[int] = []
-        while len(out) < m:
-            tag, seg = segments[0]
-            pos = self.seg_pos
-            chunk = seg[pos : pos + m - len(out)]
-            out.extend([k for k in chunk if get(k) == tag])
-            pos += len(chunk)
-            if pos >= len(seg):
-                segments.popleft()
-                pos = 0
-            self.seg_pos = pos
-        deque(map(cache.__delitem__, out), 0)
-        self.n_free -= m
-        out.reverse()  # heads first: the index removes leaf first (it walks the list backwards)
-        if self.cpu is None:
-            self.emit(t, OP_REMOVE, self.id, out, None)
-        else:
-            self._offload(out, t)
-        return m
-
-    def _offload(self, keys: list[int], t: float) -> None:
-        cpu = self.cpu
-        if cpu is None:
-            return
-        cpu.update(dict.fromkeys(reversed(keys)))  # in eviction order: oldest first
-        self.emit(t, OP_OFFLOAD, self.id, keys, None)
-        self._trim_cpu(t)
-
-    def _trim_cpu(self, t: float) -> None:
-        """Drop the oldest CPU blocks past the tier's capacity (invariant: len(cpu) <= capacity)."""
-        cpu = self.cpu
-        if cpu is None:
-            return
-        over = len(cpu) - self.cpu_capacity
-        if over > 0:
-            gone = [cpu.popitem(False)[0] for _ in range(over)]
-            gone.reverse()
-            self.emit(t, OP_DROP_CPU, self.id, gone, None)
-
-    def _free(self) -> int:
-        return self.capacity - len(self.cache) - self.private
-
-    def _hits(self, keys: list[int], limit: int) -> tuple[int, int]:
-        """(pinned run, whole cached prefix) of ``keys[:limit]``, counted at C speed."""
-        if limit <= 0:
-            return 0, 0
-        cache = self.cache
-        h = next(compress(count(), map(not_, map(cache.__contains__, keys[:limit]))), limit)
-        if not h or not self.capacity:
-            return 0, h
-        hp = next(compress(count(), map(_NOT_POSITIVE, map(cache.__getitem__, keys[:h]))), h)
-        return hp, h
-
-    def _pin(self, keys: list[int], hp: int, h: int) -> None:
-        """Reference the cached blocks ``keys[:h]`` (``keys[:hp]`` already referenced)."""
-        cache = self.cache
-        if hp:
-            ks = keys[:hp]
-            cache.update(zip(ks, map(add, map(cache.__getitem__, ks), repeat(1))))
-        if h > hp:
-            cache.update(dict.fromkeys(keys[hp:h], 1))  # their queue entries go stale
-            self.n_free -= h - hp
-
-    def _unpin(self, keys: list[int], n: int) -> None:
-        """Drop one reference from ``keys[:n]``; blocks left unreferenced join the queue tail."""
-        if n <= 0:
-            return
-        cache = self.cache
-        ks = keys[:n]
-        # counts never increase along a chain: the blocks this release frees are a suffix
-        s = bisect_left(range(n), True, key=lambda i: cache[ks[i]] == 1)
-        if s:
-            head = ks[:s]
-            cache.update(zip(head, map(sub, map(cache.__getitem__, head), repeat(1))))
-        if s < n:
-            tail = ks[s:]
-            tail.reverse()  # the chain's end is evicted first
-            self._push_free(tail)
-
-    def _push_free(self, keys: list[int]) -> None:
-        """Queue unreferenced blocks at the tail, ``keys[0]`` to be evicted first."""
-        self.stamp += 1
-        tag = -self.stamp
-        self.cache.update(zip(keys, repeat(tag)))
-        self.segments.append((tag, keys))
-        self.n_free += len(keys)
-
-    def _release(self, req: SimRequest) -> None:
-        """Give back a request's blocks: private ones freed, cached ones unreferenced."""
-        self.private -= req.own
-        req.own = 0
-        self.releases += 1
-        if self.capacity:
-            self._unpin(req.keys, req.registered)
 
     # ------------------------------------------------------------------ admission
     def _admit(self, req: SimRequest, t: float) -> tuple[bool, int]:
@@ -383,36 +203,6 @@ class WorkerModel:
         self.seq += 1
         req.seq = self.seq
         return True, c
-
-    def _register(self, req: SimRequest, t: float) -> None:
-        """Cache the prompt blocks a chunk just completed (and tell the index).
-
-        A block another request computed meanwhile is shared instead (its copy is released)."""
-        upto = min(req.computed // self.bs, req.nfull)
-        reg = req.registered
-        if upto <= reg:
-            return
-        new = req.keys[reg:upto]
-        cache = self.cache
-        if not self.capacity:
-            cache.update(dict.fromkeys(new, 0))
-        elif new[0] not in cache:
-            # the cache is prefix-closed (a chain is evicted leaf first and pinned root first),
-            # so if the first new block is absent, so are the rest
-            cache.update(dict.fromkeys(new, 1))
-        else:  # computed meanwhile by another request: share its block
-            for key in new:
-                v = cache.get(key)
-                if v is not None and v > 0:
-                    cache[key] = v + 1
-                else:
-                    if v is not None:
-                        self.n_free -= 1
-                    cache[key] = 1
-        req.own -= len(new)
-        self.private -= len(new)
-        req.registered = upto
-        self.emit(t, OP_STORE, self.id, new, req.keys[reg - 1] if reg else None)
 
     # ------------------------------------------------------------------ planning
     def _growth(self, k: int) -> int:
@@ -523,36 +313,12 @@ class WorkerModel:
             budget, work, cpu_blocks = self._admit_waiting(budget, t, chunks)
             ctx_work += work
         if not chunks and not self.decoding:
-            if self.waiting:
-                head = self.waiting[0]
-                raise CapacityError(
-                    f"worker {self.id} cannot admit request {head.idx} with nothing running: "
-                    "KV capacity too small for it"
-                )
-            self.private -= self.seg_reserved
-            self.seg_reserved = 0
-            self.busy = False
-            self._update_usage()
+            self._go_idle()
             return
         if chunks:
-            n_tok = sum(take for _, take in chunks)
-            base, per_tok, per_tok2, per_ctx = self._p
-            dur = base + per_tok * n_tok + per_tok2 * n_tok * n_tok + per_ctx * ctx_work + self._hit_s * self._step_hits
-            if self.decoding:
-                dur += self.decode_span(1, len(self.decoding), self.ctx_tokens)
-                dur += self._mixed_s + self._mixed_seq_s * len(self.decoding) + self._mixed_tok_s * self._step_prompt
-            dur += cpu_blocks * self._cpu_load_s
-            self.seg_chunks = chunks
-            self.seg_mixed = True
-            self.seg_k = 1
+            dur = self._mixed_segment(chunks, ctx_work, cpu_blocks)
         else:
-            k = min(r.out - r.g for r in self.decoding)
-            if k > 1:
-                k = max(1, self._reserve(k, t))  # one step always fits: it was reserved above
-            dur = self.decode_span(k, len(self.decoding), self.ctx_tokens)
-            self.seg_chunks = []
-            self.seg_mixed = False
-            self.seg_k = k
+            dur = self._decode_segment(t)
         self.busy = True
         self.seg_start = t
         self.seg_end = t + dur
@@ -560,12 +326,45 @@ class WorkerModel:
         self._update_usage()
         self.schedule(self, self.seg_end)
 
+    def _go_idle(self) -> None:
+        """Nothing to run: drop the decode reservation and stop (a waiting head that cannot be
+        admitted with nothing running never fits: ``CapacityError``)."""
+        if self.waiting:
+            head = self.waiting[0]
+            raise CapacityError(
+                f"worker {self.id} cannot admit request {head.idx} with nothing running: "
+                "KV capacity too small for it"
+            )
+        self.private -= self.seg_reserved
+        self.seg_reserved = 0
+        self.busy = False
+        self._update_usage()
+
+    def _mixed_segment(self, chunks: list[tuple[SimRequest, int]], ctx_work: int, cpu_blocks: int) -> float:
+        """One step that prefills ``chunks`` (and decodes every decoding sequence); its duration."""
+        n_tok = sum(take for _, take in chunks)
+        dur = self.timing.prefill_step(n_tok, ctx_work, self._step_hits, self._step_prompt, cpu_blocks,
+                                       len(self.decoding), self.ctx_tokens)
+        self.seg_chunks = chunks
+        self.seg_mixed = True
+        self.seg_k = 1
+        return dur
+
+    def _decode_segment(self, t: float) -> float:
+        """Decode steps until the first sequence finishes (as many as fit); their duration."""
+        k = min(r.out - r.g for r in self.decoding)
+        if k > 1:
+            k = max(1, self._reserve(k, t))  # one step always fits: it was reserved above
+        dur = self.timing.decode_span(k, len(self.decoding), self.ctx_tokens)
+        self.seg_chunks = []
+        self.seg_mixed = False
+        self.seg_k = k
+        return dur
+
     @property
-    def used_blocks(self) -> int:
-        """Blocks held by requests: cached blocks some running request references (a shared one
-        once) plus private ones. Unreferenced cached blocks are in the free pool, as in vLLM and
-        the bundled engine (``workers/engine/block_manager.py``): evictable, so free."""
-        return len(self.cache) - self.n_free + self.private
+    def _cpu_load_s(self) -> float:
+        """Seconds to load one (trace) block from the CPU tier (``StepTiming.cpu_load_s``)."""
+        return self.timing.cpu_load_s
 
     def _update_usage(self) -> None:
         # the engines' kv_cache_usage: "fraction of KV blocks held by requests"
@@ -633,6 +432,7 @@ class WorkerModel:
         self.decoding.append(r)
         self.ctx_tokens += r.n + r.g
 
+
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
         """Integrity check (tests call it after operations); raises AssertionError."""
@@ -640,22 +440,7 @@ class WorkerModel:
         own = sum(r.own for r in running)
         if self.private != own + self.seg_reserved:
             raise AssertionError(f"{self.id}: private {self.private} != own {own} + reserved {self.seg_reserved}")
-        used = len(self.cache) + self.private
-        if self.capacity and used > self.capacity:
-            raise AssertionError(f"{self.id}: {used} blocks used > capacity {self.capacity}")
-        if self.capacity:
-            refs: dict[int, int] = {}
-            for r in running:
-                for k in r.keys[: r.registered]:
-                    refs[k] = refs.get(k, 0) + 1
-            if refs != {k: v for k, v in self.cache.items() if v > 0}:
-                raise AssertionError(f"{self.id}: pin counts differ from the running requests' references")
-            free = {k for k, v in self.cache.items() if v <= 0}
-            if len(free) != self.n_free:
-                raise AssertionError(f"{self.id}: n_free {self.n_free} != {len(free)} free blocks")
-            queued = {k for tag, seg in self.segments for k in seg if self.cache.get(k) == tag}
-            if queued != free:
-                raise AssertionError(f"{self.id}: free blocks and the eviction queue disagree")
+        self.check_blocks(running)
         if self.ctx_tokens != sum(r.n + r.g for r in self.decoding):
             raise AssertionError(f"{self.id}: ctx_tokens out of sync")
         if self.cpu is not None and len(self.cpu) > self.cpu_capacity:

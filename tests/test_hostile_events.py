@@ -76,9 +76,9 @@ async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None
 async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
     """A slice ends after 64 frames or 256 KiB of payload, whichever comes first, so 64 large
     frames of many small events (~0.3 s each on a busy core) cannot hold the gateway's loop, and
-    every request, ~20 s, as slices counted in frames alone would. Checked on a replay (its frames are all in hand,
-    so the slices do not depend on network timing): another task sees the batches arrive one by
-    one, and the index ends exactly as the events say."""
+    every request, ~20 s, as slices counted in frames alone would. Checked on a replay (its frames
+    are all in hand, so the slices do not depend on network timing): another task sees the batches
+    arrive one by one, and the index ends exactly as the events say."""
     rng = random.Random(9)
     pub = Publisher()
     index = PrefixIndex()

@@ -84,10 +84,10 @@ def test_serve_with_a_port_out_of_range_is_one_error_line(port: str) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    # an error line, not a traceback (ConfigError) once the workers are up (minutes for the bundled engine)
+    # refused first, not a traceback (ConfigError) once the workers are up (minutes for the bundled engine)
     (["--policy", "no_such_policy"], "unknown policy 'no_such_policy'"),
     (["--port", "99999"], "server.port"),
-    # an error line, not uvicorn's bind error once the workers are up
+    # refused first, not uvicorn's bind error once the workers are up
     (["--host", "bad host!"], "--host 'bad host!'"),
     # refused, not 100,000 worker processes started
     (["--workers", "100000"], "--workers must be <= 64"),

@@ -260,8 +260,9 @@ def test_prefill_decode_pair_puts_the_kv_transfer_in_ttft(tmp_path: Path) -> Non
 
 def test_the_decode_worker_pulls_only_the_blocks_it_lacks(tmp_path: Path) -> None:
     """The real decode worker pins the prefix it caches and pulls only the rest, and the transfer
-    time charges only the blocks pulled, not every block of the prompt. The second request shares 6 of 8 blocks with
-    the first, which the decode worker then caches: 7 exported, 6 held, 1 pulled."""
+    time charges only the blocks pulled, not every block of the prompt. The second request shares
+    6 of 8 blocks with the first, which the decode worker then caches: 7 exported, 6 held, 1
+    pulled."""
     rows = [{"t": 0.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": list(range(8))},
             {"t": 1.0, "input_tokens": 128, "output_tokens": 2, "hash_ids": [*range(6), 50, 51]}]
     trace = load_traces([session_trace(tmp_path, rows)])

@@ -5,7 +5,8 @@ A non-streamed answer is written to the client in one ASGI message: the write re
 never sees the client, which could then pin the whole answer (up to 64 MB) in the gateway's
 memory, and its connection, for as long as its socket stays open: uvicorn's keep-alive close
 waits for the buffer to drain, forever. So a response whose bytes are still buffered when its
-handler ends is watched until they drain; a connection that takes none of them for the write timeout is dropped.
+handler ends is watched until they drain; a connection that takes none of them for the write
+timeout is dropped.
 """
 
 from __future__ import annotations

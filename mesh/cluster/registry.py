@@ -1,28 +1,21 @@
-"""The worker registry: workers, their routable targets, membership changes and draining, and
-the schedules of health checks and ``/metrics`` scrapes.
+"""The worker registry: workers and their routable targets, membership changes and draining,
+and the schedules of health checks and ``/metrics`` scrapes.
 
-Ownership: the registry owns every ``Worker`` (``mesh.cluster.worker``) and ``TargetState`` of
-the live gateway and the ``targets`` dict that ``mesh.core.router.Router`` reads (the same dict
-object for the app's whole life: workers added or removed at runtime appear in, or vanish from,
-the router's view at once). Load fields (``in_flight``, ``prefill_tokens``, ``decode_tokens``)
-are the total load on a target: this replica's router leases add and remove their own share, and
-with ``state.backend: redis`` ``mesh.state.shared_load.SharedLoad`` adds (by deltas) what the
-other gateway replicas report; the registry writes the availability fields (``healthy``,
-``draining``, ``circuit_open``, ``models``: ``mesh.cluster.health``, ``mesh.cluster.discovery``)
-and the worker-reported KV fields (``kv_usage``, ``kv_capacity_blocks``: read from each worker's
-``/metrics`` by ``read_metrics`` on the health schedule, applied by ``mesh.cluster.worker_load``;
-0 / 0 when unknown, which is what the policies read as "no pressure" and "capacity not known").
+Ownership: the registry owns every ``Worker`` (``mesh.cluster.worker``) and the ``targets`` dict
+that ``mesh.core.router.Router`` reads (one dict object for the app's whole life, so workers
+added or removed at runtime appear in, or vanish from, the router's view at once). It writes the
+targets' availability (``mesh.cluster.health``, ``mesh.cluster.discovery``) and their
+worker-reported KV fields (``mesh.cluster.worker_load``; 0 / 0 when unknown, which policies read
+as "no pressure" and "capacity not known"); the load fields (total load on a target) are this
+replica's router leases' and, with ``state.backend: redis``, ``SharedLoad``'s. Scrapes never hold
+up health: each runs as its own task (at most one per worker, in ``_scrapes``; a worker added at
+runtime is scraped at once), cancelled when its worker leaves, at ``stop``, and when a reload
+turns ``health.worker_metrics`` off (its values go to unknown).
 
-Scrapes do not hold up health: a round starts each due worker's scrape as its own task (at most
-one in flight per worker, owned by the registry in ``_scrapes``) and does not await it; a worker
-added at runtime is scraped at once. A removed worker's task is cancelled, as are all of them by
-``stop`` and by a reload that turns ``health.worker_metrics`` off (its values go to unknown).
-
-Threading: everything here runs on the gateway's event loop; a probe or a scrape that awaits
-re-checks that its worker is still registered (and scraping still on) before it writes anything.
-
-Listeners (``add_listener``) hear ``on_worker_added(worker)`` / ``on_worker_removed(worker)``:
-this is where KV event subscribers are started and stopped per worker.
+Threading: everything runs on the gateway's event loop; a probe or a scrape that awaits re-checks
+that its worker is still registered (and scraping still on) before it writes anything. Listeners
+(``add_listener``) hear ``on_worker_added`` / ``on_worker_removed``: KV event subscribers start
+and stop there.
 """
 
 from __future__ import annotations

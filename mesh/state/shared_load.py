@@ -1,5 +1,5 @@
 """In-flight load shared by several gateway replicas through Redis (``state.backend: redis``,
-``state.load_sync_s``); run for a gateway by ``mesh.state.redis_state.SharedState``.
+``state.load_sync_s``); run for a gateway by ``mesh.state.shared_sessions.SharedState``.
 
 Every ``load_sync_s`` (0.1 s; 0 = off) this replica (a uuid per process) writes its OWN
 per-target load (in_flight, prefill_tokens, decode_tokens) as one hash ``{prefix}load:{replica}``
@@ -49,7 +49,7 @@ from redis.exceptions import ResponseError
 from policies.base import TargetState
 
 if TYPE_CHECKING:
-    from mesh.state.redis_state import RedisStateBackend
+    from mesh.state.redis_backend import RedisStateBackend
 
 # The cluster form of the round's MULTI/EXEC (``_publish``), same commands in the same order.
 # KEYS: this replica's hash, the replica set (one slot). ARGV: ttl_ms, now_ms, replica id, the
