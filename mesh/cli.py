@@ -25,7 +25,7 @@ SUBCOMMAND_MODULES = (
 DESCRIPTION = (
     "Mesh: a cache-aware router for LLM serving. `mesh up` runs a gateway with bundled workers, "
     "`mesh serve` a gateway from a config, `mesh worker` one inference worker, `mesh simulate` "
-    "replays agent traces against a model of a cluster."
+    "replays agent traces against a model of a cluster, `mesh replay` against a live endpoint."
 )
 
 

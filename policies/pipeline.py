@@ -111,7 +111,7 @@ def _check_kind(kind: str, obj: Any, base: type, method: str) -> None:
 
 
 def build_filter(spec: Any) -> Filter:
-    obj = create("filter", spec)
+    obj: Filter = create("filter", spec)
     _check_kind("filter", obj, Filter, "filter")
     return obj
 
@@ -135,7 +135,7 @@ def build_scorer(spec: Any, index: int) -> tuple[Scorer, float]:
 
 
 def build_picker(spec: Any, seed: int | None) -> Picker:
-    obj = create("picker", spec, seed=seed)
+    obj: Picker = create("picker", spec, seed=seed)
     _check_kind("picker", obj, Picker, "pick")
     return obj
 

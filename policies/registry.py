@@ -53,7 +53,8 @@ def resolve(kind: str, name: str) -> type:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             try:
-                return ep.load()
+                loaded: type = ep.load()
+                return loaded
             except (Exception, SystemExit) as exc:  # a broken third-party plugin must not crash the gateway
                 raise PluginError(f"{kind} {name!r}: entry point failed to load: {exc}") from exc
     known = ", ".join(sorted(_REGISTRY[kind])) or "none"

@@ -108,10 +108,10 @@ class SessionSticky(Policy):
         why = "new session"
         if bound is not None:
             state = next((t for t in cluster.targets if t.id == bound), None)
-            why = self._why_not(request, state, usable, ceiling) if state is not None else _gone(cluster, bound)
-            if why is None:
+            refusal = self._why_not(request, state, usable, ceiling) if state is not None else _gone(cluster, bound)
+            if refusal is None:
                 return self._bound(request, cluster, bound)
-            why = f"rebound: {why}"
+            why = f"rebound: {refusal}"
         # New or moving session: the best target under the ceiling (all usable ones if none is).
         under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
