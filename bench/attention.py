@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 from workers.model.attention.triton_backend import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.table import Table
 from sortedcontainers import SortedList
 
-from mesh.gateway.app import _Housekeeper
-from mesh.config import parse_config
 from mesh.cluster.registry import Worker, WorkerRegistry
+from mesh.config import parse_config
 from mesh.core.sessions import SessionTable
+from mesh.gateway.app import _Housekeeper
 
 
 def config(names: list[str]) -> Any:

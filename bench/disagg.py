@@ -43,9 +43,9 @@ from typing import Any
 
 import httpx
 
-from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, relay_disaggregated
 from mesh.core.keys import block_keys, namespace_seed
 from mesh.core.router import Router
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, relay_disaggregated
 from policies import create_policy
 from policies.base import RequestInfo, Role, TargetState
 from workers.transfer.auth import SECRET_ENV

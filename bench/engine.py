@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sequence import SamplingParams  # noqa: E402

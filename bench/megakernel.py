@@ -32,10 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pdl_layer as base  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-import pdl_layer as base  # noqa: E402
 from _table import print_table  # noqa: E402
 
 H, I, NQ, NQKV, EPS = base.H, base.I, base.NQ, base.NQKV, base.EPS

@@ -39,10 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 from workers.config import EngineConfig, ModelConfig, get_preset  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
-from workers.model.decoder import DTYPES, build_model  # noqa: E402
 from workers.engine.sequence import SamplingParams  # noqa: E402
+from workers.model.decoder import DTYPES, build_model  # noqa: E402
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 REFERENCE = {"tokens": 32768, "restore_s": 0.32, "recompute_s": 2.5}

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
 from _table import print_table  # noqa: E402
 from graph_floor import chain_graph  # noqa: E402
 from graph_floor import time_graph as replay_ms  # noqa: E402
+
 from workers.model import kernels  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -49,8 +49,8 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
-
 from _table import print_table  # noqa: E402
+
 from tests.procs import ProcessGroup, free_port, wait_until  # noqa: E402
 
 MODEL = "echo"

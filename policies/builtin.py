@@ -1,10 +1,10 @@
 """Imports every built-in plugin module so that each registers itself."""
 
 import policies.basic  # noqa: F401
-import policies.pipeline  # noqa: F401
-import policies.filters  # noqa: F401
-import policies.scorers  # noqa: F401
-import policies.pickers  # noqa: F401
-import policies.session_sticky  # noqa: F401
-import policies.kv_aware  # noqa: F401
 import policies.cache_aware  # noqa: F401
+import policies.filters  # noqa: F401
+import policies.kv_aware  # noqa: F401
+import policies.pickers  # noqa: F401
+import policies.pipeline  # noqa: F401
+import policies.scorers  # noqa: F401
+import policies.session_sticky  # noqa: F401

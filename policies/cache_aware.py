@@ -37,7 +37,6 @@ from typing import Any, Literal
 from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo
 from policies.registry import register
 
-
 TieBreak = Literal["first", "random"]
 
 

@@ -39,9 +39,15 @@ from simulator.block_text import BlockText
 from simulator.profile import Profile
 from simulator.traces import DONE, START, Trace
 from simulator.worker_model import (
-    OP_DROP_CPU, CapacityError, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, SimRequest, WorkerModel,
+    OP_DROP_CPU,
+    OP_OFFLOAD,
+    OP_RELOAD,
+    OP_REMOVE,
+    OP_STORE,
+    CapacityError,
+    SimRequest,
+    WorkerModel,
 )
-
 
 # Event kinds, in their order at equal times: segment ends, releases, KV transfers, then the
 # wake-ups of idle workers (so requests released at one instant share the first step).

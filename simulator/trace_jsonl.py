@@ -14,8 +14,19 @@ from typing import Any
 
 import msgspec
 
-from simulator.trace_records import (DEFAULT_BLOCK, DONE, START, Rec, TraceError, check_chain, json_lines, lines,
-                                     need_ids, need_int, need_num)
+from simulator.trace_records import (
+    DEFAULT_BLOCK,
+    DONE,
+    START,
+    Rec,
+    TraceError,
+    check_chain,
+    json_lines,
+    lines,
+    need_ids,
+    need_int,
+    need_num,
+)
 
 
 def read_mooncake(path: Path, raw: bytes, block: int, warnings: list[str]) -> list[Rec]:

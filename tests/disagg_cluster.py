@@ -8,8 +8,8 @@ Shared by ``test_disagg.py`` (loopback, fault injection) and ``test_disagg_netns
 from __future__ import annotations
 
 import asyncio
-import os
 import json
+import os
 import re
 import sys
 import time
@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from mesh.core.keys import block_keys, namespace_seed
 from mesh.core.router import Router
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 from tests.procs import REPO, Proc, ProcessGroup, free_port

@@ -16,8 +16,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 # The shared traces lie beside the checkout (CI lays a copy of shared/ there); /work/shared is

@@ -7,10 +7,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from mesh.gateway.app import Gateway, create_app
-from mesh.gateway.proxy import Proxy
 from mesh.config import parse_config
 from mesh.core.index import PrefixIndex
+from mesh.gateway.app import Gateway, create_app
+from mesh.gateway.proxy import Proxy
 
 
 async def test_the_lifespan_builds_the_data_plane_and_takes_it_down() -> None:

@@ -19,14 +19,14 @@ import types
 import pytest
 import torch
 
-from workers.engine.block_manager import MEDIUM_GPU, AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
 from workers.config import EngineConfig, get_preset
+from workers.engine.block_manager import MEDIUM_GPU, AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
 from workers.engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
-from workers.model.layers import AttentionMetadata
-from workers.model.decoder import build_model
 from workers.engine.model_runner import ModelRunner
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from workers.model.decoder import build_model
+from workers.model.layers import AttentionMetadata
 
 TINY = get_preset("tiny")
 

@@ -28,8 +28,8 @@ import yaml
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
-from mesh.events.wire import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
+from mesh.events.wire import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
 from tests.procs import ProcessGroup, free_port, wait_until
 from tests.test_subscriber import BATCH_LAYOUTS, EVENT_LAYOUTS, HASH_MODES, Publisher, encode_events
 

@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import yaml
 
-from mesh.gateway.app import _Housekeeper
+from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.config import parse_config
 from mesh.core.index import PrefixIndex
-from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.core.sessions import SessionTable
+from mesh.gateway.app import _Housekeeper
 from tests.procs import ProcessGroup, free_port
 
 POLICY = {"policy": {"name": "session_sticky", "params": {"inner": "round_robin"}}}  # spreads new sessions

@@ -12,7 +12,6 @@ bundled worker serving a real checkpoint with a content-looping template, over r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 

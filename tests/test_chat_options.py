@@ -19,10 +19,10 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError
-from mesh.config import WorkerConfig, parse_config
-from mesh.request.prompt import PromptProcessor
 from mesh.cluster.registry import WorkerRegistry
+from mesh.config import WorkerConfig, parse_config
+from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError
+from mesh.request.prompt import PromptProcessor
 from mesh.request.tokenizer import HFTokenizer
 from tests.e2e_bundled import start_workers, write_config
 from tests.procs import ProcessGroup, free_port, wait_until
@@ -121,8 +121,8 @@ def test_continue_final_message_needs_the_final_text_in_the_rendering() -> None:
 def test_completions_add_the_tokenizers_special_tokens_as_vllm_does(tmp_path: Path) -> None:
     """A Llama-style tokenizer.json prepends BOS; vLLM's completions encode with special tokens
     (chat does not: the template has them). The gateway encoded every prompt without."""
-    from tokenizers import processors
     from tokenizers import Tokenizer as HFTok
+    from tokenizers import processors
     from transformers import AutoTokenizer
 
     directory = build_tokenizer(tmp_path / "bos")

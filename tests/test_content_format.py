@@ -20,8 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from mesh.request.chat import DEFAULT_CHAT_TEMPLATE
 from mesh.config import ConfigError, parse_config
+from mesh.request.chat import DEFAULT_CHAT_TEMPLATE
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 from tests.test_chat_content_format import MESSAGES, PARTS, hf_render, vllm_conversation
 from tests.test_prompt_path import build_tokenizer

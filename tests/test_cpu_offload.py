@@ -41,12 +41,12 @@ from tests.disagg_cluster import (
     wait_for,
 )
 from tests.procs import ProcessGroup, free_port
-from workers.engine.block_manager import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
 from workers.config import EngineConfig, get_preset
+from workers.engine.block_manager import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
 from workers.engine.llm_engine import LLMEngine
-from workers.model.decoder import build_model
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import SamplingParams
+from workers.model.decoder import build_model
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mesh.gateway.disagg_relay import Releases, relay_disaggregated
 from mesh.core.router import Router
+from mesh.gateway.disagg_relay import Releases, relay_disaggregated
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 from tests.fake_http import start_fake

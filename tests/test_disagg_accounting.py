@@ -30,9 +30,9 @@ from mesh.gateway.disagg_relay import RelayConfig, RelayError, relay_disaggregat
 from policies.base import Decision
 from tests.fake_http import start_fake
 from tests.procs import Proc, ProcessGroup
+from tests.test_disagg_5xx import circuits, fake_state
 from tests.test_disagg_relay import BODY as RELAY_BODY
 from tests.test_disagg_relay import INFO, VLLM_PARAMS, Workers, _error, _router, decode_ok, vllm_prefill
-from tests.test_disagg_5xx import circuits, fake_state
 from tests.test_disagg_shutdown import error_of, pd_gateway
 
 BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}

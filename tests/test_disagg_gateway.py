@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from mesh.config import parse_config
 from mesh.gateway import disagg_proxy
 from mesh.gateway.app import create_app
-from mesh.config import parse_config
 from tests.disagg_cluster import PD_POLICY, Cluster, assert_no_leaks, completion, direct, parse_answer, prompt_tokens, status
 from tests.procs import ProcessGroup, free_port, wait_http
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from time import monotonic
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
+from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
 

@@ -13,8 +13,8 @@ import torch
 
 from workers.config import EngineConfig, get_preset
 from workers.engine.llm_engine import AsyncLLMEngine, LLMEngine
-from workers.model.decoder import build_model
 from workers.engine.sequence import SamplingParams
+from workers.model.decoder import build_model
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

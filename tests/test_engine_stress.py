@@ -3,15 +3,15 @@ cases it exercises: each such test pins one rule of the scheduler and block mana
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from mesh.core.keys import block_keys, namespace_seed
-from workers.transfer.block_ops import BlockOps
 from workers.config import EngineConfig, get_preset
 from workers.engine.llm_engine import LLMEngine
-from workers.model.decoder import build_model
 from workers.engine.sequence import SamplingParams
+from workers.model.decoder import build_model
+from workers.transfer.block_ops import BlockOps
 
 TINY = get_preset("tiny")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

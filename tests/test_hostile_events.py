@@ -17,7 +17,18 @@ from mesh.core.keys import block_keys, namespace_seed
 from mesh.events.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
 from policies.base import Overlap
 from tests.test_subscriber import (
-    BS, MODEL, SEED, Publisher, ToyEngine, caught_up, check_index, encode_events, nudge_until, sessions, subscribed, wait_until,
+    BS,
+    MODEL,
+    SEED,
+    Publisher,
+    ToyEngine,
+    caught_up,
+    check_index,
+    encode_events,
+    nudge_until,
+    sessions,
+    subscribed,
+    wait_until,
 )
 
 
@@ -79,7 +90,6 @@ async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
     every request, ~20 s, as slices counted in frames alone would. Checked on a replay (its frames
     are all in hand, so the slices do not depend on network timing): another task sees the batches
     arrive one by one, and the index ends exactly as the events say."""
-    rng = random.Random(9)
     pub = Publisher()
     index = PrefixIndex()
     sub = KvEventSubscriber(index, replay_timeout_s=10.0)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-from mesh.config import WorkerConfig, parse_config
-from mesh.metrics import Metrics
 from mesh.cluster.registry import WorkerRegistry
+from mesh.config import WorkerConfig, parse_config
 from mesh.gateway.upstream import UpstreamPool
+from mesh.metrics import Metrics
 from tests.procs import ProcessGroup
 
 

@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.events.wire import BlockRemoved as MeshBlockRemoved
 from mesh.events.wire import decode_batch
-from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from policies.base import Overlap, Tier
 from tests.test_kv_events_upstream import UpstreamPublisher
 
@@ -346,8 +346,8 @@ def test_the_bundled_engine_never_stores_a_hash_it_holds_on_that_tier() -> None:
     from tests.procs import free_port
     from workers.config import EngineConfig, get_preset
     from workers.engine.llm_engine import LLMEngine
-    from workers.model.decoder import build_model
     from workers.engine.sequence import SamplingParams
+    from workers.model.decoder import build_model
 
     tiny = get_preset("tiny")
     pub_port, replay_port = free_port(), free_port()

@@ -17,12 +17,12 @@ import torch
 import zmq
 
 from mesh.core.keys import block_keys, namespace_seed
-from workers.engine.block_manager import BlockStored
 from workers.config import EngineConfig, get_preset
+from workers.engine.block_manager import BlockStored
 from workers.engine.llm_engine import LLMEngine
-from workers.server.kv_events import KVEventPublisher
-from workers.model.decoder import build_model
 from workers.engine.sequence import SamplingParams
+from workers.model.decoder import build_model
+from workers.server.kv_events import KVEventPublisher
 
 TINY = get_preset("tiny")
 

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mesh.gateway.app import Gateway, create_app
 from mesh.config import WorkerConfig, parse_config
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.gateway.app import Gateway, create_app
 from tests.test_subscriber import BS, MODEL, Publisher, encode_events
 
 RNG = random.Random(3)

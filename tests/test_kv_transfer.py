@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from mesh.core.keys import block_keys, namespace_seed
-from workers.engine.block_manager import BlockStored
 from workers.config import EngineConfig, get_preset
+from workers.engine.block_manager import BlockStored
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.sequence import SamplingParams
 from workers.transfer.block_ops import BlockOps
 from workers.transfer.kv_layout import Layout, TransferError, layout_of
 from workers.transfer.kv_transfer import Faults, FrameReader, PullRequest, TransferEngine, serve_pull
-from workers.engine.sequence import SamplingParams
 from workers.transfer.registry import TransferRegistry
 
 BS = 16

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, kill_process, stalled_client, wait_http, wait_until
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
 from tests.test_streaming import FAKE_WORKER
 
 ADMIN = {"authorization": "Bearer adm"}

@@ -22,8 +22,8 @@ import msgspec
 import pytest
 import yaml
 
-from mesh.config import ConfigError, WorkerConfig, parse_config
 from mesh.cluster.registry import WorkerRegistry, split_models
+from mesh.config import ConfigError, WorkerConfig, parse_config
 from mesh.gateway.upstream import UpstreamPool
 from tests.procs import ProcessGroup, free_port, wait_until
 from tests.test_subscriber import Publisher

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.engine.block_manager import BlockManager
 from workers.config import EngineConfig, config_from_hf
+from workers.engine.block_manager import BlockManager
 from workers.engine.model_runner import ModelRunner
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import SamplingParams, Sequence

@@ -10,8 +10,8 @@ import yaml
 
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
-from policies.base import RequestInfo, TargetState
 from policies import create_policy
+from policies.base import RequestInfo, TargetState
 from policies.registry import PluginError, create
 
 PLUGINS = Path(__file__).parent / "plugins"

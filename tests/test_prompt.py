@@ -10,11 +10,11 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.config import WorkerConfig, parse_config
-from mesh.errors import MeshError
-from mesh.core.keys import block_keys, namespace_seed
-from mesh.request.prompt import OFFLOAD_CHARS, ChainCache, PromptProcessor, render_chatml
 from mesh.cluster.registry import WorkerRegistry
+from mesh.config import WorkerConfig, parse_config
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.errors import MeshError
+from mesh.request.prompt import OFFLOAD_CHARS, ChainCache, PromptProcessor, render_chatml
 from mesh.request.tokenizer import ByteTokenizer
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)

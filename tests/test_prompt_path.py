@@ -23,12 +23,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.config import WorkerConfig, parse_config
-from mesh.errors import MeshError
-from mesh.core.keys import block_keys, namespace_seed
-from mesh.request.prompt import TOKENIZER_RETRY_S, PromptProcessor
 from mesh.cluster.registry import WorkerRegistry
+from mesh.config import WorkerConfig, parse_config
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.errors import MeshError
 from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError, normalize_message
+from mesh.request.prompt import TOKENIZER_RETRY_S, PromptProcessor
 from mesh.request.tokenizer import GIL_FREE_CHARS, HFTokenizer, load_tokenizer
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until

@@ -41,8 +41,8 @@ import xxhash
 import yaml
 from redis.crc import key_slot
 
-from mesh.state.shared_load import SharedLoad
 from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
+from mesh.state.shared_load import SharedLoad
 from policies.base import TargetState
 from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
 

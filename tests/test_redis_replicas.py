@@ -23,8 +23,8 @@ import httpx
 import pytest
 import yaml
 
-from mesh.state.shared_load import SharedLoad
 from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
+from mesh.state.shared_load import SharedLoad
 from policies.base import TargetState
 from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, wait_until
 from tests.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, parse_config
 from mesh.cluster.registry import CircuitBreaker, RegistryError, Worker, WorkerRegistry
+from mesh.config import CircuitBreakerConfig, MeshConfig, WorkerConfig, parse_config
 from mesh.gateway.upstream import UpstreamPool
 from policies.base import Role
 from tests.procs import ProcessGroup, free_port

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.procs import SHARED_TRACES
 
 ROOT = Path(__file__).resolve().parents[1]

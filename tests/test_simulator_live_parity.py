@@ -9,7 +9,6 @@ SessionTable) replays that sequence, and must reach the same decision for every 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -28,8 +28,8 @@ import yaml
 
 from mesh.config import ConfigError, MeshConfig, parse_config
 from mesh.core.router import Lease, Router
-from mesh.state.shared_load import ZERO, SharedLoad, sum_loads
 from mesh.state.redis_state import RedisStateBackend
+from mesh.state.shared_load import ZERO, SharedLoad, sum_loads
 from policies.base import RequestInfo, TargetState
 from policies.basic import LeastLoad
 from tests.procs import ProcessGroup, free_port

@@ -30,10 +30,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh.config import MeshConfig, WorkerConfig
 from mesh.cluster.registry import WorkerRegistry, loads_for_targets
-from mesh.gateway.upstream import UpstreamPool
 from mesh.cluster.worker_metrics import MAX_BODY_BYTES, MetricsError, MetricsScanner, RankLoad, Scrape, parse
+from mesh.config import MeshConfig, WorkerConfig
+from mesh.gateway.upstream import UpstreamPool
 from tests.e2e_bundled import ADMIN, ADMIN_KEY, start_workers
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
 

@@ -25,9 +25,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import math
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import xxhash

@@ -23,8 +23,7 @@ from mesh.core.index import PrefixIndex
 from mesh.core.keys import namespace_seed
 from mesh.events.health import LogLimiter
 from mesh.events.stream import Stream
-from mesh.events.wire import (AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event, GroupFilter, LazyBatch,
-                             decode_events)
+from mesh.events.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event, GroupFilter, LazyBatch, decode_events
 from policies.base import Tier
 
 TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}

@@ -38,8 +38,8 @@ import time
 
 from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.core.index import PrefixIndex
-from mesh.metrics import Metrics
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
+from mesh.metrics import Metrics
 
 log = logging.getLogger("mesh.events.ingest")
 

@@ -28,11 +28,17 @@ import msgspec
 import numpy as np
 import xxhash
 
-from mesh.errors import MeshError, bad_request
-from mesh.core.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
 from mesh.cluster.registry import WorkerRegistry
-from mesh.request.chat import (DEFAULT_OPTIONS, ChatOptions, ChatTemplateError, continue_final, developer_as_system,
-                       normalize_message)
+from mesh.core.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
+from mesh.errors import MeshError, bad_request
+from mesh.request.chat import (
+    DEFAULT_OPTIONS,
+    ChatOptions,
+    ChatTemplateError,
+    continue_final,
+    developer_as_system,
+    normalize_message,
+)
 from mesh.request.tokenizer import ByteTokenizer, load_tokenizer
 from policies.base import RequestInfo
 

@@ -29,8 +29,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import (AskError, ClusterDownError, NoPermissionError, RedisClusterException, ResponseError,
-                              TryAgainError)
+from redis.exceptions import AskError, ClusterDownError, NoPermissionError, RedisClusterException, ResponseError, TryAgainError
 
 from mesh.config import cluster_seed, redact_url
 

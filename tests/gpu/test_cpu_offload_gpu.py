@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 from mesh.core.keys import block_keys, namespace_seed  # noqa: E402
 from workers.config import EngineConfig, get_preset  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
-from workers.model.decoder import build_model  # noqa: E402
 from workers.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from workers.model.decoder import build_model  # noqa: E402
 
 CUDA = torch.device("cuda")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -29,9 +29,9 @@ if not torch.cuda.is_available():
 from mesh.core.keys import block_keys, namespace_seed  # noqa: E402
 from workers.config import EngineConfig, get_preset  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
+from workers.engine.sequence import SamplingParams  # noqa: E402
 from workers.transfer.block_ops import BlockOps  # noqa: E402
 from workers.transfer.kv_transfer import Faults, FrameReader, PullRequest, serve_pull  # noqa: E402
-from workers.engine.sequence import SamplingParams  # noqa: E402
 from workers.transfer.registry import TransferRegistry  # noqa: E402
 
 BS = 16

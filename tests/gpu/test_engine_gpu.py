@@ -16,14 +16,14 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from workers.config import EngineConfig, get_preset  # noqa: E402
+from workers.engine.llm_engine import LLMEngine  # noqa: E402
+from workers.engine.sequence import SamplingParams  # noqa: E402
 from workers.model import kernels  # noqa: E402
 from workers.model.attention.torch_backend import TorchBackend  # noqa: E402
 from workers.model.attention.triton_backend import TritonBackend  # noqa: E402
-from workers.config import EngineConfig, get_preset  # noqa: E402
-from workers.engine.llm_engine import LLMEngine  # noqa: E402
-from workers.model.layers import RotaryEmbedding, add_rmsnorm_ref, silu_mul_ref  # noqa: E402
 from workers.model.decoder import build_model  # noqa: E402
-from workers.engine.sequence import SamplingParams  # noqa: E402
+from workers.model.layers import RotaryEmbedding, add_rmsnorm_ref, silu_mul_ref  # noqa: E402
 
 CUDA = torch.device("cuda")
 TINY = get_preset("tiny")

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mesh.core.keys import block_keys
-from workers.offload.cpu_block_pool import CpuBlockPool
 from workers.engine.sequence import Sequence
+from workers.offload.cpu_block_pool import CpuBlockPool
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"

@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from mesh.core.keys import namespace_seed
-from workers.engine.block_manager import BlockManager
 from workers.config import EngineConfig, ModelConfig
-from workers.offload.kv_offload import CpuKVCache
-from workers.model.decoder import CausalLM
+from workers.engine.block_manager import BlockManager
 from workers.engine.model_runner import DecodeLaunch, ModelRunner
 from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from workers.model.decoder import CausalLM
+from workers.offload.kv_offload import CpuKVCache
 
 log = logging.getLogger(__name__)
 

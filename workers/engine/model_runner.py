@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.model.attention.base import AttentionBackend, get_backend
 from workers.config import EngineConfig, ModelConfig
-from workers.model.layers import AttentionMetadata
-from workers.model.decoder import DTYPES, CausalLM, build_model
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
+from workers.model.attention.base import AttentionBackend, get_backend
+from workers.model.decoder import DTYPES, CausalLM, build_model
+from workers.model.layers import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

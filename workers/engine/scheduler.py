@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.engine.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceStatus
 
 

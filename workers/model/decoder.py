@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workers.model.attention.base import AttentionBackend
 from workers.config import ModelConfig
+from workers.model.attention.base import AttentionBackend
 from workers.model.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mesh.commands.graceful import GracefulServer
-    from workers.transfer.disagg_server import build_app  # build() + KV transfer and the --role layer
     from workers.server.app import end_in_flight
+    from workers.transfer.disagg_server import build_app  # build() + KV transfer and the --role layer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.shutdown_timeout < 0:

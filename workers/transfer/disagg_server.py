@@ -43,15 +43,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from mesh.core.keys import block_keys, namespace_seed
-from workers.transfer.disagg_config import TransferConfig, transfer_config
 from workers.engine.llm_engine import EngineDeadError
+from workers.server.app import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    WorkerAPI,
+    check_choices,
+    error_body,
+    field_errors,
+    special_tokens,
+)
+from workers.transfer.auth import SECRET_ENV, SIGNATURE, sign, verify
+from workers.transfer.disagg_config import TransferConfig, transfer_config
 from workers.transfer.kv_ipc import PeerCaches, export_cache, lease_blocks
-from workers.transfer.auth import SIGNATURE, SECRET_ENV, sign, verify
 from workers.transfer.kv_layout import Layout, TransferError
 from workers.transfer.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
-from workers.server.app import (
-    APIError, ChatRequest, CompletionRequest, WorkerAPI, check_choices, error_body, field_errors, special_tokens,
-)
 from workers.transfer.registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -749,8 +756,8 @@ def _replaying(raw: bytes, receive: Any, more: bool = False) -> Any:
 def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[str, Any]]:
     """The worker of ``workers.server.cli.build`` with a ``TransferEngine`` and the disaggregation layer:
     the ASGI app to serve, its transfer service, the served model name and the /health info."""
-    from workers.server.cli import build
     from workers.server.app import create_app
+    from workers.server.cli import build
 
     config = transfer_config(args)
     base, tokenizer, name, info = build(args)

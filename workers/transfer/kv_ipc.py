@@ -29,8 +29,8 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 

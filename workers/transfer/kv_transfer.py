@@ -34,8 +34,8 @@ import numpy as np
 import xxhash
 
 from mesh.core.keys import block_keys, namespace_seed
-from workers.transfer.block_ops import BlockOps, PinnedPrefix
 from workers.engine.llm_engine import AsyncLLMEngine, EngineDeadError, LLMEngine, RequestOutput
+from workers.transfer.block_ops import BlockOps, PinnedPrefix
 from workers.transfer.kv_layout import Layout, TransferError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ raises with a message.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
