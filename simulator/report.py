@@ -302,18 +302,25 @@ def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, Run
     settings = html.escape(json.dumps({k: v for k, v in payload.items() if k != "policies"}, indent=2,
                                       default=_jsonable))
     warnings = payload.get("trace", {}).get("warnings") or []
+    write_page(path, "mesh simulate", head, rows, "Trace warnings", warnings, figs, settings)
+
+
+def write_page(path: str | Path, title: str, head: str, rows: list[str], warnings_title: str, warnings: list[str],
+               figs: dict[str, str], settings: str) -> None:
+    """The self-contained HTML report of ``mesh simulate`` and ``mesh replay``: the summary table
+    (``head``: its header cells; ``rows``: its ``<tr>`` rows), warnings, plots, settings."""
     warn_html = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
     imgs = "".join(f'<figure><img src="{src}" alt="{name}"></figure>' for name, src in figs.items())
     doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>mesh simulate report</title>
+<html><head><meta charset="utf-8"><title>{title} report</title>
 <style>
 body{{font-family:system-ui,sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}
 th{{background:#f3f3f3}} figure{{display:inline-block;margin:1em}} pre{{background:#f7f7f7;padding:1em}}
 </style></head><body>
-<h1>mesh simulate</h1>
+<h1>{title}</h1>
 <table><tr>{head}</tr>{''.join(rows)}</table>
-{f'<h2>Trace warnings</h2><ul>{warn_html}</ul>' if warn_html else ''}
+{f'<h2>{warnings_title}</h2><ul>{warn_html}</ul>' if warn_html else ''}
 <h2>Plots</h2>{imgs}
 <h2>Settings</h2><pre>{settings}</pre>
 </body></html>

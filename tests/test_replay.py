@@ -181,9 +181,12 @@ def replay(url: str, *args: str, tmp: Path, timeout: float = 60) -> tuple[subpro
 
 
 def test_a_weka_slice_replays_through_mesh_closed_loop_and_session_sticky(cluster: Cluster, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
     proc, report = replay(cluster.gateway, str(WEKA), "--sessions", "4", "--max-turns", "4", "--prompt-scale", "4",
-                          "--concurrency", "2", "--time-scale", "0.001", "--max-think-s", "0.05", tmp=tmp_path)
+                          "--concurrency", "2", "--time-scale", "0.001", "--max-think-s", "0.05", "--html", str(page),
+                          tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "<h1>mesh replay</h1>" in page.read_text() and "<img src=\"data:image/png" in page.read_text()
     s = report["policies"]["replay"]
     reqs = report["requests"]
     n = len(reqs)

@@ -34,7 +34,7 @@ from mesh.replay.client import PlayResult
 from mesh.replay.prompts import IdealHitRate
 from mesh.replay.schedule import Plan
 from simulator.engine import RunResult
-from simulator.report import dist, summarize, write_json
+from simulator.report import dist, summarize, write_json, write_page
 
 UNKNOWN_WORKER = "unknown"
 __all__ = ["compare_rows", "render_compare", "render_table", "requests_table", "run_result", "summarize_replay",
@@ -333,21 +333,4 @@ def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, Run
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in cells) + "</tr>")
     settings = html.escape(json.dumps({k: v for k, v in payload.items() if k not in ("policies", "requests")},
                                       indent=2, default=str))
-    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in payload.get("warnings") or [])
-    imgs = "".join(f'<figure><img src="{src}" alt="{name}"></figure>' for name, src in figs.items())
-    doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>mesh replay report</title>
-<style>
-body{{font-family:system-ui,sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}
-th{{background:#f3f3f3}} figure{{display:inline-block;margin:1em}} pre{{background:#f7f7f7;padding:1em}}
-</style></head><body>
-<h1>mesh replay</h1>
-<table><tr>{head}</tr>{''.join(rows)}</table>
-{f'<h2>Warnings</h2><ul>{warnings}</ul>' if warnings else ''}
-<h2>Plots</h2>{imgs}
-<h2>Settings</h2><pre>{settings}</pre>
-</body></html>
-"""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(doc)
+    write_page(path, "mesh replay", head, rows, "Warnings", list(payload.get("warnings") or []), figs, settings)
