@@ -1,19 +1,15 @@
 """A small OpenAI-compatible echo worker: the stand-in engine of ``mesh up`` and of tests.
 
 It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not) by echoing the
-last user message (or the prompt) word by word, up to ``max_tokens`` words; ``/v1/models``;
-``/health``. ``--lora NAME[=BASE]`` serves a LoRA adapter under its own model name, listed in
-``/v1/models`` as vLLM lists one (``parent`` = its base model, default the first ``--model``;
-``root`` = an adapter path). Usage counts prompt tokens with the byte-level tokenizer (the gateway's default), and
-reports ``prompt_tokens_details.cached_tokens = 0`` (it has no cache). ``n`` (1 to 128) answers ``n``
-choices of the same echo (indices 0..n-1; streamed, their chunks interleave word by word, as the
-bundled worker's do); ``completion_tokens`` counts every choice's words.
+last user message (or the prompt) word by word, up to ``max_tokens`` words, ``n`` (1 to 128)
+choices of it (streamed, their chunks interleave word by word); ``/v1/models`` (``--lora
+NAME[=BASE]`` adds an adapter as vLLM lists one); ``/health``. Usage counts prompt tokens with the
+byte-level tokenizer (the gateway's default) and ``cached_tokens = 0`` (it has no cache).
 
 Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
-``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers
-500 to every request whose prompt contains TEXT (a request that crashes any worker); ``--crash-after-tokens N``
-kills the whole process after streaming N tokens; ``--unhealthy`` makes ``/health`` answer 503.
-``--repeat N`` echoes the text N times (a large answer from a small prompt, for flow-control tests).
+``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers 500
+to every prompt containing TEXT; ``--crash-after-tokens N`` kills the process after streaming N
+tokens; ``--unhealthy`` makes ``/health`` answer 503; ``--repeat N`` echoes the text N times.
 
     python -m mesh.echo_worker --port 9001 [--model echo] [--token-delay-s 0.01]
 """
@@ -28,7 +24,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -63,49 +59,63 @@ def _error(status: int, message: str, type_: str = "invalid_request_error") -> R
 
 
 def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
-    settings = settings or EchoSettings()
-    tokenizer = ByteTokenizer()
+    echo = _Echo(settings or EchoSettings())
     app = FastAPI(title="mesh echo worker")
-    app.state.settings = settings
-    app.state.served = 0
+    app.state.settings = echo.settings
+    app.state.echo = echo
+    app.add_api_route("/health", echo.health, methods=["GET"])
+    app.add_api_route("/v1/models", echo.models, methods=["GET"])
+    app.add_api_route("/admin/faults", echo.faults, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", echo.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", echo.completions, methods=["POST"])
+    return app
 
-    @app.get("/health")
-    async def health() -> Response:
-        if settings.unhealthy:
+
+class _Echo:
+    """The echo worker's route handlers; its settings (changed at runtime by ``/admin/faults``) and
+    its count of served requests live here, one per app."""
+
+    def __init__(self, settings: EchoSettings) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+        self.served = 0
+
+    async def health(self) -> Response:
+        if self.settings.unhealthy:
             return _error(503, "unhealthy (injected)", "service_unavailable_error")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
+        settings = self.settings
         data = [{"id": m, "object": "model", "created": 0, "owned_by": settings.name, "root": m, "parent": None}
                 for m in settings.models]
         data += [{"id": a, "object": "model", "created": 0, "owned_by": settings.name, "root": f"/adapters/{a}",
                   "parent": base} for a, base in settings.loras]
         return {"object": "list", "data": data}
 
-    @app.post("/admin/faults")
-    async def faults(request: Request) -> Response:
+    async def faults(self, request: Request) -> Response:
         """Change fault injection at runtime: any of fail_rate, crash_after_tokens, unhealthy, delays."""
+        settings = self.settings
         try:
             changes = msgspec.json.decode(await request.body())
             if not isinstance(changes, dict):
                 raise ValueError("body must be a JSON object")
             for key, value in changes.items():
                 if key in ("fail_rate", "fail_on", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
+                    # by name, from the JSON body: each value converted to the setting's own type
                     setattr(settings, key, type(getattr(settings, key))(value))
         except (msgspec.MsgspecError, ValueError, TypeError) as exc:
             return _error(400, f"invalid faults: {exc}")
-        return Response(_encode({"name": settings.name, "served": app.state.served}), media_type="application/json")
+        return Response(_encode({"name": settings.name, "served": self.served}), media_type="application/json")
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _complete(request, chat=True)
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _complete(request, chat=False)
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
 
-    async def _complete(request: Request, chat: bool) -> Response:
+    async def complete(self, request: Request, chat: bool) -> Response:
+        settings = self.settings
         try:
             body = msgspec.json.decode(await request.body())
         except msgspec.MsgspecError as exc:
@@ -116,7 +126,7 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         if model not in settings.models and all(model != a for a, _ in settings.loras):
             return _error(404, f"model {model!r} not served here", "not_found_error")
         try:
-            prompt_text, echo_text = _texts(body, chat, tokenizer)
+            prompt_text, echo_text = _texts(body, chat, self.tokenizer)
         except (ChatTemplateError, ValueError) as exc:
             return _error(400, str(exc))
         try:
@@ -128,68 +138,87 @@ def create_echo_app(settings: EchoSettings | None = None) -> FastAPI:
         if (settings.fail_rate and random.random() < settings.fail_rate) or (
                 settings.fail_on and settings.fail_on in prompt_text):
             return _error(500, "injected failure", "server_error")
-        app.state.served += 1
+        self.served += 1
         if settings.repeat > 1:
             echo_text = " ".join([echo_text] * settings.repeat)
         words = _WORDS.findall(echo_text) or ["echo"]
         out = words[: int(max_tokens)]
         finish = "length" if len(words) > len(out) else "stop"
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": len(prompt_text.encode()),
             "completion_tokens": n * len(out),
             "total_tokens": len(prompt_text.encode()) + n * len(out),
             "prompt_tokens_details": {"cached_tokens": 0},
         }
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], str(model), out, finish, chat, n)
         headers = {"x-echo-worker": settings.name}
         if body.get("stream"):
-            stream = _stream(rid, model, out, finish, usage if include_usage else None, chat, n)
+            stream = self.stream(answer, usage if include_usage else None)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         if settings.first_token_delay_s or settings.token_delay_s:
             await asyncio.sleep(settings.first_token_delay_s + settings.token_delay_s * len(out))
-        text = "".join(out)
-        if chat:
-            choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": text},
-                                              "finish_reason": finish} for i in range(n)]
-            obj = "chat.completion"
-        else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish} for i in range(n)]
-            obj = "text_completion"
-        result = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
-        return Response(_encode(result), media_type="application/json", headers=headers)
+        return Response(_encode(answer.whole(usage)), media_type="application/json", headers=headers)
 
-    async def _stream(
-        rid: str, model: str, out: list[str], finish: str, usage: dict[str, Any] | None, chat: bool, n: int = 1
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
-            payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], **(extra or {})}
-            return b"data: " + _encode(payload) + b"\n\n"
-
+    async def stream(self, answer: _Answer, usage: dict[str, Any] | None) -> AsyncIterator[bytes]:
+        """The answer's SSE events: per word one chunk per choice (``crash_after_tokens`` kills the
+        process mid-stream), the finish chunks, the usage chunk when asked for, ``[DONE]``."""
+        settings, chat, n = self.settings, answer.chat, answer.n
         if settings.first_token_delay_s:
             await asyncio.sleep(settings.first_token_delay_s)
         if chat:
             for index in range(n):
-                yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        for i, word in enumerate(out):
+                yield answer.event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        for i, word in enumerate(answer.words):
             if settings.crash_after_tokens and i >= settings.crash_after_tokens:
                 os._exit(17)  # a crash, on purpose: the socket dies mid-stream
             if settings.token_delay_s:
                 await asyncio.sleep(settings.token_delay_s)
-            delta = {"delta": {"content": word}} if chat else {"text": word, "logprobs": None}
+            delta: dict[str, Any] = {"delta": {"content": word}} if chat else {"text": word, "logprobs": None}
             for index in range(n):
-                yield event({"index": index, **delta, "finish_reason": None})
-        last = {"delta": {}} if chat else {"text": "", "logprobs": None}
+                yield answer.event({"index": index, **delta, "finish_reason": None})
+        last: dict[str, Any] = {"delta": {}} if chat else {"text": "", "logprobs": None}
         for index in range(n):
-            yield event({"index": index, **last, "finish_reason": finish})
+            yield answer.event({"index": index, **last, "finish_reason": answer.finish})
         if usage is not None:
-            payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+            payload = {"id": answer.rid, "object": answer.chunk_object, "created": answer.created, "model": answer.model,
+                       "choices": [], "usage": usage}
             yield b"data: " + _encode(payload) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    return app
+
+@dataclass
+class _Answer:
+    """One echo answer: its id, model, words and finish reason, for ``n`` choices."""
+
+    rid: str
+    model: str
+    words: list[str]
+    finish: str
+    chat: bool
+    n: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def event(self, choice: dict[str, Any]) -> bytes:
+        payload = {"id": self.rid, "object": self.chunk_object, "created": self.created, "model": self.model,
+                   "choices": [choice]}
+        return b"data: " + _encode(payload) + b"\n\n"
+
+    def whole(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed answer's body."""
+        text = "".join(self.words)
+        if self.chat:
+            choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": self.finish} for i in range(self.n)]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": self.finish} for i in range(self.n)]
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": int(time.time()), "model": self.model, "choices": choices,
+                "usage": usage}
 
 
 def _max_tokens(body: dict[str, Any], default: int) -> int:
@@ -234,6 +263,7 @@ def _is_ids(value: Any) -> bool:
 
 def _texts(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> tuple[str, str]:
     """(the rendered prompt, the text to echo)."""
+    prompt: Any
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -29,12 +29,12 @@ its least recently used leaves (approximately as upstream, whose access times ar
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import struct
 from typing import Any, Literal
 
 from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo
+from policies.params import number
 from policies.registry import register
 
 TieBreak = Literal["first", "random"]
@@ -196,19 +196,14 @@ class CacheAware(Policy):
         seed: int | None = None,
         tie_break: TieBreak = "first",
     ) -> None:
-        for name, value in (("cache_threshold", cache_threshold), ("balance_abs_threshold", balance_abs_threshold),
-                            ("balance_rel_threshold", balance_rel_threshold),
-                            ("eviction_interval_s", eviction_interval_s), ("max_tree_chars", max_tree_chars)):
-            # NaN passed every comparison below (never balance, never evict: the trees grew for
-            # good), and an infinite max_tree_chars raised OverflowError, not a parameter error
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        if eviction_interval_s <= 0 or max_tree_chars <= 0:
-            raise ValueError("eviction_interval_s and max_tree_chars must be positive")
+        # finite: NaN passes every comparison (never balance, never evict) and an infinite
+        # max_tree_chars overflows
+        owner = "policy 'cache_aware'"
+        number(owner, "cache_threshold", cache_threshold, 0.0, 1.0)
+        number(owner, "balance_abs_threshold", balance_abs_threshold, 0.0)
+        number(owner, "balance_rel_threshold", balance_rel_threshold, 1.0)
+        number(owner, "eviction_interval_s", eviction_interval_s, 0.0, above=True)
+        number(owner, "max_tree_chars", max_tree_chars, 0.0, above=True)
         if tie_break not in ("first", "random"):
             raise ValueError(f"tie_break must be 'first' (SGLang's) or 'random', got {tie_break!r}")
         self.cache_threshold = float(cache_threshold)

@@ -6,11 +6,11 @@ candidates' ``TargetState``s.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from policies.base import ClusterView, RequestInfo, Role, TargetState
+from policies.params import number
 from policies.pipeline import Filter
 from policies.registry import PluginError, register
 
@@ -73,10 +73,7 @@ class AdmissionHeadroom(Filter):
     """
 
     def __init__(self, max_kv_usage: float = 1.0, require_kv_room: bool = True) -> None:
-        if isinstance(max_kv_usage, bool) or not isinstance(max_kv_usage, (int, float)) \
-                or not math.isfinite(max_kv_usage) or not 0.0 <= max_kv_usage <= 1.0:
-            raise PluginError(f"filter 'admission_headroom': max_kv_usage must be in [0, 1], got {max_kv_usage!r}")
-        self.max_kv_usage = float(max_kv_usage)
+        self.max_kv_usage = number("filter 'admission_headroom'", "max_kv_usage", max_kv_usage, 0.0, 1.0)
         self.require_kv_room = bool(require_kv_room)
 
     def filter(self, request: RequestInfo, cluster: ClusterView, candidates: list[TargetState]) -> list[TargetState]:

@@ -35,6 +35,7 @@ from policies.params import number
 from policies.registry import register
 
 _TIE = 1e-9
+OWNER = "policy 'kv_aware'"
 
 
 @register("policy", "kv_aware")
@@ -53,12 +54,12 @@ class KvAware(Policy):
         explain_top: int = 32,
         seed: int | None = None,
     ) -> None:
-        self.prefill_load_scale = number("kv_aware", "prefill_load_scale", prefill_load_scale, 0.0)
-        self.decode_weight = number("kv_aware", "decode_weight", decode_weight, 0.0)
+        self.prefill_load_scale = number(OWNER, "prefill_load_scale", prefill_load_scale, 0.0)
+        self.decode_weight = number(OWNER, "decode_weight", decode_weight, 0.0)
         # at most 1: a CPU hit never beats a GPU hit
-        self.cpu_weight = number("kv_aware", "cpu_weight", cpu_weight, 0.0, 1.0)
-        self.temperature = number("kv_aware", "temperature", temperature, 0.0)
-        self.explain_top = int(number("kv_aware", "explain_top", explain_top, 1))
+        self.cpu_weight = number(OWNER, "cpu_weight", cpu_weight, 0.0, 1.0)
+        self.temperature = number(OWNER, "temperature", temperature, 0.0)
+        self.explain_top = int(number(OWNER, "explain_top", explain_top, 1))
         self._rng = random.Random(seed)
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:

@@ -10,8 +10,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from policies.params import number
 from policies.pipeline import Picker
-from policies.registry import PluginError, register
+from policies.registry import register
 
 TIE_EPS = 1e-9  # totals this close (relative to their size) are a tie
 
@@ -52,10 +53,7 @@ class Softmax(Picker):
 
     def __init__(self, temperature: float = 0.1, seed: int | None = None) -> None:
         super().__init__(seed)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not math.isfinite(temperature) or temperature <= 0:
-            raise PluginError(f"picker 'softmax': temperature must be finite and > 0, got {temperature!r}")
-        self.temperature = float(temperature)
+        self.temperature = number("picker 'softmax'", "temperature", temperature, 0.0, above=True)
 
     def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int:
         top, t = max(totals), self.temperature

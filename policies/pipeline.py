@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
 import operator
 import random
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.base import ClusterView, Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
+from policies.params import number
 from policies.registry import PluginError, create, register
 
 log = logging.getLogger("policies.pipeline")
@@ -94,12 +94,7 @@ _PROFILE_KEYS = frozenset({"filters", "scorers", "picker"})
 
 def validate_weight(owner: str, weight: Any) -> float:
     """A scorer weight: a real number, finite and >= 0."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise PluginError(f"{owner}: weight must be a number, got {weight!r}")
-    w = float(weight)
-    if not math.isfinite(w) or w < 0:
-        raise PluginError(f"{owner}: weight must be finite and >= 0, got {weight!r}")
-    return w
+    return number(owner, "weight", weight, 0.0)
 
 
 def _check_kind(kind: str, obj: Any, base: type, method: str) -> None:

@@ -7,13 +7,13 @@ Weights are applied by the pipeline, never here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from policies.base import ClusterView, Overlap, RequestInfo, TargetState
+from policies.params import number
 from policies.pipeline import Scorer
-from policies.registry import PluginError, register
+from policies.registry import register
 
 
 def fewer_is_better(values: Sequence[float]) -> list[float]:
@@ -26,10 +26,7 @@ def fewer_is_better(values: Sequence[float]) -> list[float]:
 
 
 def _tier_weight(owner: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value <= 1.0:
-        raise PluginError(f"scorer {owner!r}: tier weights must be in [0, 1], got {value!r}")
-    return float(value)
+    return number(f"scorer {owner!r}", "tier weights", value, 0.0, 1.0)
 
 
 @register("scorer", "prefix")

@@ -43,6 +43,7 @@ FALLBACK_INNER: dict[str, Any] = {
 
 
 SPREAD_BY = ("sessions", "kv_room")
+OWNER = "policy 'session_sticky'"
 
 
 def default_inner() -> str | dict[str, Any]:
@@ -83,13 +84,13 @@ class SessionSticky(Policy):
     ) -> None:
         spec = default_inner() if inner is None else inner
         self.inner: Policy = registry.create("policy", spec, seed=seed)
-        self.max_in_flight = int(number("session_sticky", "max_in_flight", max_in_flight, 0))
-        self.load_factor = number("session_sticky", "load_factor", load_factor, 0)
-        self.load_slack = number("session_sticky", "load_slack", load_slack, 0)
+        self.max_in_flight = int(number(OWNER, "max_in_flight", max_in_flight, 0))
+        self.load_factor = number(OWNER, "load_factor", load_factor, 0)
+        self.load_slack = number(OWNER, "load_slack", load_slack, 0)
         if not isinstance(spread_new, bool):
             raise PluginError(f"policy 'session_sticky': spread_new must be true or false, got {spread_new!r}")
         self.spread_new = spread_new
-        self.session_slack = int(number("session_sticky", "session_slack", session_slack, 0))
+        self.session_slack = int(number(OWNER, "session_slack", session_slack, 0))
         if spread_by not in SPREAD_BY:
             raise PluginError(f"policy 'session_sticky': spread_by must be one of {', '.join(SPREAD_BY)}, got {spread_by!r}")
         self.spread_by = spread_by

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mesh.errors import MeshError
-from mesh.gateway.proxy import check_bearer, upstream_headers
+from mesh.gateway.headers import check_bearer, upstream_headers
 
 
 def test_upstream_headers_hygiene() -> None:

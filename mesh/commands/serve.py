@@ -27,18 +27,20 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mesh.gateway.app import create_app
     from mesh.commands.config import load_or_report
+    from mesh.gateway.app import create_app
 
     config = load_or_report(args.config)
     if config is None:
         return 2
     try:
         config = with_server(config, host=args.host, port=args.port)
-    except ValueError as exc:  # pydantic's ValidationError (--port 99999): was a traceback
+    except ValueError as exc:  # pydantic's ValidationError (--port 99999), one line per error
+        from pydantic import ValidationError
+
         from mesh.config import format_errors
 
-        lines = format_errors(exc) if hasattr(exc, "errors") else [str(exc)]
+        lines = format_errors(exc) if isinstance(exc, ValidationError) else [str(exc)]
         print(f"mesh serve: error: {'; '.join(lines)}", file=sys.stderr)
         return 2
     if args.shutdown_timeout < 0:
@@ -114,8 +116,8 @@ def gateway_server(app: Any, config: Any, shutdown_timeout_s: float, name: str =
     """The gateway's uvicorn server, with a bounded drain (mesh.commands.graceful): at the
     timeout, the gateway's upstream connections close, so each request still in flight ends with
     a clean error (an error event ending its stream)."""
-    from mesh.gateway.app import end_in_flight
     from mesh.commands.graceful import GracefulServer
+    from mesh.gateway.app import end_in_flight
 
     return GracefulServer(config, name=name, shutdown_timeout_s=shutdown_timeout_s,
                           on_timeout=lambda: end_in_flight(app.state.gateway))

@@ -20,6 +20,11 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
+    _add_simulate_parser(subparsers)
+    _add_calibrate_parser(subparsers)
+
+
+def _add_simulate_parser(subparsers: Any) -> None:
     sim = subparsers.add_parser(
         "simulate",
         help="replay request traces on a simulated cluster with the production policies",
@@ -57,6 +62,8 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     sim.set_defaults(func=run_simulate)
 
+
+def _add_calibrate_parser(subparsers: Any) -> None:
     cal = subparsers.add_parser(
         "calibrate",
         help="measure prefill/decode timing of a running OpenAI-compatible endpoint into a profile",
@@ -110,43 +117,73 @@ def default_policy() -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.text import Text
 
     from policies.registry import PluginError
-    from simulator.engine import SimConfig, SimulationError, check_config
-    from simulator.profile import ProfileError, load_profile
-    from simulator.report import render_table, summarize, write_html, write_json
-    from simulator.traces import LoadOptions, TraceError, load_traces
+    from simulator.engine import SimulationError
+    from simulator.profile import ProfileError
+    from simulator.report import write_html, write_json
+    from simulator.traces import TraceError
     from simulator.worker_model import CapacityError
 
     console = Console(stderr=True)
     started = time.perf_counter()
     try:
-        policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
-        labels = _unique([label for label, _ in policies])
-        overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
-        profile = load_profile(args.profile, **overrides)
-        config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
-                           prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
-                           speculative_ttl_s=args.speculative_ttl)
-        check_config(config)  # every flag is checked before the (possibly long) trace load and run
-        for flag, path in (("json", args.json_out), ("html", args.html_out)):
-            if path:
-                check_report_path(flag, path)
-        trace = load_traces(args.traces, LoadOptions(
-            block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
-            max_sessions=args.max_sessions, max_requests=args.max_requests,
-            session_start_spread=args.session_start_spread, seed=args.seed,
-        ))
-        for w in trace.warnings:
-            console.print(f"[yellow]warning:[/] {w}")
-        results = {}
-        for label, (_, spec) in zip(labels, policies):
-            results[label] = _run_one(trace, spec, config, label, console, args.quiet)
+        trace, profile, results = _simulate(args, console)
     except (TraceError, ProfileError, PluginError, SimulationError, CapacityError) as exc:
         return _fail("simulate", str(exc))
     except OSError as exc:
-        return _fail("simulate", f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
+        return _fail("simulate", f"{exc.filename or ''}: {exc.strerror or exc}")
+    payload = _report(args, trace, profile, results, console, started)
+    try:
+        if args.json_out:
+            write_json(args.json_out, payload)
+        if args.html_out:
+            write_html(args.html_out, payload, results)
+    except OSError as exc:
+        return _fail("simulate", f"cannot write report: {exc}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace, console: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(trace, profile, result per policy label): every flag checked before the (possibly long)
+    trace load, then one run per policy."""
+    from simulator.engine import SimConfig, check_config
+    from simulator.profile import load_profile
+    from simulator.traces import LoadOptions, load_traces
+
+    policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
+    labels = _unique([label for label, _ in policies])
+    overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
+    profile = load_profile(args.profile, **overrides)
+    config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
+                       prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
+                       speculative_ttl_s=args.speculative_ttl)
+    check_config(config)  # every flag is checked before the (possibly long) trace load and run
+    for flag, path in (("json", args.json_out), ("html", args.html_out)):
+        if path:
+            check_report_path(flag, path)
+    trace = load_traces(args.traces, LoadOptions(
+        block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
+        max_sessions=args.max_sessions, max_requests=args.max_requests,
+        session_start_spread=args.session_start_spread, seed=args.seed,
+    ))
+    for w in trace.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    results = {}
+    for label, (_, spec) in zip(labels, policies):
+        results[label] = _run_one(trace, spec, config, label, console, args.quiet)
+    return trace, profile, results
+
+
+def _report(args: argparse.Namespace, trace: Any, profile: Any, results: dict[str, Any], console: Any,
+            started: float) -> dict[str, Any]:
+    """The report's payload (``wall_s``: since ``started``); its warnings on stderr, one line
+    each, and its table on stdout unless ``--quiet``."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from simulator.report import render_table, summarize
+
     summaries = {label: summarize(r) for label, r in results.items()}
     warnings = []  # one line each, on stderr and in the JSON
     for label, s in summaries.items():
@@ -179,19 +216,12 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                   f"{args.workers} workers, profile {profile.name}")
         if profile.estimate:
             console.print(f"[dim]profile {profile.name} is an estimate (not calibrated)[/]")
-    try:
-        if args.json_out:
-            write_json(args.json_out, payload)
-        if args.html_out:
-            write_html(args.html_out, payload, results)
-    except OSError as exc:
-        return _fail("simulate", f"cannot write report: {exc}")
-    return 0
+    return payload
 
 
 def check_report_path(flag: str, path: str) -> None:
     """Raise ``SimulationError`` unless a report could be written to ``path`` (checked before the run,
-    which can take hours: a typo'd path used to fail only after it). Creates nothing."""
+    which can take hours: a typo'd path fails before it, not after). Creates nothing."""
     from simulator.engine import SimulationError
 
     why = write_problem(path)
@@ -214,8 +244,7 @@ def write_problem(path: str) -> str | None:
 
 def calibrate_args_problem(args: argparse.Namespace) -> str | None:
     """The first bad ``mesh calibrate`` flag, found before any measurement (they take minutes on a
-    GPU endpoint; --out was only tried at the end, and 0 or negative counts were clamped or written
-    into the profile silently)."""
+    GPU endpoint): an unwritable ``--out``, a count below its least value (never clamped)."""
     import math
 
     at_least = {"--repeats": (args.repeats, 1), "--max-prompt": (args.max_prompt, 16), "--max-batch": (args.max_batch, 1),

@@ -36,7 +36,7 @@ from mesh.commands.graceful import add_argument as add_shutdown_argument
 from workers.transfer.auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
-MAX_LOCAL_WORKERS = 64  # processes on this one machine; 100,000 were started, one by one
+MAX_LOCAL_WORKERS = 64  # processes on this one machine (a huge count would start them one by one for hours)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -150,7 +150,7 @@ def _ok(url: str) -> bool:
 
 def _die_with_parent(parent: int) -> Any:
     """A preexec_fn: the kernel SIGTERMs the worker when ``mesh up`` dies, however it dies (a
-    SIGKILL runs no finally: its workers were left running, holding their ports). Linux only."""
+    SIGKILL runs no finally: without this its workers would run on, holding their ports). Linux only."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -226,35 +226,12 @@ async def watch_workers(workers: list[LocalWorker], log_dir: Path, server: Any, 
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from mesh.gateway.app import create_app
-    from mesh.commands.serve import gateway_server, uvicorn_config
-    from mesh.config import parse_config
-
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    if roles and (args.prefill < 1 or args.decode < 1):
-        print("error: a disaggregated cluster needs --prefill >= 1 and --decode >= 1", file=sys.stderr)
-        return 2
     if roles:
         args.engine = "bundled"  # only the bundled engine transfers KV
-    if args.shutdown_timeout < 0:
-        print(f"error: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print("error: --workers must be at least 1", file=sys.stderr)
-        return 2
-    if max(args.workers, len(roles)) > MAX_LOCAL_WORKERS:
-        print(f"error: --workers must be <= {MAX_LOCAL_WORKERS} (and --prefill + --decode too): a local cluster "
-              f"on one machine; use `mesh serve` with a config for more", file=sys.stderr)
-        return 2
-    problem = preflight(args, roles)  # before any worker starts (the bundled engine takes minutes)
+    problem = args_problem(args, roles)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
-        return 2
-    if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
-        print("error: the bundled engine needs torch: pip install -e '.[engine]' (or run `mesh up --engine echo`)",
-              file=sys.stderr)
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
     workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None)
@@ -266,30 +243,7 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        admin_key = secrets.token_urlsafe(16)
-        data: dict[str, Any] = {
-            "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
-            "workers": [w.config() for w in workers],
-        }
-        data.update(policy_data(args, roles))
-        config = parse_config(data, "mesh up")
-        app = create_app(config)
-        server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level),
-                                args.shutdown_timeout, name="mesh up")
-        failures: list[str] = []
-
-        async def serve() -> None:
-            task = asyncio.create_task(server.serve())
-            watch = asyncio.create_task(watch_workers(workers, log_dir, server, failures))
-            while not server.started and not task.done():
-                await asyncio.sleep(0.05)
-            if server.started and not server.should_exit:
-                await asyncio.to_thread(_banner, args, workers, admin_key, log_dir)
-            await task
-            watch.cancel()
-
-        asyncio.run(serve())
-        return 1 if failures or not server.started else server.exit_code
+        return serve_cluster(args, roles, workers, log_dir)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -298,11 +252,66 @@ def run(args: argparse.Namespace) -> int:
         print("mesh up: stopped", file=sys.stderr)
 
 
+def args_problem(args: argparse.Namespace, roles: list[str]) -> str | None:
+    """The first reason not to start (a bad flag, a config or address the gateway cannot use, no
+    torch for the bundled engine), found before any worker starts; None when there is none."""
+    if roles and (args.prefill < 1 or args.decode < 1):
+        return "a disaggregated cluster needs --prefill >= 1 and --decode >= 1"
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}"
+    if args.workers < 1:
+        return "--workers must be at least 1"
+    if max(args.workers, len(roles)) > MAX_LOCAL_WORKERS:
+        return (f"--workers must be <= {MAX_LOCAL_WORKERS} (and --prefill + --decode too): a local cluster "
+                f"on one machine; use `mesh serve` with a config for more")
+    problem = preflight(args, roles)  # before any worker starts (the bundled engine takes minutes)
+    if problem is not None:
+        return problem
+    if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
+        return "the bundled engine needs torch: pip install -e '.[engine]' (or run `mesh up --engine echo`)"
+    return None
+
+
+def serve_cluster(args: argparse.Namespace, roles: list[str], workers: list[LocalWorker], log_dir: Path) -> int:
+    """Run the gateway over the healthy ``workers`` until it stops; the exit status (1 when a
+    worker exited meanwhile, or the gateway never started)."""
+    import asyncio
+
+    from mesh.commands.serve import gateway_server, uvicorn_config
+    from mesh.config import parse_config
+    from mesh.gateway.app import create_app
+
+    admin_key = secrets.token_urlsafe(16)
+    data: dict[str, Any] = {
+        "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
+        "workers": [w.config() for w in workers],
+    }
+    data.update(policy_data(args, roles))
+    config = parse_config(data, "mesh up")
+    app = create_app(config)
+    server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level),
+                            args.shutdown_timeout, name="mesh up")
+    failures: list[str] = []
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        watch = asyncio.create_task(watch_workers(workers, log_dir, server, failures))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started and not server.should_exit:
+            await asyncio.to_thread(_banner, args, workers, admin_key, log_dir)
+        await task
+        watch.cancel()
+
+    asyncio.run(serve())
+    return 1 if failures or not server.started else server.exit_code
+
+
 def policy_data(args: argparse.Namespace, roles: list[str]) -> dict[str, Any]:
     if args.policy:
         from mesh.commands.policy_arg import load_policy_arg
 
-        return {"policy": load_policy_arg(args.policy)[1]}  # a YAML file was taken for a policy name
+        return {"policy": load_policy_arg(args.policy)[1]}  # a YAML file's spec, not its path as a policy name
     return {"policy": PD_POLICY} if roles else {}
 
 
@@ -310,7 +319,6 @@ def preflight(args: argparse.Namespace, roles: list[str]) -> str | None:
     """What would stop the gateway from starting (config, address), found before any worker
     starts; None when nothing. One line (``policy: ...``, ``cannot listen on ...``)."""
     from mesh.config import ConfigError, parse_config
-
     from policies.registry import PluginError
 
     try:

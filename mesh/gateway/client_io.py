@@ -1,9 +1,10 @@
-"""The client side of a proxied exchange: writes to the client, bounded in time.
+"""The client side of a proxied exchange: its body read, and writes to it, bounded in time.
 
-``Exchange`` sends one response to one client and knows whether the client left; ``WriteWatch``
-(one per proxy, one timer per event loop) times out writes a client stopped taking and drops
-connections that never drain a finished response; ``watch_disconnect`` cancels a handler whose
-client went away. Everything here runs on the event loop thread.
+``read_body`` reads a request body (413 past the limit, 408 when it stalls); ``Exchange`` sends
+one response to one client and knows whether the client left; ``WriteWatch`` (one per proxy, one
+timer per event loop) times out writes a client stopped taking and drops connections that never
+drain a finished response; ``watch_disconnect`` cancels a handler whose client went away.
+Everything here runs on the event loop thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from mesh.errors import MeshError, sse_error_event
+from mesh.gateway.headers import header
 
 log = logging.getLogger("mesh.gateway.proxy")  # the proxy's log: operators filter on it
 
@@ -289,6 +291,7 @@ def transport_of(send: Send) -> Any:
     """The connection's transport, or None. ASGI has no message to drop a connection, but
     uvicorn's ``send`` (h11 and httptools alike) is a bound method of its request cycle, which
     holds the connection's transport."""
+    # A probe, not a typed field: ASGI's ``send`` is any callable, and uvicorn's cycle is not API.
     return getattr(getattr(send, "__self__", None), "transport", None)
 
 
@@ -310,7 +313,7 @@ def abort_client(send: Send) -> bool:
     transport the handler returns with the response unfinished, and the server closes the
     connection)."""
     transport = transport_of(send)
-    abort = getattr(transport, "abort", None)
+    abort = getattr(transport, "abort", None)  # a probe: None, or whatever transport the server has
     if not callable(abort):
         return False
     abort()
@@ -335,3 +338,46 @@ def watch_disconnect(receive: Receive, state: Exchange, task: asyncio.Task[Any] 
 
     if not state.done:
         state.watch_task = asyncio.get_running_loop().create_task(watch())
+
+
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float) -> bytes:
+    """The whole request body: 413 past ``limit`` bytes, 408 when no bytes come for ``idle_s``."""
+    declared = header(headers, b"content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise MeshError(400, "invalid Content-Length header", code="invalid_header")
+        if int(declared) > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    try:
+        # A client that stops sending mid-body (or never ends a chunked body) would hold the
+        # request forever: each wait for body bytes is bounded.
+        async with asyncio.timeout(idle_s) as idle:
+            return await _receive_body(receive, limit, idle, idle_s)
+    except TimeoutError:
+        raise MeshError(  # the rest of the body may still come: the connection cannot be reused
+            408, f"no request body bytes arrived for {idle_s:g} s", code="body_timeout",
+            headers={"connection": "close"},
+        ) from None
+
+
+async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idle_s: float) -> bytes:
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if len(body) > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        return body
+    parts = [body]
+    size = len(body)
+    loop = asyncio.get_running_loop()
+    while message.get("more_body"):
+        idle.reschedule(loop.time() + idle_s)
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise MeshError(400, "client disconnected while sending the body", code="client_disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        parts.append(chunk)
+    return b"".join(parts)

@@ -1,14 +1,16 @@
 """Disaggregated serving in the gateway: a ``Proxy`` that sends a request whose decision names a
-(prefill, decode) pair through ``mesh.gateway.disagg_relay.relay_disaggregated``, and every other request down
-the ordinary proxy path.
+(prefill, decode) pair through ``mesh.gateway.disagg_relay.relay_disaggregated``, and every other
+request down the ordinary proxy path.
 
 ``mesh.gateway.app`` builds a ``DisaggProxy`` instead of a plain ``Proxy`` when the config has
-workers with roles or a policy with profiles (``wanted``); ``aclose`` ends its relay client and
-background transfer releases at the lifespan's end.
+workers with roles or a policy with profiles (``wanted``); it owns the relay's client, decode
+queue and background transfer releases, and ``aclose`` ends them at the lifespan's end. A
+streamed decode answer goes through the proxy's own relay (``sse_relay``) and counts as the
+proxy counts a stream.
 
 Cost for policies without prefill/decode profiles: one attribute check per request. With
 profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
-pipeline's mixed-role fallback) goes down the ordinary path, which decides again.
+pipeline's mixed-role fallback) goes down the ordinary path with that decision.
 """
 
 from __future__ import annotations
@@ -16,21 +18,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
+from mesh.config import MeshConfig
+from mesh.gateway.client_io import Exchange
 from mesh.gateway.disagg_relay import (
-    DecodeQueue, RelayClosed, RelayConfig, RelayError, RelayResponse, RelayStats, Releases, full_for_pairs,
+    DecodeQueue,
+    RelayClosed,
+    RelayConfig,
+    RelayError,
+    RelayResponse,
+    RelayStats,
+    Releases,
+    full_for_pairs,
+    pd_profiles,
     relay_disaggregated,
 )
+from mesh.gateway.headers import HOP_BY_HOP
+from mesh.gateway.proxy import Proxy
+from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
+from mesh.gateway.verdicts import shutdown_error
 from mesh.request.prompt import ParsedRequest
-from mesh.gateway.client_io import Exchange
-from mesh.gateway.proxy import (
-    HOP_BY_HOP, MAX_PENDING_EVENT, SHUTDOWN_MESSAGE, Proxy, _shutdown_error, _whole_events, ended_whole, is_sse,
-)
-from policies.base import NoCandidate
+from policies.base import Decision, NoCandidate, Role
 
 log = logging.getLogger("mesh.gateway.disagg_proxy")
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -63,15 +74,15 @@ class DisaggProxy(Proxy):
     def shut_down(self) -> None:
         """As ``Proxy.shut_down`` (the flag that charges no worker for what the close breaks), and
         the relay's client closes too: ``end_in_flight`` closes the ordinary proxy's pool only,
-        so relayed requests ran on until uvicorn cancelled them and cut their clients off."""
+        and relayed requests would otherwise run on until uvicorn cancels them mid-answer."""
         super().shut_down()
         if self._closing is None:
             self._closing = asyncio.get_running_loop().create_task(self.http.aclose())
 
     async def _forward(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
-                       route: str, start: float) -> None:
-        if getattr(self.router.policy, "pd", None) is None:  # no prefill/decode profiles
-            await super()._forward(parsed, client_headers, state, route, start)
+                       route: str, start: float, first: Decision | None = None) -> None:
+        if first is not None or pd_profiles(self.router.policy) is None:  # decided already, or no pairs to form
+            await super()._forward(parsed, client_headers, state, route, start, first)
             return
         now = time.monotonic()
         self.registry.tick(now)
@@ -88,7 +99,7 @@ class DisaggProxy(Proxy):
         await self._relay(parsed, client_headers, state, route, start, decision)
 
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
-                     route: str, start: float, decision: Any) -> None:
+                     route: str, start: float, decision: Decision) -> None:
         forward = self.registry.config.server.forward_authorization
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers
                    if k not in HOP_BY_HOP and (forward or k != b"authorization")]
@@ -99,7 +110,7 @@ class DisaggProxy(Proxy):
                 releases=self.releases,
             )
         except RelayClosed:
-            raise _shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
+            raise shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
         except RelayError as exc:
             out = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in exc.headers.items())]
             await state.respond(exc.status, out, exc.body)
@@ -130,70 +141,20 @@ class DisaggProxy(Proxy):
             await state.respond(resp.status, headers, resp.first)
             return
         await state.start(resp.status, headers)
-        broke = await _relay_events(resp, state, is_sse([(k.lower(), v) for k, v in headers]))
-        if broke is None:
-            await state.end()
+        sse = is_sse([(k.lower(), v) for k, v in headers])
+        end = await relay_stream(state, resp.first, resp.read_chunk, sse, httpx.HTTPError)
+        if not isinstance(end, StreamBreak):
             # A stream is its worker's success once it ended whole (as in the proxy), not at its
             # first bytes: a decode worker that breaks every stream must reach its failure threshold.
             self.registry.record_success(resp.decode)
             return
-        if self.shutting_down:  # the relay's client was closed under it: nobody's failure, nothing counted
-            await state.stream_error(SHUTDOWN_MESSAGE)
-            return
-        # As ``Proxy._relay_stream`` treats a break: the client has whole events, then the error
-        # event; the decode worker's failure counts toward its circuit breaker.
-        self.metrics.stream_errors_total.inc()
-        self.registry.record_failure(resp.decode, time.monotonic(), f"stream broke: {broke}")
         worker = self.registry.worker_of(resp.decode)
-        await state.stream_error(f"worker {worker.name if worker is not None else resp.decode} failed mid-stream"
-                                 + (" (its stream ended without [DONE])" if broke == _NO_DONE else ""))
+        await self._end_broken_stream(state, resp.decode, worker.name if worker is not None else resp.decode, end)
 
 
-_NO_DONE = "it ended without data: [DONE]"
-
-
-async def _decode_chunks(resp: RelayResponse) -> AsyncIterator[bytes]:
-    """The decode answer's bytes, its first ones included. A break raises ``httpx.HTTPError``
-    (``RelayResponse.body()`` would turn it into an error event, unrecognizable as a break)."""
-    yield resp.first
-    if resp._chunks is not None:
-        async for chunk in resp._chunks:
-            yield chunk
-
-
-async def _relay_events(resp: RelayResponse, state: Exchange, sse: bool) -> str | None:
-    """Relay an OpenAI event stream, whole events only (an unfinished one waits for its end, so
-    that a break leaves the client whole events); None when it ended whole, with ``[DONE]``,
-    else what broke it (the unfinished event is then dropped). ``sse`` False: a streamed answer
-    that is not an event stream (a worker's JSON), whose end needs no ``[DONE]``; a break of it is
-    a break all the same (``RelayResponse.body()`` swallowed it: no worker charged)."""
-    pending = before = last = b""  # the last two chunks, by reference: [DONE] ends the stream
-    try:
-        async for data in _decode_chunks(resp):
-            if pending:
-                data, pending = pending + data, b""
-            before, last = last, data
-            cut = _whole_events(data)
-            if cut:
-                await state.chunk(data if cut == len(data) else data[:cut])
-            pending = data[cut:]
-            if len(pending) > MAX_PENDING_EVENT:  # not SSE, or one huge event: relayed as it comes
-                await state.chunk(pending)
-                pending = b""
-    except httpx.HTTPError as exc:
-        if not pending and ended_whole(before, last):  # the client has it all: only the framing broke
-            return None
-        return repr(exc)
-    if sse and not ended_whole(before, last):  # the body ended (a FIN ends a close-delimited one) before [DONE]
-        return _NO_DONE
-    if pending:  # a last event without its blank line: the worker's own, relayed as sent
-        await state.chunk(pending)
-    return None
-
-
-def wanted(config: Any) -> bool:
+def wanted(config: MeshConfig) -> bool:
     """A config that can form prefill/decode pairs: a worker with a role, or policy profiles."""
-    roles = any(getattr(w.role, "value", w.role) != "mixed" for w in config.workers)
+    roles = any(w.role != Role.MIXED for w in config.workers)
     policy = config.policy
     profiles = isinstance(policy, dict) and isinstance(policy.get("params"), dict) and "profiles" in policy["params"]
     return roles or profiles
@@ -203,5 +164,3 @@ def relay_client(timeout_s: float, connect_timeout_s: float) -> httpx.AsyncClien
     """The relay's own pooled client (prefill and decode legs)."""
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
-
-

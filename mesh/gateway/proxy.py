@@ -1,153 +1,64 @@
 """The data-plane proxy: one OpenAI request in, one worker's answer out, at raw ASGI level.
 
-Why raw ASGI (measured, see BENCHMARKS.md): on this 2-core machine Starlette's routing and
-middleware alone cost about 40% of a minimal proxy's rate, so the hot routes bypass FastAPI
-(``MeshApp.__call__`` dispatches them here). Upstream requests go through the one pooled
-``mesh.gateway.upstream.UpstreamPool`` (why not httpx/aiohttp: see that module).
-
-Invariants:
+The completion routes bypass FastAPI (``MeshApp.__call__`` sends them here: Starlette's routing
+alone cost ~40% of the rate, see BENCHMARKS.md); upstream requests go through the one pooled
+``UpstreamPool``. Invariants:
 - The body is forwarded byte for byte; routing reads a decoded copy.
-- Every routed attempt holds a ``Lease`` that is finished exactly once on every path (success,
-  upstream failure, retry, client disconnect, cancellation): ``try/finally`` around each attempt.
-- Until the first byte has gone to the client, a failed attempt is retried on another worker
-  (``Router.route(..., exclude=...)``) with backoff; after it, the stream ends with an SSE error
-  event and ``[DONE]``. A retry moves the request's session only once its target served it.
-- A client disconnect cancels the upstream request: a watcher task reads the ASGI ``receive``
-  channel and cancels the handler, whose ``finally`` blocks close the upstream response.
-- A stream relays whole SSE events only (an unfinished one waits for its end), so a stream that
-  breaks ends with whole events, the error event and ``[DONE]``. It counts as its worker's
-  success once it ended whole; a break counts as a failure, a client too slow to read does not,
-  and that client's lease ends at the request timeout even if it never reads again. An event
-  stream (``text/event-stream``) whose body ends without the ``data: [DONE]`` every OpenAI
-  server sends last broke (a worker that delimits its body by closing the connection and dies
-  mid-stream just ends it); other streamed answers (a worker's JSON) are relayed as they come.
-- No write to the client waits longer than ``server.client_write_timeout_s`` (``WriteWatch``,
-  up to ``mesh.gateway.client_io.WRITE_CHECK_S`` late; the server's flow control makes a write wait while its client
-  reads nothing): past it the client is abandoned (``ClientWriteTimeout``) as if it had left:
-  the upstream response is closed, the lease ends, the connection is dropped, and the worker's
-  health is not touched (logged at most once per ``mesh.gateway.client_io.LOG_EVERY_S``, the rest summed up; the metric
-  counts each). A finished response whose bytes the client leaves buffered (a large
-  non-streamed answer is one write that returns at once) has its connection dropped alike once
-  none of them is taken for that long (``WriteWatch.drain``).
-- Prefix reuse is counted twice, for answers that report it: the router's prediction (the lease's
-  cached tokens, from the decision's overlap on the chosen target) and the worker's
-  ``usage.prompt_tokens_details.cached_tokens``. Only the end of the answer is searched (a JSON
-  body's tail; a stream's last chunks, where the usage chunk comes before ``[DONE]``): no chunk is
-  parsed on the way through.
+- Every routed attempt holds a ``Lease``, finished exactly once on every path (``try/finally``).
+- Until the first byte reached the client, a failed attempt is retried on another worker with
+  backoff (``verdicts`` says what a failure counts for); after it, a stream that breaks ends with
+  an SSE error event (``sse_relay``). A retry moves the session only once its target served it.
+- A client that leaves cancels the handler, closing the upstream response; one that takes no
+  bytes for ``server.client_write_timeout_s`` is abandoned alike. Neither charges the worker.
+- Prefix reuse is counted as predicted (the lease) and as reported (the answer's usage, found in
+  its tail: no chunk is parsed on the way through).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import random
 import re
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-
-from mesh.gateway.client_io import (
-    WATCH_AFTER_S, ClientWriteTimeout, Exchange, Receive, Send, WriteWatch, abort_client, client_label,
-    watch_disconnect,
-)
-from mesh.errors import MeshError, openai_error_bytes
-from mesh.metrics import Metrics
-from mesh.request.prompt import ParsedRequest, PromptProcessor
 from mesh.cluster.registry import WorkerRegistry
 from mesh.core.router import Lease, Router
+from mesh.errors import MeshError, openai_error_bytes
+from mesh.gateway.client_io import (
+    WATCH_AFTER_S,
+    ClientWriteTimeout,
+    Exchange,
+    Receive,
+    Send,
+    WriteWatch,
+    abort_client,
+    client_label,
+    read_body,
+    watch_disconnect,
+)
+from mesh.gateway.headers import JSON_HEADERS, check_bearer, header, response_headers, upstream_headers
+from mesh.gateway.sse_relay import StreamBreak, ended_whole, is_sse, relay_stream
 from mesh.gateway.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout, split_url
+from mesh.gateway.verdicts import (
+    MAX_ANSWER_BYTES,
+    SHUTDOWN_MESSAGE,
+    Failure,
+    UpstreamFailed,
+    shutdown_error,
+    status_verdict,
+)
+from mesh.metrics import Metrics
+from mesh.request.prompt import ParsedRequest, PromptProcessor
 from policies.base import Decision, NoCandidate, TargetState
 
 log = logging.getLogger("mesh.gateway.proxy")
 
 Scope = MutableMapping[str, Any]
 
-# Never forwarded in either direction (RFC 9110 hop-by-hop, plus what the proxy recomputes).
-HOP_BY_HOP = frozenset(
-    b"connection keep-alive proxy-authenticate proxy-authorization proxy-connection te trailer trailers "
-    b"transfer-encoding upgrade host content-length expect".split()
-)
-RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
-# Set by the proxy, never taken from the client: a client's data-parallel rank would come first
-# and a vLLM worker would follow it over the router's choice.
-ROUTER_SET = frozenset({b"content-type", b"x-data-parallel-rank"})
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-_BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
-JSON_HEADERS = [(b"content-type", b"application/json")]
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-MAX_PENDING_EVENT = 1 << 20  # an unfinished SSE event held back longer than this is relayed as is
-MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
-
-
-SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its shutdown timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class StatusVerdict:
-    """What a worker's answer status means while nothing has reached the client yet."""
-
-    retry: bool  # another worker may serve the request
-    charge: bool  # a failure of the worker's at once (its circuit breaker)
-    suspect: bool  # a failure of the worker's only once another worker serves the same request
-
-
-def status_verdict(status: int) -> StatusVerdict:
-    """The proxy's rule for a worker's answer status, shared by the disaggregated relay (its
-    prefill and decode attempts alike): 502/503/504 are retried elsewhere and charged at once; a
-    500 is retried and only suspect (it may be the request's fault: an input that crashes any
-    worker must not open every circuit), charged once another worker serves the request; a 429
-    is retried, never charged (a busy worker is not a broken one); any other status is the answer."""
-    return _VERDICTS.get(status, _ANSWER)
-
-
-_ANSWER = StatusVerdict(retry=False, charge=False, suspect=False)
-_VERDICTS = {s: StatusVerdict(retry=True, charge=s in (502, 503, 504), suspect=s == 500) for s in RETRY_STATUSES}
-
-
-def _shutdown_error() -> MeshError:
-    return MeshError(503, SHUTDOWN_MESSAGE, code="shutting_down")
-
-
-class _UpstreamFailed(Exception):
-    """An attempt failed before anything reached the client: retry elsewhere."""
-
-    def __init__(
-        self,
-        kind: str,
-        message: str,
-        *,
-        status: int = 502,
-        body: bytes | None = None,
-        headers: list[tuple[bytes, bytes]] | None = None,
-        worker_fault: bool = True,
-        suspect: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-        self.body = body  # a worker's own error answer, passed through if no retry is left
-        self.headers = headers
-        # Counts toward the circuit breaker at once, unless only suspect (a 500: see ``_Failure``).
-        self.worker_fault = worker_fault
-        self.suspect = suspect
-
-
-@dataclass(slots=True)
-class _Failure:
-    """The last failed attempt, answered to the client when no retry is left."""
-
-    kind: str
-    status: int
-    message: str
-    body: bytes | None = None
-    headers: list[tuple[bytes, bytes]] | None = None
-    # A worker's 500 may be the request's fault (an input that crashes any worker): it counts
-    # toward that worker's circuit breaker only if another worker then serves the same request,
-    # so one poison request retried everywhere cannot open every circuit.
-    suspect: str | None = None  # target id
 
 
 class SessionMirror(Protocol):
@@ -157,6 +68,8 @@ class SessionMirror(Protocol):
 
 
 class Proxy:
+    """Serves the completion routes: parse, route, forward, retry, relay (the module docstring)."""
+
     def __init__(
         self,
         pool: UpstreamPool,
@@ -190,8 +103,7 @@ class Proxy:
     def shut_down(self) -> None:
         """The gateway is about to close every upstream connection (``app.end_in_flight``): the
         requests it cuts end with "the gateway is shutting down", and no worker's circuit breaker,
-        health or ``mesh_stream_errors_total`` is charged (they said "worker X failed mid-stream"
-        and counted a failure of a healthy worker)."""
+        health or ``mesh_stream_errors_total`` is charged (the workers are healthy)."""
         self.shutting_down = True
 
     # -- ASGI entry --
@@ -208,7 +120,7 @@ class Proxy:
             raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s)
             watcher = state.loop.call_later(WATCH_AFTER_S, watch_disconnect, receive, state, task)
             t0 = time.perf_counter()
-            parsed = await self.prompts.process(raw, kind, _header(headers, self._session_header()))
+            parsed = await self.prompts.process(raw, kind, header(headers, self._session_header()))
             self.metrics.prompt_seconds.observe(time.perf_counter() - t0)
             if self.mirror is not None and parsed.info.session_id:
                 await self.mirror(parsed.info.session_id, time.monotonic())
@@ -285,8 +197,8 @@ class Proxy:
         retries = config.retries
         out_headers = upstream_headers(client_headers, config.server.forward_authorization)
         excluded: list[str] = []
-        suspects: list[_Failure] = []
-        failure: _Failure | None = None
+        suspects: list[Failure] = []
+        failure: Failure | None = None
         for attempt in range(retries.max_attempts):
             if attempt:
                 if not self._retry_has_a_target(parsed, excluded):
@@ -318,7 +230,7 @@ class Proxy:
         else:
             raise MeshError(failure.status, failure.message, code="upstream_error")
 
-    def _route(self, parsed: ParsedRequest, excluded: list[str], failure: _Failure | None,
+    def _route(self, parsed: ParsedRequest, excluded: list[str], failure: Failure | None,
                first: Decision | None = None) -> Lease | None:
         """A lease on the next target, or None when a retry has nowhere left to go.
 
@@ -377,8 +289,8 @@ class Proxy:
         state: Exchange,
         route: str,
         start: float,
-        suspects: list[_Failure],
-    ) -> _Failure | None:
+        suspects: list[Failure],
+    ) -> Failure | None:
         """One upstream attempt. None when the client got its answer, else the failure.
         ``suspects``: earlier attempts' 500s, blamed on their workers (and cleared) once this
         worker answers the same request."""
@@ -396,80 +308,72 @@ class Proxy:
             try:
                 # The timeout bounds the whole exchange, streaming included.
                 resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
-                verdict = status_verdict(resp.status)
-                if verdict.retry:
-                    error_headers, error_body = _worker_error(resp, await _read_answer(resp, target), target)
-                    raise _UpstreamFailed(
-                        f"status_{resp.status}",
-                        f"worker {target.worker} answered {resp.status}",
-                        status=resp.status,
-                        body=error_body,
-                        headers=error_headers,
-                        worker_fault=verdict.charge or verdict.suspect,
-                        suspect=verdict.suspect,
-                    )
-                if parsed.stream and resp.status == 200:
-                    first = await resp.read_chunk()
-                    if not first:
-                        raise _UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
-                else:
-                    first = await _read_answer(resp, target)
-                    if not first and resp.status == 200:  # no answer to relay: another worker may give one
-                        raise _UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
+                first = await _first_bytes(resp, parsed.stream, target)
             except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
                 if self.shutting_down:  # the pool closed under it: not the worker's doing
-                    raise _shutdown_error() from None
+                    raise shutdown_error() from None
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
                 raise MeshError(504, f"worker {target.worker} timed out after {timeout:g} s", code="upstream_timeout") from None
             except UpstreamError as exc:  # connect errors, resets, bad responses: retryable
                 if self.shutting_down:  # the pool closed under it (or refuses): no retry, no worker charged
-                    raise _shutdown_error() from None
+                    raise shutdown_error() from None
                 kind = "connect" if isinstance(exc, ConnectError) else "disconnect"
-                raise _UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
+                raise UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
             lease.first_token()
             self._ttfb_hist[route].observe(time.perf_counter() - start)
-            streaming = parsed.stream and resp.status == 200
-            if not streaming:  # a stream is a success once it ended whole (below), not at its first byte
-                self.registry.record_success(target.id)
-            for f in suspects:  # they failed where this worker does not
-                self.registry.record_failure(f.suspect, time.monotonic(), f.message)  # type: ignore[arg-type]
-            suspects.clear()
-            out = _response_headers(resp)
-            out.append((b"x-mesh-worker", target.id.encode()))
-            if streaming:
-                # a client that stops reading holds its lease only until the request timeout
-                resp.on_stall(lease.finish)
-                tail = await self._stream(resp, first, out, state, target, lease, deadline, is_sse(resp.headers))
-                if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
-                    self.registry.record_success(target.id)
-            elif resp.status >= 400:
-                await state.respond(resp.status, *_worker_error(resp, first, target))
-                tail = b""
-            else:
-                await state.respond(resp.status, out, first)
-                tail = first
-            if tail and resp.status == 200:
-                self._count_prefix(lease, tail)
+            await self._deliver(resp, first, parsed.stream, state, lease, deadline, suspects)
             return None
-        except _UpstreamFailed as exc:
+        except UpstreamFailed as exc:
             if self.shutting_down and exc.body is None:  # e.g. "closed the stream before any data"
-                raise _shutdown_error() from None
+                raise shutdown_error() from None
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
             suspect = exc.suspect
             if exc.worker_fault and not suspect:
                 self.registry.record_failure(target.id, time.monotonic(), str(exc))
-            return _Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers, target.id if suspect else None)
+            return Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers, target.id if suspect else None)
         finally:
             if resp is not None:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
+
+    async def _deliver(
+        self, resp: UpstreamResponse, first: bytes, stream: bool, state: Exchange, lease: Lease, deadline: float,
+        suspects: list[Failure],
+    ) -> None:
+        """Relay an answer whose first bytes are in, and count it: the worker's success (a stream
+        once it ended whole, not at its first byte: a break counts as a failure, a client too slow
+        to read as nobody's), the suspects' failures, the prefix reuse of a 200."""
+        target = lease.target
+        streaming = stream and resp.status == 200
+        if not streaming:
+            self.registry.record_success(target.id)
+        for f in suspects:  # they failed where this worker does not
+            self.registry.record_failure(f.suspect, time.monotonic(), f.message)  # type: ignore[arg-type]
+        suspects.clear()
+        out = response_headers(resp.headers)
+        out.append((b"x-mesh-worker", target.id.encode()))
+        if streaming:
+            # a client that stops reading holds its lease only until the request timeout
+            resp.on_stall(lease.finish)
+            tail = await self._stream(resp, first, out, state, target, lease, deadline, is_sse(resp.headers))
+            if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
+                self.registry.record_success(target.id)
+        elif resp.status >= 400:
+            await state.respond(resp.status, *_worker_error(resp, first, target))
+            tail = b""
+        else:
+            await state.respond(resp.status, out, first)
+            tail = first
+        if tail and resp.status == 200:
+            self._count_prefix(lease, tail)
 
     async def _stream(
         self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: Exchange,
         target: TargetState, lease: Lease, deadline: float, sse: bool,
     ) -> bytes:
-        """Relay the stream; returns its last chunks (where the usage chunk is), b"" if it broke.
-        ``sse``: an OpenAI event stream, whose end without ``[DONE]`` is a break.
+        """Relay the stream (``sse_relay.relay_stream``); returns its last chunks (where the usage
+        chunk is), b"" if it broke. ``sse``: an OpenAI event stream, whose end without ``[DONE]``
+        is a break.
 
         The lease ends at ``deadline`` (the request timeout) if the relay is still going: the
         upstream's timer covers an unfinished answer only, and a worker that sent its whole
@@ -481,71 +385,35 @@ class Proxy:
             return data
         timer = asyncio.get_running_loop().call_at(deadline, _finish_lease, lease)
         try:
-            return await self._relay_stream(resp, data, state, target, sse)
+            end = await relay_stream(state, data, resp.read_chunk, sse, UpstreamError)
+            if isinstance(end, StreamBreak):
+                await self._end_broken_stream(state, target.id, target.worker, end)
+                return b""
+            return end
         finally:
             timer.cancel()
 
-    async def _relay_stream(
-        self, resp: UpstreamResponse, data: bytes, state: Exchange, target: TargetState, sse: bool,
-    ) -> bytes:
-        # The last four chunks, kept by reference (no copy per chunk): the usage chunk and
-        # [DONE] end the stream, however the reads split them.
-        c4 = c3 = c2 = b""
-        c1 = data
-        # Only whole SSE events are relayed: the start of one not yet ended waits for its end, so
-        # that a worker dying mid-event leaves the client whole events, then the error event.
-        pending = b""
-        try:
-            while True:
-                cut = _whole_events(data)
-                if cut == len(data):
-                    await state.chunk(data)
-                else:
-                    if cut:
-                        await state.chunk(data[:cut])
-                    pending = data[cut:]
-                    if len(pending) > MAX_PENDING_EVENT:  # not SSE, or one huge event: relayed as it comes
-                        await state.chunk(pending)
-                        pending = b""
-                data = await resp.read_chunk()
-                if not data:
-                    break
-                if pending:
-                    data, pending = pending + data, b""
-                c4, c3, c2, c1 = c3, c2, c1, data
-        except UpstreamError as exc:
-            if not pending and c1.endswith(b"data: [DONE]\n\n"):  # the client has it all: only the framing broke
-                await state.end()
-                return b"".join((c4, c3, c2, c1))
-            if self.shutting_down:  # end_in_flight closed the pool: nobody's failure, nothing counted
-                await state.stream_error(SHUTDOWN_MESSAGE)
-                return b""
-            self.metrics.stream_errors_total.inc()
-            if isinstance(exc, UpstreamTimeout) and exc.reader_behind:
-                # The gateway had stopped reading the worker because this client did not read:
-                # the worker is not to blame (slow readers would open a healthy worker's circuit).
-                await state.stream_error(f"request timed out: the client read the stream too slowly ({exc})")
-                return b""
-            what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
-            self.registry.record_failure(target.id, time.monotonic(), f"stream broke: {exc!r}")
-            await state.stream_error(f"worker {target.worker} {what}")
-            return b""
-        if sse and not ended_whole(c2, c1) and self.shutting_down:
+    async def _end_broken_stream(self, state: Exchange, target_id: str, worker: str, broke: StreamBreak) -> None:
+        """End a stream that broke after its first byte (whole events went out) with an error
+        event, and count it (``mesh_stream_errors_total``, the worker's failure), unless the
+        gateway's shutdown broke it, or the gateway had stopped reading the worker because the
+        client read too slowly (the worker is not to blame: slow readers would open a healthy
+        worker's circuit)."""
+        if self.shutting_down:  # end_in_flight closed the upstream connections: nobody's failure, nothing counted
             await state.stream_error(SHUTDOWN_MESSAGE)
-            return b""
-        if sse and not ended_whole(c2, c1):
-            # The body ended (a FIN ends a close-delimited one) before the [DONE] every OpenAI
-            # server sends last: the worker died mid-stream. Treated as a reset is, above; the
-            # unfinished event (``pending``) is dropped.
-            self.metrics.stream_errors_total.inc()
-            self.registry.record_failure(target.id, time.monotonic(), "stream broke: it ended without data: [DONE]")
-            await state.stream_error(f"worker {target.worker} failed mid-stream (its stream ended without [DONE])")
-            return b""
-        if pending:  # a last event without its blank line: the worker's own, relayed as sent
-            await state.last(pending)
-        else:
-            await state.end()
-        return b"".join((c4, c3, c2, c1))
+            return
+        self.metrics.stream_errors_total.inc()
+        exc = broke.error
+        if exc is None:  # the body ended (a worker that delimits it by closing the connection died) before [DONE]
+            self.registry.record_failure(target_id, time.monotonic(), "stream broke: it ended without data: [DONE]")
+            await state.stream_error(f"worker {worker} failed mid-stream (its stream ended without [DONE])")
+            return
+        if isinstance(exc, UpstreamTimeout) and exc.reader_behind:
+            await state.stream_error(f"request timed out: the client read the stream too slowly ({exc})")
+            return
+        what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
+        self.registry.record_failure(target_id, time.monotonic(), f"stream broke: {exc!r}")
+        await state.stream_error(f"worker {worker} {what}")
 
     def _count_prefix(self, lease: Lease, tail: bytes) -> None:
         """Predicted vs reported cached tokens of one answered request (when the answer says)."""
@@ -572,98 +440,41 @@ def _finish_lease(lease: Lease) -> None:
     lease.finish(time.monotonic())
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float) -> bytes:
-    """The whole request body: 413 past ``limit`` bytes, 408 when no bytes come for ``idle_s``."""
-    declared = _header(headers, b"content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise MeshError(400, "invalid Content-Length header", code="invalid_header")
-        if int(declared) > limit:
-            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    try:
-        # A client that stops sending mid-body (or never ends a chunked body) would hold the
-        # request forever: each wait for body bytes is bounded.
-        async with asyncio.timeout(idle_s) as idle:
-            return await _receive_body(receive, limit, idle, idle_s)
-    except TimeoutError:
-        raise MeshError(  # the rest of the body may still come: the connection cannot be reused
-            408, f"no request body bytes arrived for {idle_s:g} s", code="body_timeout",
-            headers={"connection": "close"},
-        ) from None
-
-
-async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idle_s: float) -> bytes:
-    message = await receive()
-    body = message.get("body", b"")
-    if not message.get("more_body"):
-        if len(body) > limit:
-            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
-        return body
-    parts = [body]
-    size = len(body)
-    loop = asyncio.get_running_loop()
-    while message.get("more_body"):
-        idle.reschedule(loop.time() + idle_s)
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise MeshError(400, "client disconnected while sending the body", code="client_disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:  # ASGI servers give lower-case names
-            return value
-    return None
-
-
-def check_bearer(headers: list[tuple[bytes, bytes]], keys: list[str], what: str) -> None:
-    """Raise 401 unless ``Authorization: Bearer <one of keys>`` is present (constant-time compare)."""
-    value = _header(headers, b"authorization")
-    token = value[7:].strip() if value is not None and value[:7].lower() == b"bearer " else b""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(token, key.encode())
-    if not token or not ok:
-        raise MeshError(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')", code="invalid_api_key",
-                        headers={"www-authenticate": "Bearer"})
-
-
-def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> list[bytes]:
-    """Client headers as request lines, minus hop-by-hop ones (RFC 9110: the fixed set and any
-    named in ``Connection``) and Authorization unless configured; rejects CR/LF/NUL (injection)."""
-    out = [b"content-type: application/json\r\n"]
-    named: frozenset[bytes] = frozenset()
-    for key, value in client:
-        if key == b"connection":
-            named = named | {t.strip().lower() for t in value.split(b",")}
-    for key, value in client:
-        if key in HOP_BY_HOP or key in ROUTER_SET or (key == b"authorization" and not forward_authorization):
-            continue
-        if named and key in named:
-            continue
-        if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(key):
-            raise MeshError(400, "header contains a control character", code="invalid_header")
-        out.append(b"%s: %s\r\n" % (key, value))
-    return out
-
-
-
-
 def _worker_error(resp: UpstreamResponse, body: bytes, target: TargetState) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """A worker's error answer for the client, in the OpenAI shape (``openai_error_bytes``)."""
-    headers = [*_response_headers(resp), (b"x-mesh-worker", target.id.encode())]
+    headers = [*response_headers(resp.headers), (b"x-mesh-worker", target.id.encode())]
     out = openai_error_bytes(resp.status, f"worker {target.worker} answered {resp.status}", body)
     if out is body:
         return headers, body
     headers = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
     headers.append((b"content-type", b"application/json"))
     return headers, out
+
+
+async def _first_bytes(resp: UpstreamResponse, stream: bool, target: TargetState) -> bytes:
+    """What the client gets first: a stream's first chunk, else the whole answer. Raises
+    ``UpstreamFailed`` for a status another worker may serve, and for an empty answer."""
+    verdict = status_verdict(resp.status)
+    if verdict.retry:
+        error_headers, error_body = _worker_error(resp, await _read_answer(resp, target), target)
+        raise UpstreamFailed(
+            f"status_{resp.status}",
+            f"worker {target.worker} answered {resp.status}",
+            status=resp.status,
+            body=error_body,
+            headers=error_headers,
+            worker_fault=verdict.charge or verdict.suspect,
+            suspect=verdict.suspect,
+        )
+    if stream and resp.status == 200:
+        first = await resp.read_chunk()
+        if not first:
+            raise UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
+        return first
+    first = await _read_answer(resp, target)
+    if not first and resp.status == 200:  # no answer to relay: another worker may give one
+        raise UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
+    return first
 
 
 async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:
@@ -674,46 +485,9 @@ async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:
     while data := await resp.read_chunk():
         size += len(data)
         if size > MAX_ANSWER_BYTES:
-            raise _UpstreamFailed("too_large", f"worker {target.worker} answered over {MAX_ANSWER_BYTES >> 20} MiB")
+            raise UpstreamFailed("too_large", f"worker {target.worker} answered over {MAX_ANSWER_BYTES >> 20} MiB")
         parts.append(data)
     return b"".join(parts)
-
-
-def _whole_events(data: bytes) -> int:
-    """How many leading bytes of ``data`` are whole SSE events (each ends with a blank line)."""
-    if data.endswith(b"\n\n") or data.endswith(b"\r\n\r\n"):  # the common case: a worker writes whole events
-        return len(data)
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-_DONE_AT_END = re.compile(rb"\ndata: ?\[DONE\][ \t\r\n]*\Z")
-_ERROR_AT_END = re.compile(rb'(?:\A|\n)data: ?\{\s*"error"\s*:[^\n]*[\r\n]*\Z')
-_DONE_TAIL = 64  # bytes of a stream's end searched for [DONE] (and its trailing blank lines)
-
-
-def ended_whole(before: bytes, last: bytes) -> bool:
-    """Whether an OpenAI event stream whose last two chunks are ``before`` and ``last`` ended as
-    its worker meant: with ``data: [DONE]`` (with or without the blank line that ends it), or with
-    an error event of its own (the bundled worker sends no [DONE] after one: the request was
-    rejected or its engine died, and the worker said so)."""
-    end = last if len(last) >= _DONE_TAIL else before[-_DONE_TAIL:] + last
-    if _DONE_AT_END.search(b"\n" + end if len(end) < _DONE_TAIL else end) is not None:
-        return True
-    return _ERROR_AT_END.search(before + last) is not None  # rare: a stream without [DONE]
-
-
-def is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether a response is an event stream (a worker may answer a stream request with JSON:
-    that is relayed as is, with no ``[DONE]`` to wait for). Header names are lower-case."""
-    for key, value in headers:
-        if key == b"content-type":
-            return value[:17].lower() == b"text/event-stream"
-    return False
-
-
-def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in resp.headers if k not in RESPONSE_DROP]
 
 
 def _backoff(attempt: int, base: float, cap: float) -> float:

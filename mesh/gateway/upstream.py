@@ -255,7 +255,7 @@ class UpstreamResponse:
         return self._conn.complete and not self._conn.chunks
 
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             data = await self.read_chunk()
             if not data:
