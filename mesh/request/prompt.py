@@ -1,8 +1,8 @@
 """Request body -> ``policies.base.RequestInfo``: validate, render, tokenize, hash.
 
 The body is decoded once (msgspec) and forwarded byte for byte by the proxy; nothing here
-re-encodes it. Validation covers what routing reads and what must never reach a worker
-(a non-object body, absurd ``max_tokens``, token ids out of range); the worker validates the rest.
+re-encodes it. Validation (``mesh.request.validate``) covers what routing reads and what must
+never reach a worker; the worker validates the rest.
 
 Tokenizer, block size and chat template content format come from the pool of workers serving
 the model (the first worker, in registry order, that serves it). A LoRA adapter (``mesh.cluster.registry.Worker.loras``: a model name
@@ -24,12 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import numpy as np
 import xxhash
 
 from mesh.cluster.registry import WorkerRegistry
-from mesh.core.keys import MAX_TOKEN_ID, KeyChain, block_keys, namespace_seed
+from mesh.core.keys import KeyChain, block_keys, namespace_seed
 from mesh.errors import MeshError, bad_request
 from mesh.request.chat import (
     DEFAULT_OPTIONS,
@@ -40,15 +39,21 @@ from mesh.request.chat import (
     normalize_message,
 )
 from mesh.request.tokenizer import ByteTokenizer, load_tokenizer
+from mesh.request.validate import (  # noqa: F401 - MAX_CHOICES, MAX_MODEL_CHARS: part of this module's interface
+    MAX_CHOICES,
+    MAX_MODEL_CHARS,
+    chat_messages,
+    completion_prompt,
+    decode_body,
+    validate_choices,
+    validate_common,
+)
 from policies.base import RequestInfo
 
-MAX_MODEL_CHARS = 256
-MAX_CHOICES = 1024  # OpenAI ``n`` accepted by the gateway (vLLM sets no limit)
 MAX_CACHED_SALT_CHARS = 256
 TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again for this long
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
 
-_decode = msgspec.json.Decoder().decode
 log = logging.getLogger(__name__)
 
 
@@ -421,86 +426,3 @@ def _has_non_text_part(message: Any) -> bool:
     return isinstance(content, list) and any(
         isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] != "text" for p in content
     )
-
-
-# -- body validation (pure functions) --
-def decode_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise bad_request("request body is empty; expected a JSON object", code="empty_body")
-    try:
-        body = _decode(raw)
-    except msgspec.MsgspecError as exc:
-        message = str(exc)
-        code = "invalid_utf8" if "UTF-8" in message else "invalid_json"
-        raise bad_request(f"request body is not valid JSON: {message}", code=code) from exc
-    if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
-    return body
-
-
-def validate_common(body: dict[str, Any], max_tokens_limit: int) -> tuple[str, bool, int]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string", "model", "missing_model")
-    if len(model) > MAX_MODEL_CHARS or not model.isprintable():
-        raise bad_request(f"'model' must be at most {MAX_MODEL_CHARS} printable characters", "model")
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", "stream")
-    max_tokens = 0
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_request(f"'{name}' must be an integer", name)
-        if value < 1 or value > max_tokens_limit:
-            raise bad_request(f"'{name}' must lie in [1, {max_tokens_limit}], got {value}", name, "invalid_max_tokens")
-        max_tokens = max(max_tokens, value)
-    return model, stream, max_tokens
-
-
-def validate_choices(body: dict[str, Any]) -> int:
-    """OpenAI's ``n`` (null or absent: 1). Bounded here so that one request cannot claim absurd
-    load; the worker applies its own limit (the bundled one: 128)."""
-    n = body.get("n")
-    if n is None:
-        return 1
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise bad_request("'n' must be an integer", "n")
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"'n' must lie in [1, {MAX_CHOICES}], got {n}", "n")
-    return n
-
-
-def chat_messages(body: dict[str, Any]) -> list[Any]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' is required and must be a non-empty array", "messages", "missing_messages")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request("each message must be an object with a string 'role'", "messages", "invalid_messages")
-    return messages
-
-
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    """The prompt routed on: the string, or the first of a batch; token ids are range-checked."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return prompt[0]
-        if all(_is_token(p) for p in prompt):
-            return prompt
-        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-            return prompt[0]
-    raise bad_request(
-        "'prompt' is required: a string, an array of strings, or token ids in [0, 2**32)", "prompt", "invalid_prompt"
-    )
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
