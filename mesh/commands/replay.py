@@ -18,7 +18,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mesh.replay.client import PlayResult
+    from mesh.replay.run import Prepared
 
 
 def add_parser(subparsers: Any) -> None:
@@ -125,16 +129,9 @@ def _flags_problem(args: argparse.Namespace) -> str | None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from mesh.replay.client import (
-        ClientOptions,
-        ReplayError,
-        check_reachable,
-        discover_model,
-    )
-    from mesh.replay.progress import ProgressLine
-    from mesh.replay.report import requests_table, run_result, write_html, write_json
-    from mesh.replay.run import ReplaySetup, prepare, replay
-    from simulator.traces import TraceError
+    """The command: check the flags, load and plan the traces, play them, report. Exit 0 when
+    every request was served, 1 when some failed (or none was served), 2 on bad input."""
+    from mesh.replay.client import ReplayError
 
     started = time.perf_counter()
     problem = _flags_problem(args)
@@ -146,6 +143,32 @@ def run_replay(args: argparse.Namespace) -> int:
             other = _load_compare(args.compare, args.compare_run)
         except (OSError, ValueError, TypeError) as exc:
             return _fail(f"--compare {args.compare}: {exc}")
+    prep = _prepare(args)
+    if isinstance(prep, str):
+        return _fail(prep)
+    for w in prep.warnings:
+        print(f"mesh replay: warning: {w}", file=sys.stderr)
+    try:
+        model, summary, result = asyncio.run(_play(args, prep))
+    except ReplayError as exc:
+        return _fail(str(exc))
+    warnings = _run_warnings(args, prep, summary)
+    payload = _payload(args, prep, model, summary, result, warnings, started)
+    _show(args, prep, summary, other, payload)
+    try:
+        _write_reports(args, prep, summary, result, payload)
+    except OSError as exc:
+        return _fail(f"cannot write the report: {exc}")
+    if summary["requests"] == 0:
+        return _fail(f"no request was served ({'; '.join(summary['error_samples'][:2]) or 'none sent'})", 1)
+    return 1 if summary["errors"] else 0
+
+
+def _prepare(args: argparse.Namespace) -> Prepared | str:
+    """The loaded and planned traces, or the one-line reason they cannot be replayed."""
+    from mesh.replay.run import ReplaySetup, prepare
+    from simulator.traces import TraceError
+
     setup = ReplaySetup(
         traces=args.traces, sessions=args.sessions, max_requests=args.max_requests, max_turns=args.max_turns,
         time_scale=args.time_scale, max_think_s=args.max_think_s, session_start_spread_s=args.session_start_spread,
@@ -155,35 +178,43 @@ def run_replay(args: argparse.Namespace) -> int:
         block_size=args.block_size, trace_block_size=args.trace_block_size, engine_block_size=args.engine_block_size,
     )
     try:
-        prep = prepare(setup)
+        return prepare(setup)
     except (TraceError, ValueError) as exc:
-        return _fail(str(exc))
+        return str(exc)
     except OSError as exc:
-        return _fail(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
-    for w in prep.warnings:
-        print(f"mesh replay: warning: {w}", file=sys.stderr)
+        return f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}"
 
-    async def go() -> tuple[str, Any, Any]:
-        if args.model:
-            model = args.model
-            await check_reachable(args.url, args.api_key)
-        else:
-            model = await discover_model(args.url, args.api_key)
-        opts = ClientOptions(url=args.url, model=model, api_key=args.api_key,
-                             session_header=None if args.no_session_ids else args.session_header,
-                             worker_header=args.worker_header, concurrency=args.concurrency,
-                             duration_s=args.duration_s, timeout_s=args.timeout)
-        progress = ProgressLine(len(prep.plan.turns), enabled=not args.quiet)
-        try:
-            summary, result = await replay(prep, opts, args.label, progress)
-        finally:
-            progress.close()
-        return model, summary, result
 
+def _session_header(args: argparse.Namespace) -> str | None:
+    return None if args.no_session_ids else args.session_header
+
+
+async def _play(args: argparse.Namespace, prep: Prepared) -> tuple[str, dict[str, Any], PlayResult]:
+    """(model, summary, outcomes) of one replay; ``ReplayError`` when the endpoint is unreachable
+    or names no model. The progress line is closed whatever happens."""
+    from mesh.replay.client import ClientOptions, check_reachable, discover_model
+    from mesh.replay.progress import ProgressLine
+    from mesh.replay.run import replay
+
+    if args.model:
+        model = args.model
+        await check_reachable(args.url, args.api_key)
+    else:
+        model = await discover_model(args.url, args.api_key)
+    opts = ClientOptions(url=args.url, model=model, api_key=args.api_key, session_header=_session_header(args),
+                         worker_header=args.worker_header, concurrency=args.concurrency,
+                         duration_s=args.duration_s, timeout_s=args.timeout)
+    progress = ProgressLine(len(prep.plan.turns), enabled=not args.quiet)
     try:
-        model, summary, result = asyncio.run(go())
-    except ReplayError as exc:
-        return _fail(str(exc))
+        summary, result = await replay(prep, opts, args.label, progress)
+    finally:
+        progress.close()
+    return model, summary, result
+
+
+def _run_warnings(args: argparse.Namespace, prep: Prepared, summary: dict[str, Any]) -> list[str]:
+    """The preparation's warnings plus the run's (failures, requests not sent, no cached_tokens);
+    the run's are printed here, the preparation's were printed before the run."""
     warnings = list(prep.warnings)
     if summary["errors"]:
         warnings.append(f"{summary['errors']:,} of {summary['sent']:,} requests failed: "
@@ -194,10 +225,18 @@ def run_replay(args: argparse.Namespace) -> int:
         warnings.append("the endpoint reported no cached_tokens: the hit rate is not measured")
     for w in warnings[len(prep.warnings):]:
         print(f"mesh replay: warning: {w}", file=sys.stderr)
-    payload = {
+    return warnings
+
+
+def _payload(args: argparse.Namespace, prep: Prepared, model: str, summary: dict[str, Any], result: PlayResult,
+             warnings: list[str], started: float) -> dict[str, Any]:
+    """The JSON report (``mesh simulate``'s shape: one run under ``policies``), every request included."""
+    from mesh.replay.report import requests_table
+
+    return {
         "mesh_replay": 1,
         "trace": prep.trace_info(),
-        "target": {"url": args.url, "model": model, "session_header": None if args.no_session_ids else args.session_header,
+        "target": {"url": args.url, "model": model, "session_header": _session_header(args),
                    "worker_header": args.worker_header, "concurrency": args.concurrency,
                    "duration_s": args.duration_s, "started_unix": result.started_unix},
         "workers": len(summary["per_worker"]),
@@ -207,38 +246,44 @@ def run_replay(args: argparse.Namespace) -> int:
         "wall_s": time.perf_counter() - started,
         "requests": requests_table(prep.plan, result),
     }
-    if not args.quiet:
-        from rich.console import Console
 
-        from mesh.replay.report import render_table
 
-        out = Console()
-        if not out.is_terminal:
-            out = Console(width=160)
-        render_table({args.label: summary}, out, reference=prep.reference(),
-                     title=f"mesh replay: {len(prep.plan.turns):,} requests, {prep.plan.sessions} sessions -> {args.url}")
+def _show(args: argparse.Namespace, prep: Prepared, summary: dict[str, Any],
+          other: tuple[str, dict[str, Any]] | None, payload: dict[str, Any]) -> None:
+    """Print the table (unless ``--quiet``) and, with ``--compare``, the comparison, which is also
+    added to ``payload`` as ``compare`` (quiet or not)."""
+    from mesh.replay.report import compare_rows
+
+    if args.quiet:
         if other is not None:
-            from mesh.replay.report import compare_rows, render_compare
+            payload["compare"] = {"file": args.compare, "run": other[0], "rows": compare_rows(summary, other[1])}
+        return
+    from rich.console import Console
 
-            label, theirs = other
-            rows = compare_rows(summary, theirs)
-            payload["compare"] = {"file": args.compare, "run": label, "rows": rows}
-            render_compare(rows, args.label, label, out, f"{args.label} vs {label} ({args.compare})")
-    elif other is not None:
-        from mesh.replay.report import compare_rows
+    from mesh.replay.report import render_compare, render_table
 
-        payload["compare"] = {"file": args.compare, "run": other[0], "rows": compare_rows(summary, other[1])}
-    try:
-        if args.json_out:
-            write_json(args.json_out, payload)
-        if args.html_out:
-            results = {args.label: run_result(prep.plan, result, args.label)} if summary["requests"] else {}
-            write_html(args.html_out, payload, results)
-    except OSError as exc:
-        return _fail(f"cannot write the report: {exc}")
-    if summary["requests"] == 0:
-        return _fail(f"no request was served ({'; '.join(summary['error_samples'][:2]) or 'none sent'})", 1)
-    return 1 if summary["errors"] else 0
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=160)
+    render_table({args.label: summary}, out, reference=prep.reference(),
+                 title=f"mesh replay: {len(prep.plan.turns):,} requests, {prep.plan.sessions} sessions -> {args.url}")
+    if other is not None:
+        label, theirs = other
+        rows = compare_rows(summary, theirs)
+        payload["compare"] = {"file": args.compare, "run": label, "rows": rows}
+        render_compare(rows, args.label, label, out, f"{args.label} vs {label} ({args.compare})")
+
+
+def _write_reports(args: argparse.Namespace, prep: Prepared, summary: dict[str, Any], result: PlayResult,
+                   payload: dict[str, Any]) -> None:
+    """Write ``--json`` and ``--html`` when asked (``OSError`` when a file cannot be written)."""
+    from mesh.replay.report import run_result, write_html, write_json
+
+    if args.json_out:
+        write_json(args.json_out, payload)
+    if args.html_out:
+        results = {args.label: run_result(prep.plan, result, args.label)} if summary["requests"] else {}
+        write_html(args.html_out, payload, results)
 
 
 def _load_compare(path: str, run: str | None) -> tuple[str, dict[str, Any]]:

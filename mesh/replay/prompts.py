@@ -43,7 +43,8 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
         x = x + np.uint64(_GOLDEN)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
 
 
 class PromptBuilder:
@@ -98,7 +99,8 @@ class PromptBuilder:
         codes = self.codes(r)
         if self.fmt == "text":
             return (codes + _A).astype(np.uint8).tobytes().decode("ascii")
-        return codes.tolist()
+        ids: list[int] = codes.tolist()
+        return ids
 
 
 @dataclass(frozen=True, slots=True)
