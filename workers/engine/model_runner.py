@@ -283,17 +283,29 @@ class ModelRunner:
         return launch.host.tolist()
 
     def _launch(self, seqs: list[Sequence], prev: DecodeLaunch | None) -> DecodeLaunch:
-        n, bs = len(seqs), self.block_size
+        n = len(seqs)
         b = self.graph_size_for(n)
         if b is None:
             raise ValueError(f"no decode graph serves {n} sequences")
+        k = self._next_staging()
+        m = self._stage(k, seqs, prev, b)
+        self._upload(k, m, b, prev)
+        return self._replay_and_sample(k, b, seqs)
+
+    def _next_staging(self) -> int:
+        """The host staging set (0 or 1) of this launch, once launch j - 2 has consumed it."""
         k = self._g_flip
         self._g_flip ^= 1
         done = self._g_done[k]
         if done is not None:
             done.synchronize()  # launch j - 2 has consumed this staging set (long since, normally)
+        return k
+
+    def _stage(self, k: int, seqs: list[Sequence], prev: DecodeLaunch | None, b: int) -> int:
+        """Fill staging set ``k`` for ``seqs`` padded to the graph size ``b``; the number of table
+        rows that changed (their indices in row 4, their tables after the context lengths)."""
+        n, bs = len(seqs), self.block_size
         st, st32 = self._g_st64_np[k], self._g_st32_np[k]
-        top, width = self._g_top, self._g_max_blocks
         rows_held, changed = self._g_rows, []
         shift = 0 if prev is not None else 1
         ids, pos, slots = [], [], []
@@ -319,13 +331,24 @@ class ModelRunner:
             st[3, n:b] = 0
         st32[:n] = st[1, :n] + 1
         st32[n:b] = 1
-        m = len(changed)
-        if m:
-            st[4, :m] = changed
-            staged = st32[top : top + m * width].reshape(m, width)
-            for j, i in enumerate(changed):
-                table = seqs[i].block_table
-                staged[j, : len(table)] = table
+        if changed:
+            self._stage_tables(k, seqs, changed)
+        return len(changed)
+
+    def _stage_tables(self, k: int, seqs: list[Sequence], changed: list[int]) -> None:
+        """Stage the block tables of the rows in ``changed`` (and their indices) in set ``k``."""
+        st, st32 = self._g_st64_np[k], self._g_st32_np[k]
+        top, width, m = self._g_top, self._g_max_blocks, len(changed)
+        st[4, :m] = changed
+        staged = st32[top : top + m * width].reshape(m, width)
+        for j, i in enumerate(changed):
+            table = seqs[i].block_table
+            staged[j, : len(table)] = table
+
+    def _upload(self, k: int, m: int, b: int, prev: DecodeLaunch | None) -> None:
+        """Copy staging set ``k`` to the graph's static inputs (``m`` changed table rows); with
+        ``prev``, gather the input ids from its sampled tokens on the device."""
+        top, width = self._g_top, self._g_max_blocks
         # Padding rows keep whatever (valid) block ids their table rows hold: context 1 reads
         # only position 0 of row i, and slot -1 writes nothing.
         self._g_in.copy_(self._g_st64[k], non_blocking=True)
@@ -335,6 +358,10 @@ class ModelRunner:
                                        self._g_i32[top : top + m * width].view(m, width))
         if prev is not None:
             torch.index_select(prev.tokens, 0, self._g_in[3, :b], out=self._g_in[0, :b])
+
+    def _replay_and_sample(self, k: int, b: int, seqs: list[Sequence]) -> DecodeLaunch:
+        """Replay graph ``b``, sample its first ``len(seqs)`` rows and enqueue their copy to the host."""
+        n = len(seqs)
         self.graphs[b].replay()
         self.num_graph_replays += 1
         logits = self._g_logits[b][:n]

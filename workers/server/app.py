@@ -615,9 +615,35 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
     app = FastAPI(title="mesh worker", lifespan=lifespan)
     app.state.api = api
     install_error_handlers(app)
+    Routes(api).install(app)
+    return app
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
+
+class Routes:
+    """The HTTP route handlers over one ``WorkerAPI`` (its engine and tokenizer); ``install`` adds them to an app."""
+
+    def __init__(self, api: WorkerAPI) -> None:
+        self.api = api
+        self.engine = api.engine
+        self.tokenizer = api.tokenizer
+
+    def install(self, app: FastAPI) -> None:
+        """Registers every route, in this order (``/v1/models`` before ``/v1/models/{model:path}``)."""
+        for path, method, endpoint in (
+            ("/v1/completions", "POST", self.completions),
+            ("/v1/chat/completions", "POST", self.chat),
+            ("/v1/models", "GET", self.models),
+            ("/v1/models/{model:path}", "GET", self.model),
+            ("/health", "GET", self.health),
+            ("/metrics", "GET", self.metrics),
+            ("/tokenize", "POST", self.tokenize),
+            ("/detokenize", "POST", self.detokenize),
+            ("/reset_prefix_cache", "POST", self.reset_prefix_cache),
+        ):
+            app.add_api_route(path, endpoint, methods=[method])
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        api = self.api
         api.check_model(req.model)
         include_stop = include_stop_str(req)
         if req.echo or req.logprobs is not None:
@@ -641,8 +667,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
             "usage": _usage([(c.prompt, out) for c, (_, _, out) in zip(children, results, strict=True)]),
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request) -> Any:
+    async def chat(self, req: ChatRequest, request: Request) -> Any:
+        api = self.api
         api.check_model(req.model)
         include_stop = include_stop_str(req)
         if req.logprobs:
@@ -667,59 +693,52 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, info: di
             "usage": _usage([(0, out) for _, _, out in results]),
         }
 
-    def model_card() -> dict[str, Any]:
+    def model_card(self) -> dict[str, Any]:
+        api = self.api
         return {"id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
                 "root": api.model_name, "max_model_len": api.max_model_len}
 
-    @app.get("/v1/models")
-    async def models() -> Any:
-        return {"object": "list", "data": [model_card()]}
+    async def models(self) -> Any:
+        return {"object": "list", "data": [self.model_card()]}
 
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> Any:
+    async def model(self, model: str) -> Any:
         """The openai client's ``models.retrieve``."""
-        if model != api.model_name:
+        if model != self.api.model_name:
             raise APIError(404, f"the model {model!r} does not exist", "model", "model_not_found")
-        return model_card()
+        return self.model_card()
 
-    @app.get("/health")
-    async def health() -> Any:
-        if not engine.alive:
-            return _error_response(503, f"engine loop is not running: {engine.error!r}")
-        return {"status": "ok", "model": api.model_name, **api.info}
+    async def health(self) -> Any:
+        if not self.engine.alive:
+            return _error_response(503, f"engine loop is not running: {self.engine.error!r}")
+        return {"status": "ok", "model": self.api.model_name, **self.api.info}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render_metrics(engine.engine.stats()), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(self) -> Response:
+        return Response(render_metrics(self.engine.engine.stats()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> Any:
+    async def tokenize(self, req: TokenizeRequest) -> Any:
         body = dict(req.model_extra or {})
         if req.add_generation_prompt is not None:
             body["add_generation_prompt"] = req.add_generation_prompt
         if req.messages is not None:
-            ids = api.chat_prompt(req.messages, body)
+            ids = self.api.chat_prompt(req.messages, body)
         elif req.prompt is not None:
-            ids = encode_text(tokenizer, req.prompt, "prompt", special_tokens(body, default=True))
+            ids = encode_text(self.tokenizer, req.prompt, "prompt", special_tokens(body, default=True))
         else:
             raise APIError(400, "give 'prompt' or 'messages'", "prompt")
-        return {"count": len(ids), "max_model_len": api.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> Any:
-        vocab = engine.engine.model_config.vocab_size
+    async def detokenize(self, req: DetokenizeRequest) -> Any:
+        vocab = self.engine.engine.model_config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:  # a Hugging Face tokenizer raised (a 500) on a negative or huge id
             raise APIError(400, f"token id {bad} is out of vocabulary (0 <= id < {vocab})", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Any:
-        if not await engine.reset_prefix_cache():
+    async def reset_prefix_cache(self) -> Any:
+        if not await self.engine.reset_prefix_cache():
             raise APIError(400, "blocks are in use; reset refused", code="blocks_in_use")
         return {"status": "ok"}
-
-    return app
 
 
 def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int], params: SamplingParams,

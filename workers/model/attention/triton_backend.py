@@ -193,6 +193,7 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
+# One function on purpose: Triton inlines helpers anyway, and the kernel's loop structure reads as one piece.
 @_jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
