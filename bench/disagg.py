@@ -292,7 +292,8 @@ def measure(mode: str, args: argparse.Namespace, devices: list[str], log_dir: Pa
         stop(procs)
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (for later errors) and the arguments, ``--smoke``'s sizes applied."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--devices", default="cuda:0,cuda:1", help="comma-separated; one device: both workers share it")
@@ -315,16 +316,15 @@ def main() -> int:
     if args.smoke:
         args.preset, args.devices, args.decoders, args.decode_prompt, args.decode_tokens = "tiny", "cpu", 2, 32, 24
         args.long_prompt, args.long_rate, args.warmup, args.duration, args.kv_blocks = 600, 1.0, 2.0, 6.0, 1024
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
+    return p, args
 
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    log_dir = Path(os.environ.get("OUT", "/tmp")) / "disagg-bench-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or modes[0] != "mixed" or not set(modes) <= {"mixed", "disagg", "disagg-tcp", "disagg-local"}:
-        p.error("--modes: mixed first, then any of disagg, disagg-tcp, disagg-local")
+
+KEYS = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
+
+
+def measure_all(modes: list[str], args: argparse.Namespace, devices: list[str], log_dir: Path) -> dict[str, Any]:
+    from rich.progress import Progress
+
     results: dict[str, Any] = {}
     with Progress() as progress:
         task = progress.add_task("configurations", total=len(modes))
@@ -332,8 +332,14 @@ def main() -> int:
             progress.update(task, description=f"{mode} ({args.warmup + args.duration:.0f} s)")
             results[mode] = measure(mode, args, devices, log_dir)
             progress.advance(task)
-    keys = ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "decode_ttft_p50_ms")
-    ratios = {m: {k: results[m][k] / results["mixed"][k] for k in keys if results["mixed"][k]} for m in modes[1:]}
+    return results
+
+
+def print_results(args: argparse.Namespace, devices: list[str], modes: list[str], results: dict[str, Any],
+                  ratios: dict[str, dict[str, float]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"{args.preset}: {args.decoders} decode streams + {args.long_prompt}-token prompts at "
                         f"{args.long_rate}/s on {', '.join(devices)}")
     cols = ["config", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "long TTFT p50 ms", "long TTFT p99 ms",
@@ -342,10 +348,14 @@ def main() -> int:
         table.add_column(c, no_wrap=c == "config")
     for mode in modes:
         r = results[mode]
-        table.add_row(mode, *(f"{r[k]:.1f}" for k in keys), str(r["errors"]))
+        table.add_row(mode, *(f"{r[k]:.1f}" for k in KEYS), str(r["errors"]))
     for mode, ratio in ratios.items():
-        table.add_row(f"{mode}/mixed", *(f"{ratio.get(k, float('nan')):.2f}" for k in keys), "")
+        table.add_row(f"{mode}/mixed", *(f"{ratio.get(k, float('nan')):.2f}" for k in KEYS), "")
     Console().print(table)
+
+
+def write_results(args: argparse.Namespace, devices: list[str], results: dict[str, Any],
+                  ratios: dict[str, dict[str, float]]) -> None:
     out = {"config": vars(args), "devices": devices, "results": results, "ratios_over_mixed": ratios}
     try:
         import torch
@@ -355,6 +365,20 @@ def main() -> int:
         out["gpus"] = []
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def main() -> int:
+    p, args = parse_args()
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    log_dir = Path(os.environ.get("OUT", "/tmp")) / "disagg-bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or modes[0] != "mixed" or not set(modes) <= {"mixed", "disagg", "disagg-tcp", "disagg-local"}:
+        p.error("--modes: mixed first, then any of disagg, disagg-tcp, disagg-local")
+    results = measure_all(modes, args, devices, log_dir)
+    ratios = {m: {k: results[m][k] / results["mixed"][k] for k in KEYS if results["mixed"][k]} for m in modes[1:]}
+    print_results(args, devices, modes, results, ratios)
+    write_results(args, devices, results, ratios)
     return 0
 
 

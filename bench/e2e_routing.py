@@ -424,9 +424,6 @@ async def _replay_watched(prep: Any, opts: Any, label_: str, watch: list[Proc], 
 
 def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args: argparse.Namespace, model: str,
             concurrency: int, run_s: float | None, tag: str) -> dict[str, Any]:
-    from mesh.replay.client import ClientOptions
-    from mesh.replay.progress import ProgressLine
-
     t0 = time.monotonic()
     row: dict[str, Any] = {"router": spec.name, "kind": spec.kind, "policy": spec.policy or "session_sticky (default)",
                            "session_ids": spec.session_ids, "ok": False, "error": None}
@@ -437,38 +434,66 @@ def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args
     before = {f"w{i}": worker_counters(w) for i, w in enumerate(workers)}
     router = start_router(procs, spec, workers, args, tag)
     try:
-        try:
-            ready = wait_router(router, workers, model, args.startup_timeout)
-        except (TimeoutError, BenchError) as exc:
-            if any(not w.alive() for w in workers):
-                raise
-            row["error"] = f"{spec.name} did not come up: {exc}"
-            if not router.proc.alive():
-                row["error"] = router.proc.death()
-            log(row["error"])
+        if not _router_ready(router, row, workers, model, args.startup_timeout):
             return row
-        row["ready"] = ready
-        if not ready["ok"]:
-            row["error"] = f"run refused: {ready['error']}"
-            log(f"{spec.name}: {row['error']}")
+        summary = _replay_through(router, row, workers, prep, args, model, concurrency, run_s, tag)
+        if summary is None:
             return row
-        opts = ClientOptions(url=router.proc.url, model=model, session_header="x-session-id" if spec.session_ids else None,
-                             concurrency=concurrency, duration_s=run_s or None, timeout_s=args.request_timeout)
-        progress = ProgressLine(len(prep.plan.turns), prefix=f"  {tag} {spec.name}", interval_s=args.progress_s)
-        try:
-            summary, _ = asyncio.run(_replay_watched(prep, opts, spec.name, [router.proc, *workers], progress))
-        except BenchError as exc:
-            if any(not w.alive() for w in workers):
-                raise
-            row["error"] = str(exc)
-            log(f"{spec.name} died during the run: {exc}")
-            return row
-        finally:
-            progress.close()
         row.update(router_counts(router))
     finally:
         procs.stop(router.proc)
     after = {f"w{i}": worker_counters(w) for i, w in enumerate(workers)}
+    _add_results(row, summary, before, after, t0)
+    return row
+
+
+def _router_ready(router: Router, row: dict[str, Any], workers: list[Proc], model: str, timeout_s: float) -> bool:
+    """Whether the router came up ready to run (else ``row["error"]`` says why); a dead worker raises."""
+    spec = router.spec
+    try:
+        ready = wait_router(router, workers, model, timeout_s)
+    except (TimeoutError, BenchError) as exc:
+        if any(not w.alive() for w in workers):
+            raise
+        row["error"] = f"{spec.name} did not come up: {exc}"
+        if not router.proc.alive():
+            row["error"] = router.proc.death()
+        log(row["error"])
+        return False
+    row["ready"] = ready
+    if not ready["ok"]:
+        row["error"] = f"run refused: {ready['error']}"
+        log(f"{spec.name}: {row['error']}")
+        return False
+    return True
+
+
+def _replay_through(router: Router, row: dict[str, Any], workers: list[Proc], prep: Any, args: argparse.Namespace,
+                    model: str, concurrency: int, run_s: float | None, tag: str) -> dict[str, Any] | None:
+    """The replay's summary through ``router``; None (``row["error"]`` set) when the router died."""
+    from mesh.replay.client import ClientOptions
+    from mesh.replay.progress import ProgressLine
+
+    spec = router.spec
+    opts = ClientOptions(url=router.proc.url, model=model, session_header="x-session-id" if spec.session_ids else None,
+                         concurrency=concurrency, duration_s=run_s or None, timeout_s=args.request_timeout)
+    progress = ProgressLine(len(prep.plan.turns), prefix=f"  {tag} {spec.name}", interval_s=args.progress_s)
+    try:
+        summary, _ = asyncio.run(_replay_watched(prep, opts, spec.name, [router.proc, *workers], progress))
+    except BenchError as exc:
+        if any(not w.alive() for w in workers):
+            raise
+        row["error"] = str(exc)
+        log(f"{spec.name} died during the run: {exc}")
+        return None
+    finally:
+        progress.close()
+    return summary
+
+
+def _add_results(row: dict[str, Any], summary: dict[str, Any], before: dict[str, dict[str, float]],
+                 after: dict[str, dict[str, float]], t0: float) -> None:
+    """The run's results into ``row``: the replay's summary and the workers' counter deltas."""
     deltas = {w: {k: after[w][k] - before[w][k] for k in WORKER_COUNTERS} for w in after}
     prompt = sum(d["prompt_tokens"] for d in deltas.values())
     cached = sum(d["prompt_cached_tokens"] for d in deltas.values())
@@ -489,7 +514,6 @@ def run_one(procs: Procs, spec: RouterSpec, workers: list[Proc], prep: Any, args
     })
     if summary["requests"] == 0:
         row["error"] = "no request was served: " + "; ".join(summary["error_samples"][:2])
-    return row
 
 
 # ============================================================================ the matrix
@@ -594,6 +618,18 @@ def print_point(point: dict[str, Any], width: int) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_matrix_args(ap)
+    _add_budget_args(ap)
+    _add_replay_args(ap)
+    _add_worker_args(ap)
+    _add_output_args(ap)
+    args = ap.parse_args(argv)
+    _check_args(ap, args)
+    return args
+
+
+def _add_matrix_args(ap: argparse.ArgumentParser) -> None:
+    """The trace, the workers and what is measured: worker configs x loads x routers x repeats."""
     ap.add_argument("--trace", nargs="+", default=[str(SLICE)], help=f"trace files or directories (default {SLICE.relative_to(ROOT)})")
     ap.add_argument("--preset", default="llama3-8b", help="bundled worker preset (default llama3-8b)")
     ap.add_argument("--device", default="cuda", help="worker device, or a comma list assigned round robin (default cuda)")
@@ -604,16 +640,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="16,24", help="concurrent sessions, a comma list (default 16,24)")
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)} (default all)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per router and matrix point (default 1)")
+
+
+def _add_budget_args(ap: argparse.ArgumentParser) -> None:
+    """How long each run lasts."""
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run's time budget (default 540: 9 min)")
     ap.add_argument("--run-s", type=float, help="fixed seconds per run (0: replay the whole slice); default: from the budget")
     ap.add_argument("--min-run-s", type=float, default=10.0, help="shortest run the budget may size (default 10)")
     ap.add_argument("--max-run-s", type=float, default=120.0, help="longest run the budget may size (default 120)")
+
+
+def _add_replay_args(ap: argparse.ArgumentParser) -> None:
+    """How the trace is replayed."""
     ap.add_argument("--sessions", type=int, help="the first N sessions of the trace")
     ap.add_argument("--max-turns", type=int, help="at most N requests per session")
     ap.add_argument("--prompt-scale", type=float, default=16.0, help="trace tokens per prompt token (default 16)")
     ap.add_argument("--output-tokens", type=int, default=32, help="max_tokens of every request (default 32)")
     ap.add_argument("--time-scale", type=float, default=0.01, help="think-time multiplier (default 0.01)")
     ap.add_argument("--max-think-s", type=float, default=2.0, help="cap of a scaled think time (default 2)")
+
+
+def _add_worker_args(ap: argparse.ArgumentParser) -> None:
+    """The workers' settings, timeouts and progress."""
     ap.add_argument("--block-size", type=int, default=16, help="the workers' and Mesh's KV block size (default 16)")
     ap.add_argument("--max-model-len", type=int, default=32768, help="worker --max-model-len (default 32768); longer "
                                                                       "requests are not replayed")
@@ -623,6 +671,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for workers / a router")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per-request timeout (default 300)")
     ap.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines (default 10)")
+
+
+def _add_output_args(ap: argparse.ArgumentParser) -> None:
+    """Where results go, extra routers, and the slice writer."""
     ap.add_argument("--json", dest="json_out", default=None,
                     help="write the results (default $OUT/e2e_routing.json, else bench/results/e2e_routing.json)")
     ap.add_argument("--out-dir", help="process logs (default $OUT/e2e_routing_logs, else a temporary directory)")
@@ -632,7 +684,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--make-slice", type=Path, metavar="WEKA_DIR", help="write the default slice from WEKA_DIR and exit")
     ap.add_argument("--slice-sessions", type=int, default=48)
     ap.add_argument("--slice-max-prompt", type=int, default=262_144, help="longest raw prompt of a slice session (tokens)")
-    args = ap.parse_args(argv)
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Registers the --variant routers, parses the comma lists (``*_list``), checks them, and defaults --json."""
     for variant in args.variant:
         name, _, spec = variant.partition("=")
         try:
@@ -655,7 +710,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.json_out is None:
         args.json_out = str(Path(os.environ["OUT"]) / "e2e_routing.json") if os.environ.get("OUT") else \
             str(ROOT / "bench" / "results" / "e2e_routing.json")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,19 +734,26 @@ def main(argv: list[str] | None = None) -> int:
         procs.stop_all()
 
 
-def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
-    from mesh.replay.run import ReplaySetup, prepare
-    from simulator.report import write_json
-    from simulator.traces import TraceError
+@dataclass
+class _Matrix:
+    """What one invocation's matrix shares: its settings, the trace, the budget, the JSON payload and tallies."""
 
-    budget = Budget(args.budget_s)
-    try:
-        prep = prepare(ReplaySetup(
-            traces=args.trace, sessions=args.sessions, max_turns=args.max_turns, time_scale=args.time_scale,
-            max_think_s=args.max_think_s, prompt_scale=args.prompt_scale, output_tokens=args.output_tokens,
-            max_prompt_tokens=args.max_model_len - args.output_tokens - 1, engine_block_size=args.block_size))
-    except (TraceError, ValueError, OSError) as exc:
-        print(f"e2e_routing: error: {exc}", file=sys.stderr)
+    args: argparse.Namespace
+    procs: Procs
+    prep: Any
+    budget: Budget
+    payload: dict[str, Any]
+    configs: list[tuple[int, int]]
+    runs_total: int
+    runs_done: int = 0
+    exit_code: int = 0
+
+
+def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
+    from simulator.report import write_json
+
+    budget, prep = _prepare(args)
+    if prep is None:
         return 2
     plan = prep.plan
     log(f"trace: {len(plan.turns):,} requests in {len(plan.groups)} sessions, {prep.ideal.prompt_units:,} prompt tokens "
@@ -707,79 +768,122 @@ def run(args: argparse.Namespace, procs: Procs, out_dir: Path) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("make_slice",)},
         "trace": prep.trace_info(), "reference": prep.reference(), "points": [], "warnings": [], "ok": False,
     }
-    runs_done = 0
-    exit_code = 0
+    m = _Matrix(args, procs, prep, budget, payload, configs, runs_total)
     if args.run_s is None:
-        need = len(configs) * 90.0 + runs_total * (15.0 + args.min_run_s)
-        if need > args.budget_s:
-            payload["warnings"].append(
-                f"the matrix ({len(configs)} worker configs x {len(args.conc_list)} loads x {len(args.routers_list)} "
-                f"routers x {args.repeats}) needs about {need:.0f} s at --min-run-s {args.min_run_s:g} > --budget-s "
-                f"{args.budget_s:g}: later points will be skipped; run one worker config per invocation "
-                "(e.g. --kv-blocks 4000 --cpu-blocks 0)")
-            log(f"warning: {payload['warnings'][-1]}")
+        _warn_if_over_budget(m)
     try:
-        for ci, (kv, cpu) in enumerate(configs):
-            t_start = time.monotonic()
-            log(f"config {ci + 1}/{len(configs)}: starting {args.workers} x {args.preset} workers on {args.device}, "
-                f"{kv} KV blocks, CPU tier {cpu} blocks")
-            workers = start_workers(procs, args, kv, cpu)
-            infos = [wait_for(f"{w.name} /health", lambda w=w: health(w), workers, args.startup_timeout, 0.5)
-                     for w in workers]
-            model = http_json("GET", workers[0].url + "/v1/models")[1]["data"][0]["id"]
-            budget.startup_s.append(time.monotonic() - t_start)
-            log(f"workers up in {budget.startup_s[-1]:.0f} s: {infos[0].get('num_kv_blocks')} KV blocks of "
-                f"{infos[0].get('block_size')}, {infos[0].get('attention_backend')} attention, model {model}")
-            for conc in args.conc_list:
-                runs_left = runs_total - runs_done
-                starts_left = len(configs) - ci - 1
-                if args.run_s is not None:
-                    run_s = args.run_s
-                else:
-                    run_s = budget.run_s(runs_left, starts_left, args.min_run_s, args.max_run_s)
-                    point_runs = len(args.routers_list) * args.repeats
-                    if budget.left() < point_runs * (args.min_run_s + budget.overhead()):
-                        payload["warnings"].append(f"budget exhausted before kv {kv} cpu {cpu} conc {conc}: skipped")
-                        log(payload["warnings"][-1])
-                        continue
-                point = {"kv_blocks": kv, "cpu_blocks": cpu, "concurrency": conc, "run_s": run_s,
-                         "ideal_hit_rate": prep.ideal.session, "worker_info": infos[0], "runs": [], "routers": {}}
-                log(f"point kv {kv} cpu {cpu} conc {conc}: {len(args.routers_list)} routers x {args.repeats}, "
-                    f"{f'{run_s:.0f} s' if run_s else 'the whole slice'} per run ({budget.left():.0f} s of budget left)")
-                per_router: dict[str, list[dict[str, Any]]] = {r: [] for r in args.routers_list}
-                for rep in range(args.repeats):
-                    for name in args.routers_list:
-                        t_run = time.monotonic()
-                        tag = f"kv{kv}-cpu{cpu}-c{conc}-r{rep}"
-                        row = run_one(procs, SPECS[name], workers, prep, args, model, conc, run_s, tag)
-                        row["repeat"] = rep
-                        runs_done += 1
-                        took = time.monotonic() - t_run
-                        budget.overhead_s.append(max(0.0, took - (run_s or 0.0)))
-                        per_router[name].append(row)
-                        point["runs"].append({k: v for k, v in row.items() if k != "summary"})
-                        if row.get("ok"):
-                            log(f"  {name}: {row['requests']:,} requests, {row['errors']} errors, TTFT mean "
-                                f"{row['ttft_ms']['mean']:.1f} ms, p99 {row['ttft_ms']['p99']:.1f} ms, hit "
-                                f"{row['hit_rate']:.1%} (workers {row['worker_hit_rate']:.1%}), {took:.0f} s")
-                        else:
-                            exit_code = 1
-                point["routers"] = {name: combine(rows) for name, rows in per_router.items()}
-                add_ratios(point["routers"])
-                payload["points"].append(point)
-                print_point(point, args.width)
-                write_json(args.json_out, payload)
-            for w in workers:
-                procs.stop(w)
+        for ci in range(len(configs)):
+            _run_config(m, ci)
     except (BenchError, TimeoutError) as exc:
         log(f"stopped: {exc}")
         payload["warnings"].append(f"stopped: {exc}"[:4000])
-        exit_code = 1
-    payload["ok"] = exit_code == 0 and bool(payload["points"])
+        m.exit_code = 1
+    payload["ok"] = m.exit_code == 0 and bool(payload["points"])
     payload["wall_s"] = time.monotonic() - budget.started
     write_json(args.json_out, payload)
-    log(f"wrote {args.json_out} ({runs_done}/{runs_total} runs, {payload['wall_s']:.0f} s)")
-    return exit_code
+    log(f"wrote {args.json_out} ({m.runs_done}/{runs_total} runs, {payload['wall_s']:.0f} s)")
+    return m.exit_code
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Budget, Any]:
+    """The run's budget (started now) and the replay's preparation of the trace; None for the latter (the error
+    printed) when the trace cannot be read."""
+    from mesh.replay.run import ReplaySetup, prepare
+    from simulator.traces import TraceError
+
+    budget = Budget(args.budget_s)
+    try:
+        return budget, prepare(ReplaySetup(
+            traces=args.trace, sessions=args.sessions, max_turns=args.max_turns, time_scale=args.time_scale,
+            max_think_s=args.max_think_s, prompt_scale=args.prompt_scale, output_tokens=args.output_tokens,
+            max_prompt_tokens=args.max_model_len - args.output_tokens - 1, engine_block_size=args.block_size))
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"e2e_routing: error: {exc}", file=sys.stderr)
+        return budget, None
+
+
+def _warn_if_over_budget(m: _Matrix) -> None:
+    args, configs = m.args, m.configs
+    need = len(configs) * 90.0 + m.runs_total * (15.0 + args.min_run_s)
+    if need > args.budget_s:
+        m.payload["warnings"].append(
+            f"the matrix ({len(configs)} worker configs x {len(args.conc_list)} loads x {len(args.routers_list)} "
+            f"routers x {args.repeats}) needs about {need:.0f} s at --min-run-s {args.min_run_s:g} > --budget-s "
+            f"{args.budget_s:g}: later points will be skipped; run one worker config per invocation "
+            "(e.g. --kv-blocks 4000 --cpu-blocks 0)")
+        log(f"warning: {m.payload['warnings'][-1]}")
+
+
+def _run_config(m: _Matrix, ci: int) -> None:
+    """One worker configuration: its workers started, every load level run, the workers stopped."""
+    args, budget = m.args, m.budget
+    kv, cpu = m.configs[ci]
+    t_start = time.monotonic()
+    log(f"config {ci + 1}/{len(m.configs)}: starting {args.workers} x {args.preset} workers on {args.device}, "
+        f"{kv} KV blocks, CPU tier {cpu} blocks")
+    workers = start_workers(m.procs, args, kv, cpu)
+    infos = [wait_for(f"{w.name} /health", lambda w=w: health(w), workers, args.startup_timeout, 0.5)
+             for w in workers]
+    model = http_json("GET", workers[0].url + "/v1/models")[1]["data"][0]["id"]
+    budget.startup_s.append(time.monotonic() - t_start)
+    log(f"workers up in {budget.startup_s[-1]:.0f} s: {infos[0].get('num_kv_blocks')} KV blocks of "
+        f"{infos[0].get('block_size')}, {infos[0].get('attention_backend')} attention, model {model}")
+    for conc in args.conc_list:
+        run_s = _point_run_s(m, len(m.configs) - ci - 1, kv, cpu, conc)
+        if run_s is None:
+            continue
+        point = {"kv_blocks": kv, "cpu_blocks": cpu, "concurrency": conc, "run_s": run_s,
+                 "ideal_hit_rate": m.prep.ideal.session, "worker_info": infos[0], "runs": [], "routers": {}}
+        _run_point(m, point, workers, model)
+    for w in workers:
+        m.procs.stop(w)
+
+
+def _point_run_s(m: _Matrix, starts_left: int, kv: int, cpu: int, conc: int) -> float | None:
+    """Seconds per run at this matrix point (fixed, or sized by the budget); None: the budget is spent (skipped)."""
+    args, budget = m.args, m.budget
+    if args.run_s is not None:
+        return args.run_s
+    run_s = budget.run_s(m.runs_total - m.runs_done, starts_left, args.min_run_s, args.max_run_s)
+    point_runs = len(args.routers_list) * args.repeats
+    if budget.left() < point_runs * (args.min_run_s + budget.overhead()):
+        m.payload["warnings"].append(f"budget exhausted before kv {kv} cpu {cpu} conc {conc}: skipped")
+        log(m.payload["warnings"][-1])
+        return None
+    return run_s
+
+
+def _run_point(m: _Matrix, point: dict[str, Any], workers: list[Proc], model: str) -> None:
+    """Every router's repeats at one matrix point; the point combined, printed and written to the JSON."""
+    from simulator.report import write_json
+
+    args, budget = m.args, m.budget
+    kv, cpu, conc, run_s = point["kv_blocks"], point["cpu_blocks"], point["concurrency"], point["run_s"]
+    log(f"point kv {kv} cpu {cpu} conc {conc}: {len(args.routers_list)} routers x {args.repeats}, "
+        f"{f'{run_s:.0f} s' if run_s else 'the whole slice'} per run ({budget.left():.0f} s of budget left)")
+    per_router: dict[str, list[dict[str, Any]]] = {r: [] for r in args.routers_list}
+    for rep in range(args.repeats):
+        for name in args.routers_list:
+            t_run = time.monotonic()
+            tag = f"kv{kv}-cpu{cpu}-c{conc}-r{rep}"
+            row = run_one(m.procs, SPECS[name], workers, m.prep, args, model, conc, run_s, tag)
+            row["repeat"] = rep
+            m.runs_done += 1
+            took = time.monotonic() - t_run
+            budget.overhead_s.append(max(0.0, took - (run_s or 0.0)))
+            per_router[name].append(row)
+            point["runs"].append({k: v for k, v in row.items() if k != "summary"})
+            if row.get("ok"):
+                log(f"  {name}: {row['requests']:,} requests, {row['errors']} errors, TTFT mean "
+                    f"{row['ttft_ms']['mean']:.1f} ms, p99 {row['ttft_ms']['p99']:.1f} ms, hit "
+                    f"{row['hit_rate']:.1%} (workers {row['worker_hit_rate']:.1%}), {took:.0f} s")
+            else:
+                m.exit_code = 1
+    point["routers"] = {name: combine(rows) for name, rows in per_router.items()}
+    add_ratios(point["routers"])
+    m.payload["points"].append(point)
+    print_point(point, args.width)
+    write_json(args.json_out, m.payload)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ random worker loses up to 128 blocks from its tail. Block size 16. Engine hashes
 (an xxh3 of the router key with an engine seed), so the index must map them to its own keys. They
 are the same on every worker (vLLM with a fixed PYTHONHASHSEED): Dynamo's RadixTree requires it
 (with per-worker hashes its stores fail with "Failed to find parent block"); Mesh's index keeps a
-map per worker and handles both (tests/test_index.py, tests/test_subscriber.py).
+map per worker and handles both (tests/unit/core/test_index.py, tests/unit/events/test_subscriber.py).
 
 Both indices get the same events:
 - Mesh: ``PrefixIndex.apply_stored/apply_removed`` with the event's token ids; the timed apply
@@ -574,7 +574,7 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--events", type=int, default=5000)
@@ -587,25 +587,11 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="pin nothing (Dynamo's apply then depends on the scheduler)")
     ap.add_argument("--json", default="bench/results/index.json")
     ap.add_argument("--child-apply", nargs=3, metavar=("SIDE", "PATH", "CPU"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    os.environ.setdefault("RUST_LOG", "error")
-    if args.child_apply:
-        side, path, cpu_arg = args.child_apply
-        child_apply(side, path, {int(c) for c in cpu_arg.split(",")})
-        return
-    cpu = None if args.no_pin else args.cpu
-    if cpu is not None:  # match and decision latencies too: Dynamo's find_matches also crosses to its thread
-        os.sched_setaffinity(0, {cpu})
-    console = Console(width=200)
-    rows = []
-    started = time.time()
-    load_at_start = list(os.getloadavg())
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("index", total=len(args.sizes))
-        for w in args.sizes:
-            rows.append(run_size(w, args.events, args.queries, args.decisions, args.repeats, cpu, progress, task))
-            progress.advance(task)
-    t = Table(title=f"Event apply, blocks/s (median \\[min-max] of {args.repeats} fresh processes"
+    return ap.parse_args()
+
+
+def apply_table(rows: list[dict[str, Any]], repeats: int, cpu: int | None) -> Table:
+    t = Table(title=f"Event apply, blocks/s (median \\[min-max] of {repeats} fresh processes"
                     f"{'' if cpu is None else f', pinned to core {cpu}'}) and memory: Mesh PrefixIndex vs Dynamo RadixTree")
     for col in ("workers", "event blocks", "mesh pre-hashed", "dynamo pre-hashed", "ratio",
                 "mesh from tokens", "dynamo from tokens", "ratio", "dynamo 2 cores", "mesh pre / that",
@@ -622,7 +608,10 @@ def main() -> None:
             f"{r['ours_bytes_per_entry']:.0f}",
             "-" if r["dynamo_bytes_per_entry"] is None else f"{r['dynamo_bytes_per_entry']:.0f}",
         )
-    console.print(t)
+    return t
+
+
+def latency_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="Match latency (us, p50/p99; overlaps cross-checked on every query) and full decision")
     for col in ("workers", "targets hit", "512: mesh", "dynamo", "speed-up", "2048: mesh", "dynamo", "speed-up",
                 "decide 8k: mesh", "dyn lookup", "decide 32k: mesh", "dyn lookup"):
@@ -643,10 +632,11 @@ def main() -> None:
             f"{d32.get('ours_p50_us', 0):.0f}/{d32.get('ours_p99_us', 0):.0f}",
             f"{d32.get('dynamo_lookup_p50_us', 0):.0f}",
         )
-    console.print(t)
-    console.print("decide = tokens (a Python list) -> keys -> kv_aware over every worker; its parts (keys, match, "
-                  "policy) are in the JSON. dyn lookup = tokens -> compute_block_hash_for_seq -> find_matches.")
-    meta = {
+    return t
+
+
+def run_meta(args: argparse.Namespace, cpu: int | None, started: float, load_at_start: list[float]) -> dict[str, Any]:
+    return {
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "block_size": BS, "system_prompts": SYSTEMS, "system_blocks": SYSTEM_BLOCKS, "removal_share": REMOVAL_SHARE,
         "events_per_size": args.events, "wall_s": round(time.time() - started, 1),
@@ -658,6 +648,32 @@ def main() -> None:
                 "process",
         "dynamo": _dynamo_version(),
     }
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("RUST_LOG", "error")
+    if args.child_apply:
+        side, path, cpu_arg = args.child_apply
+        child_apply(side, path, {int(c) for c in cpu_arg.split(",")})
+        return
+    cpu = None if args.no_pin else args.cpu
+    if cpu is not None:  # match and decision latencies too: Dynamo's find_matches also crosses to its thread
+        os.sched_setaffinity(0, {cpu})
+    console = Console(width=200)
+    rows = []
+    started = time.time()
+    load_at_start = list(os.getloadavg())
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("index", total=len(args.sizes))
+        for w in args.sizes:
+            rows.append(run_size(w, args.events, args.queries, args.decisions, args.repeats, cpu, progress, task))
+            progress.advance(task)
+    console.print(apply_table(rows, args.repeats, cpu))
+    console.print(latency_table(rows))
+    console.print("decide = tokens (a Python list) -> keys -> kv_aware over every worker; its parts (keys, match, "
+                  "policy) are in the JSON. dyn lookup = tokens -> compute_block_hash_for_seq -> find_matches.")
+    meta = run_meta(args, cpu, started, load_at_start)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))

@@ -116,7 +116,7 @@ def run_dynamo(inputs: list[str], workers: int, mode: str, fmt: str) -> dict[str
             "throughput_tok_s": s["output_throughput_tok_s"]}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", nargs="+", default=["mooncake", "weka"], choices=["mooncake", "weka"])
     ap.add_argument("--sessions", type=int, default=100, help="WEKA sessions (files) to replay")
@@ -126,37 +126,47 @@ def main() -> int:
     ap.add_argument("--weka-blocks", nargs="+", type=int, default=[256],
                     help="Mesh block sizes on WEKA (add 64 for Dynamo's exact granularity: ~1 min more per mode)")
     ap.add_argument("--json", default="bench/results/simulate.json")
-    args = ap.parse_args()
-    console = Console(width=max(Console().width, 150))
-    kv_label, kv_spec = kv_policy()
-    load_start = os.getloadavg()
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        plans = []
-        if "mooncake" in args.scenarios:
-            plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake", args.mooncake_blocks))
-        if "weka" in args.scenarios:
-            files, directory = weka_dir(args.sessions, Path(tmp))
-            plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka", args.weka_blocks))
-        from rich.progress import Progress
+    return ap.parse_args()
 
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("replaying", total=sum(len(args.modes) * (1 + len(p[5])) for p in plans))
-            for name, files, dyn_inputs, workers, fmt, blocks in plans:
-                for mode in args.modes:
-                    spec = "round_robin" if mode == "round_robin" else kv_spec
-                    label = "round_robin" if mode == "round_robin" else kv_label
-                    progress.update(task, description=f"{name} {mode}: dynamo")
-                    dyn = run_dynamo(dyn_inputs, workers, "round_robin" if mode == "round_robin" else "kv_router", fmt)
+
+def plan_scenarios(args: argparse.Namespace, tmp: Path) -> list[tuple[str, list[Path], list[str], int, str, list[int]]]:
+    """Per scenario: name, Mesh's trace files, Dynamo's inputs, workers, Dynamo's trace format, Mesh block sizes."""
+    plans = []
+    if "mooncake" in args.scenarios:
+        plans.append(("mooncake", [MOONCAKE], [str(MOONCAKE)], 8, "mooncake", args.mooncake_blocks))
+    if "weka" in args.scenarios:
+        files, directory = weka_dir(args.sessions, tmp)
+        plans.append((f"weka x{len(files)}", files, [str(directory)], 4, "weka", args.weka_blocks))
+    return plans
+
+
+def replay_all(args: argparse.Namespace, plans: list[Any], console: Console, kv_label: str,
+               kv_spec: Any) -> list[dict[str, Any]]:
+    """Every scenario and mode through Dynamo once and Mesh at each block size: one row each."""
+    from rich.progress import Progress
+
+    rows: list[dict[str, Any]] = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replaying", total=sum(len(args.modes) * (1 + len(p[5])) for p in plans))
+        for name, files, dyn_inputs, workers, fmt, blocks in plans:
+            for mode in args.modes:
+                spec = "round_robin" if mode == "round_robin" else kv_spec
+                label = "round_robin" if mode == "round_robin" else kv_label
+                progress.update(task, description=f"{name} {mode}: dynamo")
+                dyn = run_dynamo(dyn_inputs, workers, "round_robin" if mode == "round_robin" else "kv_router", fmt)
+                progress.advance(task)
+                meshes = {}
+                for bs in blocks:
+                    progress.update(task, description=f"{name} {mode}: mesh @{bs}")
+                    meshes[bs] = run_mesh(files, workers, spec, bs)
                     progress.advance(task)
-                    meshes = {}
-                    for bs in blocks:
-                        progress.update(task, description=f"{name} {mode}: mesh @{bs}")
-                        meshes[bs] = run_mesh(files, workers, spec, bs)
-                        progress.advance(task)
-                    rows.append({"scenario": name, "workers": workers, "mode": mode, "mesh_policy": label,
-                                 "mesh": meshes, "dynamo": dyn,
-                                 "speed_ratio": {bs: dyn["wall_s"] / m["wall_s"] for bs, m in meshes.items()}})
+                rows.append({"scenario": name, "workers": workers, "mode": mode, "mesh_policy": label,
+                             "mesh": meshes, "dynamo": dyn,
+                             "speed_ratio": {bs: dyn["wall_s"] / m["wall_s"] for bs, m in meshes.items()}})
+    return rows
+
+
+def results_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="mesh simulate vs Dynamo run_mocker_trace_replay (same traces, workers, timing model)")
     for col in ("scenario", "routing", "sim", "wall s", "ratio", "hit rate", "TTFT mean", "p50", "p99",
                 "ITL mean", "E2E mean", "out tok/s"):
@@ -172,7 +182,18 @@ def main() -> int:
                 f"{m['ttft_ms']['p50']:.0f}", f"{m['ttft_ms']['p99']:.0f}", f"{m['itl_ms']:.2f}",
                 f"{m['e2e_ms']:.0f}", f"{m['throughput_tok_s']:,.0f}",
             )
-    console.print(table)
+    return table
+
+
+def main() -> int:
+    args = parse_args()
+    console = Console(width=max(Console().width, 150))
+    kv_label, kv_spec = kv_policy()
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        plans = plan_scenarios(args, Path(tmp))
+        rows = replay_all(args, plans, console, kv_label, kv_spec)
+    console.print(results_table(rows))
     console.print("ratio = Dynamo wall / Mesh wall (> 1: Mesh faster). Latencies in ms. "
                   f"Load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs).")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ that publish no KV events.
 The rule, decision for decision that of sgl-model-gateway 0.3.2 (PyPI ``sglang-router``; upstream
 ``src/policies/cache_aware.rs`` ``select_worker`` and ``src/policies/tree.rs``
 ``prefix_match_with_counts``; checked against the real router by ``bench/cache_aware_parity.py``
-and ``tests/test_cache_aware_parity.py``), with SGLang's defaults:
+and ``tests/e2e/routing/test_cache_aware_parity.py``), with SGLang's defaults:
 - load = the router's own in-flight requests per target;
 - if ``max_load - min_load > balance_abs_threshold`` (64) and ``max_load > balance_rel_threshold
   (1.5) * min_load`` (f32): the first least-loaded target, in target (config) order;

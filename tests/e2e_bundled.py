@@ -1,6 +1,6 @@
 """Helpers for end-to-end tests over bundled-engine workers (real processes, real ZMQ, real HTTP).
 
-``tests/test_e2e_cache_routing.py`` and ``tests/test_e2e_sessions.py`` use them: tiny-preset
+``tests/e2e/routing/test_e2e_cache_routing.py`` and ``tests/e2e/sessions/test_e2e_sessions.py`` use them: tiny-preset
 workers publishing KV events, gateway processes from a YAML config, multi-turn chat sessions
 whose every turn extends the previous prompt with the assistant's reply, and small readers of
 ``/metrics``, ``/debug/route`` and ``/workers``.

@@ -3,7 +3,7 @@
 - Keys are router block keys (``mesh.core.keys``): a key names a whole prefix. ``match(keys)``
   returns, per target, its longest *consecutive* cached prefix of ``keys`` (``Overlap.gpu_blocks``
   leading blocks on the GPU, then ``cpu_blocks`` from the CPU tier); targets with no overlap are
-  absent (``tests/test_index.py`` checks it against a brute-force oracle).
+  absent (``tests/unit/core/test_index.py`` checks it against a brute-force oracle).
 - Engine events (``apply_stored``/``apply_removed``) name blocks by engine hash, mapped per target
   to router keys; an engine may hold a hash in several copies (``mesh.core.index_copies``). A hash
   stored again for other content (or named twice in one event) is a rename: the block it named
@@ -484,7 +484,7 @@ class PrefixIndex:
                 heappush(nodes.lru, (stamp, last))
         return joined
 
-    # The bulk paths' seams (tests/test_index_bulk.py overrides them to compare against the
+    # The bulk paths' seams (tests/unit/core/test_index_bulk.py overrides them to compare against the
     # per-block paths and to count how often they run).
     def _join_run(
         self, bit: int, keys: Sequence[int], field: list[int], gpuish: bool, p: int, stamp: int

@@ -8,7 +8,7 @@ recycled ones) by slice assignments, scattered recycled nids by C-speed scatters
 usual leaf is dropped inline (``remove_chain``, ``remove_hashes``); ``bulk_min`` or more blocks
 that only one target holds on the GPU, each a leaf or the single parent of another removed block
 (engines evict sessions' tails), go in a few C-speed passes (``drop_tail``). The per-block paths
-define the semantics; the bulk paths are shortcuts (``tests/test_index_bulk.py`` checks them).
+define the semantics; the bulk paths are shortcuts (``tests/unit/core/test_index_bulk.py`` checks them).
 Ownership: plain functions over a ``Nodes`` (``mesh.core.index_nodes``), called by
 ``PrefixIndex``, which passes its ``bulk_min`` threshold in; they keep its invariants.
 """

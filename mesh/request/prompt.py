@@ -391,7 +391,7 @@ def render_chatml(messages: list[Any], add_generation_prompt: bool = True) -> st
     """``mesh.request.chat.DEFAULT_CHAT_TEMPLATE`` (ChatML, the byte tokenizer's template) without Jinja.
 
     Jinja costs ~12 us per request, a measurable share of the gateway's per-request budget;
-    ``tests/test_prompt.py`` checks that this equals the template's output.
+    ``tests/unit/request/test_prompt.py`` checks that this equals the template's output.
     """
     normalized = [normalize_message(m) for m in messages]
     if any(m["role"] == "developer" for m in normalized):  # ChatML names no developer role

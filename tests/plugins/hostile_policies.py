@@ -1,4 +1,4 @@
-"""Policy plugins that misbehave at routing time, for tests/test_hostile_policies.py.
+"""Policy plugins that misbehave at routing time, for tests/e2e/config/test_hostile_policies.py.
 
 ``Misbehaving`` reads what to do from the prompt (``mode:NAME``), so one gateway serves every case.
 """

@@ -1,6 +1,6 @@
 """Third-party plugins written outside the ``policies`` package, loaded by ``module:Class``.
 
-``tests/test_plugin_loading.py`` puts this directory on ``sys.path`` and names these classes in
+``tests/unit/policies/test_plugin_loading.py`` puts this directory on ``sys.path`` and names these classes in
 YAML, exactly as an operator would name their own module.
 """
 

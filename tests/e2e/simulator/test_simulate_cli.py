@@ -1,0 +1,172 @@
+"""``mesh simulate`` and ``mesh calibrate`` as a user runs them: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import SHARED_TRACES
+
+ROOT = Path(__file__).resolve().parents[3]
+MOONCAKE = SHARED_TRACES / "mooncake" / "conversation_trace.jsonl"
+EXAMPLE = ROOT / "examples" / "traces" / "agent_sessions.jsonl"
+
+
+def mesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "mesh", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_simulate_compares_policies_and_writes_reports(tmp_path: Path) -> None:
+    policy_file = tmp_path / "sticky.yaml"
+    policy_file.write_text("policy:\n  name: session_sticky\n  params: {max_in_flight: 8}\n")
+    out, page = tmp_path / "report.json", tmp_path / "report.html"
+    proc = mesh("simulate", str(MOONCAKE), "--workers", "3", "--policy", "round_robin", "--policy",
+                str(policy_file), "--profile", "dynamo-mocker", "--max-requests", "400", "--seed", "5",
+                "--json", str(out), "--html", str(page))
+    assert proc.returncode == 0, proc.stderr
+    assert "round_robin" in proc.stdout and "sticky" in proc.stdout  # the table
+    report = json.loads(out.read_text())
+    assert report["trace"]["requests"] == 400 and report["trace"]["formats"] == ["mooncake"]
+    assert report["workers"] == 3 and report["wall_s"] > 0
+    assert set(report["policies"]) == {"round_robin", "sticky"}
+    for s in report["policies"].values():
+        assert s["requests"] == 400
+        assert 0.0 < s["hit_rate"] < 1.0
+        t = s["ttft_ms"]
+        assert 0 < t["p50"] <= t["p90"] <= t["p99"] and t["mean"] > 0
+        assert set(s["itl_ms"]) == {"mean", "p50", "p90", "p99"} and s["itl_ms"]["mean"] > 0
+        assert s["throughput_tok_s"] > 0 and s["input_throughput_tok_s"] > s["throughput_tok_s"]
+        assert s["wall_s"] > 0
+        assert [w["id"] for w in s["per_worker"]] == ["w0", "w1", "w2"]
+        assert sum(w["requests"] for w in s["per_worker"]) == 400
+    assert report["policies"]["sticky"]["spec"] == {"name": "session_sticky", "params": {"max_in_flight": 8}}
+    html = page.read_text()
+    assert html.startswith("<!doctype html>") and html.count("data:image/png;base64,") == 4
+
+
+def test_simulate_session_trace_counts_session_moves(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = mesh("simulate", str(EXAMPLE), "--workers", "2", "--policy", "random", "--policy", "session_sticky",
+                "--profile", "h200-8b", "--json", str(out), "--quiet", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""  # --quiet
+    report = json.loads(out.read_text())
+    assert report["trace"]["sessions"] == 2
+    assert report["policies"]["session_sticky"]["session_moves"] == 0
+    assert report["policies"]["random"]["session_moves"] >= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent/trace.jsonl"], "no such file"),
+    ([str(EXAMPLE), "--workers", "0"], "--workers must be >= 1"),
+    ([str(EXAMPLE), "--policy", "no_such_policy"], "unknown policy 'no_such_policy'"),
+    ([str(EXAMPLE), "--profile", "nope"], "no such profile file"),
+    ([str(EXAMPLE), "--kv-blocks", "2", "--profile", "unit"], "KV blocks"),
+])
+def test_simulate_errors_are_messages_not_tracebacks(args: list[str], message: str) -> None:
+    proc = mesh("simulate", *args, "--quiet")
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_simulate_reports_a_malformed_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(MOONCAKE.read_text().split("\n", 3)[0] + "\n{\"timestamp\": 3,\n")
+    proc = mesh("simulate", str(bad), "--quiet")
+    assert proc.returncode == 2 and f"{bad}:2:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+FAKE_SERVER = textwrap.dedent('''
+    import asyncio, json, sys
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+    active = 0
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "fake-model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        global active
+        body = await req.json()
+        n_prompt = len(body["prompt"].split())
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"text": "x"}], "usage": {"prompt_tokens": n_prompt}})
+        async def gen():
+            global active
+            active += 1
+            try:
+                await asyncio.sleep(0.002 + 2e-6 * n_prompt)  # prefill
+                for i in range(body["max_tokens"]):
+                    if i:
+                        await asyncio.sleep(0.001 + 0.0002 * active)  # decode step
+                    yield "data: " + json.dumps({"choices": [{"text": " t", "finish_reason": None}]}) + "\\n\\n"
+                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": n_prompt}}) + "\\n\\n"
+                yield "data: [DONE]\\n\\n"
+            finally:
+                active -= 1
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path: Path) -> None:
+    script = tmp_path / "fake_openai.py"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(script), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        out = tmp_path / "calibrated.yaml"
+        proc = mesh("calibrate", "--url", f"http://127.0.0.1:{port}", "--out", str(out), "--quick",
+                    "--kv-blocks", "1000", "--block-size", "16", timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        from simulator.profile import load_profile
+
+        profile = load_profile(out)
+        assert profile.estimate is False and profile.kv_blocks == 1000 and profile.block_size == 16
+        assert profile.name == "calibrated-fake-model"
+        import yaml
+
+        points = yaml.safe_load(out.read_text())["calibration"]["points"]
+        assert len(points["prefill"]) >= 3 and len(points["decode"]) >= 2
+        # the profile drives a simulation
+        sim = mesh("simulate", str(EXAMPLE), "--profile", str(out), "--quiet", "--json", str(tmp_path / "r.json"))
+        assert sim.returncode == 0, sim.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_calibrate_unreachable_endpoint_is_a_message(tmp_path: Path) -> None:
+    proc = mesh("calibrate", "--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "p.yaml"),
+                "--quick", "--timeout", "2")
+    assert proc.returncode == 2 and "mesh calibrate: error:" in proc.stderr and "Traceback" not in proc.stderr
