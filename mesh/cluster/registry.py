@@ -190,7 +190,7 @@ class WorkerRegistry:
         """Targets at their admission limit (``max_in_flight``): routing skips them."""
         if not self.admission_limited:
             return []
-        return [t.id for t in self.targets.values() if t.max_in_flight and t.in_flight >= t.max_in_flight]
+        return [t.id for t in self.targets.values() if t.at_admission_limit]
 
     # -- passive health (request outcomes) --
     def record_success(self, tid: str) -> None:

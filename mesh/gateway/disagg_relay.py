@@ -313,7 +313,7 @@ class _Relay:
         if state is None or not state.available:
             raise Retry(f"decode worker {decode_id} was {'removed' if state is None else 'taken out of routing'}"
                         " during the prefill", 503, code="no_decode_worker")
-        if _at_limit(state):
+        if state.at_admission_limit:
             raise Full(f"decode worker {decode_id} is at its in-flight limit ({state.max_in_flight})", 429,
                        code="over_capacity")
 
@@ -430,14 +430,10 @@ class _Relay:
         return True
 
 
-def _at_limit(target: TargetState) -> bool:
-    return bool(target.max_in_flight) and target.in_flight >= target.max_in_flight
-
-
 def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
     """Targets a new pair must leave out: those at their admission limit (``max_in_flight``),
     except decode-role ones, which the relay checks itself (waiting in the decode queue)."""
-    return [t.id for t in targets.values() if _at_limit(t) and t.role != Role.DECODE]
+    return [t.id for t in targets.values() if t.at_admission_limit and t.role != Role.DECODE]
 
 
 def pd_profiles(policy: Policy) -> Any:
