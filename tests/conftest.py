@@ -36,3 +36,14 @@ def module_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessGr
         yield group
     finally:
         group.stop_all()
+
+
+_E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under ``tests/e2e/`` is marked ``e2e`` (real processes): ``-m "not e2e"`` runs
+    the in-process tests alone, in about a minute."""
+    for item in items:
+        if _E2E in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)

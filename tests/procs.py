@@ -29,21 +29,30 @@ SHARED_TRACES = next(
 PYTHON = sys.executable
 
 
-_HANDED_OUT: set[int] = set()  # never the same port twice in one test run
+# Test ports come from below the kernel's ephemeral range, which outbound connections draw from:
+# a port found free here cannot be taken by some client's connect() before its server binds it
+# (an OS-picked port 0 can). Each test process walks its own stride of the range (by pid), and
+# never hands out a port twice (processes started back to back before any binds).
+_PORTS_LO, _PORTS_HI = 20_000, 32_000
+_HANDED_OUT: set[int] = set()
+_cursor = _PORTS_LO + (os.getpid() * 97) % (_PORTS_HI - _PORTS_LO)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it) and that this test run has not handed
-    out before: processes started back to back before any binds must not be given the same one
-    (two echo workers on one port answered for each other)."""
-    for _ in range(100):
+    """A port outside the ephemeral range, free now, not handed out before in this process."""
+    global _cursor
+    for _ in range(_PORTS_HI - _PORTS_LO):
+        port, _cursor = _cursor, _PORTS_LO + (_cursor + 1 - _PORTS_LO) % (_PORTS_HI - _PORTS_LO)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no fresh free port after 100 tries")
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{_PORTS_LO}, {_PORTS_HI})")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import SHARED_TRACES
+from tests.procs import SHARED_TRACES, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 MOONCAKE = SHARED_TRACES / "mooncake" / "conversation_trace.jsonl"
@@ -123,12 +123,6 @@ FAKE_SERVER = textwrap.dedent('''
 
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_calibrate_writes_a_loadable_profile(tmp_path: Path) -> None:
