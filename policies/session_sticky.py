@@ -6,11 +6,11 @@ still caches (a session whose blocks were evicted recomputes them at home: movin
 recompute and pollutes another worker's cache). Otherwise the session is (re)bound:
 
 - a new session is spread: it goes among the targets under the ceiling within ``session_slack``
-  of the fewest live sessions, the inner policy choosing among those (by queued work and prefix). What a new session matches elsewhere is
-  recomputed once where it lands (a shared system prompt is then cached there for every later
-  session too), while a session placed on a crowded worker crowds it for its whole life: a
-  system prompt that is most of a first turn must not pull every new session to the first worker
-  that cached it;
+  of the fewest live sessions, the inner policy choosing among those (by queued work and
+  prefix). What a new session matches elsewhere is recomputed once where it lands (a shared
+  system prompt is then cached there for every later session too), while a session placed on a
+  crowded worker crowds it for its whole life: a system prompt that is most of a first turn must
+  not pull every new session to the first worker that cached it;
 - a moving session goes where the inner policy puts it over the other targets under the ceiling.
 
 Reads bindings only through ``cluster.sessions.bound_target``; the ``Router`` writes them
@@ -28,7 +28,7 @@ from policies.base import ClusterView, Decision, Policy, RequestInfo, TargetStat
 from policies.params import number
 from policies.registry import PluginError, register
 
-# The order for a new session, when the precise kv_aware policy is not installed.
+# The inner policy when the precise kv_aware policy is not installed: prefix, live sessions, load.
 FALLBACK_INNER: dict[str, Any] = {
     "name": "pipeline",
     "params": {
