@@ -2,13 +2,15 @@
 
 Three tiny-preset workers (real processes, KV events over ZMQ) behind three gateway processes:
 ``main`` on the default policy (session_sticky over kv_aware), ``idle`` the same with a 1 s idle
-time, ``plugin`` on a policy class from ``tests/plugins`` named ``module:Class`` in its YAML.
+time, ``packed`` the same without the spread of new sessions (so that a shared prompt binds them
+all to one worker: a hot spot), ``plugin`` on a policy class from ``tests/plugins`` named
+``module:Class`` in its YAML.
 
 Shown: a session keeps its worker across turns; after the idle time it is unbound (``/debug/route``
 and ``mesh_sessions_live`` / ``mesh_session_expired_total``); when its worker is drained or dies
 (SIGKILL) the next turn goes to a healthy worker, the session continues there and the move is
-counted; under a hot spot of sessions bound to one worker, the load ceiling sends new sessions
-and returning ones elsewhere; a plugin written outside the package routes real traffic.
+counted; new sessions sharing a system prompt spread over the workers; under a hot spot of
+sessions bound to one worker, the load ceiling sends new sessions and returning ones elsewhere; a plugin written outside the package routes real traffic.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Cluster:
     def __init__(self, workers: dict[str, Any], gateways: dict[str, Gateway]) -> None:
         self.workers = workers
         self.main, self.idle, self.plugin = gateways["main"], gateways["idle"], gateways["plugin"]
+        self.packed = gateways["packed"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,7 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     configs = {
         "main": write_config(logs / "main.yaml", ws),
         "idle": write_config(logs / "idle.yaml", ws, sessions={"idle_ttl_s": 1}),
+        "packed": write_config(logs / "packed.yaml", ws, policy={"name": "session_sticky", "params": {"spread_new": False}}),
         "plugin": write_config(logs / "plugin.yaml", ws,
                                policy={"name": "mesh_test_plugins:Alphabetical", "params": {"reverse": True}}),
     }
@@ -115,12 +119,20 @@ def test_a_drained_worker_hands_its_session_to_another(cluster: Cluster) -> None
         assert gw.http.post(f"/workers/{home}/drain", params={"undo": "true"}, headers=ADMIN).status_code == 200
 
 
+def test_new_sessions_sharing_a_system_prompt_spread_over_the_workers(cluster: Cluster) -> None:
+    gw, system = cluster.main, shared_prefix(60, seed=11)
+    placed = [turn(gw, Conversation(700 + i, system=system), f"spread-{i}").worker for i in range(6)]
+    # not every one on the first holder of the prompt (which workers: by the sessions earlier tests
+    # left bound; tests/e2e/routing/test_new_sessions_spread.py checks the spread on a fresh cluster)
+    assert len(set(placed)) >= 2 and max(placed.count(w) for w in placed) <= 4, placed
+
+
 def test_a_hot_spot_sends_new_and_returning_sessions_past_the_load_ceiling(cluster: Cluster) -> None:
-    gw, system = cluster.main, shared_prefix(60)
+    gw, system = cluster.packed, shared_prefix(60)
     convs = [Conversation(900 + i, system=system) for i in range(HOT_STREAMS + 1)]
     placed = [turn(gw, conv, f"hot-{i}").worker for i, conv in enumerate(convs)]
     hot = placed[0]
-    assert placed == [hot] * len(convs)  # the shared prompt lives there: every session binds to one worker
+    assert placed == [hot] * len(convs)  # without the spread, the shared prompt binds every session there
     moves0 = gw.metric("mesh_session_moves_total")
     long = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
     streams: list[httpx.Response] = []

@@ -3,8 +3,9 @@ real echo workers and real KV event streams (a ZMQ publisher per worker rank, ow
 that says which worker holds which prefix; the gateway keys the blocks itself from the tokens).
 
 Workers: ``w0``, ``w1`` and ``dp`` (``dp_size: 2``: targets ``dp@0`` and ``dp@1``, one event
-stream per rank on port + rank). Gateways: ``main`` (idle time 600 s), ``short`` (1 s idle time,
-in front of ``w0``/``w1``) and ``small`` (``max_sessions: 3``).
+stream per rank on port + rank). Gateways: ``main`` (idle time 600 s, a tight load ceiling, new
+sessions placed by prefix: ``spread_new: false``), ``short`` (1 s idle time, in front of
+``w0``/``w1``) and ``small`` (``max_sessions: 3``).
 """
 
 from __future__ import annotations
@@ -146,9 +147,11 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
                      "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"}})
     limited = [dict(cfg, max_in_flight=1) if cfg["name"] == "w1" else cfg for cfg in cfgs]
     gws = {
-        # a tight configured ceiling (in_flight <= mean + 1) over the default inner policy
+        # a tight configured ceiling (in_flight <= mean + 1) over the default inner policy; new
+        # sessions placed by prefix (no spread by live sessions), so that a test can put a new
+        # session on the prefix holder it sets up, whatever other tests left bound
         "main": _gateway(procs, "gw-main", _config(limited, policy={"name": "session_sticky", "params": {
-            "load_factor": 1.0, "load_slack": 1.0}})),
+            "load_factor": 1.0, "load_slack": 1.0, "spread_new": False}})),
         "short": _gateway(procs, "gw-short", _config(cfgs[:2], sessions={"idle_ttl_s": 1.0})),
         "small": _gateway(procs, "gw-small", _config(cfgs, sessions={"max_sessions": 3})),
     }
@@ -221,7 +224,9 @@ def test_after_the_idle_time_the_next_turn_is_a_new_binding_on_the_prefix_holder
     assert gw.complete(prompt, "exp-1").headers["x-mesh-worker"] == "w1"
     wait_until(lambda: gw.bound("exp-1") is None, what="the binding expired")
     route = gw.route(prompt + " next", "exp-1")
-    assert route["decision"]["reason"].startswith("new session (kv_aware") and route["decision"]["target"] == "w1"
+    # every earlier session expired: all targets are equally spread, kv_aware picks the prefix holder
+    assert route["decision"]["reason"].startswith("new session, spread (<= 1 live sessions) (kv_aware")
+    assert route["decision"]["target"] == "w1"
     assert gw.complete(prompt + " next", "exp-1").headers["x-mesh-worker"] == "w1"
     after = gw.metrics()
     assert (after["created"], after["expired"], after["moves"]) == (
