@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import tempfile
 import time
@@ -50,6 +49,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench._procs import free_ports
 from bench._table import print_table
 
 MODEL = "echo"
@@ -119,17 +119,6 @@ def workload(seed: int, kind: str, sequential: int, burst: int, after: int) -> l
 
 
 # -- processes -------------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -55,12 +55,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench._procs import free_port, free_ports, stop_group
 
 SLICE = ROOT / "bench" / "data" / "weka-routing"
 ROUTERS = ("round_robin", "sglang", "mesh_kv_aware", "mesh_default", "mesh_cache_aware")
@@ -118,23 +119,6 @@ def make_slice(src: Path, out: Path, sessions: int, max_prompt: int) -> list[str
 
 
 # ============================================================================ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @dataclass
 class Proc:
     name: str
@@ -181,18 +165,7 @@ class Procs:
         return proc
 
     def stop(self, proc: Proc, timeout_s: float = 15.0) -> None:
-        if proc.alive():
-            try:
-                os.killpg(proc.popen.pid, signal.SIGTERM)
-                proc.popen.wait(timeout_s)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.popen.wait()
+        stop_group(proc.popen, timeout_s)
         if proc in self.procs:
             self.procs.remove(proc)
 

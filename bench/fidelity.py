@@ -39,8 +39,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -50,6 +48,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from bench._procs import free_port, stop_group
 
 SLICE = ROOT / "examples" / "traces" / "weka-fidelity"
 TARGET_REL_ERR = 0.15
@@ -201,12 +201,6 @@ class PromptBook:
 
 
 # ============================================================================ the cluster
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Proc:
     name: str
@@ -234,19 +228,7 @@ def spawn(name: str, cmd: list[str], log: Path, port: int, env: dict[str, str] |
 
 def stop(p: Proc, timeout_s: float = 10.0) -> None:
     """SIGTERM the child's process group, SIGKILL it if it lingers (only processes we started)."""
-    if p.proc.poll() is not None:
-        return
-    try:
-        os.killpg(p.proc.pid, signal.SIGTERM)
-        p.proc.wait(timeout_s)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        p.proc.wait()
+    stop_group(p.proc, timeout_s)
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
