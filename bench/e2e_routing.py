@@ -654,6 +654,9 @@ def _add_output_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--width", type=int, default=200, help="table width")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="an extra Mesh router NAME with this policy spec (JSON), with session ids; name it in --routers")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="before the routers, run mesh calibrate on the idle workers (one alone, then all at once) "
+                         "and record the profiles in the JSON (the simulator's twin of this run)")
     ap.add_argument("--make-slice", type=Path, metavar="WEKA_DIR", help="write the default slice from WEKA_DIR and exit")
     ap.add_argument("--slice-sessions", type=int, default=48)
     ap.add_argument("--slice-max-prompt", type=int, default=262_144, help="longest raw prompt of a slice session (tokens)")
@@ -801,6 +804,8 @@ def _run_config(m: _Matrix, ci: int) -> None:
     budget.startup_s.append(time.monotonic() - t_start)
     log(f"workers up in {budget.startup_s[-1]:.0f} s: {infos[0].get('num_kv_blocks')} KV blocks of "
         f"{infos[0].get('block_size')}, {infos[0].get('attention_backend')} attention, model {model}")
+    if args.calibrate:
+        m.payload.setdefault("calibration", []).append(calibrate_workers(m.procs, workers, args, kv, cpu))
     for conc in args.conc_list:
         run_s = _point_run_s(m, len(m.configs) - ci - 1, kv, cpu, conc)
         if run_s is None:
@@ -824,6 +829,41 @@ def _point_run_s(m: _Matrix, starts_left: int, kv: int, cpu: int, conc: int) -> 
         log(m.payload["warnings"][-1])
         return None
     return run_s
+
+
+def calibrate_workers(procs: Procs, workers: list[Proc], args: argparse.Namespace, kv: int, cpu: int) -> dict[str, Any]:
+    """``mesh calibrate`` on the idle workers, before any traffic: worker 0 alone (the other workers
+    idle), then every worker at once (each measured while the others run the same probes: the
+    timings of workers that share one GPU). The profiles' YAML texts, keyed "alone" and "shared"."""
+    out = procs.log_dir
+    top = min(16384, args.max_model_len // 2)
+
+    def cmd(w: Proc, path: Path) -> list[str]:
+        return [sys.executable, "-m", "mesh", "calibrate", "--url", w.url, "--out", str(path), "--kv-blocks", str(kv),
+                "--block-size", str(args.block_size), "--max-prompt", str(top), "--max-batch", "16",
+                "--timeout", str(args.request_timeout)]
+
+    def finish(runs: list[tuple[subprocess.Popen[bytes], Path]]) -> list[str]:
+        texts = []
+        for proc, path in runs:
+            if proc.wait(timeout=900) != 0 or not path.exists():
+                raise BenchError(f"mesh calibrate failed (exit {proc.returncode}); see {path.with_suffix('.log')}")
+            texts.append(path.read_text())
+        return texts
+
+    def launch(w: Proc, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+        path = out / f"profile-kv{kv}-cpu{cpu}-{name}.yaml"
+        with open(path.with_suffix(".log"), "wb") as logf:
+            return subprocess.Popen(cmd(w, path), stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT), path
+
+    t0 = time.monotonic()
+    log(f"calibrating {workers[0].name} alone")
+    alone = finish([launch(workers[0], "alone")])[0]
+    log(f"calibrating all {len(workers)} workers at once ({time.monotonic() - t0:.0f} s so far)")
+    shared = finish([launch(w, f"shared-{w.name}") for w in workers])
+    log(f"calibration done in {time.monotonic() - t0:.0f} s")
+    reset_caches(workers)
+    return {"kv_blocks": kv, "cpu_blocks": cpu, "alone": alone, "shared": shared}
 
 
 def _run_point(m: _Matrix, point: dict[str, Any], workers: list[Proc], model: str) -> None:

@@ -139,7 +139,7 @@ class Endpoint:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1}
         r = await self.client.post("/v1/completions", json=body)
         if r.status_code != 200:
-            raise CalibrationError(f"{self.base}/v1/completions: HTTP {r.status_code}")
+            raise CalibrationError(f"{self.base}/v1/completions: HTTP {r.status_code}: {r.text[:300]}")
         usage = r.json().get("usage") or {}
         if "prompt_tokens" not in usage:
             raise CalibrationError(f"{self.base}: responses carry no usage.prompt_tokens; cannot size prompts")
@@ -180,8 +180,8 @@ async def _sized_prompt(ep: Endpoint, tokens: int) -> Prompt:
     if ep.vocab:
         return _ids(ep.vocab, tokens)
     if ep.words_per_token is None:
-        probe = _text(400)
-        ep.words_per_token = 400 / max(1, await ep.count_tokens(probe))
+        probe = _text(64)  # short enough for any context window (a byte tokenizer makes ~6 tokens a word)
+        ep.words_per_token = 64 / max(1, await ep.count_tokens(probe))
     return _text(max(1, int(tokens * ep.words_per_token)))
 
 
