@@ -74,6 +74,8 @@ class RouterSpec:
     kind: str  # "mesh" | "sglang"
     policy: Any = None  # Mesh policy spec; None: the default
     session_ids: bool = True
+    worker: dict[str, Any] = field(default_factory=dict)  # Mesh: fields of every worker entry (max_in_flight)
+    config: dict[str, Any] = field(default_factory=dict)  # Mesh: more top-level config sections (admission)
 
 
 SPECS = {
@@ -282,9 +284,10 @@ def mesh_config(workers: list[Proc], spec: RouterSpec, block_size: int, port: in
         "server": {"host": "127.0.0.1", "port": port, "admin_key": "bench", "request_timeout_s": 900},
         "workers": [{"name": f"w{i}", "url": w.url, "block_size": block_size,
                      "kv_events": {"endpoint": f"tcp://127.0.0.1:{w.extra['kv']}",
-                                   "replay_endpoint": f"tcp://127.0.0.1:{w.extra['replay']}"}}
+                                   "replay_endpoint": f"tcp://127.0.0.1:{w.extra['replay']}"}, **spec.worker}
                     for i, w in enumerate(workers)],
         "health": {"interval_s": 1.0, "timeout_s": 5, "unhealthy_threshold": 3},
+        **spec.config,
     }
     if spec.policy is not None:
         cfg["policy"] = spec.policy
@@ -653,7 +656,8 @@ def _add_output_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out-dir", help="process logs (default $OUT/e2e_routing_logs, else a temporary directory)")
     ap.add_argument("--width", type=int, default=200, help="table width")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                    help="an extra Mesh router NAME with this policy spec (JSON), with session ids; name it in --routers")
+                    help="an extra Mesh router NAME with session ids: a policy spec (JSON), or {policy, worker, config} "
+                         "(worker fields, e.g. max_in_flight, and config sections, e.g. admission); name it in --routers")
     ap.add_argument("--calibrate", action="store_true",
                     help="before the routers, run mesh calibrate on the idle workers (one alone, then all at once) "
                          "and record the profiles in the JSON (the simulator's twin of this run)")
@@ -662,14 +666,25 @@ def _add_output_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slice-max-prompt", type=int, default=262_144, help="longest raw prompt of a slice session (tokens)")
 
 
+def _variant_spec(name: str, spec: Any) -> RouterSpec:
+    """A ``--variant``: a policy spec, or ``{"policy": SPEC, "worker": {FIELDS}, "config": {SECTIONS}}``
+    (e.g. ``{"worker": {"max_in_flight": 3}, "admission": ...}`` under ``config``)."""
+    if isinstance(spec, dict) and spec.keys() & {"worker", "config"}:
+        if not spec.keys() <= {"policy", "worker", "config"}:
+            raise ValueError(f"unknown keys {sorted(spec.keys() - {'policy', 'worker', 'config'})}")
+        return RouterSpec(name, "mesh", spec.get("policy"), worker=dict(spec.get("worker") or {}),
+                          config=dict(spec.get("config") or {}))
+    return RouterSpec(name, "mesh", spec)
+
+
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Registers the --variant routers, parses the comma lists (``*_list``), checks them, and defaults --json."""
     for variant in args.variant:
         name, _, spec = variant.partition("=")
         try:
-            SPECS[name] = RouterSpec(name, "mesh", json.loads(spec))
+            SPECS[name] = _variant_spec(name, json.loads(spec))
         except ValueError:
-            ap.error(f"--variant takes NAME=JSON_POLICY_SPEC, got {variant!r}")
+            ap.error(f"--variant takes NAME=JSON (a policy spec, or {{policy, worker, config}}), got {variant!r}")
     args.routers_list = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in args.routers_list if r not in SPECS]
     if bad:

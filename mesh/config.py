@@ -181,6 +181,24 @@ class SessionsConfig(_Model):
         return header.lower()
 
 
+class AdmissionConfig(_Model):
+    """Late binding (``mesh.gateway.admission_queue``): a request that finds every worker of its
+    model at ``max_in_flight`` waits at the gateway and is routed once one has room."""
+
+    max_waiting: int = Field(256, ge=0)  # requests held at once; one more is a 429 (0: no holding, 429 at once)
+    max_wait_s: PositiveFloat = 30.0  # longest hold; then a 503 queue_timeout
+
+
+class RetentionConfig(_Model):
+    """Session-aware retention (``mesh.core.retention``): requests of sessions that do not fit
+    their worker's KV cache carry ``x-mesh-retention: spill`` (the bundled worker evicts their
+    blocks first; other workers ignore the header)."""
+
+    spill_hint: bool = True
+    fill: float = Field(0.9, gt=0, le=1)  # share of a worker's KV capacity the kept sessions may fill
+    active_s: PositiveFloat = 30.0  # a session idle this long stops counting
+
+
 class IndexConfig(_Model):
     max_keys: int = Field(0, ge=0)  # 0 = unbounded
     speculative_ttl_s: float = Field(2.0, ge=0)
@@ -321,6 +339,8 @@ class MeshConfig(_Model):
     policy: Any = DEFAULT_POLICY  # a policies spec, passed untouched to policies.create_policy
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     state: StateConfig = Field(default_factory=StateConfig)
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from mesh.core.retention import RetentionPlanner
 from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo, TargetState
 
 
@@ -68,6 +69,11 @@ class Lease:
     # Set for a request with a session id: the router's hook that restarts the session's idle
     # time when the request ends (a session is not idle while a request of it runs).
     on_end: Callable[[Lease, float], None] | None = None
+    # The router's release hook (``Router.on_release``): capacity freed on ``target``.
+    on_release: Callable[[TargetState], None] | None = None
+    # Retention hint (``RetentionPlanner``): the session does not fit its target's cache, so the
+    # worker should evict this request's blocks before others' once it ends.
+    spill: bool = False
 
     @property
     def decode_tokens(self) -> int:
@@ -93,10 +99,18 @@ class Lease:
         self.policy.on_finished(self.request, self.target.id, now)
         if self.on_end is not None:
             self.on_end(self, now)
+        if self.on_release is not None:
+            self.on_release(self.target)
 
     @property
     def finished(self) -> bool:
         return self._phase == 2
+
+
+def footprint_blocks(request: RequestInfo) -> int:
+    """The KV blocks a request leaves on its worker: its prompt and every choice's output."""
+    tokens = request.prompt_tokens + request.max_tokens * request.choices
+    return -(-tokens // max(1, request.block_size))
 
 
 class Router:
@@ -108,12 +122,16 @@ class Router:
         index: object | None = None,
         sessions: SessionStore | None = None,
         speculative_ttl_s: float = 2.0,
+        on_release: Callable[[TargetState], None] | None = None,
+        retention: RetentionPlanner | None = None,
     ) -> None:
         self.policy = policy  # swapped whole on config reload; bindings and load stay here
         self.targets = targets  # owned by the registry (gateway) or the simulator
         self.index = index
         self.sessions = sessions
         self.speculative_ttl_s = speculative_ttl_s
+        self.on_release = on_release  # told after every lease's release (the gateway's admission queue)
+        self.retention = retention  # marks the requests of sessions that do not fit their target
         self.session_moves = 0
         self._touch = getattr(sessions, "touch", None)  # optional in a SessionStore
         self._begin = getattr(sessions, "begin", None)
@@ -171,7 +189,9 @@ class Router:
         target.in_flight += 1
         uncached = request.prompt_tokens - cached_tokens
         target.prefill_tokens += uncached
-        lease = Lease(target, uncached, request.prompt_tokens, self.policy, request)
+        lease = Lease(target, uncached, request.prompt_tokens, self.policy, request, on_release=self.on_release)
+        if self.retention is not None and request.session_id:
+            lease.spill = self.retention.spill(request.session_id, target, footprint_blocks(request), now)
         if request.session_id and (self._touch is not None or self._end is not None):
             if self._end is not None:
                 self._begin(request.session_id, now)  # type: ignore[misc]

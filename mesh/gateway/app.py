@@ -32,12 +32,14 @@ from pydantic import BaseModel
 from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.config import ConfigError, MeshConfig, load_config
 from mesh.core.index import PrefixIndex
+from mesh.core.retention import RetentionPlanner
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
 from mesh.errors import MeshError, install_handlers
 from mesh.events.ingest import KvIngest
 from mesh.gateway import disagg_proxy
 from mesh.gateway.admin_routes import add_admin_routes
+from mesh.gateway.admission_queue import AdmissionQueue
 from mesh.gateway.data_routes import DATA_ROUTES, add_data_routes, serve_data
 from mesh.gateway.debug_routes import add_debug_routes
 from mesh.gateway.ops_routes import add_ops_routes
@@ -63,6 +65,7 @@ class Gateway:
     router: Router
     prompts: PromptProcessor
     ingest: KvIngest
+    admission: AdmissionQueue  # requests held while every worker of their model is full
     shared: SharedState | None = None  # state.backend: redis
     proxy: Proxy | None = None  # built in the lifespan, on the pooled client
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
@@ -153,8 +156,11 @@ class _Housekeeper:
         """Several workers removed as one change (a reload): one pass over the session table
         for all their targets, not one per worker."""
         tids = [t.id for w in workers for t in w.targets]
+        retention = self.gateway.router.retention
         for tid in tids:
             self.gateway.index.clear_target(tid)
+            if retention is not None:
+                retention.forget_target(tid)
         self.gateway.sessions.unbind_targets(tids)
 
 
@@ -176,17 +182,25 @@ def _session_table(config: MeshConfig) -> SessionTable:
     return SessionTable(idle_ttl_s=config.sessions.idle_ttl_s, max_sessions=config.sessions.max_sessions)
 
 
+def _retention(config: MeshConfig) -> RetentionPlanner | None:
+    r = config.retention
+    return RetentionPlanner(r.fill, r.active_s) if r.spill_hint else None
+
+
 def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> Gateway:
     metrics = Metrics()
     registry = WorkerRegistry(config)
     index = PrefixIndex(max_keys=config.index.max_keys)
     sessions = _session_table(config)
+    admission = AdmissionQueue(lambda: registry.config.admission, metrics)
     router = Router(
         config.build_policy(),
         registry.targets,
         index=index,
         sessions=sessions,
         speculative_ttl_s=config.index.speculative_ttl_s,
+        on_release=admission.released,
+        retention=_retention(config),
     )
     gateway = Gateway(
         config=config,
@@ -196,6 +210,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         index=index,
         sessions=sessions,
         router=router,
+        admission=admission,
         prompts=PromptProcessor(registry),
         ingest=KvIngest(index, registry, metrics),
     )
@@ -217,6 +232,9 @@ def _router_families(gateway: Gateway) -> list[Any]:
 
     moves = CounterMetricFamily("mesh_session_moves", "Sessions re-bound to another target", value=gateway.router.session_moves)
     out: list[Any] = [moves]
+    retention = gateway.router.retention
+    out.append(CounterMetricFamily("mesh_retention_spilled", "Requests sent with the retention hint x-mesh-retention: spill",
+                                   value=retention.spilled if retention is not None else 0))
     sessions = gateway.sessions
     # Bindings still held: idle ones are expired first (else they counted until the next
     # decision or housekeeping round); mesh_sessions is the older name of the same gauge.
@@ -277,7 +295,7 @@ def _build_proxy(gateway: Gateway, pool: UpstreamPool) -> Proxy:
     """The data plane: a ``DisaggProxy`` when the config can form prefill/decode pairs (workers
     with roles or policy profiles; workers added later do not change that), else a ``Proxy``."""
     mirror = gateway.shared.table.mirror if gateway.shared is not None else None
-    args = (pool, gateway.registry, gateway.router, gateway.prompts, gateway.metrics)
+    args = (pool, gateway.registry, gateway.router, gateway.prompts, gateway.metrics, gateway.admission)
     if not disagg_proxy.wanted(gateway.config):
         return Proxy(*args, mirror=mirror)
     server = gateway.config.server

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from mesh.config import MeshConfig
+from mesh.gateway.admission_queue import OverCapacity
 from mesh.gateway.client_io import Exchange
 from mesh.gateway.disagg_relay import (
     DecodeQueue,
@@ -84,19 +85,25 @@ class DisaggProxy(Proxy):
         if first is not None or pd_profiles(self.router.policy) is None:  # decided already, or no pairs to form
             await super()._forward(parsed, client_headers, state, route, start, first)
             return
-        now = time.monotonic()
-        self.registry.tick(now)
-        # Prefill targets at their admission limit are left out (decode ones wait in the relay's
-        # queue); with every one full the ordinary path answers 429, as for any full model.
-        full = full_for_pairs(self.registry.targets) if self.registry.admission_limited else []
-        try:
-            decision = self.router.decide(parsed.info, now, exclude=full)
-        except NoCandidate:
-            decision = None
+        decision = await self.admission.admit(lambda: self._decide_pair(parsed))
         if decision is None or decision.decode_target is None:  # this decision, not a second one
             await super()._forward(parsed, client_headers, state, route, start, first=decision)
             return
         await self._relay(parsed, client_headers, state, route, start, decision)
+
+    def _decide_pair(self, parsed: ParsedRequest) -> Decision | None:
+        """The pair's decision; None when no target can serve it. Prefill targets at their admission
+        limit are left out (decode ones wait in the relay's queue); while every candidate is full
+        it raises ``OverCapacity``: the request waits in the admission queue and is paired then."""
+        now = time.monotonic()
+        self.registry.tick(now)
+        full = full_for_pairs(self.registry.targets) if self.registry.admission_limited else []
+        try:
+            return self.router.decide(parsed.info, now, exclude=full)
+        except NoCandidate:
+            if full:
+                raise OverCapacity() from None
+            return None
 
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Decision) -> None:

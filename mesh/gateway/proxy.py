@@ -5,6 +5,8 @@ alone cost ~40% of the rate, see BENCHMARKS.md); upstream requests go through th
 ``UpstreamPool``. Invariants:
 - The body is forwarded byte for byte; routing reads a decoded copy.
 - Every routed attempt holds a ``Lease``, finished exactly once on every path (``try/finally``).
+- A request that finds every worker of its model at its in-flight ceiling waits in the admission
+  queue (late binding) and is decided once one has room (``admission_queue``).
 - Until the first byte reached the client, a failed attempt is retried on another worker with
   backoff (``verdicts`` says what a failure counts for); after it, a stream that breaks ends with
   an SSE error event (``sse_relay``). A retry moves the session only once its target served it.
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 from mesh.cluster.registry import WorkerRegistry
 from mesh.core.router import Lease, Router
 from mesh.errors import MeshError, openai_error_bytes
+from mesh.gateway.admission_queue import AdmissionQueue, OverCapacity
 from mesh.gateway.client_io import (
     WATCH_AFTER_S,
     ClientWriteTimeout,
@@ -58,6 +61,7 @@ log = logging.getLogger("mesh.gateway.proxy")
 
 Scope = MutableMapping[str, Any]
 
+RETENTION_SPILL = b"x-mesh-retention: spill\r\n"  # the retention hint (mesh.core.retention)
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
@@ -77,6 +81,7 @@ class Proxy:
         router: Router,
         prompts: PromptProcessor,
         metrics: Metrics,
+        admission: AdmissionQueue,
         mirror: SessionMirror | None = None,
     ) -> None:
         self.pool = pool
@@ -84,6 +89,7 @@ class Proxy:
         self.router = router
         self.prompts = prompts
         self.metrics = metrics
+        self.admission = admission  # where a request waits while every worker of its model is full
         self.mirror = mirror  # shared state (Redis): a session's binding copied in before its decision
         self._urls: dict[tuple[str, str], tuple[str, str, int, bytes]] = {}
         self._sessions_config: object = None
@@ -205,7 +211,10 @@ class Proxy:
                     break  # no back-off (and no retry counted) when nowhere is left to go
                 self.metrics.retries_total.labels(failure.kind if failure else "error").inc()
                 await asyncio.sleep(_backoff(attempt, retries.backoff_base_s, retries.backoff_max_s))
-            lease = self._route(parsed, excluded, failure, first if not attempt else None)
+            if attempt:
+                lease = self._route(parsed, excluded, failure)
+            else:
+                lease = await self.admission.admit(lambda: self._route(parsed, excluded, None, first))
             if lease is None:
                 break
             target = lease.target
@@ -256,10 +265,7 @@ class Proxy:
             if failure is not None:
                 return None
             if full:
-                raise MeshError(
-                    429, "every worker serving this model is at its in-flight limit", code="over_capacity",
-                    headers={"retry-after": "1"},
-                ) from exc
+                raise OverCapacity() from exc
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         self.metrics.routing_decision.observe(time.perf_counter() - t0)
         return lease
@@ -300,6 +306,8 @@ class Proxy:
             headers = headers + worker.headers
             if worker.config.dp_size > 1:
                 headers.append(b"x-data-parallel-rank: %d\r\n" % target.dp_rank)
+        if lease.spill:
+            headers = headers + [RETENTION_SPILL]
         path = "/v1/chat/completions" if parsed.kind == "chat" else "/v1/completions"
         timeout = self.registry.config.server.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout  # the upstream's own timer's, or a hair before

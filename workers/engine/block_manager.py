@@ -384,7 +384,11 @@ class BlockManager:
     # ---- free -----------------------------------------------------------------------------
 
     def free_seq(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references (finish, abort or preemption); cached content stays."""
+        """Drop ``seq``'s references (finish, abort or preemption); cached content stays. The
+        blocks it frees go to the back of the pool, tail first; with ``seq.evict_first`` (the
+        retention hint) to the front, behind the empty blocks and still tail first."""
+        spill = seq.evict_first
+        front: list[int] = []
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -392,9 +396,26 @@ class BlockManager:
                 self.free[bid] = None
                 if block.key is None:
                     self.free.move_to_end(bid, last=False)  # nothing to keep: reuse first
+                elif spill:
+                    front.append(bid)
+        if front:
+            self._to_eviction_front(front)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+
+    def _to_eviction_front(self, tail_first: list[int]) -> None:
+        """Put cached free blocks (a chain's, tail first) right behind the empty blocks at the
+        front of the pool: evicted before any other cached block, the tail before the head."""
+        empties = []
+        for bid in self.free:
+            if self.blocks[bid].key is not None:
+                break
+            empties.append(bid)
+        for bid in reversed(tail_first):
+            self.free.move_to_end(bid, last=False)
+        for bid in reversed(empties):
+            self.free.move_to_end(bid, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, on the GPU and in the CPU pool; only when no block is in use

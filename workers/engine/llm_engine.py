@@ -80,6 +80,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # reported by the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_evict_first = 0  # requests added with the retention hint
         # The last step scheduled nothing: requests wait for blocks held outside the scheduler.
         self.stalled = False
         self.publisher: Any = None
@@ -125,12 +126,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        evict_first: bool = False,
     ) -> None:
+        """Queue a request. ``evict_first``: once it ends, its cached blocks are evicted before any
+        other's (the router's retention hint for a session that does not fit this worker)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self._seed(cache_salt),
-                       cache_salt)
+                       cache_salt, evict_first=evict_first)
+        self.num_evict_first += evict_first
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -292,6 +298,7 @@ class LLMEngine:
             "preemptions": st.preemptions,
             "blocks_evicted": bm.num_evicted,
             "blocks_revived": bm.num_revived,
+            "evict_first_requests": self.num_evict_first,
             **self._offload_stats(),
             "steps": self.num_steps,
             "kv_events_published": pub.num_published if pub else 0,
@@ -350,7 +357,8 @@ class AsyncLLMEngine:
         return self.error is None and self._thread.is_alive()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        *, evict_first: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Closing the iterator early (a client that
         went away) aborts the request and frees its blocks. Validate before calling."""
@@ -358,7 +366,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._send(("add", request_id, prompt_token_ids, params, cache_salt))
+        self._send(("add", request_id, prompt_token_ids, params, cache_salt, evict_first))
         finished = False
         try:
             while True:
@@ -422,9 +430,9 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, salt = cmd
+                _, rid, ids, params, salt, evict_first = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, salt)
+                    self.engine.add_request(rid, ids, params, salt, evict_first=evict_first)
                 except ValueError as exc:
                     self._deliver(rid, RequestRejected(str(exc)))
             elif cmd[0] == "abort":

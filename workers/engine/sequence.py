@@ -102,6 +102,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "block_hashes", "num_committed_blocks", "status",
         "params", "key_seed", "cache_salt", "block_size", "finish_reason", "admissions", "generator",
+        "evict_first",
     )
 
     def __init__(
@@ -112,6 +113,8 @@ class Sequence:
         block_size: int,
         key_seed: int,
         cache_salt: str | None = None,
+        *,
+        evict_first: bool = False,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -130,6 +133,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.admissions = 0  # > 1 after a preemption
         self.generator: object | None = None  # the sampler's per-request RNG (seeded requests)
+        self.evict_first = evict_first  # retention hint: its blocks go to the eviction front when freed
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -203,6 +203,23 @@ class Chunk:
     output: RequestOutput
 
 
+RETENTION_HEADER = "x-mesh-retention"  # "spill": the router's hint that this session does not fit here
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHints:
+    """How a request's KV is keyed and kept: ``salt`` (vLLM's ``cache_salt``, a key namespace of
+    its own) and ``evict_first`` (the router's retention hint, ``x-mesh-retention: spill``: once
+    the request ends its blocks are evicted before any other's)."""
+
+    salt: str | None = None
+    evict_first: bool = False
+
+
+def cache_hints(req: _Common, request: Request) -> CacheHints:
+    return CacheHints(req.cache_salt, request.headers.get(RETENTION_HEADER, "").strip().lower() == "spill")
+
+
 @dataclass(frozen=True)
 class Child:
     """One choice of a request: its own engine request over its prompt's tokens."""
@@ -323,13 +340,13 @@ class WorkerAPI:
     # -- running a request --
 
     async def run(
-        self, rid: str, ids: list[int], params: SamplingParams, salt: str | None, stops: list[str],
+        self, rid: str, ids: list[int], params: SamplingParams, cache: CacheHints, stops: list[str],
         include_stop: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Text chunks of one request; leaving early (stop string, disconnect) aborts it."""
         decoder = self.tokenizer.stream_decoder()
         text = StopText(stops, include_stop)
-        gen = self.engine.generate(rid, ids, params, salt)
+        gen = self.engine.generate(rid, ids, params, cache.salt, evict_first=cache.evict_first)
         try:
             async for out in gen:
                 delta, stopped = text.push("".join(decoder.push(t) for t in out.new_token_ids))
@@ -345,11 +362,11 @@ class WorkerAPI:
         finally:
             await gen.aclose()
 
-    async def collect(self, rid: str, ids: list[int], params: SamplingParams, salt: str | None,
+    async def collect(self, rid: str, ids: list[int], params: SamplingParams, cache: CacheHints,
                       stops: list[str], include_stop: bool = False) -> tuple[str, str | None, RequestOutput]:
         parts: list[str] = []
         last: Chunk | None = None
-        async for chunk in self.run(rid, ids, params, salt, stops, include_stop):
+        async for chunk in self.run(rid, ids, params, cache, stops, include_stop):
             parts.append(chunk.text)
             last = chunk
         if last is None:
@@ -357,7 +374,7 @@ class WorkerAPI:
         return "".join(parts), last.finish_reason, last.output
 
 
-async def run_choices(api: WorkerAPI, children: Sequence[Child], salt: str | None, stops: list[str],
+async def run_choices(api: WorkerAPI, children: Sequence[Child], cache: CacheHints, stops: list[str],
                       include_stop: bool = False) -> AsyncIterator[tuple[Child, Chunk]]:
     """Every child's text chunks, interleaved as they come; ends when every child has finished.
 
@@ -367,7 +384,7 @@ async def run_choices(api: WorkerAPI, children: Sequence[Child], salt: str | Non
     each one's ``WorkerAPI.run`` exit aborts its engine request, so none is left running."""
     if len(children) == 1:  # no task, no queue: the common case stays as direct as it was
         child = children[0]
-        async with aclosing(api.run(child.rid, child.ids, child.params, salt, stops, include_stop)) as one:
+        async with aclosing(api.run(child.rid, child.ids, child.params, cache, stops, include_stop)) as one:
             async for chunk in one:
                 yield child, chunk
         return
@@ -378,7 +395,7 @@ async def run_choices(api: WorkerAPI, children: Sequence[Child], salt: str | Non
         try:
             if child.gate is not None:
                 await started[child.gate].wait()
-            async with aclosing(api.run(child.rid, child.ids, child.params, salt, stops, include_stop)) as chunks:
+            async with aclosing(api.run(child.rid, child.ids, child.params, cache, stops, include_stop)) as chunks:
                 async for chunk in chunks:
                     started[k].set()
                     queue.put_nowait((child, chunk))
@@ -406,12 +423,12 @@ async def run_choices(api: WorkerAPI, children: Sequence[Child], salt: str | Non
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(api: WorkerAPI, children: Sequence[Child], salt: str | None, stops: list[str],
+async def collect_choices(api: WorkerAPI, children: Sequence[Child], cache: CacheHints, stops: list[str],
                           include_stop: bool = False) -> list[tuple[str, str | None, RequestOutput]]:
     """(text, finish reason, last output) of every child, in choice order."""
     parts: list[list[str]] = [[] for _ in children]
     last: list[Chunk | None] = [None] * len(children)
-    async with aclosing(run_choices(api, children, salt, stops, include_stop)) as chunks:
+    async with aclosing(run_choices(api, children, cache, stops, include_stop)) as chunks:
         async for child, chunk in chunks:
             parts[child.index].append(chunk.text)
             last[child.index] = chunk
@@ -657,9 +674,9 @@ class Routes:
         created = int(time.time())
         children = api.children(rid, prompts, plist, n)
         if req.stream:
-            return stream_choices(api, req, rid, created, children, chat=False)
+            return stream_choices(api, req, rid, created, children, cache_hints(req, request), chat=False)
         results = await _unless_disconnected(request, collect_choices(
-            api, children, req.cache_salt, _stops(req.stop), include_stop))
+            api, children, cache_hints(req, request), _stops(req.stop), include_stop))
         return {
             "id": rid, "object": "text_completion", "created": created, "model": api.model_name,
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
@@ -683,9 +700,9 @@ class Routes:
         created = int(time.time())
         children = api.children(rid, [ids], [params], n)
         if req.stream:
-            return stream_choices(api, req, rid, created, children, chat=True)
+            return stream_choices(api, req, rid, created, children, cache_hints(req, request), chat=True)
         results = await _unless_disconnected(
-            request, collect_choices(api, children, req.cache_salt, _stops(req.stop), include_stop))
+            request, collect_choices(api, children, cache_hints(req, request), _stops(req.stop), include_stop))
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": api.model_name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text},
@@ -741,14 +758,8 @@ class Routes:
         return {"status": "ok"}
 
 
-def _stream(api: WorkerAPI, req: _Common, rid: str, created: int, ids: list[int], params: SamplingParams,
-            chat: bool) -> StreamingResponse:
-    """The stream of a single choice (one prompt, ``n`` = 1)."""
-    return stream_choices(api, req, rid, created, [Child(0, 0, rid, ids, params)], chat)
-
-
 def stream_choices(api: WorkerAPI, req: _Common, rid: str, created: int, children: Sequence[Child],
-                   chat: bool) -> StreamingResponse:
+                   cache: CacheHints, chat: bool) -> StreamingResponse:
     """Server-sent events as vLLM sends them: chat first sends each choice's role delta; then the
     choices' chunks interleave as they come, one choice per chunk, each with its ``index``;
     each choice ends with its own chunk carrying its finish reason; the usage chunk (no
@@ -778,7 +789,7 @@ def stream_choices(api: WorkerAPI, req: _Common, rid: str, created: int, childre
                 yield chunk(choice(child.index, None, None, first=True))
         last: dict[int, tuple[int, RequestOutput]] = {}  # choice -> (prompt, its last output)
         try:
-            async with aclosing(run_choices(api, children, req.cache_salt, _stops(req.stop), include_stop)) as chunks:
+            async with aclosing(run_choices(api, children, cache, _stops(req.stop), include_stop)) as chunks:
                 async for child, c in chunks:
                     last[child.index] = (child.prompt, c.output)
                     if c.text or c.finish_reason is None:
@@ -823,6 +834,7 @@ _COUNTERS = {
     "generation_tokens": "Tokens generated",
     "preemptions": "Requests preempted under KV pressure",
     "blocks_evicted": "Cached KV blocks evicted to make room",
+    "evict_first_requests": "Requests with the router's retention hint (x-mesh-retention: spill): blocks evicted first",
     "cpu_prefix_cache_hits": "Tokens found in the CPU offload tier (part of prefix_cache_hits)",
     "cpu_blocks_restored": "KV blocks copied back from the CPU tier to the GPU (CPU hits)",
     "cpu_blocks_saved": "KV blocks copied from the GPU to the CPU tier (on eviction or a cpu_save)",

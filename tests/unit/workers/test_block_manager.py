@@ -57,6 +57,30 @@ def test_free_keeps_content_and_a_hit_revives_without_eviction() -> None:
     bm.check([b])
 
 
+def test_blocks_freed_with_the_retention_hint_are_evicted_first_tail_first() -> None:
+    bm = BlockManager(8, BS)
+    kept = _seq(list(range(100, 112)), "kept")  # 3 blocks, freed first: the LRU victim without the hint
+    spill = Sequence("spill", list(range(200, 208)), SamplingParams(max_tokens=64), BS, SEED, evict_first=True)
+    for seq in (kept, spill):
+        bm.allocate(seq)
+        _compute_all(bm, seq)
+    bm.free_seq(kept)
+    bm.free_seq(spill)
+    bm.check()
+    bm.drain_events()
+    newcomer = _seq(list(range(300, 312)), "new")  # 3 blocks: 3 empty ones, then the spilled chain's tail
+    bm.allocate(newcomer)
+    assert bm.num_evicted == 0  # the empty blocks went first
+    bm.free_seq(newcomer)  # (no content committed: back to the front)
+    big = _seq(list(range(400, 420)), "big")  # 5 blocks: 3 empty, then both spilled blocks, tail first
+    bm.allocate(big)
+    removed = [k for e in bm.drain_events() if isinstance(e, BlockRemoved) for k in e.block_hashes]
+    spill_keys = block_keys(list(range(200, 208)), BS, SEED)
+    assert removed == spill_keys[::-1]
+    assert all(k in bm.cached for k in block_keys(list(range(100, 112)), BS, SEED))  # the kept session survived
+    bm.check([big])
+
+
 def test_block_holding_the_last_prompt_token_is_never_reused() -> None:
     bm = BlockManager(8, BS)
     a = _seq(list(range(8)))

@@ -1,0 +1,107 @@
+"""Session-aware retention: which sessions a worker keeps cached when its sessions do not all fit.
+
+Agentic sessions come back turn after turn. When the prompts of the sessions active on a worker
+add up to more than its GPU KV capacity, an LRU cache thrashes: each session returns after the
+others and finds its own blocks evicted, since they are the least recently used. Keeping the
+sessions that fit resident, and having the rest evicted first, turns that cycle of misses into
+hits for most sessions at the cost of the few that did not fit.
+
+The planner keeps, per target, the footprint of each active session routed there (the blocks of
+its last prompt plus its output) in seniority order (first routed there first). The senior
+sessions whose footprints fit within ``fill`` of the target's KV capacity are kept; a request of
+any other session is marked *spill*, and the gateway asks the worker to evict that request's
+blocks before any other once it ends (``x-mesh-retention: spill``; the bundled worker honours
+it, other workers ignore it). A session stops counting once idle for ``active_s`` and leaves the
+target's plan when it moves. Targets of unknown capacity spill nothing.
+
+Owned by the ``Router`` (gateway and simulator alike); the plan of a target is recomputed at most
+every ``REPLAN_S`` (footprints grow by a turn at a time), so a request costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.base import TargetState
+
+REPLAN_S = 0.1
+
+
+@dataclass(slots=True)
+class _TargetPlan:
+    blocks: dict[str, int] = field(default_factory=dict)  # session -> footprint, in seniority order
+    seen: dict[str, float] = field(default_factory=dict)  # session -> its last request's time
+    spill: frozenset[str] = frozenset()
+    planned_at: float = float("-inf")
+    capacity: int = 0  # the capacity the plan was made for
+
+
+class RetentionPlanner:
+    """Marks the requests of sessions that do not fit their target's cache (the module docstring)."""
+
+    def __init__(self, fill: float = 0.9, active_s: float = 30.0) -> None:
+        if not 0 < fill <= 1:
+            raise ValueError(f"retention fill must be in (0, 1], got {fill}")
+        if not active_s > 0:
+            raise ValueError(f"retention active_s must be > 0, got {active_s}")
+        self.fill = fill
+        self.active_s = active_s
+        self._plans: dict[str, _TargetPlan] = {}
+        self._home: dict[str, str] = {}  # session -> the target whose plan holds it
+        self.spilled = 0  # requests marked spill
+
+    def spill(self, session_id: str, target: TargetState, blocks: int, now: float) -> bool:
+        """Record a request of ``session_id`` routed to ``target`` (``blocks``: its footprint) and
+        say whether its blocks should be evicted before others' once it ends."""
+        home = self._home.get(session_id)
+        if home != target.id:
+            if home is not None:
+                self._leave(session_id, home)
+            self._home[session_id] = target.id
+        plan = self._plans.setdefault(target.id, _TargetPlan())
+        plan.blocks[session_id] = blocks
+        plan.seen[session_id] = now
+        if target.kv_capacity_blocks <= 0:
+            return False
+        if now - plan.planned_at >= REPLAN_S or plan.capacity != target.kv_capacity_blocks or home != target.id:
+            self._replan(plan, target.kv_capacity_blocks, now)
+        if session_id in plan.spill:
+            self.spilled += 1
+            return True
+        return False
+
+    def forget_target(self, target: str) -> None:
+        """``target`` left the registry: its plan goes with it."""
+        plan = self._plans.pop(target, None)
+        for sid in plan.blocks if plan is not None else ():
+            if self._home.get(sid) == target:
+                del self._home[sid]
+
+    def spilling(self, target: str) -> int:
+        """Sessions the target's current plan marks spill."""
+        plan = self._plans.get(target)
+        return len(plan.spill) if plan is not None else 0
+
+    def _leave(self, session_id: str, target: str) -> None:
+        plan = self._plans.get(target)
+        if plan is not None:
+            plan.blocks.pop(session_id, None)
+            plan.seen.pop(session_id, None)
+
+    def _replan(self, plan: _TargetPlan, capacity: int, now: float) -> None:
+        """Drop sessions idle past ``active_s``; keep the senior ones that fit, spill the rest."""
+        idle = [sid for sid, t in plan.seen.items() if now - t > self.active_s]
+        for sid in idle:
+            del plan.blocks[sid], plan.seen[sid]
+            self._home.pop(sid, None)
+        budget = self.fill * capacity
+        used = 0
+        spill = []
+        for sid, blocks in plan.blocks.items():
+            if used + blocks <= budget:
+                used += blocks
+            else:
+                spill.append(sid)
+        plan.spill = frozenset(spill)
+        plan.planned_at = now
+        plan.capacity = capacity
