@@ -667,13 +667,14 @@ def _add_output_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _variant_spec(name: str, spec: Any) -> RouterSpec:
-    """A ``--variant``: a policy spec, or ``{"policy": SPEC, "worker": {FIELDS}, "config": {SECTIONS}}``
-    (e.g. ``{"worker": {"max_in_flight": 3}, "admission": ...}`` under ``config``)."""
-    if isinstance(spec, dict) and spec.keys() & {"worker", "config"}:
-        if not spec.keys() <= {"policy", "worker", "config"}:
-            raise ValueError(f"unknown keys {sorted(spec.keys() - {'policy', 'worker', 'config'})}")
-        return RouterSpec(name, "mesh", spec.get("policy"), worker=dict(spec.get("worker") or {}),
-                          config=dict(spec.get("config") or {}))
+    """A ``--variant``: a policy spec, or ``{"policy": SPEC, "worker": {FIELDS}, "config": {SECTIONS},
+    "session_ids": BOOL}`` (e.g. ``{"worker": {"max_in_flight": 3}}``, ``{"config": {"admission": ...}}``)."""
+    keys = {"policy", "worker", "config", "session_ids"}
+    if isinstance(spec, dict) and spec.keys() & (keys - {"policy"}):
+        if not spec.keys() <= keys:
+            raise ValueError(f"unknown keys {sorted(spec.keys() - keys)}")
+        return RouterSpec(name, "mesh", spec.get("policy"), session_ids=bool(spec.get("session_ids", True)),
+                          worker=dict(spec.get("worker") or {}), config=dict(spec.get("config") or {}))
     return RouterSpec(name, "mesh", spec)
 
 

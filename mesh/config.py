@@ -187,6 +187,8 @@ class AdmissionConfig(_Model):
 
     max_waiting: int = Field(256, ge=0)  # requests held at once; one more is a 429 (0: no holding, 429 at once)
     max_wait_s: PositiveFloat = 30.0  # longest hold; then a 503 queue_timeout
+    # a session whose worker is full waits this long for it before it may move (0: moves at once)
+    home_wait_s: float = Field(2.0, ge=0)
 
 
 class RetentionConfig(_Model):

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from policies import registry
-from policies.base import ClusterView, Decision, Policy, RequestInfo, TargetState
+from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo, TargetState
 from policies.params import number
 from policies.registry import PluginError, register
 
@@ -116,6 +116,8 @@ class SessionSticky(Policy):
         # New or moving session: the best target under the ceiling (all usable ones if none is).
         under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
+        if not narrowed:  # every target excluded (all at their admission limit) or none serves the model
+            raise NoCandidate(f"no healthy worker serves model {request.model!r}")
         if bound is None and self.spread_new:
             narrowed, why = self._spread(narrowed)
         view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)

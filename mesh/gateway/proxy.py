@@ -214,7 +214,8 @@ class Proxy:
             if attempt:
                 lease = self._route(parsed, excluded, failure)
             else:
-                lease = await self.admission.admit(lambda: self._route(parsed, excluded, None, first))
+                arrived = time.monotonic()
+                lease = await self.admission.admit(lambda: self._route(parsed, excluded, None, first, arrived))
             if lease is None:
                 break
             target = lease.target
@@ -240,8 +241,11 @@ class Proxy:
             raise MeshError(failure.status, failure.message, code="upstream_error")
 
     def _route(self, parsed: ParsedRequest, excluded: list[str], failure: Failure | None,
-               first: Decision | None = None) -> Lease | None:
-        """A lease on the next target, or None when a retry has nowhere left to go.
+               first: Decision | None = None, arrived: float | None = None) -> Lease | None:
+        """A lease on the next target, or None when a retry has nowhere left to go. Raises
+        ``OverCapacity`` (the request waits in the admission queue) while every candidate is full,
+        and, for ``admission.home_wait_s`` after it ``arrived``, while its session's worker is full:
+        its cache is there, and a slot frees sooner than another worker recomputes the prefix.
 
         A retry does not move the session: the request may be what fails everywhere (a worker's
         500 is only suspect), and a session must not leave its cache for it. ``_forward`` binds it
@@ -252,6 +256,8 @@ class Proxy:
         full = self.registry.full_targets()
         t0 = time.perf_counter()
         info = parsed.info
+        if full and arrived is not None and self._home_is_full(info.session_id, full, now, arrived):
+            raise OverCapacity()
         try:
             if first is not None and first.target not in full:
                 decision = first
@@ -269,6 +275,13 @@ class Proxy:
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         self.metrics.routing_decision.observe(time.perf_counter() - t0)
         return lease
+
+    def _home_is_full(self, session_id: str | None, full: list[str], now: float, arrived: float) -> bool:
+        """Whether the request should wait for its session's worker, at its in-flight limit."""
+        sessions = self.router.sessions
+        if not session_id or sessions is None or now - arrived >= self.registry.config.admission.home_wait_s:
+            return False
+        return sessions.bound_target(session_id, now) in full
 
     def _retry_has_a_target(self, parsed: ParsedRequest, excluded: list[str]) -> bool:
         """Whether some available target of the request's model is not excluded yet (it may be

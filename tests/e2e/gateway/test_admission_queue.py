@@ -1,9 +1,11 @@
 """Late binding end to end: a real gateway in front of echo workers that each take one request at
 a time (``max_in_flight: 1``). A request that finds both full waits at the gateway and goes to the
 worker that frees first; the line's bound answers 429, the wait's bound 503, a held client that
-leaves is dropped from the line, and with holding turned off (a reload) a full cluster is a 429 at once.
+leaves is dropped from the line, with holding turned off (a reload) a full cluster is a 429 at
+once, and a session whose worker is full waits for it (``home_wait_s``) before it moves.
 
-Workers: ``fast`` answers after 0.6 s, ``slow`` after 3 s and alone serves model ``z``.
+Workers: ``fast`` answers after 0.6 s, ``slow`` after 3 s and alone serves model ``z``; the
+gateway runs the default policy (session_sticky over kv_aware).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import yaml
 
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_http, wait_until
 
-ADMISSION = {"max_waiting": 1, "max_wait_s": 1.5}
+ADMISSION = {"max_waiting": 1, "max_wait_s": 1.5, "home_wait_s": 1.0}
 ADMIN = {"authorization": "Bearer admin"}
 
 
@@ -28,8 +30,9 @@ class Gateway:
         self.config = config
         self.http = httpx.Client(base_url=url, timeout=30)
 
-    def post(self, model: str, timeout: float = 30) -> httpx.Response:
-        return self.http.post("/v1/completions", json={"model": model, "prompt": "x"}, timeout=timeout)
+    def post(self, model: str, timeout: float = 30, session: str | None = None) -> httpx.Response:
+        headers = {"x-session-id": session} if session else {}
+        return self.http.post("/v1/completions", json={"model": model, "prompt": "x"}, timeout=timeout, headers=headers)
 
     def metric(self, name: str) -> float:
         for line in self.http.get("/metrics").text.splitlines():
@@ -69,7 +72,6 @@ def _write(config: Path, fast: str, slow: str, admission: dict[str, float]) -> N
         "workers": [{"name": "fast", "url": fast, "models": ["m"], "max_in_flight": 1},
                     {"name": "slow", "url": slow, "models": ["m", "z"], "max_in_flight": 1}],
         "health": {"interval_s": 0.5},
-        "policy": "round_robin",
         "admission": admission,
     }))
 
@@ -84,7 +86,8 @@ def test_a_held_request_goes_to_the_worker_that_frees_first(gateway: Gateway) ->
     held_before = gateway.metric("mesh_admission_held_total")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         busy = _fill_both(gateway, pool)
-        held = gateway.post("m")  # both full: it waits, then takes fast's slot (free at 0.6 s, slow's at 3 s)
+        # both full: a new session waits, then takes fast's slot (free at 0.6 s, slow's at 3 s)
+        held = gateway.post("m", session="new-conversation")
         assert held.status_code == 200, held.text
         assert held.headers["x-mesh-worker"] == "fast"
         assert sorted(f.result().headers["x-mesh-worker"] for f in busy) == ["fast", "slow"]
@@ -144,3 +147,30 @@ def test_with_holding_off_a_full_cluster_is_a_429_at_once(gateway: Gateway) -> N
     finally:
         _write(gateway.config, workers["fast"], workers["slow"], ADMISSION)
         assert gateway.http.post("/admin/reload", headers=ADMIN).status_code == 200
+
+
+def test_a_session_waits_for_its_full_worker_rather_than_moving(gateway: Gateway) -> None:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(gateway.post, "z")  # slow is full: the new session binds to fast
+        wait_until(lambda: gateway.in_flight() == 1, what="slow busy")
+        assert gateway.post("m", session="stay").headers["x-mesh-worker"] == "fast"
+        busy.result()
+        held = gateway.metric("mesh_admission_held_total")
+        first = pool.submit(gateway.post, "m", 30, "stay")
+        wait_until(lambda: gateway.in_flight() == 1, what="the session's request in flight on fast")
+        second = gateway.post("m", session="stay")  # fast full, slow free: it waits for fast (0.6 s)
+        assert first.result().headers["x-mesh-worker"] == "fast"
+        assert second.headers["x-mesh-worker"] == "fast"
+        assert gateway.metric("mesh_admission_held_total") == held + 1
+
+
+def test_a_session_moves_once_its_worker_stays_full_past_the_home_wait(gateway: Gateway) -> None:
+    assert gateway.post("z", session="mover").headers["x-mesh-worker"] == "slow"  # bound to slow
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(gateway.post, "z")  # slow full for 3 s
+        wait_until(lambda: gateway.in_flight() == 1, what="slow busy")
+        held = gateway.metric("mesh_admission_held_total")
+        moved = gateway.post("m", session="mover")  # waits admission.home_wait_s (1 s), then takes fast
+        assert moved.status_code == 200 and moved.headers["x-mesh-worker"] == "fast"
+        assert gateway.metric("mesh_admission_held_total") == held + 1
+        assert busy.result().status_code == 200

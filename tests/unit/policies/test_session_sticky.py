@@ -9,7 +9,7 @@ import pytest
 from mesh.core.index import PrefixIndex
 from mesh.core.router import Lease, Router
 from mesh.core.sessions import SessionTable
-from policies.base import RequestInfo, TargetState
+from policies.base import NoCandidate, RequestInfo, TargetState
 from policies.registry import PluginError, create, names
 from policies.session_sticky import FALLBACK_INNER, default_inner
 
@@ -173,6 +173,14 @@ def test_overloaded_everywhere_keeps_the_binding() -> None:
     for t in targets.values():
         t.in_flight = 10
     assert go(router, turn("s1"), 1.0)[:2] == (first, "bound")  # moving would not help
+
+
+def test_a_new_session_with_every_target_excluded_is_no_candidate() -> None:
+    # The gateway leaves out targets at their admission limit; with all of them out a new session
+    # must be NoCandidate (the request then waits in the admission queue), not a crash.
+    router, _, _, _ = setup(["a", "b"])
+    with pytest.raises(NoCandidate):
+        router.decide(turn("new"), 0.0, exclude=["a", "b"])
 
 
 def test_dp_ranks_are_separate_targets() -> None:
