@@ -31,12 +31,15 @@ from typing import Any
 import numpy as np
 
 from mesh.core.index import PrefixIndex
+from mesh.core.retention import RetentionPlanner
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
 from policies import create_policy
 from policies.base import Decision, NoCandidate, Overlap, RequestInfo, Role, TargetState, Tier
 from simulator.block_text import BlockText
+from simulator.device import Device
 from simulator.profile import Profile
+from simulator.session_gate import Release, SessionGate, session_groups
 from simulator.traces import DONE, START, Trace
 from simulator.worker_model import (
     OP_DROP_CPU,
@@ -75,6 +78,12 @@ def check_config(config: SimConfig) -> None:
         raise SimulationError(f"--session-ttl must be a finite number > 0, got {config.session_ttl_s}")
     if not (math.isfinite(config.speculative_ttl_s) and config.speculative_ttl_s >= 0):
         raise SimulationError(f"--speculative-ttl must be a finite number >= 0, got {config.speculative_ttl_s}")
+    if config.workers_per_device < 1:
+        raise SimulationError(f"--workers-per-device must be >= 1, got {config.workers_per_device}")
+    if config.concurrency < 0:
+        raise SimulationError(f"--concurrency must be >= 0 (0: no limit), got {config.concurrency}")
+    if config.horizon_s is not None and not (math.isfinite(config.horizon_s) and config.horizon_s > 0):
+        raise SimulationError(f"--run-s must be a finite number of seconds > 0, got {config.horizon_s}")
 
 
 def check_capacity(trace: Trace, profile: Profile) -> None:
@@ -111,6 +120,17 @@ class SimConfig:
     max_bound_sessions: int = 1_000_000
     speculative_ttl_s: float = 2.0
     sample_every: int = 1  # record queue length every N arrivals
+    # closed-loop admission (simulator.session_gate): at most N session groups in flight (0: no
+    # limit), nothing released after horizon_s; both unset: every request at its trace time
+    concurrency: int = 0
+    horizon_s: float | None = None
+    # workers 0..N-1 share device 0, N..2N-1 device 1, ... (simulator.device: time-slicing)
+    workers_per_device: int = 1
+    # the gateway's session-aware retention (mesh.core.retention; its defaults): the requests of
+    # sessions that do not fit their worker are evicted first once they end; False: off
+    spill_hint: bool = True
+    retention_fill: float = 0.9
+    retention_active_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -142,6 +162,7 @@ class RunResult:
     sessions_enabled: bool
     notes: list[str] = field(default_factory=list)
     pairs: int = 0  # requests served through a prefill/decode pair
+    not_sent: int = 0  # requests the session gate never released (the horizon ran out)
 
 
 class Simulator:
@@ -170,8 +191,9 @@ class Simulator:
         self.workers: list[WorkerModel] = []
         self._add_workers()
         self.by_id = {w.id: w for w in self.workers}
+        retention = RetentionPlanner(config.retention_fill, config.retention_active_s) if config.spill_hint else None
         self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
-                             speculative_ttl_s=config.speculative_ttl_s)
+                             speculative_ttl_s=config.speculative_ttl_s, retention=retention)
         self._expire = getattr(self.index, "expire", None)
         self.progress = progress
         self.recorder = recorder  # tests: sees every route call and KV event, in order
@@ -199,11 +221,17 @@ class Simulator:
         self.q_t: list[float] = []
         self.q_len: list[int] = []
         self.q_run: list[int] = []
+        self.gate: SessionGate | None = None
+        if config.concurrency or config.horizon_s is not None:
+            groups = trace.groups if trace.groups is not None else session_groups(trace.requests)
+            self.gate = SessionGate(trace.requests, groups, config.concurrency, config.horizon_s)
 
     def _add_workers(self) -> None:
         """One ``WorkerModel`` and its ``TargetState`` per worker; with prefill workers, they
         come first and the rest decode."""
         config = self.config
+        per = config.workers_per_device
+        devices = [Device(self.profile.shared_workers) for _ in range(-(-config.workers // per))] if per > 1 else []
         for i in range(config.workers):
             role = Role.MIXED
             if config.prefill_workers:
@@ -211,7 +239,8 @@ class Simulator:
             state = TargetState(id=f"w{i}", worker=f"w{i}", role=role, block_size=self.bs,
                                 models=frozenset({config.model}))
             self.targets[state.id] = state
-            self.workers.append(WorkerModel(i, state, self.profile, self.bs, self))
+            self.workers.append(WorkerModel(i, state, self.profile, self.bs, self,
+                                            devices[i // per] if devices else None))
 
     # ------------------------------------------------------------------ worker callbacks
     def schedule(self, worker: WorkerModel, t: float, wake: bool = False) -> None:
@@ -263,9 +292,11 @@ class Simulator:
         self.done += 1
         if self.progress is not None and self.done % 256 == 0:
             self.progress(self.done)
+        if self.gate is not None:  # the replay client settles a turn, then fires its dependents
+            self._push_releases(self.gate.ended(req.idx, t))
         for j, trig, delay in self.succ[req.idx]:
             if trig == DONE:
-                self._fire(j, t + delay)
+                self._fire(j, t + delay, t)
 
     def handoff(self, req: SimRequest, t: float) -> None:
         """A pair's prefill finished at ``t``: as ``mesh.gateway.disagg_relay``'s relay, the prefill answer ends
@@ -285,12 +316,20 @@ class Simulator:
         heapq.heappush(self.heap, (t + dur, _TRANSFER, next(self.seq), req, 0))
 
     # ------------------------------------------------------------------ releases
-    def _fire(self, j: int, when: float) -> None:
+    def _fire(self, j: int, when: float, now: float) -> None:
+        """One dependency of ``j`` fired at ``now``, asking for its release at ``when``."""
         if when > self.release_at[j]:
             self.release_at[j] = when
         self.remaining[j] -= 1
         if self.remaining[j] == 0:
-            heapq.heappush(self.heap, (self.release_at[j], _RELEASE, next(self.seq), j, 0))
+            if self.gate is None:
+                heapq.heappush(self.heap, (self.release_at[j], _RELEASE, next(self.seq), j, 0))
+            else:
+                self._push_releases(self.gate.fired(j, self.release_at[j], now))
+
+    def _push_releases(self, releases: list[Release]) -> None:
+        for j, at in releases:
+            heapq.heappush(self.heap, (at, _RELEASE, next(self.seq), j, 0))
 
     def _arrive(self, i: int, t: float) -> None:
         tr = self.trace.requests[i]
@@ -340,7 +379,7 @@ class Simulator:
     def _started(self, i: int, t: float) -> None:
         for j, trig, delay in self.succ[i]:
             if trig == START:
-                self._fire(j, t + delay)
+                self._fire(j, t + delay, t)
 
     def _route(self, info: RequestInfo, t: float) -> tuple[Decision, Any, bool]:
         """(decision, lease, through a pair), as the gateway routes: the policy decides once
@@ -375,9 +414,11 @@ class Simulator:
                 self.remaining[tr.idx] = len(tr.deps)
                 for p, trig, delay in tr.deps:
                     self.succ[p].append((tr.idx, trig, delay))
-            else:
+            elif self.gate is None:
                 heap.append((tr.arrival or 0.0, _RELEASE, next(self.seq), tr.idx, 0))
         heapq.heapify(heap)
+        if self.gate is not None:
+            self._push_releases(self.gate.open())
         pop = heapq.heappop
         arrive, transfer = self._arrive, self._transfer
         while heap:
@@ -394,13 +435,16 @@ class Simulator:
         wall = time.perf_counter() - started
         if self.progress is not None:
             self.progress(self.done)
-        unfinished = [r for r in self.reqs if r is None or r.finish_t < 0]
+        gate = self.gate
+        unfinished = [i for i, r in enumerate(self.reqs)
+                      if (r is None or r.finish_t < 0) and (gate is None or gate.released(i))]
         if unfinished:
             raise SimulationError(f"{len(unfinished)} requests never finished (dependency cycle in the trace?)")
         return self._result(wall)
 
     def _result(self, wall: float) -> RunResult:
-        reqs: list[SimRequest] = self.reqs  # type: ignore[assignment]
+        sent = [r for r in self.reqs if r is not None]  # with a gate: the requests it released
+        reqs: list[SimRequest] = sent
 
         def arr(attr: str, dtype: Any = np.float64) -> np.ndarray:
             return np.fromiter((getattr(r, attr) for r in reqs), dtype=dtype, count=len(reqs))
@@ -438,6 +482,7 @@ class Simulator:
             wall_s=wall,
             sessions_enabled=self.sessions is not None,
             notes=notes,
+            not_sent=len(self.reqs) - len(sent),
         )
 
 

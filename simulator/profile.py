@@ -28,6 +28,13 @@ the decode worker does not already cache; both per-block costs are per profile b
 token is the client's first (the transfer is in TTFT). KV events reach the router's index
 ``event_lag_ms`` after the engine emits them.
 
+Workers that share one device (``SimConfig.workers_per_device``) time-slice it: the
+``prefill``/``decode`` timings are those of a worker alone on its device, and
+``shared_prefill``/``shared_decode`` (same keys) those measured while ``shared_workers`` workers
+were all busy on it (``bench/e2e_routing.py --calibrate``: every worker calibrated at once);
+``simulator.device`` interpolates between the two by how many are busy. ``shared_workers: 0``:
+not measured (then k busy workers each run at 1/k, fair time-slicing).
+
 Profiles are YAML or JSON files with these keys (any omitted key keeps the built-in default's
 value), or the name of a built-in profile. ``estimate: true`` marks numbers not yet measured on
 the hardware they name (``mesh calibrate`` writes ``estimate: false``).
@@ -101,6 +108,9 @@ class Profile:
     decode: DecodeTiming = field(default_factory=DecodeTiming)
     cpu: CpuTier = field(default_factory=CpuTier)
     pd: PdTransfer = field(default_factory=PdTransfer)
+    shared_workers: int = 0  # busy workers on one device when shared_* were measured (0: not measured)
+    shared_prefill: PrefillTiming = field(default_factory=PrefillTiming)
+    shared_decode: DecodeTiming = field(default_factory=DecodeTiming)
 
     @property
     def kv_tokens(self) -> int:
@@ -135,8 +145,9 @@ class Profile:
         return asdict(self)
 
 
-_SECTIONS = {"prefill": PrefillTiming, "decode": DecodeTiming, "cpu": CpuTier, "pd": PdTransfer}
-_INT_KEYS = {"block_size", "kv_blocks", "max_num_seqs", "max_batched_tokens", "blocks"}
+_SECTIONS = {"prefill": PrefillTiming, "decode": DecodeTiming, "cpu": CpuTier, "pd": PdTransfer,
+             "shared_prefill": PrefillTiming, "shared_decode": DecodeTiming}
+_INT_KEYS = {"block_size", "kv_blocks", "max_num_seqs", "max_batched_tokens", "blocks", "shared_workers"}
 
 BUILTIN: dict[str, Profile] = {
     # Llama-3-8B-class on one H200 (bf16): an ESTIMATE from first principles until `mesh
@@ -281,12 +292,34 @@ def _validate(source: str, p: Profile) -> None:
     for key in ("event_lag_ms",):
         if getattr(p, key) < 0:
             raise ProfileError(f"{source}: {key} must be >= 0")
-    if p.prefill.base_ms + p.prefill.per_token_ms <= 0 and p.prefill.per_token2_ms <= 0:
-        raise ProfileError(f"{source}: prefill timing is all zero: simulated time would not advance")
-    if p.decode.base_ms + p.decode.per_seq_ms <= 0:
-        raise ProfileError(f"{source}: decode.base_ms + decode.per_seq_ms must be > 0")
+    _validate_timing(source, "", p.prefill, p.decode)
+    if p.shared_workers == 1:
+        raise ProfileError(f"{source}: shared_workers must be 0 (not measured) or >= 2, got 1")
+    if p.shared_workers:
+        _validate_timing(source, "shared_", p.shared_prefill, p.shared_decode)
     if p.cpu.load_ms_per_block < 0 or p.pd.transfer_ms_per_block < 0 or p.pd.transfer_base_ms < 0:
         raise ProfileError(f"{source}: transfer costs must be >= 0")
+
+
+def _validate_timing(source: str, prefix: str, prefill: PrefillTiming, decode: DecodeTiming) -> None:
+    if prefill.base_ms + prefill.per_token_ms <= 0 and prefill.per_token2_ms <= 0:
+        raise ProfileError(f"{source}: {prefix}prefill timing is all zero: simulated time would not advance")
+    if decode.base_ms + decode.per_seq_ms <= 0:
+        raise ProfileError(f"{source}: {prefix}decode.base_ms + {prefix}decode.per_seq_ms must be > 0")
+
+
+def with_shared(alone: Profile, shared: list[Profile]) -> Profile:
+    """``alone``'s profile with the shared-device timings of ``shared``: the profiles measured on
+    every worker of one device at once (their mean, coefficient by coefficient)."""
+    if len(shared) < 2:
+        raise ProfileError(f"shared timings need the profiles of >= 2 workers measured at once, got {len(shared)}")
+
+    def mean(sections: list[Any]) -> Any:
+        cls = type(sections[0])
+        return cls(**{f.name: sum(getattr(s, f.name) for s in sections) / len(sections) for f in fields(cls)})
+
+    return replace(alone, shared_workers=len(shared), shared_prefill=mean([p.prefill for p in shared]),
+                   shared_decode=mean([p.decode for p in shared]))
 
 
 MAX_PROFILE_BYTES = 16 << 20

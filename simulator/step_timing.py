@@ -20,8 +20,9 @@ class StepTiming:
 
     __slots__ = ("cpu_load_s", "decode", "hit_s", "mixed_s", "mixed_seq_s", "mixed_tok_s", "prefill")
 
-    def __init__(self, profile: Profile, block_size: int) -> None:
-        p, d = profile.prefill, profile.decode
+    def __init__(self, profile: Profile, block_size: int, *, shared: bool = False) -> None:
+        # shared: the costs measured with the device's workers all busy (simulator.device)
+        p, d = (profile.shared_prefill, profile.shared_decode) if shared else (profile.prefill, profile.decode)
         self.prefill = (p.base_ms / 1e3, p.per_token_ms / 1e3, p.per_token2_ms / 1e3, p.per_token_ctx_ms / 1e3)
         self.hit_s = p.per_hit_token_ms / 1e3  # per prefix-hit token of a request admitted in the step
         self.mixed_s = p.mixed_ms / 1e3  # a step that prefills and decodes: extra cost

@@ -61,6 +61,9 @@ class Trace:
     formats: list[str]
     files: list[str]
     warnings: list[str] = field(default_factory=list)
+    # each request's session group for closed-loop admission (``simulator.session_gate``); None:
+    # the groups the dependencies link (``session_groups``)
+    groups: list[int] | None = None
 
     @property
     def sessions(self) -> int:

@@ -10,7 +10,9 @@ KV events it emits (``emit``), which the engine may delay by the profile's event
 Invariants: ``cache[key] > 0`` counts the running requests that pin the block; ``<= 0`` means
 free, ``-cache[key]`` naming the release that freed it. ``segments`` orders the free blocks (one
 list per release, oldest first, each in eviction order; entries a later hit or release made
-stale are skipped), and eviction never touches a pinned block. Capacity: ``len(cache) + private
+stale are skipped), and eviction never touches a pinned block; a release with the gateway's
+retention hint (``Lease.spill``) joins the queue's head instead of its tail, as the bundled
+engine's ``free_seq`` puts such a request's blocks first in line. Capacity: ``len(cache) + private
 <= capacity`` (``capacity == 0``: unbounded, nothing pinned or evicted), ``len(cpu) <=
 cpu_capacity``; ``check_blocks`` verifies the pin counts and the queue.
 """
@@ -60,7 +62,9 @@ class WorkerCache:
         self.seg_pos = 0  # next entry to look at in segments[0]
         self.stamp = 0
         self.private = 0
-        self.releases = 0  # bumps whenever blocks are unpinned or freed
+        # bumps whenever blocks are unpinned or freed, or new blocks cached (a waiting request's
+        # hits may have grown): what can make a request that did not fit fit now
+        self.releases = 0
         self.emit: Emit = emit
 
     @property
@@ -142,8 +146,9 @@ class WorkerCache:
             cache.update(dict.fromkeys(keys[hp:h], 1))  # their queue entries go stale
             self.n_free -= h - hp
 
-    def _unpin(self, keys: list[int], n: int) -> None:
-        """Drop one reference from ``keys[:n]``; blocks left unreferenced join the queue tail."""
+    def _unpin(self, keys: list[int], n: int, first: bool = False) -> None:
+        """Drop one reference from ``keys[:n]``; blocks left unreferenced join the queue tail
+        (with ``first``: its head)."""
         if n <= 0:
             return
         cache = self.cache
@@ -156,14 +161,22 @@ class WorkerCache:
         if s < n:
             tail = ks[s:]
             tail.reverse()  # the chain's end is evicted first
-            self._push_free(tail)
+            self._push_free(tail, first)
 
-    def _push_free(self, keys: list[int]) -> None:
-        """Queue unreferenced blocks at the tail, ``keys[0]`` to be evicted first."""
+    def _push_free(self, keys: list[int], first: bool = False) -> None:
+        """Queue unreferenced blocks, ``keys[0]`` to be evicted first: at the tail, or with
+        ``first`` at the head (evicted before every other free block)."""
         self.stamp += 1
         tag = -self.stamp
         self.cache.update(zip(keys, repeat(tag)))
-        self.segments.append((tag, keys))
+        if first:
+            if self.seg_pos:  # the head segment's consumed entries go, so seg_pos can restart
+                old_tag, seg = self.segments[0]
+                self.segments[0] = (old_tag, seg[self.seg_pos :])
+                self.seg_pos = 0
+            self.segments.appendleft((tag, keys))
+        else:
+            self.segments.append((tag, keys))
         self.n_free += len(keys)
 
     def _release(self, req: SimRequest) -> None:
@@ -172,7 +185,8 @@ class WorkerCache:
         req.own = 0
         self.releases += 1
         if self.capacity:
-            self._unpin(req.keys, req.registered)
+            lease = req.lease
+            self._unpin(req.keys, req.registered, lease is not None and lease.spill)
 
     def _register(self, req: SimRequest, t: float) -> None:
         """Cache the prompt blocks a chunk just completed (and tell the index).
@@ -202,6 +216,7 @@ class WorkerCache:
         req.own -= len(new)
         self.private -= len(new)
         req.registered = upto
+        self.releases += 1
         self.emit(t, OP_STORE, self.id, new, req.keys[reg - 1] if reg else None)
 
     @property

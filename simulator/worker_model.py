@@ -9,11 +9,18 @@ the current segment; ``simulator.step_timing.StepTiming`` prices each segment. T
   ``kv_cache_usage``) counts the referenced cached blocks (a shared one once) and ``private``.
 - Scheduling follows vLLM v1: every step decodes one token for each decoding sequence, then
   spends the rest of the token budget on prefill chunks, first of running prefills, then of
-  waiting requests admitted in FCFS order (a blocked head blocks the queue). A request's blocks
-  are all reserved at admission; decode growth is reserved per segment; when it cannot be found
-  even after eviction, the newest decoding request is preempted (vLLM's LIFO) and recomputed.
+  waiting requests admitted in FCFS order (a blocked head blocks the queue). Blocks follow the
+  bundled engine's block manager (``workers/engine/block_manager.py``): a request's prompt
+  blocks are all taken at admission, and only when the free blocks (uncached, or cached and
+  unreferenced) cover them: a request that does not fit evicts nothing. A running request holds
+  the blocks of its computed tokens; each decode step takes the block its token needs (reserved
+  per segment); when they cannot be found, the newest running request is preempted (vLLM's
+  LIFO) and recomputed, its recompute ending, as the engine's, by sampling its next token.
 - Time: with no prefill pending the batch is stable until the first sequence finishes, so ``k``
-  decode steps are one segment; an arrival during it cuts it at the next step boundary.
+  decode steps are one segment; an arrival during it cuts it at the next step boundary. A
+  segment is an amount of work (its cost alone on the device) done at a pace: 1, or on a
+  device shared with other workers ``simulator.device``'s slowdown, which changes when they
+  start or stop (``repace``): ``seg_end = seg_mark + (seg_work - seg_done) * seg_slow``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 from mesh.core.router import Lease
 from policies.base import TargetState
+from simulator.device import Device
 from simulator.profile import Profile
 from simulator.step_timing import StepTiming
 from simulator.worker_cache import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, Emit, WorkerCache
@@ -90,6 +98,7 @@ class WorkerModel(WorkerCache):
         profile: Profile,
         block_size: int,
         sim: Any,
+        device: Device | None = None,
     ) -> None:
         super().__init__(state.id, block_size, profile.blocks_at(block_size), profile.cpu_blocks_at(block_size),
                          sim.emit)
@@ -113,11 +122,18 @@ class WorkerModel(WorkerCache):
         self.seg_reserved = 0
         self.seg_chunks: list[tuple[SimRequest, int]] = []
         self.seg_mixed = False
+        self.seg_work = 0.0  # the segment's cost alone on its device (s)
+        self.seg_done = 0.0  # of which done by seg_mark
+        self.seg_mark = 0.0  # when the current pace began
+        self.seg_slow = 1.0  # wall seconds per second of work at the current pace
+        self.seg_sigma = 1.0  # the segment's cost with the device's workers all busy, over seg_work
+        self.device = device
         self.version = 0
         self.busy_s = 0.0
         self.steps = 0
         self.seq = 0
         self.timing = StepTiming(profile, block_size)
+        self.shared_timing = StepTiming(profile, block_size, shared=True) if profile.shared_workers else None
         self._step_hits = 0  # hit tokens of the requests admitted while planning this step
         self._step_prompt = 0  # prompt tokens of the requests admitted while planning this step
         state.kv_capacity_blocks = self.capacity
@@ -141,7 +157,7 @@ class WorkerModel(WorkerCache):
 
     def interrupt(self, t: float) -> None:
         """Cut the running decode segment at the first step boundary at or after ``t``."""
-        elapsed = t - self.seg_start
+        elapsed = self.seg_done + (t - self.seg_mark) / self.seg_slow  # work done by t
         batch, ctx = len(self.decoding), self.ctx_tokens
         j = self.timing.steps_done(self.seg_k, elapsed, batch, ctx)
         k = j if self.timing.decode_span(j, batch, ctx) >= elapsed else j + 1
@@ -149,7 +165,19 @@ class WorkerModel(WorkerCache):
         if k >= self.seg_k:
             return
         self.seg_k = k
-        self.seg_end = self.seg_start + self.timing.decode_span(k, batch, ctx)
+        self.seg_work = self.timing.decode_span(k, batch, ctx)
+        self.seg_end = self.seg_mark + (self.seg_work - self.seg_done) * self.seg_slow
+        self.version += 1
+        self.schedule(self, self.seg_end)
+
+    def repace(self, t: float, busy: int) -> None:
+        """The device's busy count changed at ``t``: the running segment goes on at the new pace."""
+        if not self.busy or self.seg_end <= t or self.device is None:
+            return
+        self.seg_done += (t - self.seg_mark) / self.seg_slow
+        self.seg_mark = t
+        self.seg_slow = self.device.slowdown(busy, self.seg_sigma)
+        self.seg_end = max(t, t + (self.seg_work - self.seg_done) * self.seg_slow)
         self.version += 1
         self.schedule(self, self.seg_end)
 
@@ -168,27 +196,26 @@ class WorkerModel(WorkerCache):
         cpu = self.cpu
         if cpu is not None and h < limit and not req.importing:
             c = next(compress(count(), map(not_, map(cpu.__contains__, keys[h:limit]))), limit - h)
-        # room for the prompt (or everything to recompute) and the next generated token
-        need = _blocks(req.target + 1, bs) - h
+        # room for the prompt (or everything to recompute); the generated tokens' blocks come
+        # with the decode steps that compute them (as the engine's allocate and append_slots)
+        need = _blocks(req.target, bs) - h
         if self.capacity:
             if need > self.capacity:
                 raise CapacityError(
                     f"request {req.idx} needs {need} KV blocks of {bs} tokens but worker {self.id} "
                     f"holds {self.capacity}: raise --kv-blocks (blocks of {self.profile.block_size} tokens)"
                 )
+            # as the engine's can_allocate: the free blocks (uncached, or cached and not among
+            # its hits) must cover it; a request that does not fit evicts and revives nothing
+            if need > self._free() + self.n_free - (h - hp):
+                return False, 0
             self._pin(keys, hp, h)  # its hits are in use from now: eviction cannot take them
             loaded = keys[h : h + c]
-            if c:
+            if c:  # out of the tier before the eviction below offloads into it
                 deque(map(cpu.__delitem__, loaded), 0)  # type: ignore[union-attr]
             room = self._free()
             if need > room:
-                room += self.evict(need - room, t)
-            if need > room:
-                self._unpin(keys, h)
-                if c:  # the borrowed blocks go back; the eviction above may have filled the tier
-                    cpu.update(dict.fromkeys(loaded))  # type: ignore[union-attr]
-                    self._trim_cpu(t)
-                return False, 0
+                self.evict(need - room, t)
             if c:
                 self.cache.update(dict.fromkeys(loaded, 1))
                 self.emit(t, OP_RELOAD, self.id, loaded, keys[h - 1] if h else None)
@@ -207,33 +234,45 @@ class WorkerModel(WorkerCache):
     # ------------------------------------------------------------------ planning
     def _growth(self, k: int) -> int:
         bs = self.bs
-        return sum(_blocks(r.n + r.g + k, bs) - _blocks(r.n + r.g, bs) for r in self.decoding)
+        # a decoding request holds the blocks of its computed tokens (n + g - 1: its last sampled
+        # token is not computed yet); each step computes one more
+        return sum(_blocks(r.n + r.g - 1 + k, bs) - _blocks(r.n + r.g - 1, bs) for r in self.decoding)
 
     def _reserve(self, k: int, t: float) -> int:
-        """Reserve decode growth for as many of ``k`` steps as fit (evicting as needed).
+        """Reserve decode growth for up to ``k`` steps; the steps reserved (0: not even one).
 
-        Replaces the current reservation; returns the steps reserved (0: not even one)."""
+        As the engine, which takes a block when the step that needs it runs: the steps use the
+        uncached free blocks, and only the first step may evict (a segment whose later steps
+        would need to stops before them; the next segment evicts for its own first step).
+        Replaces the current reservation."""
         self.private -= self.seg_reserved
         self.seg_reserved = 0
         if not self.capacity or not self.decoding:
             return k
-        need = self._growth(k)
         room = self._free()
+        if self._growth(k) > room:
+            k = self._steps_within(k, room)
+            if not k:
+                if self._growth(1) > room + self.n_free:
+                    return 0
+                k = 1
+        need = self._growth(k)
         if need > room:
-            room += self.evict(need - room, t)
-        if need > room:
-            lo, hi = 0, k  # growth(lo) <= room < growth(hi)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self._growth(mid) <= room:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-            need = self._growth(k)
+            self.evict(need - room, t)
         self.seg_reserved = need
         self.private += need
         return k
+
+    def _steps_within(self, k: int, room: int) -> int:
+        """The most steps (at most ``k``) whose decode growth fits ``room`` blocks."""
+        lo, hi = 0, k  # invariant: growth(lo) <= room < growth(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._growth(mid) <= room:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _preempt(self, t: float) -> None:
         """Recompute the newest running request later (vLLM's LIFO preemption)."""
@@ -313,20 +352,29 @@ class WorkerModel(WorkerCache):
             budget, work, cpu_blocks = self._admit_waiting(budget, t, chunks)
             ctx_work += work
         if not chunks and not self.decoding:
-            self._go_idle()
+            self._go_idle(t)
             return
         if chunks:
             dur = self._mixed_segment(chunks, ctx_work, cpu_blocks)
         else:
             dur = self._decode_segment(t)
-        self.busy = True
-        self.seg_start = t
-        self.seg_end = t + dur
-        self.version += 1
+        self._start_segment(t, dur)
         self._update_usage()
         self.schedule(self, self.seg_end)
 
-    def _go_idle(self) -> None:
+    def _start_segment(self, t: float, work: float) -> None:
+        """The planned segment (``work`` s alone) starts at ``t``, at the device's pace."""
+        self.busy = True
+        self.seg_start = self.seg_mark = t
+        self.seg_work = work
+        self.seg_done = 0.0
+        self.seg_slow = 1.0
+        if self.device is not None:
+            self.seg_slow = self.device.slowdown(self.device.start(self, t), self.seg_sigma)
+        self.seg_end = t + work * self.seg_slow
+        self.version += 1
+
+    def _go_idle(self, t: float) -> None:
         """Nothing to run: drop the decode reservation and stop (a waiting head that cannot be
         admitted with nothing running never fits: ``CapacityError``)."""
         if self.waiting:
@@ -338,13 +386,17 @@ class WorkerModel(WorkerCache):
         self.private -= self.seg_reserved
         self.seg_reserved = 0
         self.busy = False
+        if self.device is not None:
+            self.device.stop(self, t)
         self._update_usage()
 
     def _mixed_segment(self, chunks: list[tuple[SimRequest, int]], ctx_work: int, cpu_blocks: int) -> float:
         """One step that prefills ``chunks`` (and decodes every decoding sequence); its duration."""
         n_tok = sum(take for _, take in chunks)
-        dur = self.timing.prefill_step(n_tok, ctx_work, self._step_hits, self._step_prompt, cpu_blocks,
-                                       len(self.decoding), self.ctx_tokens)
+        args = (n_tok, ctx_work, self._step_hits, self._step_prompt, cpu_blocks, len(self.decoding), self.ctx_tokens)
+        dur = self.timing.prefill_step(*args)
+        if self.shared_timing is not None and dur > 0:
+            self.seg_sigma = self.shared_timing.prefill_step(*args) / dur
         self.seg_chunks = chunks
         self.seg_mixed = True
         self.seg_k = 1
@@ -356,6 +408,8 @@ class WorkerModel(WorkerCache):
         if k > 1:
             k = max(1, self._reserve(k, t))  # one step always fits: it was reserved above
         dur = self.timing.decode_span(k, len(self.decoding), self.ctx_tokens)
+        if self.shared_timing is not None and dur > 0:
+            self.seg_sigma = self.shared_timing.decode_span(k, len(self.decoding), self.ctx_tokens) / dur
         self.seg_chunks = []
         self.seg_mixed = False
         self.seg_k = k
@@ -382,10 +436,10 @@ class WorkerModel(WorkerCache):
         if k and decoding:
             grown = 0
             for r in decoding:
-                before = _blocks(r.n + r.g, bs)
+                before = _blocks(r.n + r.g - 1, bs)
                 r.g += k
-                grown += _blocks(r.n + r.g, bs) - before
-                r.own += _blocks(r.n + r.g, bs) - before
+                grown += _blocks(r.n + r.g - 1, bs) - before
+                r.own += _blocks(r.n + r.g - 1, bs) - before
             self.ctx_tokens += k * len(decoding)
             # the reservation becomes the requests' own blocks (grown <= reserved)
             self.private += grown - self.seg_reserved if self.capacity else grown
@@ -407,8 +461,8 @@ class WorkerModel(WorkerCache):
                     self._release(r)
                     self.sim.handoff(r, t)
                     continue
-                if r.g == 0:  # its blocks for this token were reserved at admission
-                    r.g = 1
+                r.g += 1  # the prefill (or a recompute) ends by sampling the next token
+                if r.g == 1:
                     r.first_t = t
                     self.sim.first_token(r, t)
                 self._join_decode(r, t)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mesh.replay.prompts import PromptBuilder
+from simulator.session_gate import session_groups
 from simulator.traces import Trace, TraceRequest
 
 
@@ -58,33 +59,13 @@ def output_tokens(r: TraceRequest, fixed: int | None, prompt_scale: float, cap: 
     return max(1, min(cap, round(r.output_tokens / prompt_scale)))
 
 
-def _groups(trace: Trace) -> list[int]:
-    """Each request's group: union of the requests linked by dependencies, numbered in order of
-    first appearance."""
-    parent = list(range(len(trace.requests)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for r in trace.requests:
-        for p, _, _ in r.deps:
-            a, b = find(r.idx), find(p)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-    label: dict[int, int] = {}
-    return [label.setdefault(find(i), len(label)) for i in range(len(trace.requests))]
-
-
 def build_plan(trace: Trace, builder: PromptBuilder, *, max_think_s: float = 2.0, max_turns: int | None = None,
                max_prompt_units: int | None = None, fixed_output: int | None = 32,
                max_output_tokens: int = 256) -> Plan:
     """The schedule of ``trace`` (its requests in trace order; dependencies point backwards)."""
     if max_think_s < 0:
         raise ValueError(f"max think time must be >= 0 s, got {max_think_s}")
-    group_of = _groups(trace)
+    group_of = session_groups(trace.requests)
     pos_of: dict[int, int] = {}
     turns: list[Turn] = []
     per_group: dict[int, int] = {}
