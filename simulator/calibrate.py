@@ -3,11 +3,14 @@
 What it measures (streaming ``/v1/completions``; every prompt starts with a random nonce so no
 measurement reuses another's prefix cache, except where a cached context is the point):
 
-1. Prefill: TTFT of cold prompts of growing length, ``max_tokens=1``. Fit
-   ``base + per_token * n + per_token2 * n^2`` (least squares, coefficients clipped at 0).
+1. Prefill: TTFT of cold prompts of growing length, ``max_tokens=1``.
 2. Cached context: a prompt of ``C`` tokens is sent once (warming the cache), then again
-   extended by ``n`` new tokens; the TTFT above the cold-prefill fit for ``n`` tokens, divided
-   by ``n * C``, is ``per_token_ctx``.
+   extended by ``n`` new tokens.
+   Both fit the prefill terms at once (``fit_prefill``: least squares, coefficients clipped at
+   0), each TTFT priced as the engine runs it, in steps of the profile's ``max_batched_tokens``:
+   ``base + per_token * c + per_token2 * c^2 + per_token_ctx * c * (tokens before the step)``
+   per step of ``c`` tokens, ``per_hit_token`` per cached token. A cold prompt of two steps
+   measures the attention of the second over the first, which a small cached context cannot.
 3. Decode: ``B`` concurrent streams of ``M`` tokens; the median gap between a stream's chunks
    after its first is the step time at batch ``B`` (fit ``base + per_seq * B``), and at batch 1
    with a long prompt it gives ``per_ctx_token``.
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, ProfileError, dump_profile
+from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, Profile, ProfileError, dump_profile
 
 
 class CalibrationError(RuntimeError):
@@ -239,7 +242,9 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
         cold_fit = (base, per_tok, per_tok2)
         ctx_pts = await _context_points(ep, top, repeats, cold_fit, block_size, log)
-        per_ctx, per_hit = _fit_context(ctx_pts)
+        # every TTFT at once, priced in the engine's steps (the simulator chunks at the profile's budget)
+        base, per_tok, per_tok2, per_ctx, per_hit = fit_prefill(prefill_pts, ctx_pts,
+                                                                BUILTIN[args.base].max_batched_tokens)
 
         steps = 16 if quick else 64
         decode_pts, decode_ctx_pts = await _decode_points(ep, top, steps, 4 if quick else args.max_batch, quick, log)
@@ -288,16 +293,42 @@ async def _context_points(ep: Endpoint, top: int, repeats: int, cold_fit: tuple[
     return points
 
 
-def _fit_context(points: list[tuple[int, int, float, float]]) -> tuple[float, float]:
-    """(per_token_ctx, per_hit_token) in s: the TTFT above the cold fit as ``a * n * C + b * C``."""
-    pts = [(c, n, t - cold) for c, n, t, cold in points if c > 0 and n > 0]
-    if not pts:
-        return 0.0, 0.0
-    if len({c for c, _, _ in pts}) == 1 and len({n for _, n, _ in pts}) == 1:
-        c, n, r = pts[0]
-        return max(0.0, r / (n * c)), 0.0
-    a, b = _fit([[n * c, c] for c, n, _ in pts], [r for _, _, r in pts])
-    return a, b
+def prefill_features(new: int, cached: int, chunk: int) -> list[float]:
+    """What one request's prefill of ``new`` tokens after ``cached`` ones costs, in the profile's
+    terms (``simulator.step_timing``): the engine runs it in steps of at most ``chunk`` tokens,
+    each step ``base + per_token * c + per_token2 * c^2 + per_token_ctx * c * (tokens before it)``,
+    and the cached prefix costs ``per_hit_token`` per token once. The columns are the sums of
+    those terms: [steps, tokens, sum c^2, sum c * before, cached]."""
+    steps = tok2 = ctx = 0.0
+    done = cached
+    left = new
+    while left > 0:
+        c = min(left, chunk)
+        steps += 1
+        tok2 += c * c
+        ctx += c * done
+        done += c
+        left -= c
+    return [steps, float(new), tok2, ctx, float(cached)]
+
+
+def fit_prefill(cold: list[tuple[int, float]], context: list[tuple[int, int, float, float]],
+                chunk: int) -> tuple[float, float, float, float, float]:
+    """(base, per_token, per_token2, per_token_ctx, per_hit_token) in s, one least-squares fit of
+    every TTFT measured: the cold prompts (tokens, TTFT) and the prompts extending a cached
+    context ((cached, new, TTFT, _) as ``_context_points`` records them), each priced as the
+    engine runs it, in ``chunk``-token steps (``prefill_features``). A cold prompt longer than a
+    step measures the attention of its later steps over the earlier ones: the same
+    ``per_token_ctx`` that a cached context costs."""
+    rows = [prefill_features(n, 0, chunk) for n, _ in cold]
+    rows += [prefill_features(n, c, chunk) for c, n, _, _ in context if n > 0]
+    ys = [t for _, t in cold] + [t for _, n, t, _ in context if n > 0]
+    if not any(r[3] for r in rows):  # nothing measures attention over earlier tokens
+        rows = [r[:3] + r[4:] for r in rows]
+        base, per_tok, per_tok2, per_hit = _fit(rows, ys)
+        return base, per_tok, per_tok2, 0.0, per_hit
+    base, per_tok, per_tok2, per_ctx, per_hit = _fit(rows, ys)
+    return base, per_tok, per_tok2, per_ctx, per_hit
 
 
 async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, quick: bool, log: Any
@@ -400,6 +431,20 @@ def _fit_mixed(points: list[tuple[int, int, float, float]]) -> tuple[float, floa
     per_seq = coef[1] if len(cols) > 1 and len({b for b, _, _, _ in points}) > 1 else 0.0
     per_tok = coef[-1] if len({p for _, p, _, _ in points}) > 1 else 0.0
     return mixed, per_seq, per_tok
+
+
+def refit_prefill(profile: Profile, points: dict[str, Any]) -> Profile:
+    """``profile`` with its prefill terms fitted again (``fit_prefill``, in steps of its
+    ``max_batched_tokens``) from the points a ``mesh calibrate`` profile records under
+    ``calibration.points``; the mixed-step terms are kept."""
+    cold = [(int(n), float(t)) for n, t in points.get("prefill") or []]
+    context = [(int(c), int(n), float(t), float(cold_t)) for c, n, t, cold_t in points.get("context") or []]
+    if not cold:
+        raise CalibrationError("the profile records no prefill points to fit")
+    base, per_tok, per_tok2, per_ctx, per_hit = fit_prefill(cold, context, profile.max_batched_tokens)
+    return replace(profile, prefill=replace(profile.prefill, base_ms=base * 1e3, per_token_ms=per_tok * 1e3,
+                                            per_token2_ms=per_tok2 * 1e3, per_token_ctx_ms=per_ctx * 1e3,
+                                            per_hit_token_ms=per_hit * 1e3))
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
