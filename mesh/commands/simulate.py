@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mesh.commands.sim_workload import add_workload_args
+
 
 def add_parser(subparsers: Any) -> None:
     _add_simulate_parser(subparsers)
@@ -60,6 +62,7 @@ def _add_simulate_parser(subparsers: Any) -> None:
                      help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
     sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
     sim.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    add_workload_args(sim)
     sim.set_defaults(func=run_simulate)
 
 
@@ -128,12 +131,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     started = time.perf_counter()
     try:
-        trace, profile, results = _simulate(args, console)
+        trace, profile, results, workload = _simulate(args, console)
     except (TraceError, ProfileError, PluginError, SimulationError, CapacityError) as exc:
         return _fail("simulate", str(exc))
     except OSError as exc:
         return _fail("simulate", f"{exc.filename or ''}: {exc.strerror or exc}")
-    payload = _report(args, trace, profile, results, console, started)
+    payload = _report(args, trace, profile, results, workload, console, started)
     try:
         if args.json_out:
             write_json(args.json_out, payload)
@@ -144,39 +147,46 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(args: argparse.Namespace, console: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """(trace, profile, result per policy label): every flag checked before the (possibly long)
-    trace load, then one run per policy."""
-    from simulator.engine import SimConfig, check_config
+def _simulate(args: argparse.Namespace, console: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """(trace, profile, result per policy label, the workload's report fields): every flag checked
+    before the (possibly long) trace load, then one run per policy."""
+    from mesh.commands.sim_workload import load_workload, workload_problem
+    from simulator.engine import SimConfig, SimulationError, check_config
     from simulator.profile import load_profile
-    from simulator.traces import LoadOptions, load_traces
+    from simulator.traces import TraceError
 
+    problem = workload_problem(args)
+    if problem is not None:
+        raise SimulationError(problem)
     policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
     labels = _unique([label for label, _ in policies])
     overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
     profile = load_profile(args.profile, **overrides)
     config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
                        prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
-                       speculative_ttl_s=args.speculative_ttl)
+                       speculative_ttl_s=args.speculative_ttl, concurrency=args.concurrency or 0,
+                       horizon_s=args.run_s, workers_per_device=args.workers_per_device,
+                       spill_hint=not args.no_spill_hint)
     check_config(config)  # every flag is checked before the (possibly long) trace load and run
     for flag, path in (("json", args.json_out), ("html", args.html_out)):
         if path:
             check_report_path(flag, path)
-    trace = load_traces(args.traces, LoadOptions(
-        block_size=args.block_size, trace_block_size=args.trace_block_size, time_scale=args.time_scale,
-        max_sessions=args.max_sessions, max_requests=args.max_requests,
-        session_start_spread=args.session_start_spread, seed=args.seed,
-    ))
+    try:
+        trace, workload = load_workload(args, args.block_size or profile.block_size)
+    except ValueError as exc:  # the replay's planning: no request left (a TraceError is one too)
+        if isinstance(exc, TraceError):
+            raise
+        raise SimulationError(str(exc)) from None
     for w in trace.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     results = {}
     for label, (_, spec) in zip(labels, policies):
         results[label] = _run_one(trace, spec, config, label, console, args.quiet)
-    return trace, profile, results
+    return trace, profile, results, workload
 
 
-def _report(args: argparse.Namespace, trace: Any, profile: Any, results: dict[str, Any], console: Any,
-            started: float) -> dict[str, Any]:
+def _report(args: argparse.Namespace, trace: Any, profile: Any, results: dict[str, Any], workload: dict[str, Any],
+            console: Any, started: float) -> dict[str, Any]:
     """The report's payload (``wall_s``: since ``started``); its warnings on stderr, one line
     each, and its table on stdout unless ``--quiet``."""
     from rich.console import Console
@@ -199,7 +209,12 @@ def _report(args: argparse.Namespace, trace: Any, profile: Any, results: dict[st
             "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
             "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,
             "time_scale": args.time_scale, "session_start_spread_s": args.session_start_spread,
+            **workload,
         },
+        "closed_loop": {"concurrency": args.concurrency, "run_s": args.run_s,
+                        "session_ids": not args.no_session_ids},
+        "workers_per_device": args.workers_per_device,
+        "spill_hint": not args.no_spill_hint,
         "workers": args.workers,
         "prefill_workers": args.prefill_workers,
         "profile": profile.to_dict(),
