@@ -13,6 +13,8 @@ Definitions (all per policy):
 - ``session_moves``: turns of a session routed to a different worker than its previous turn (for
   a prefill/decode pair: its decode worker, the one that answers).
 - ``pd_pairs``: requests served through a prefill/decode pair (the rest ran on one worker).
+- ``not_sent``: requests a closed-loop run never released (``--run-s`` ran out; outside every
+  other metric).
 - per worker: requests, prompt tokens, hit rate and busy fraction; ``load_spread`` is the most
   loaded worker's requests over the mean (1.0 = perfectly even).
 """
@@ -75,6 +77,7 @@ def summarize(r: RunResult) -> dict[str, Any]:
         "spec": r.policy_spec,
         "requests": int(served.sum()),
         "rejected": r.rejected,
+        "not_sent": r.not_sent,
         "pd_pairs": r.pairs,
         "hit_rate": hit / prompt if prompt else 0.0,
         "cpu_hit_rate": float(r.cpu_hit[served].sum() / prompt) if prompt else 0.0,

@@ -164,3 +164,32 @@ def test_calibrate_unreachable_endpoint_is_a_message(tmp_path: Path) -> None:
     proc = mesh("calibrate", "--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "p.yaml"),
                 "--quick", "--timeout", "2")
     assert proc.returncode == 2 and "mesh calibrate: error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_simulate_runs_the_benchmarks_workload_as_mesh_replay_plans_it(tmp_path: Path) -> None:
+    from mesh.replay.run import ReplaySetup, prepare
+
+    slice_dir = ROOT / "bench" / "data" / "weka-routing"
+    out = tmp_path / "twin.json"
+    proc = mesh("simulate", str(slice_dir), "--max-sessions", "4", "--workers", "2", "--workers-per-device", "2",
+                "--profile", "h200-8b", "--kv-blocks", "2000", "--prompt-scale", "16", "--output-tokens", "32",
+                "--time-scale", "0.01", "--max-think-s", "2", "--concurrency", "2", "--policy", "session_sticky",
+                "--policy", "kv_aware", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    plan = prepare(ReplaySetup(traces=[str(slice_dir)], sessions=4, prompt_scale=16.0, output_tokens=32,
+                               time_scale=0.01, max_think_s=2.0)).plan
+    assert report["trace"]["requests"] == len(plan.turns)
+    assert report["trace"]["replay_plan"]["prompt_units"] == sum(t.units for t in plan.turns)
+    assert report["closed_loop"] == {"concurrency": 2, "run_s": None, "session_ids": True}
+    for s in report["policies"].values():
+        assert s["requests"] == len(plan.turns) and s["not_sent"] == 0
+        assert s["prompt_tokens"] == sum(t.units for t in plan.turns)
+        assert s["output_tokens"] == 32 * len(plan.turns)
+    cut = mesh("simulate", str(slice_dir), "--max-sessions", "4", "--workers", "2", "--prompt-scale", "16",
+               "--run-s", "5", "--json", str(out), "--quiet")
+    assert cut.returncode == 0, cut.stderr
+    s = next(iter(json.loads(out.read_text())["policies"].values()))
+    assert s["not_sent"] > 0 and s["requests"] + s["not_sent"] == len(plan.turns)
+    bad = mesh("simulate", str(slice_dir), "--prompt-scale", "0")
+    assert bad.returncode == 2 and "--prompt-scale must be a number > 0" in bad.stderr
