@@ -215,21 +215,65 @@ def pairs(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
     return n, wrong
 
 
+def repeats(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The GPU's own spread: per matrix point and router measured in several runs, the range of
+    its TTFT mean and hit rate over the runs, and whether the twin's value lies inside it."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in points:
+        q = p["point"]
+        key = f"kv {q['kv_blocks']} cpu {q['cpu_blocks']} conc {q['concurrency']}"
+        for r in p["rows"]:
+            if r.get("sim_ttft_ms") is not None:
+                groups.setdefault((key, r["router"]), []).append(r)
+    out = []
+    for (key, router), rows in sorted(groups.items()):
+        if len(rows) < 2:
+            continue
+        ttft = [r["gpu_ttft_ms"] for r in rows]
+        hit = [r["gpu_hit"] for r in rows]
+        sim_t, sim_h = rows[0]["sim_ttft_ms"], rows[0]["sim_hit"]
+        out.append({"point": key, "router": router, "runs": len(rows), "gpu_ttft_ms": [min(ttft), max(ttft)],
+                    "gpu_ttft_range": (max(ttft) - min(ttft)) / (sum(ttft) / len(ttft)),
+                    "gpu_hit": [min(hit), max(hit)], "sim_ttft_ms": sim_t, "sim_hit": sim_h,
+                    "sim_ttft_inside": min(ttft) <= sim_t <= max(ttft), "sim_hit_inside": min(hit) <= sim_h <= max(hit),
+                    "same_sim": len({r["sim_system"] for r in rows}) == 1})
+    return out
+
+
+def noise(spread: list[dict[str, Any]]) -> float:
+    """The GPU's repeat noise in TTFT mean: the median relative range of the repeated rows."""
+    ranges = sorted(r["gpu_ttft_range"] for r in spread)
+    return ranges[len(ranges) // 2] if ranges else 0.0
+
+
 def verdicts(points: list[dict[str, Any]], ttft_tol: float, hit_tol: float) -> dict[str, Any]:
     rows = [r for p in points for r in p["rows"] if r.get("sim_ttft_ms") is not None]
+    spread = repeats(points)
+    tie = noise(spread)
     ranking = []
     for p in points:
         n, wrong = pairs(p["rows"])
-        ranking.append({"label": p["label"], "pairs": n, "misordered": wrong})
+        beyond = [x for x in wrong if _gpu_gap(p["rows"], x) >= tie]
+        ranking.append({"label": p["label"], "pairs": n, "misordered": wrong, "misordered_beyond_noise": beyond})
     ttft_bad = [f"{_where(points, r)} {r['ttft_err']:+.0%}" for r in rows if abs(r["ttft_err"]) > ttft_tol]
     hit_bad = [f"{_where(points, r)} {r['hit_diff_pts']:+.1f}" for r in rows if abs(r["hit_diff_pts"]) > hit_tol]
     return {
-        "ranking": {"met": all(not x["misordered"] for x in ranking), "points": ranking},
+        "ranking": {"met": all(not x["misordered"] for x in ranking), "points": ranking, "gpu_noise": tie,
+                    "met_beyond_noise": all(not x["misordered_beyond_noise"] for x in ranking)},
+        "repeats": {"rows": spread, "ttft_inside": sum(r["sim_ttft_inside"] for r in spread),
+                    "hit_inside": sum(r["sim_hit_inside"] for r in spread), "of": len(spread)},
         "ttft": {"met": not ttft_bad, "within": len(rows) - len(ttft_bad), "of": len(rows), "tol": ttft_tol,
                  "outside": ttft_bad},
         "hit": {"met": not hit_bad, "within": len(rows) - len(hit_bad), "of": len(rows), "tol_pts": hit_tol,
                 "outside": hit_bad},
     }
+
+
+def _gpu_gap(rows: list[dict[str, Any]], pair: str) -> float:
+    """How far apart the GPU's TTFT means of a pair ``a/b`` are, relative to their mean."""
+    a, b = pair.split("/")
+    ta, tb = (next(r["gpu_ttft_ms"] for r in rows if r["router"] == name) for name in (a, b))
+    return abs(ta - tb) / ((ta + tb) / 2)
 
 
 def _where(points: list[dict[str, Any]], row: dict[str, Any]) -> str:
@@ -257,12 +301,30 @@ def print_points(points: list[dict[str, Any]], width: int) -> None:
                     left=("router", "sim policy", "rank sim"))
 
 
+def print_repeats(v: dict[str, Any], width: int) -> None:
+    from bench._table import print_table
+
+    rows = [[r["point"], r["router"], str(r["runs"]), f"{_ms(r['gpu_ttft_ms'][0])} - {_ms(r['gpu_ttft_ms'][1])}",
+             f"{r['gpu_ttft_range']:.0%}", _ms(r["sim_ttft_ms"]) + ("" if r["sim_ttft_inside"] else " (out)"),
+             f"{_pct(r['gpu_hit'][0])} - {_pct(r['gpu_hit'][1])}", _pct(r["sim_hit"]) + ("" if r["sim_hit_inside"] else " (out)")]
+            for r in v["repeats"]["rows"]]
+    print_table("the GPU's repeats of one point (runs of several dates) against the twin", (
+        "point", "router", "runs", "GPU TTFT range", "range/mean", "sim TTFT", "GPU hit range", "sim hit"), rows,
+        width=width, left=("point", "router"))
+
+
 def print_verdicts(v: dict[str, Any]) -> None:
     rk = v["ranking"]
     bad = [f"{p['label']}: {', '.join(p['misordered'])}" for p in rk["points"] if p["misordered"]]
     print(f"ranking per point: {'MET' if rk['met'] else 'NOT MET'} "
           f"({sum(not p['misordered'] for p in rk['points'])}/{len(rk['points'])} points ordered as on the GPU"
           + (f"; misordered: {'; '.join(bad)}" if bad else "") + ")")
+    beyond = [f"{p['label']}: {', '.join(p['misordered_beyond_noise'])}" for p in rk["points"]
+              if p["misordered_beyond_noise"]]
+    print(f"  ignoring pairs the GPU separates by less than its repeat noise ({rk['gpu_noise']:.0%}): "
+          f"{'MET' if rk['met_beyond_noise'] else 'NOT MET'}" + (f" (misordered: {'; '.join(beyond)})" if beyond else ""))
+    rp = v["repeats"]
+    print(f"inside the GPU's repeat range: TTFT {rp['ttft_inside']}/{rp['of']}, hit rate {rp['hit_inside']}/{rp['of']}")
     t, h = v["ttft"], v["hit"]
     print(f"TTFT mean within {t['tol']:.0%}: {'MET' if t['met'] else 'NOT MET'} ({t['within']}/{t['of']}"
           + (f"; outside: {'; '.join(t['outside'])}" if t["outside"] else "") + ")")
@@ -355,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         compared = run_points(points, profile, lambda: bar.advance(task))
     print_points(compared, args.width)
     v = verdicts(compared, args.ttft_tol, args.hit_tol)
+    print_repeats(v, args.width)
     print_verdicts(v)
     write_json(args.json_out, {"bench": "sim_twin", "profile": profile.to_dict(), "profile_file": args.profile,
                                "files": [str(p) for p in paths], "points": compared, "verdicts": v,
