@@ -467,14 +467,12 @@ class WorkerModel(WorkerCache):
                     self.sim.first_token(r, t)
                 self._join_decode(r, t)
             self.seg_chunks = []
-        finished = [r for r in decoding if r.g >= r.out]
-        if finished:
-            for r in finished:
-                decoding.remove(r)
-                self.ctx_tokens -= r.n + r.g
-                self._release(r)
-                r.finish_t = t
-                self.sim.finished(r, t)
+        for r in [r for r in decoding if r.g >= r.out]:
+            decoding.remove(r)
+            self.ctx_tokens -= r.n + r.g
+            self._release(r)
+            r.finish_t = t
+            self.sim.finished(r, t)
         self.plan(t)
 
     def _join_decode(self, r: SimRequest, t: float) -> None:
@@ -485,7 +483,6 @@ class WorkerModel(WorkerCache):
             return
         self.decoding.append(r)
         self.ctx_tokens += r.n + r.g
-
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
