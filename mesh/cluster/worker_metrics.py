@@ -18,7 +18,8 @@ sample without either is rank ``None``. Several samples of one family and rank (
 ``tp_rank`` / ``pp_rank``, a second ``model_name``) are combined by their maximum: the fullest
 cache is the one that refuses work; but running / waiting counts split by a ``priority`` label
 (SGLang with priority scheduling) are added up over the priorities (each priority's count is still
-the maximum of its duplicates).
+the maximum of its duplicates), unless the body has the total itself: SGLang writes it under
+``priority=""`` beside the breakdown, and that line alone is read then.
 
 vLLM's capacity: its API server sums ``num_gpu_blocks`` over the engines it manages at startup
 ("Sum values from all engines in DP case", ``vllm/v1/engine/utils.py``) and ``log_metrics_info``
@@ -165,8 +166,10 @@ class MetricsScanner:
         for name in names:
             per_priority = self._values.get(name, {}).get(rank)
             if per_priority:
-                values = per_priority.values()
-                return sum(values) if name in _COUNTS else max(values)
+                if name not in _COUNTS:
+                    return max(per_priority.values())
+                total = per_priority.get(b"")  # SGLang writes the total under priority="" beside the breakdown
+                return total if total is not None else sum(per_priority.values())
         return None
 
     # -- scanning --

@@ -26,7 +26,8 @@ from mesh.events.stream import Stream
 from mesh.events.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event, GroupFilter, LazyBatch, decode_events
 from policies.base import Tier
 
-TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU}
+# Event media by tier: vLLM's GPU / CPU, SGLang HiCache's host tier CPU_PINNED (its pinned host memory).
+TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU, "CPU_PINNED": Tier.CPU}
 SLICE_EVENT_BYTES = 64 << 10
 SLICE_BLOCKS = 1024
 MAX_SEEDS = 4096  # cached (model, LoRA) seeds; LoRA names come from the publisher, unbounded in number

@@ -248,19 +248,23 @@ def normalize_message(message: Any, content_format: ContentFormat = "string") ->
     and ``_postprocess_messages`` in ``vllm/entrypoints/chat_utils``), so that a template renders
     the engine's prompt:
 
+    - a system text part starting with Claude Code's ``x-anthropic-billing-header`` line: without it;
     - content, "string" format: a string; text parts joined with "\\n"; other parts rejected; null is "";
     - content, "openai" format: a list of ``{"type": "text", "text": ...}`` (only those two keys),
       a string being one such part and null an empty list; a tool message's content is still
       its texts joined with "\\n" (vLLM flattens a text-only tool result for every template);
     - role, content, and only: ``tool_calls`` (assistant, when not null; a JSON-string
-      ``arguments`` parsed to an object, a missing/empty one ``{}``, an empty list dropped),
-      ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``), ``tool_call_id`` (tool),
+      ``arguments`` parsed to an object, a missing/empty/invalid/non-object one ``{}``, an empty list dropped),
+      ``reasoning``/``reasoning_content`` (assistant, from ``reasoning``, else ``reasoning_content``),
+      ``tool_call_id`` (tool),
       ``name`` (when a string), ``tools`` (developer).
     """
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError("each message must be an object with a string 'role'")
     role = message["role"]
     content = message.get("content")
+    if role == "system" and isinstance(content, list):
+        content = _without_billing_lines(content)
     if content_format == "openai" and role != "tool":
         content = _openai_content(content)
     elif content is None:
@@ -279,6 +283,8 @@ def normalize_message(message: Any, content_format: ContentFormat = "string") ->
             if tool_calls is not None:
                 out["tool_calls"] = tool_calls
         reasoning = message.get("reasoning")
+        if reasoning is None:  # vLLM takes the older name too (renamed to "reasoning")
+            reasoning = message.get("reasoning_content")
         if reasoning is not None:
             out["reasoning"] = out["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in message:
@@ -288,6 +294,22 @@ def normalize_message(message: Any, content_format: ContentFormat = "string") ->
         out["name"] = name
     if role == "developer":
         out["tools"] = message.get("tools")
+    return out
+
+
+BILLING_LINE = "x-anthropic-billing-header"  # Claude Code's per-request attribution line
+
+
+def _without_billing_lines(parts: list[Any]) -> list[Any]:
+    """A system message's parts as vLLM renders them: a text part that starts with Claude Code's
+    ``x-anthropic-billing-header`` line loses that line (its value changes with every request:
+    kept, no two requests of a conversation would share their prefix)."""
+    out = []
+    for part in parts:
+        text = part.get("text") if isinstance(part, dict) else None
+        if isinstance(text, str) and text.startswith(BILLING_LINE):
+            part = {**part, "text": text.partition("\n")[2]}
+        out.append(part)
     return out
 
 
@@ -324,18 +346,23 @@ def _template_tool_calls(tool_calls: Any) -> Any:
         function = item.get("function") if isinstance(item, dict) else None
         if not isinstance(function, dict):
             raise ChatTemplateError("each tool call must be an object with a 'function' object")
-        arguments = function.get("arguments")
-        if not arguments:
-            arguments = {}
-        elif not isinstance(arguments, (dict, list)):
-            if not isinstance(arguments, str):
-                raise ChatTemplateError("a tool call's 'arguments' must be a JSON string")
-            try:
-                arguments = json.loads(arguments)
-            except ValueError as exc:
-                raise ChatTemplateError(f"a tool call's 'arguments' is not valid JSON: {exc}") from exc
-        out.append({**item, "function": {**function, "arguments": arguments}})
+        out.append({**item, "function": {**function, "arguments": _tool_arguments(function.get("arguments"))}})
     return out
+
+
+def _tool_arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's ``arguments`` as the template sees them, as vLLM renders them: an object as
+    is, a JSON string parsed, and anything else (missing, empty, not valid JSON, JSON that is no
+    object: a model's malformed call kept in the history) ``{}``, so the conversation goes on."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str) and raw:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
 
 
 def _raise_template_error(message: str) -> None:
