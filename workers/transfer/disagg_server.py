@@ -46,6 +46,7 @@ from mesh.core.keys import block_keys, namespace_seed
 from workers.engine.llm_engine import EngineDeadError
 from workers.server.app import (
     APIError,
+    CacheHints,
     ChatRequest,
     CompletionRequest,
     WorkerAPI,
@@ -215,7 +216,7 @@ class DisaggService:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         self.engine.expect_export(rid, ids, req.cache_salt)
         try:
-            text, reason, out = await _watch(receive, self.api.collect(rid, ids, params, req.cache_salt, stops))
+            text, reason, out = await _watch(receive, self.api.collect(rid, ids, params, CacheHints(req.cache_salt), stops))
             pinned, _ = self.engine.take_export(rid)  # ownership passes here, no await in between
         except BaseException:
             self.engine.drop_export(rid)

@@ -302,11 +302,11 @@ def _children(n: int) -> list[Any]:
 
 
 def test_an_error_in_one_choice_ends_the_stream_with_the_error_then_done() -> None:
-    from workers.server.app import CompletionRequest, stream_choices
+    from workers.server.app import CacheHints, CompletionRequest, stream_choices
 
     api = _OneFails()
     req = CompletionRequest(model=MODEL, prompt="x", stream=True, n=3)
-    resp = stream_choices(api, req, "cmpl-1", 0, _children(3), chat=False)  # type: ignore[arg-type]
+    resp = stream_choices(api, req, "cmpl-1", 0, _children(3), CacheHints(), chat=False)  # type: ignore[arg-type]
 
     async def read() -> bytes:
         return b"".join([part async for part in resp.body_iterator])  # type: ignore[misc]
@@ -318,12 +318,12 @@ def test_an_error_in_one_choice_ends_the_stream_with_the_error_then_done() -> No
 
 def test_an_error_in_one_choice_fails_the_unstreamed_answer_and_closes_the_others() -> None:
     from workers.engine.llm_engine import RequestRejected
-    from workers.server.app import collect_choices
+    from workers.server.app import CacheHints, collect_choices
 
     api = _OneFails()
 
     async def collect() -> None:
-        await collect_choices(api, _children(3), None, [])  # type: ignore[arg-type]
+        await collect_choices(api, _children(3), CacheHints(), [])  # type: ignore[arg-type]
 
     with pytest.raises(RequestRejected, match="child 1 refused"):
         asyncio.run(collect())
