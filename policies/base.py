@@ -47,6 +47,7 @@ class TargetState:
     circuit_open: bool = False
     index_healthy: bool = True  # its KV event stream is live (else prefix scores are not trusted)
     in_flight: int = 0  # requests sent and not yet finished
+    routed_blocks: int = 0  # full prompt blocks of the requests ever committed here (the blind-stream check)
     prefill_tokens: int = 0  # prompt tokens of in-flight requests still before their first token
     decode_tokens: int = 0  # context tokens of in-flight requests past their first token (x their ``n``)
     kv_usage: float = 0.0  # 0..1, from the worker's metrics when known

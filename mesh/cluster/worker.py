@@ -51,6 +51,7 @@ class Worker:
     metrics_counts: dict[str, int] = field(default_factory=dict)  # outcome -> scrapes
     metrics_warnings: RateLimitedWarning | None = None  # its scrape problems, rate-limited
     metrics_info_at: float = float("-inf")  # monotonic time of its last INFO line about /metrics
+    index_problem: str | None = None  # why the index cannot see it (a blind event stream); set by KvIngest
 
     @property
     def name(self) -> str:
@@ -99,6 +100,7 @@ class Worker:
             "dp_size": self.config.dp_size,
             "block_size": self.config.block_size,
             "last_error": self.last_error,
+            "kv_events": self.events_state(),
             "metrics": {
                 "result": self.metrics_result or None,
                 "error": self.metrics_error,
@@ -116,6 +118,15 @@ class Worker:
                 for i, t in enumerate(self.targets)
             ],
         }
+
+    def events_state(self) -> str:
+        """What the index sees of it: "none" (no kv_events configured), "live" (every rank's stream
+        trusted), "not live" (a stream connecting, replaying or broken), or the blind-stream problem."""
+        if self.config.kv_events is None:
+            return "none"
+        if self.index_problem is not None:
+            return self.index_problem
+        return "live" if all(t.index_healthy for t in self.targets) else "not live"
 
     def set_reported(self, loads: list[RankLoad | None]) -> None:
         """Push what the worker's /metrics said (one entry per target) into the targets."""

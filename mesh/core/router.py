@@ -187,6 +187,7 @@ class Router:
             if store is not None:
                 store(target.id, request.block_keys, now + self.speculative_ttl_s)
         target.in_flight += 1
+        target.routed_blocks += len(request.block_keys)
         uncached = request.prompt_tokens - cached_tokens
         target.prefill_tokens += uncached
         lease = Lease(target, uncached, request.prompt_tokens, self.policy, request, on_release=self.on_release)

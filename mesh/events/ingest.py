@@ -14,7 +14,8 @@ and starts and stops it in the gateway's lifespan. Ownership:
   entries dropped (``mesh.gateway.app._Housekeeper`` drops them at once too, before the stream stops).
 - Stream health is copied into ``TargetState.index_healthy`` (``on_health``); a worker with
   ``kv_events`` that is not subscribed yet (model unknown) is not index-healthy.
-- The same task ends speculative index entries on time (``PrefixIndex.expire`` every
+- The same task warns about blind streams (``mesh.events.blindness``: a worker routed requests
+  while its stream delivers nothing) and ends speculative index entries on time (``PrefixIndex.expire`` every
   ``TICK_S``), which also scrubs the slots of removed targets.
 
 Namespace (must equal what ``mesh.request.prompt`` seeds a request's keys with): the router keys a
@@ -38,6 +39,7 @@ import time
 
 from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.core.index import PrefixIndex
+from mesh.events.blindness import BlindWatch
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.metrics import Metrics
 
@@ -88,6 +90,7 @@ class KvIngest:
         self._wake = asyncio.Event()
         self._seen_version = -1
         self._task: asyncio.Task[None] | None = None
+        self.blind = BlindWatch()  # loud and visible when a worker serves requests but sends no event
 
     # -- registry listener (synchronous; may run before the loop exists) --
     def on_worker_added(self, worker: Worker) -> None:
@@ -122,7 +125,10 @@ class KvIngest:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
             try:
-                self.index.expire(time.monotonic())
+                now = time.monotonic()
+                self.index.expire(now)
+                if self.subscriber is not None:
+                    self.blind.check(now, self.subscriber.health(), self.registry.workers)
                 if self._wake.is_set() or registry.version != self._seen_version:
                     await self.reconcile()
             except asyncio.CancelledError:

@@ -37,7 +37,10 @@ def add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/ready", tags=["ops"])
     async def ready() -> Response:
         healthy = any(w.healthy and not w.draining for w in gateway.registry.workers.values())
-        body = {"ready": healthy}
+        body: dict[str, Any] = {"ready": healthy}
+        blind = {w.name: w.index_problem for w in gateway.registry.workers.values() if w.index_problem}
+        if blind:  # serving, but precise routing is off for these workers
+            body["index_problems"] = blind
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics", tags=["ops"])

@@ -193,4 +193,7 @@ def _bind_or_connect(sock: Any, endpoint: str) -> None:
     if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
         sock.bind(endpoint)
     else:
+        log.warning("KV events: %s is a concrete address, so this worker CONNECTS to it (vLLM's rule) and "
+                    "publishes only to a subscriber that binds there; for a gateway that connects to the "
+                    "worker (Mesh's kv_events.endpoint), give tcp://*:%s instead", endpoint, endpoint.rpartition(":")[2])
         sock.connect(endpoint)
