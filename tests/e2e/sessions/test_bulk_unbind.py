@@ -23,6 +23,7 @@ import yaml
 from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.config import parse_config
 from mesh.core.index import PrefixIndex
+from mesh.core.retention import RetentionPlanner
 from mesh.core.sessions import SessionTable
 from mesh.gateway.app import _Housekeeper
 from tests.procs import ProcessGroup, free_port
@@ -58,12 +59,15 @@ def test_a_reload_removing_several_workers_scans_the_session_table_once() -> Non
                  "config")
     table = SessionTable()
     index = PrefixIndex()
-    reg.add_listener(_Housekeeper(SimpleNamespace(index=index, sessions=table)))  # type: ignore[arg-type]
+    retention = RetentionPlanner()
+    router = SimpleNamespace(retention=retention)
+    reg.add_listener(_Housekeeper(SimpleNamespace(index=index, sessions=table, router=router)))  # type: ignore[arg-type]
     per_worker = PerWorker()
     reg.add_listener(per_worker)
     targets = [t for w in reg.workers.values() for t in w.targets]
     for i in range(400):
         table.bind(f"s{i}", targets[i % len(targets)].id, now=1.0)
+        retention.spill(f"s{i}", targets[i % len(targets)], 10, now=1.0)
     bound = {f"s{i}": targets[i % len(targets)].id for i in range(400)}
     assert {t.id for t in dp.targets} <= set(bound.values())
 
@@ -71,6 +75,7 @@ def test_a_reload_removing_several_workers_scans_the_session_table_once() -> Non
     reg.reconfigure(parse_config(config(keep)))
     assert sorted(reg.workers) == keep
     assert table.scans == 1  # one pass for the 6 workers (7 targets) removed, not one per worker
+    assert set(retention._plans) == {t.id for w in keep for t in reg.workers[w].targets}  # removed targets' plans forgotten
     assert sorted(per_worker.removed) == sorted([*set(names) - set(keep), "dp"])
     for sid, tid in bound.items():
         assert table.bound_target(sid, now=2.0) == (tid if tid in keep else None), sid
