@@ -162,7 +162,7 @@ def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
 
     from workers.engine.llm_engine import RequestRejected
     from workers.engine.sequence import SamplingParams
-    from workers.server.app import CompletionRequest, _stream
+    from workers.server.app import CacheHints, Child, CompletionRequest, stream_choices
 
     class Api:  # the generator's only collaborator; the real engine cannot be made to fail here
         model_name = "tiny"
@@ -172,7 +172,8 @@ def test_a_stream_the_engine_rejects_ends_with_the_error_then_done() -> None:
             yield  # an async generator
 
     req = CompletionRequest(model="tiny", prompt="x", stream=True)
-    resp = _stream(Api(), req, "cmpl-1", 0, [1], SamplingParams(max_tokens=1), chat=False)  # type: ignore[arg-type]
+    children = [Child(0, 0, "cmpl-1", [1], SamplingParams(max_tokens=1))]
+    resp = stream_choices(Api(), req, "cmpl-1", 0, children, CacheHints(), chat=False)  # type: ignore[arg-type]
 
     async def read() -> bytes:
         return b"".join([part async for part in resp.body_iterator])  # type: ignore[misc]
