@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from policies.base import TargetState
 
 REPLAN_S = 0.1
+RETENTION_HEADER = "x-mesh-retention"  # the hint's header, sent by the gateway, read by the bundled worker
+SPILL = "spill"  # its one value: evict this request's blocks first
 
 
 @dataclass(slots=True)

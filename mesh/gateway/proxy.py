@@ -27,6 +27,7 @@ from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 from mesh.cluster.registry import WorkerRegistry
+from mesh.core.retention import RETENTION_HEADER, SPILL
 from mesh.core.router import Lease, Router
 from mesh.errors import MeshError, openai_error_bytes
 from mesh.gateway.admission_queue import AdmissionQueue, OverCapacity
@@ -61,7 +62,7 @@ log = logging.getLogger("mesh.gateway.proxy")
 
 Scope = MutableMapping[str, Any]
 
-RETENTION_SPILL = b"x-mesh-retention: spill\r\n"  # the retention hint (mesh.core.retention)
+RETENTION_SPILL = f"{RETENTION_HEADER}: {SPILL}\r\n".encode()  # the retention hint
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 

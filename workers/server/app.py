@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mesh.core.retention import RETENTION_HEADER, SPILL
 from mesh.request.chat import CONTENT_FORMATS, ChatOptions, ChatTemplateError
 from workers.engine.llm_engine import AsyncLLMEngine, EngineDeadError, RequestOutput, RequestRejected
 from workers.engine.sequence import InvalidSamplingParams, SamplingParams
@@ -203,9 +204,6 @@ class Chunk:
     output: RequestOutput
 
 
-RETENTION_HEADER = "x-mesh-retention"  # "spill": the router's hint that this session does not fit here
-
-
 @dataclass(frozen=True, slots=True)
 class CacheHints:
     """How a request's KV is keyed and kept: ``salt`` (vLLM's ``cache_salt``, a key namespace of
@@ -217,7 +215,7 @@ class CacheHints:
 
 
 def cache_hints(req: _Common, request: Request) -> CacheHints:
-    return CacheHints(req.cache_salt, request.headers.get(RETENTION_HEADER, "").strip().lower() == "spill")
+    return CacheHints(req.cache_salt, request.headers.get(RETENTION_HEADER, "").strip().lower() == SPILL)
 
 
 @dataclass(frozen=True)
