@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from mesh.connect_policy import ConnectPolicy
 from mesh.files import FileProblem, read_regular_file
 from mesh.yaml_document import document_problem, format_errors
 from policies.base import Role
@@ -61,8 +62,13 @@ class ServerConfig(_Model):
     client_write_timeout_s: PositiveFloat = 30.0
     body_idle_timeout_s: PositiveFloat = 30.0  # longest wait for the next bytes of a request body (then 408)
     connect_timeout_s: PositiveFloat = 5.0
-    allowed_worker_hosts: list[str] | None = None  # None = any host; else exact names/IPs
-    allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"])
+    # What the gateway may connect to on a worker's behalf (mesh.connect_policy): its url and its
+    # kv_events endpoints. allowed_worker_hosts: hosts (any IP spelling) or CIDR networks; None =
+    # any host except link-local and cloud metadata ones (listing one allows it).
+    allowed_worker_hosts: list[str] | None = None
+    allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"])  # of worker urls
+    allowed_kv_event_schemes: list[Literal["tcp", "ipc", "inproc"]] = Field(default_factory=lambda: ["tcp", "ipc", "inproc"])
+    allowed_ipc_paths: list[str] = Field(default_factory=list)  # unix sockets (or their directories) ipc:// may reach
     forward_authorization: bool = False  # pass the client's Authorization header to workers
 
     @field_validator("api_keys")
@@ -71,6 +77,26 @@ class ServerConfig(_Model):
         if any(not k or not k.isprintable() for k in keys):
             raise ValueError("api keys must be non-empty printable strings")
         return keys
+
+    @field_validator("allowed_ipc_paths")
+    @classmethod
+    def _ipc_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not (path.startswith("/") or path.startswith("@")) or any(c in path for c in "\r\n\t\0"):
+                raise ValueError(f"ipc path {path!r} must be absolute (or an abstract @name)")
+        return paths
+
+    @model_validator(mode="after")
+    def _policy(self) -> ServerConfig:
+        self.connect_policy()  # a bad allowlist entry raises here, at load
+        return self
+
+    def connect_policy(self) -> ConnectPolicy:
+        """The policy every worker address is checked against (``check_worker_addresses``)."""
+        return ConnectPolicy(
+            allowed_hosts=tuple(self.allowed_worker_hosts) if self.allowed_worker_hosts is not None else None,
+            url_schemes=tuple(self.allowed_schemes), zmq_schemes=tuple(self.allowed_kv_event_schemes),
+            ipc_paths=tuple(self.allowed_ipc_paths))
 
 
 class KVEventsConfig(_Model):
@@ -141,6 +167,15 @@ class WorkerConfig(_Model):
                 raise ValueError(f"loras: adapter {adapter!r} runs on {base!r}, which is not in models {self.models}")
             if self.models is not None and adapter in self.models:
                 raise ValueError(f"loras: adapter {adapter!r} is also listed in models (list base models only)")
+        return self
+
+    @model_validator(mode="after")
+    def _addresses(self, info: ValidationInfo) -> WorkerConfig:
+        """Under ``parse_config`` (its context holds the server's connect policy) the addresses are
+        checked here, so an error names this worker's path (``workers[1]``); else by ``MeshConfig``."""
+        policy = (info.context or {}).get("connect_policy")
+        if isinstance(policy, ConnectPolicy):
+            check_addresses(policy, self)
         return self
 
 
@@ -352,7 +387,11 @@ class MeshConfig(_Model):
             if w.name in seen:
                 raise ValueError(f"duplicate worker name {w.name!r}")
             seen.add(w.name)
-            check_worker_url(w.url, self.server)
+        for i, w in enumerate(self.workers):
+            try:
+                check_worker_addresses(w, self.server)
+            except ValueError as exc:
+                raise ValueError(f"workers[{i}] ({w.name}): {exc}") from exc
         check_event_streams(self.workers)
         return self
 
@@ -425,13 +464,26 @@ def check_event_streams(workers: Iterable[WorkerConfig]) -> None:
 
 
 def check_worker_url(url: str, server: ServerConfig) -> None:
-    """Scheme and host allowlist of the server config; raises ValueError."""
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in server.allowed_schemes:
-        raise ValueError(f"worker url {url!r}: scheme {parsed.scheme!r} not in allowed_schemes {server.allowed_schemes}")
-    allowed = server.allowed_worker_hosts
-    if allowed is not None and (parsed.hostname or "") not in allowed:
-        raise ValueError(f"worker url {url!r}: host {parsed.hostname!r} not in allowed_worker_hosts")
+    """``url`` against the server's connect policy (``mesh.connect_policy``); raises ValueError."""
+    server.connect_policy().check_url(url)
+
+
+def check_worker_addresses(worker: WorkerConfig, server: ServerConfig) -> None:
+    """Every address the gateway would connect to for ``worker`` against the server's connect
+    policy (``check_addresses``); raises ValueError."""
+    check_addresses(server.connect_policy(), worker)
+
+
+def check_addresses(policy: ConnectPolicy, worker: WorkerConfig) -> None:
+    """``worker``'s url and each rank's KV event and replay endpoint against ``policy``."""
+    policy.check_url(worker.url)
+    kv = worker.kv_events
+    if kv is None:
+        return
+    for rank in range(worker.dp_size):
+        policy.check_zmq(rank_endpoint(kv.endpoint, rank), "kv_events endpoint")
+        if kv.replay_endpoint is not None:
+            policy.check_zmq(rank_endpoint(kv.replay_endpoint, rank), "kv_events replay_endpoint")
 
 
 def parse_config(data: Any, source: str | None = None, *, check_policy: bool = True) -> MeshConfig:
@@ -444,7 +496,7 @@ def parse_config(data: Any, source: str | None = None, *, check_policy: bool = T
     if problem is not None:
         raise ConfigError([f"(top level): {problem}"], source)
     try:
-        config = MeshConfig.model_validate(data)
+        config = MeshConfig.model_validate(data, context={"connect_policy": _connect_policy(data)})
     except ValidationError as exc:
         raise ConfigError(format_errors(exc), source) from exc
     if check_policy:
@@ -453,6 +505,15 @@ def parse_config(data: Any, source: str | None = None, *, check_policy: bool = T
         except ConfigError as exc:
             raise ConfigError(exc.errors, source) from exc
     return config
+
+
+def _connect_policy(data: dict[str, Any]) -> ConnectPolicy | None:
+    """The connect policy of the document's ``server`` section; None when that section is invalid
+    (its own errors are reported, and each worker's addresses are checked by ``MeshConfig``)."""
+    try:
+        return ServerConfig.model_validate(data.get("server") or {}).connect_policy()
+    except (ValidationError, ValueError, TypeError):
+        return None
 
 
 def load_config(path: str | Path | None = None, *, allow_empty: bool = True) -> MeshConfig:

@@ -15,7 +15,8 @@ turns ``health.worker_metrics`` off (its values go to unknown).
 Threading: everything runs on the gateway's event loop; a probe or a scrape that awaits re-checks
 that its worker is still registered (and scraping still on) before it writes anything. Listeners
 (``add_listener``) hear ``on_worker_added`` / ``on_worker_removed``: KV event subscribers start
-and stop there.
+and stop there. Health listeners (``add_health_listener``) hear ``on_worker_unhealthy`` when a
+probe turns a worker unhealthy: the proxy aborts the requests on it that no client saw a byte of.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from mesh.cluster.health import CircuitBreaker, apply_probe, probe
 from mesh.cluster.worker import Worker, auth_headers
 from mesh.cluster.worker_load import apply_scrape, loads_for_targets, stale_after
 from mesh.cluster.worker_metrics import Scrape, scrape
-from mesh.config import MeshConfig, WorkerConfig, check_event_streams, check_worker_url
+from mesh.config import MeshConfig, WorkerConfig, check_event_streams, check_worker_addresses
 from mesh.gateway.upstream import UpstreamPool
 from mesh.metrics import Metrics
 from policies.base import TargetState, target_id
 
 # What other modules and tests import from here (the rest lives in the modules named above).
-__all__ = ["CircuitBreaker", "RegistryError", "RegistryListener", "Worker", "WorkerRegistry",
+__all__ = ["CircuitBreaker", "HealthListener", "RegistryError", "RegistryListener", "Worker", "WorkerRegistry",
            "discover_models", "loads_for_targets", "split_models"]
 
 log = logging.getLogger("mesh.cluster.registry")
@@ -64,6 +65,12 @@ class RegistryListener(Protocol):
     def on_worker_removed(self, worker: Worker) -> None: ...
 
 
+class HealthListener(Protocol):
+    """Told, on the loop, when a health probe has just turned a registered worker unhealthy."""
+
+    def on_worker_unhealthy(self, worker: Worker) -> None: ...
+
+
 class WorkerRegistry:
     """Every worker of the gateway, the router's ``targets`` view of them, and their health and
     scrape schedules (see the module docstring for who writes what)."""
@@ -74,6 +81,7 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._by_target: dict[str, Worker] = {}
         self._listeners: list[RegistryListener] = []
+        self._health_listeners: list[HealthListener] = []
         self._task: asyncio.Task[None] | None = None
         self.any_circuit_open = False
         self.version = 0  # bumped whenever membership or a worker's model list changes
@@ -87,11 +95,14 @@ class WorkerRegistry:
     def add_listener(self, listener: RegistryListener) -> None:
         self._listeners.append(listener)
 
+    def add_health_listener(self, listener: HealthListener) -> None:
+        self._health_listeners.append(listener)
+
     def add(self, cfg: WorkerConfig, source: Literal["config", "admin"] = "admin") -> Worker:
         if cfg.name in self.workers:
             raise RegistryError(409, f"worker {cfg.name!r} already exists")
         try:
-            check_worker_url(cfg.url, self.config.server)
+            check_worker_addresses(cfg, self.config.server)  # url and kv_events: mesh.connect_policy
             check_event_streams([*(w.config for w in self.workers.values()), cfg])
         except ValueError as exc:
             raise RegistryError(400, str(exc)) from exc
@@ -232,7 +243,12 @@ class WorkerRegistry:
         ok, error = await probe(pool, worker.url + "/health", worker.headers, cfg.timeout_s)
         if worker.name not in self.workers or self.workers[worker.name] is not worker:
             return ok  # removed while the probe ran
+        was_healthy = worker.healthy
         apply_probe(worker, ok, error, cfg, time.monotonic())
+        if was_healthy and not worker.healthy:
+            worker.sync()  # out of routing before its requests are retried
+            for listener in self._health_listeners:
+                listener.on_worker_unhealthy(worker)
         if ok and worker.healthy and worker.config.models is None and (worker.ok_streak == 1 or not worker.discovered_models):
             found = await discover_models(pool, worker, cfg.timeout_s)
             if found is not None and found != (worker.discovered_models, worker.discovered_loras):
