@@ -54,13 +54,38 @@ class ServerConfig(_Model):
     api_keys: list[str] = Field(default_factory=list)  # data plane: empty = open
     admin_key: str | None = None  # admin API: None = admin API disabled (403)
     max_body_bytes: int = Field(8 * MIB, ge=1024)
+    # request body bytes held at once, over all requests (a body is held until its request ends):
+    # past it a new body is a 503 with Retry-After (mesh.gateway.client_io.BodyBuffer)
+    max_buffered_body_bytes: int = Field(1024 * MIB, ge=1024)
     max_tokens_limit: int = Field(1_000_000, ge=1)
     max_prompt_tokens: int = Field(4_000_000, ge=1)
-    request_timeout_s: PositiveFloat = 3600.0  # whole upstream exchange, streaming included
+    # The request's one deadline: from the moment it is routable (before the admission queue) to
+    # the end of its answer, streaming included. The admission wait (admission.max_wait_s, cut to
+    # what is left of it), every attempt and its retries all count against it; the upstream
+    # timeouts below bound each attempt within it.
+    request_timeout_s: PositiveFloat = 3600.0
+    # Longest wait from sending a stream request to a worker to the first bytes of its stream (the
+    # first token: queueing plus prefill). 60 s covers the prefill of a 128k-token prompt on a busy
+    # GPU many times over, yet frees a hung worker's requests while nothing reached the client: past
+    # it the attempt is the worker's failure (its circuit breaker) and is retried on another worker.
+    # A non-streamed answer is not bounded by it: engines send its head once the whole answer is
+    # generated, which takes as long as max_tokens asks; a hung worker's such requests are
+    # retried as soon as the health check marks it unhealthy.
+    first_byte_timeout_s: PositiveFloat = 60.0
+    # Longest silence of a worker once its answer started (between a stream's chunks; between a
+    # buffered answer's head and the rest of it). An engine emits a token every few tens of ms, so
+    # 60 s of silence is a hung worker: a stream ends with an error event and [DONE], a buffered
+    # answer (nothing reached the client) is retried elsewhere; both are the worker's failure.
+    idle_timeout_s: PositiveFloat = 60.0
     # longest wait for a client to accept one chunk of a response; past it the gateway abandons
     # the client and frees its worker (a hung client held its slot until request_timeout_s)
     client_write_timeout_s: PositiveFloat = 30.0
     body_idle_timeout_s: PositiveFloat = 30.0  # longest wait for the next bytes of a request body (then 408)
+    # A request head (request line and headers) longer than this is a 431 and the connection
+    # closes; one not complete this long after its first byte (or a connection silent this long
+    # after it opened) closes (mesh.gateway.http_protocol). nginx's buffers hold 8-32 KiB.
+    max_head_bytes: int = Field(32 * 1024, ge=1024, le=16 * MIB)
+    head_timeout_s: PositiveFloat = 5.0
     connect_timeout_s: PositiveFloat = 5.0
     # What the gateway may connect to on a worker's behalf (mesh.connect_policy): its url and its
     # kv_events endpoints. allowed_worker_hosts: hosts (any IP spelling) or CIDR networks; None =
@@ -70,6 +95,9 @@ class ServerConfig(_Model):
     allowed_kv_event_schemes: list[Literal["tcp", "ipc", "inproc"]] = Field(default_factory=lambda: ["tcp", "ipc", "inproc"])
     allowed_ipc_paths: list[str] = Field(default_factory=list)  # unix sockets (or their directories) ipc:// may reach
     forward_authorization: bool = False  # pass the client's Authorization header to workers
+    # client headers forwarded to workers besides request ids, trace context, user-agent, accept
+    # and the session header (mesh.gateway.headers.FORWARDED); any other client header is dropped
+    forward_headers: list[str] = Field(default_factory=list)
 
     @field_validator("api_keys")
     @classmethod
@@ -127,6 +155,9 @@ class WorkerConfig(_Model):
     kv_events: KVEventsConfig | None = None
     max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
     api_key: str | None = None  # sent to the worker as a Bearer token
+    # server.first_byte_timeout_s / server.idle_timeout_s for this worker alone (None: the server's)
+    first_byte_timeout_s: PositiveFloat | None = None
+    idle_timeout_s: PositiveFloat | None = None
     # LoRA adapters served under their own model names, adapter -> base model (None: discovered
     # from /v1/models ``parent``). A list of adapter names means "on the first of ``models``".
     loras: dict[str, str] | None = None

@@ -7,7 +7,8 @@ line, which decides again. Invariants:
   still finds no room (the freed target serves another model, or a newcomer took it) keeps its
   place and hands the wake-up to the next one.
 - Bounded: at most ``admission.max_waiting`` requests wait (one more is answered 429 at once),
-  each at most ``admission.max_wait_s`` (then 503); ``max_waiting: 0`` turns holding off.
+  each at most ``admission.max_wait_s`` (then 503), and never past its request's deadline
+  (``server.request_timeout_s``: the wait counts against it); ``max_waiting: 0`` turns holding off.
 - A request that leaves the line without a lease (cancelled, timed out) passes on a wake-up it
   was given, so a freed slot is never lost.
 - Every ``RECHECK_S`` a waiter decides again without being woken: workers added, healed or
@@ -72,9 +73,10 @@ class AdmissionQueue:
                 waiter.woken.set()
                 return
 
-    async def admit(self, route: Callable[[], T]) -> T:
+    async def admit(self, route: Callable[[], T], deadline: float | None = None) -> T:
         """``route()``'s result, at once when a target has room and nobody waits, else once a
-        target frees. ``route`` raises ``OverCapacity`` while every candidate is full."""
+        target frees. ``route`` raises ``OverCapacity`` while every candidate is full.
+        ``deadline``: the request's (monotonic); the wait ends there at the latest."""
         limits = self._limits()
         if not self._line:
             try:
@@ -87,7 +89,10 @@ class AdmissionQueue:
             raise MeshError(429, f"every worker serving this model is at its in-flight limit and {len(self._line)} "
                                  "requests already wait (admission.max_waiting)", code="over_capacity",
                             headers={"retry-after": "1"})
-        return await self._hold(route, limits.max_wait_s)
+        max_wait_s = limits.max_wait_s
+        if deadline is not None:
+            max_wait_s = min(max_wait_s, deadline - time.monotonic())
+        return await self._hold(route, max_wait_s)
 
     async def _hold(self, route: Callable[[], T], max_wait_s: float) -> T:
         waiter = _Waiter()

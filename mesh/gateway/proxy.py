@@ -7,9 +7,15 @@ alone cost ~40% of the rate, see BENCHMARKS.md); upstream requests go through th
 - Every routed attempt holds a ``Lease``, finished exactly once on every path (``try/finally``).
 - A request that finds every worker of its model at its in-flight ceiling waits in the admission
   queue (late binding) and is decided once one has room (``admission_queue``).
+- One deadline per request (``server.request_timeout_s``, from before the admission queue): the
+  queue's wait, every attempt and its retries count against it. Within it each attempt's worker
+  has a first-byte bound (streams) and an idle bound (``UpstreamPool``'s one timer per request).
 - Until the first byte reached the client, a failed attempt is retried on another worker with
   backoff (``verdicts`` says what a failure counts for); after it, a stream that breaks ends with
   an SSE error event (``sse_relay``). A retry moves the session only once its target served it.
+  A worker the health check marks unhealthy has its unanswered attempts aborted (``on_worker_unhealthy``)
+  and retried; a 200 that is not what was asked for (``answer_problem``) is a failure, retried.
+- Errors for clients name the worker, never its address (that goes to the log and ``/workers``).
 - A client that leaves cancels the handler, closing the upstream response; one that takes no
   bytes for ``server.client_write_timeout_s`` is abandoned alike. Neither charges the worker.
 - Prefix reuse is counted as predicted (the lease) and as reported (the answer's usage, found in
@@ -26,15 +32,19 @@ import time
 from collections.abc import MutableMapping
 from typing import Any, Protocol
 
-from mesh.cluster.registry import WorkerRegistry
+import msgspec
+
+from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.core.retention import RETENTION_HEADER, SPILL
 from mesh.core.router import Lease, Router
-from mesh.errors import MeshError, openai_error_bytes
+from mesh.errors import MeshError, bad_request, openai_error_bytes
 from mesh.gateway.admission_queue import AdmissionQueue, OverCapacity
 from mesh.gateway.client_io import (
     WATCH_AFTER_S,
+    BodyBuffer,
     ClientWriteTimeout,
     Exchange,
+    RateLimitedWarning,
     Receive,
     Send,
     WriteWatch,
@@ -43,9 +53,25 @@ from mesh.gateway.client_io import (
     read_body,
     watch_disconnect,
 )
-from mesh.gateway.headers import JSON_HEADERS, check_bearer, header, response_headers, upstream_headers
+from mesh.gateway.headers import (
+    JSON_HEADERS,
+    check_bearer,
+    forwarded_names,
+    header,
+    response_headers,
+    upstream_headers,
+)
 from mesh.gateway.sse_relay import StreamBreak, ended_whole, is_sse, relay_stream
-from mesh.gateway.upstream import ConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout, split_url
+from mesh.gateway.upstream import (
+    ConnectError,
+    UpstreamAborted,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamStalled,
+    UpstreamTimeout,
+    split_url,
+)
 from mesh.gateway.verdicts import (
     MAX_ANSWER_BYTES,
     SHUTDOWN_MESSAGE,
@@ -54,6 +80,7 @@ from mesh.gateway.verdicts import (
     shutdown_error,
     status_verdict,
 )
+from mesh.log_limit import LogLimiter
 from mesh.metrics import Metrics
 from mesh.request.prompt import ParsedRequest, PromptProcessor
 from policies.base import Decision, NoCandidate, TargetState
@@ -64,6 +91,7 @@ Scope = MutableMapping[str, Any]
 
 RETENTION_SPILL = f"{RETENTION_HEADER}: {SPILL}\r\n".encode()  # the retention hint
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_JSON = msgspec.json.Decoder(msgspec.Raw)  # validates without building objects (~0.6 us per KiB)
 
 
 class SessionMirror(Protocol):
@@ -84,6 +112,7 @@ class Proxy:
         metrics: Metrics,
         admission: AdmissionQueue,
         mirror: SessionMirror | None = None,
+        bodies: BodyBuffer | None = None,
     ) -> None:
         self.pool = pool
         self.registry = registry
@@ -92,6 +121,8 @@ class Proxy:
         self.metrics = metrics
         self.admission = admission  # where a request waits while every worker of its model is full
         self.mirror = mirror  # shared state (Redis): a session's binding copied in before its decision
+        # the request bodies held at once (server.max_buffered_body_bytes), shared with /debug/route
+        self.bodies = bodies or BodyBuffer(lambda: registry.config.server.max_buffered_body_bytes)
         self._urls: dict[tuple[str, str], tuple[str, str, int, bytes]] = {}
         self._sessions_config: object = None
         self._session_header_name = b""
@@ -102,6 +133,19 @@ class Proxy:
         # Set by ``shut_down`` (the gateway's shutdown timeout, right before it closes the pool):
         # from then on an upstream break is the gateway's doing, charged to no worker.
         self.shutting_down = False
+        self._forward_config: object = None  # the config ``_forward_names`` was computed for
+        self._forward_names: frozenset[bytes] = frozenset()
+        self._unexpected = LogLimiter(log, "unexpected errors on")  # a traceback per bug and route, not per request
+        self._attempt_log = RateLimitedWarning(log, "failed upstream attempts")  # their details (addresses)
+        registry.add_health_listener(self)
+
+    def on_worker_unhealthy(self, worker: Worker) -> None:
+        """The health check marked ``worker`` unhealthy: its attempts whose answer has not reached
+        a client are aborted now (each retried elsewhere by its ``_forward``), not left to hang."""
+        aborted = self.pool.abort_unanswered(worker.url, f"worker {worker.name} turned unhealthy")
+        if aborted:
+            log.warning("worker %s turned unhealthy: %d unanswered requests on it are retried elsewhere",
+                        worker.name, aborted)
 
     async def aclose(self) -> None:
         """At the lifespan's end, before the pool closes: nothing of its own to close here."""
@@ -120,11 +164,13 @@ class Proxy:
         task = asyncio.current_task()
         state = Exchange(send, self.registry.config.server.client_write_timeout_s, self._write_watch, task)
         watcher: asyncio.TimerHandle | None = None
+        held = 0  # body bytes taken from ``bodies``
         try:
             headers = scope["headers"]
             self._check_auth(headers)
             server = self.registry.config.server
-            raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s)
+            raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s, self.bodies)
+            held = len(raw)
             watcher = state.loop.call_later(WATCH_AFTER_S, watch_disconnect, receive, state, task)
             t0 = time.perf_counter()
             parsed = await self.prompts.process(raw, kind, header(headers, self._session_header()))
@@ -142,10 +188,14 @@ class Proxy:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             state.status = 499
             self.metrics.client_disconnects_total.inc()
+        except RecursionError:  # a body nested deeper than the request's processing can walk
+            await self._error(state, bad_request("request body is nested too deeply", code="too_deeply_nested"), scope)
         except Exception as exc:  # a bug must never surface as a traceback to the client
-            log.exception("unexpected error in proxy: %s", exc)
+            self._unexpected.log(logging.ERROR, (route, type(exc).__name__), "unexpected error in proxy: %s", exc,
+                                 exc_info=True)
             await self._error(state, MeshError(500, "internal gateway error", code="internal_error"), scope)
         finally:
+            self.bodies.give(held)
             state.finish()
             if watcher is not None:
                 watcher.cancel()
@@ -187,6 +237,16 @@ class Proxy:
             self._session_header_name = sessions.header.encode()
         return self._session_header_name
 
+    def _forwarded_names(self) -> frozenset[bytes]:
+        """The client headers workers see, for the config in force (recomputed after a reload)."""
+        config = self.registry.config
+        if config is not self._forward_config:
+            self._forward_config = config
+            server = config.server
+            self._forward_names = forwarded_names(server.forward_headers, config.sessions.header,
+                                                  server.forward_authorization)
+        return self._forward_names
+
     def _check_auth(self, headers: list[tuple[bytes, bytes]]) -> None:
         keys = self.registry.config.server.api_keys
         if not keys:
@@ -202,7 +262,8 @@ class Proxy:
         "prefill here" on a decode worker), committed as is rather than decided again."""
         config = self.registry.config
         retries = config.retries
-        out_headers = upstream_headers(client_headers, config.server.forward_authorization)
+        deadline = time.monotonic() + config.server.request_timeout_s  # the request's one deadline
+        out_headers = upstream_headers(client_headers, self._forwarded_names())
         excluded: list[str] = []
         suspects: list[Failure] = []
         failure: Failure | None = None
@@ -216,7 +277,7 @@ class Proxy:
                 lease = self._route(parsed, excluded, failure)
             else:
                 arrived = time.monotonic()
-                lease = await self.admission.admit(lambda: self._route(parsed, excluded, None, first, arrived))
+                lease = await self.admission.admit(lambda: self._route(parsed, excluded, None, first, arrived), deadline)
             if lease is None:
                 break
             target = lease.target
@@ -224,7 +285,7 @@ class Proxy:
             # A failed worker is excluded with all its data-parallel ranks.
             excluded.extend([t.id for t in worker.targets] if worker is not None else [target.id])
             try:
-                failure = await self._attempt(parsed, lease, out_headers, state, route, start, suspects)
+                failure = await self._attempt(parsed, lease, out_headers, state, route, start, suspects, deadline)
             finally:
                 lease.finish(time.monotonic())
             if failure is None:
@@ -310,10 +371,11 @@ class Proxy:
         route: str,
         start: float,
         suspects: list[Failure],
+        request_deadline: float,
     ) -> Failure | None:
         """One upstream attempt. None when the client got its answer, else the failure.
         ``suspects``: earlier attempts' 500s, blamed on their workers (and cleared) once this
-        worker answers the same request."""
+        worker answers the same request. ``request_deadline``: the request's (monotonic)."""
         target = lease.target
         worker = self.registry.worker_of(target.id)
         if worker is not None and (worker.headers or worker.config.dp_size > 1):
@@ -323,25 +385,35 @@ class Proxy:
         if lease.spill:
             headers = headers + [RETENTION_SPILL]
         path = "/v1/chat/completions" if parsed.kind == "chat" else "/v1/completions"
-        timeout = self.registry.config.server.request_timeout_s
+        server = self.registry.config.server
+        timeout = request_deadline - time.monotonic()  # what is left of the request's deadline
+        if timeout <= 0:
+            raise MeshError(504, f"request timed out after {server.request_timeout_s:g} s (server.request_timeout_s)",
+                            code="upstream_timeout")
         deadline = asyncio.get_running_loop().time() + timeout  # the upstream's own timer's, or a hair before
+        cfg = worker.config if worker is not None else None
+        first_byte_s = (cfg and cfg.first_byte_timeout_s) or server.first_byte_timeout_s
+        idle_s = (cfg and cfg.idle_timeout_s) or server.idle_timeout_s
         resp: UpstreamResponse | None = None
         try:
             try:
                 # The timeout bounds the whole exchange, streaming included.
-                resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout)
+                resp = await self.pool.request("POST", self._url(target, path), headers, parsed.raw, timeout,
+                                               first_byte_s=first_byte_s if parsed.stream else None, idle_s=idle_s,
+                                               abortable=True)
                 first = await _first_bytes(resp, parsed.stream, target)
-            except UpstreamTimeout:  # the request timeout: the worker is too slow, not broken
+            except UpstreamTimeout:  # the request's deadline: the worker is too slow, not broken
                 if self.shutting_down:  # the pool closed under it: not the worker's doing
                     raise shutdown_error() from None
                 self.registry.record_failure(target.id, time.monotonic(), "timeout")
                 self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
-                raise MeshError(504, f"worker {target.worker} timed out after {timeout:g} s", code="upstream_timeout") from None
-            except UpstreamError as exc:  # connect errors, resets, bad responses: retryable
+                raise MeshError(504, f"worker {target.worker} did not answer within what was left of the request's "
+                                     f"{server.request_timeout_s:g} s (server.request_timeout_s)",
+                                code="upstream_timeout") from None
+            except UpstreamError as exc:  # connect errors, resets, stalls, bad responses: retryable
                 if self.shutting_down:  # the pool closed under it (or refuses): no retry, no worker charged
                     raise shutdown_error() from None
-                kind = "connect" if isinstance(exc, ConnectError) else "disconnect"
-                raise UpstreamFailed(kind, f"worker {target.worker} failed: {exc}") from exc
+                raise self._attempt_failed(target, exc) from exc
             lease.first_token()
             self._ttfb_hist[route].observe(time.perf_counter() - start)
             await self._deliver(resp, first, parsed.stream, state, lease, deadline, suspects)
@@ -352,11 +424,29 @@ class Proxy:
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
             suspect = exc.suspect
             if exc.worker_fault and not suspect:
-                self.registry.record_failure(target.id, time.monotonic(), str(exc))
+                self.registry.record_failure(target.id, time.monotonic(), exc.detail or str(exc))
             return Failure(exc.kind, exc.status, str(exc), exc.body, exc.headers, target.id if suspect else None)
         finally:
             if resp is not None:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
+
+    def _attempt_failed(self, target: TargetState, exc: UpstreamError) -> UpstreamFailed:
+        """What an upstream error before the client's first byte means: its kind, the client's
+        message (the worker's name, not its address) and the detail (the log, ``/workers``)."""
+        if isinstance(exc, ConnectError):
+            kind, what = "connect", "could not be connected to"
+        elif isinstance(exc, UpstreamStalled):
+            kind = "first_byte_timeout" if exc.phase == "first_byte" else "idle_timeout"
+            what = (f"sent no first byte within {exc.after_s:g} s" if exc.phase == "first_byte"
+                    else f"went silent for {exc.after_s:g} s before its answer was complete")
+        elif isinstance(exc, UpstreamAborted):  # its health check failed: health already took it out
+            failed = UpstreamFailed("unhealthy", f"worker {target.worker} turned unhealthy before it answered",
+                                    worker_fault=False)
+            return failed
+        else:
+            kind, what = "disconnect", f"failed: {exc}"  # the pool's own messages carry no address
+        self._attempt_log.warning("worker %s: %s attempt failed: %s", target.worker, kind, exc)
+        return UpstreamFailed(kind, f"worker {target.worker} {what}", detail=f"{kind}: {exc}")
 
     async def _deliver(
         self, resp: UpstreamResponse, first: bytes, stream: bool, state: Exchange, lease: Lease, deadline: float,
@@ -366,7 +456,8 @@ class Proxy:
         once it ended whole, not at its first byte: a break counts as a failure, a client too slow
         to read as nobody's), the suspects' failures, the prefix reuse of a 200."""
         target = lease.target
-        streaming = stream and resp.status == 200
+        resp.settle()  # its bytes go to the client from here: no abort any more
+        streaming = stream and resp.status == 200 and is_sse(resp.headers)
         if not streaming:
             self.registry.record_success(target.id)
         for f in suspects:  # they failed where this worker does not
@@ -433,6 +524,11 @@ class Proxy:
         if isinstance(exc, UpstreamTimeout) and exc.reader_behind:
             await state.stream_error(f"request timed out: the client read the stream too slowly ({exc})")
             return
+        if isinstance(exc, UpstreamStalled):
+            self.registry.record_failure(target_id, time.monotonic(), f"stream stalled: {exc}")
+            await state.stream_error(f"worker {worker} went silent for {exc.after_s:g} s mid-stream "
+                                     "(server.idle_timeout_s)")
+            return
         what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed mid-stream"
         self.registry.record_failure(target_id, time.monotonic(), f"stream broke: {exc!r}")
         await state.stream_error(f"worker {worker} {what}")
@@ -488,15 +584,37 @@ async def _first_bytes(resp: UpstreamResponse, stream: bool, target: TargetState
             worker_fault=verdict.charge or verdict.suspect,
             suspect=verdict.suspect,
         )
-    if stream and resp.status == 200:
+    sse = resp.status == 200 and is_sse(resp.headers)
+    if stream and sse:
         first = await resp.read_chunk()
         if not first:
             raise UpstreamFailed("empty", f"worker {target.worker} closed the stream before any data")
         return first
     first = await _read_answer(resp, target)
-    if not first and resp.status == 200:  # no answer to relay: another worker may give one
-        raise UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
+    if resp.status == 200:
+        if not first:  # no answer to relay: another worker may give one
+            raise UpstreamFailed("empty", f"worker {target.worker} answered 200 with an empty body")
+        problem = answer_problem(resp.headers, first, stream)
+        if problem is not None:  # not what was asked for: another worker may give it; never relayed
+            raise UpstreamFailed("bad_answer", f"worker {target.worker} answered 200 with {problem}")
     return first
+
+
+def answer_problem(headers: list[tuple[bytes, bytes]], body: bytes, stream: bool) -> str | None:
+    """Why a whole 200 answer (not an event stream) is not what an OpenAI request asked for, or
+    None: it must be a JSON object with a JSON content-type (a stream request's too: a worker may
+    answer one with JSON, relayed as such). A worker answering HTML fastest would draw most traffic."""
+    ctype = next((v for k, v in headers if k == b"content-type"), b"").partition(b";")[0].strip().lower()
+    if ctype != b"application/json" and not ctype.endswith(b"+json"):
+        shown = ctype[:64].decode("latin-1") or "no content-type"
+        return f"{shown}{' to a stream request' if stream else ''}, not JSON"
+    if body.lstrip()[:1] != b"{":
+        return "a body that is not a JSON object"
+    try:
+        _JSON.decode(body)
+    except msgspec.DecodeError:
+        return "a body that is not valid JSON"
+    return None
 
 
 async def _read_answer(resp: UpstreamResponse, target: TargetState) -> bytes:

@@ -13,6 +13,14 @@ Invariants:
   once on a fresh connection (the server may have closed the idle socket as we wrote).
 - Reading is paused while more than ``HIGH_WATER`` bytes of body wait for the reader, so a slow
   client cannot make the gateway buffer a fast worker's whole stream.
+- A worker's silence is bounded by one timer per request (``_Connection.watch``), never one per
+  chunk: ``first_byte_s`` from the request's write to the first body byte, then ``idle_s``
+  between received bytes (from the head on when there is no first-byte bound). The timer re-arms
+  itself from the last byte's time; silence while the reader is behind (paused, or bytes not read
+  yet) is the reader's, not the worker's. Past a bound the exchange fails with ``UpstreamStalled``.
+- An exchange marked ``abortable`` (nothing of it has reached a client yet) can be failed from
+  outside with ``abort_unanswered`` (its worker turned unhealthy): ``UpstreamAborted``; ``settle``
+  on its response takes the mark off once its bytes go to a client.
 """
 
 from __future__ import annotations
@@ -55,11 +63,26 @@ class UpstreamTimeout(UpstreamError):
         self.reader_behind = reader_behind
 
 
+class UpstreamStalled(UpstreamError):
+    """The worker went silent past a bound: no first body byte within ``first_byte_s`` (``phase``
+    "first_byte") or no byte for ``idle_s`` once its answer started ("idle")."""
+
+    def __init__(self, message: str, *, phase: str, after_s: float, got_response: bool = False) -> None:
+        super().__init__(message, got_response=got_response)
+        self.phase = phase
+        self.after_s = after_s
+
+
+class UpstreamAborted(UpstreamError):
+    """The exchange was failed from outside before it reached a client (``abort_unanswered``)."""
+
+
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "transport", "parser", "pool_key", "status", "headers", "chunks", "buffered", "complete",
         "error", "waiter", "got_bytes", "keep_alive", "paused", "closed", "idle_since", "until_close",
         "headers_done", "timer", "head_bytes", "interim", "stray", "on_stall",
+        "watch", "first_s", "first_by", "idle_s", "last_at", "got_body", "abortable",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -88,6 +111,13 @@ class _Connection(asyncio.Protocol):
         self.interim = False  # parsing a 1xx response (skipped: the answer follows it)
         self.stray = False  # the worker sent a response after the answer (dropped; no reuse)
         self.on_stall: Callable[[float], None] | None = None  # called (with now) on a timeout while the reader is behind
+        self.watch: asyncio.TimerHandle | None = None  # the silence bound's one timer (the module docstring)
+        self.first_s = 0.0  # the first-byte bound, and the monotonic time by which that byte must be in
+        self.first_by: float | None = None
+        self.idle_s: float | None = None
+        self.last_at = 0.0  # monotonic time of the last bytes received
+        self.got_body = False
+        self.abortable = False
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: Any) -> None:
@@ -95,6 +125,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_at = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -150,6 +181,8 @@ class _Connection(asyncio.Protocol):
                 break
         self.until_close = not delimited
         self.headers_done = True
+        if self.watch is None and self.idle_s is not None:  # no first-byte bound: silence counts from the head
+            self._arm(self.idle_s)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -157,6 +190,7 @@ class _Connection(asyncio.Protocol):
             return
         self.chunks.append(body)
         self.buffered += len(body)
+        self.got_body = True
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -181,6 +215,36 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _arm(self, delay: float) -> None:
+        self.watch = asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_watch)
+
+    def _on_watch(self) -> None:
+        """The silence timer: fail the exchange if the worker is past its bound, else re-arm."""
+        self.watch = None
+        if self.complete or self.error is not None or self.closed:
+            return
+        now = time.monotonic()
+        if self.first_by is not None and not self.got_body:
+            if now < self.first_by:
+                self._arm(self.first_by - now)
+                return
+            bound, phase = self.first_s, "first_byte"
+        elif self.idle_s is not None:
+            if self.paused or self.chunks:  # the reader is behind: the silence is not the worker's
+                self._arm(self.idle_s)
+                return
+            if now - self.last_at < self.idle_s:
+                self._arm(self.last_at + self.idle_s - now)
+                return
+            bound, phase = self.idle_s, "idle"
+        else:
+            return
+        what = "no first byte" if phase == "first_byte" else "no data"
+        self._fail(UpstreamStalled(f"{what} from the worker within {bound:g} s", phase=phase, after_s=bound,
+                                   got_response=self.got_bytes))
+        if self.transport is not None:
+            self.transport.close()
+
     def on_timeout(self, timeout_s: float) -> None:
         self.timer = None
         if not self.complete:
@@ -199,6 +263,9 @@ class _Connection(asyncio.Protocol):
             await self.waiter
         finally:
             self.waiter = None
+
+
+_NOT_STALE = (UpstreamTimeout, UpstreamStalled, UpstreamAborted)  # failures a fresh connection would not cure
 
 
 class UpstreamResponse:
@@ -244,6 +311,10 @@ class UpstreamResponse:
             conn.transport.resume_reading()
         return data
 
+    def settle(self) -> None:
+        """Its bytes go to a client now: ``abort_unanswered`` no longer touches it."""
+        self._conn.abortable = False
+
     def on_stall(self, hook: Callable[[float], None]) -> None:
         """Call ``hook(now)`` if the timeout fires while body bytes wait for the reader (its own
         client has stopped reading: the reader may never come back to see the error)."""
@@ -287,11 +358,17 @@ class UpstreamPool:
         headers: Iterable[bytes] = (),
         body: bytes = b"",
         timeout_s: float | None = None,
+        *,
+        first_byte_s: float | None = None,
+        idle_s: float | None = None,
+        abortable: bool = False,
     ) -> UpstreamResponse:
         """Send a request and wait for the response head. ``headers`` are ``b"name: value\\r\\n"`` lines.
 
-        ``timeout_s`` bounds the whole exchange, body included. Raises ``ConnectError`` (nothing
-        sent), ``UpstreamTimeout`` or ``UpstreamError``.
+        ``timeout_s`` bounds the whole exchange, body included; ``first_byte_s`` and ``idle_s``
+        bound the worker's silences (the module docstring); ``abortable``: ``abort_unanswered``
+        may fail it until its response is ``settle``d. Raises ``ConnectError`` (nothing sent),
+        ``UpstreamTimeout``, ``UpstreamStalled``, ``UpstreamAborted`` or ``UpstreamError``.
         """
         scheme, host, port, path = split_url(url) if isinstance(url, str) else url
         key = (scheme, host, port)
@@ -307,6 +384,11 @@ class UpstreamPool:
             conn, reused = await self._acquire(key)
             if timeout_s is not None:
                 conn.timer = asyncio.get_running_loop().call_later(timeout_s, conn.on_timeout, timeout_s)
+            conn.idle_s, conn.abortable = idle_s, abortable
+            conn.last_at = time.monotonic()  # the silence counts from the request's write
+            if first_byte_s is not None:
+                conn.first_s, conn.first_by = first_byte_s, conn.last_at + first_byte_s
+                conn._arm(first_byte_s)
             try:
                 if len(body) < _SMALL_BODY:
                     conn.transport.write(head + body)  # type: ignore[union-attr]
@@ -318,7 +400,7 @@ class UpstreamPool:
                     await conn.wait()
             except UpstreamError as exc:
                 self._discard(conn)
-                if reused and attempt == 0 and not exc.got_response and not isinstance(exc, UpstreamTimeout):
+                if reused and attempt == 0 and not exc.got_response and not isinstance(exc, _NOT_STALE):
                     continue  # a stale keep-alive socket: retry once on a fresh one
                 raise
             except BaseException:
@@ -364,9 +446,7 @@ class UpstreamPool:
 
     def _release(self, conn: _Connection) -> None:
         self._busy.discard(conn)
-        if conn.timer is not None:
-            conn.timer.cancel()
-            conn.timer = None
+        _cancel_timers(conn)
         if conn.complete and conn.keep_alive and not conn.closed and conn.error is None and not self._closed:
             idle = self._idle.setdefault(conn.pool_key, [])
             if len(idle) < self.max_idle_per_host:
@@ -380,11 +460,24 @@ class UpstreamPool:
 
     def _discard(self, conn: _Connection) -> None:
         self._busy.discard(conn)
-        if conn.timer is not None:
-            conn.timer.cancel()
-            conn.timer = None
+        _cancel_timers(conn)
         if conn.transport is not None and not conn.closed:
             conn.transport.close()  # an unfinished response: the worker sees the disconnect
+
+    def abort_unanswered(self, url: str, reason: str) -> int:
+        """Fail every ``abortable`` exchange with the worker at ``url`` whose answer is not complete
+        (``UpstreamAborted``: its caller retries elsewhere); returns how many. O(busy connections),
+        run when a worker turns unhealthy, never per request."""
+        scheme, host, port, _ = split_url(url)
+        key = (scheme, host, port)
+        aborted = 0
+        for conn in list(self._busy):
+            if conn.abortable and conn.pool_key == key and not conn.complete and conn.error is None:
+                conn._fail(UpstreamAborted(reason, got_response=conn.got_bytes))
+                if conn.transport is not None:
+                    conn.transport.close()
+                aborted += 1
+        return aborted
 
     def prune(self) -> int:
         """Close idle connections past ``IDLE_TIMEOUT_S`` (or already closed); returns how many."""
@@ -425,6 +518,13 @@ class UpstreamPool:
             return resp.status, await resp.read()
         finally:
             resp.close()
+
+
+def _cancel_timers(conn: _Connection) -> None:
+    for timer in (conn.timer, conn.watch):
+        if timer is not None:
+            timer.cancel()
+    conn.timer = conn.watch = None
 
 
 def split_url(url: str) -> tuple[str, str, int, bytes]:

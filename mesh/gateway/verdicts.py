@@ -56,8 +56,10 @@ class UpstreamFailed(Exception):
         headers: list[tuple[bytes, bytes]] | None = None,
         worker_fault: bool = True,
         suspect: bool = False,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.detail = detail  # what the log and the worker's last_error get (the message: the client's)
         self.kind = kind
         self.status = status
         self.body = body  # a worker's own error answer, passed through if no retry is left

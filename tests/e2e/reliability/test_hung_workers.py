@@ -1,0 +1,109 @@
+"""Hung workers hold no request past the upstream timeouts.
+
+- A worker SIGSTOPped under load: requests that had no byte from it are retried on the other
+  worker within the first-byte timeout (streams) or as soon as its health check fails (buffered
+  answers); streams it was in the middle of end with an error event and ``[DONE]`` after the idle
+  timeout. No request waits for the stop to end.
+- A worker that sends ``200`` heads and then nothing while answering ``/health``: every request
+  is retried on the good worker within the timeouts, and its circuit opens.
+- A stream that stalls after two events ends with the error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.reliability.gateway_helpers import Outcome, request, start_gateway, worker_view
+from tests.fakes.misbehaving_worker import misbehaving
+from tests.procs import ProcessGroup, wait_until
+
+FIRST_BYTE_S = 1.0
+IDLE_S = 1.0
+STOP_S = 12.0  # the stop outlasts every bound by far: a request held until SIGCONT shows it
+SLACK_S = 4.0  # a loaded 2-core box: retries, back-off and scheduling on top of the bound
+PROMPT = "one two three four five six seven eight"  # 8 tokens of 0.05 s: streams in flight at the stop
+SERVER = {"first_byte_timeout_s": FIRST_BYTE_S, "idle_timeout_s": IDLE_S, "request_timeout_s": 120}
+
+
+def test_a_sigstopped_worker_under_load_holds_no_request_past_the_first_byte_timeout(procs: ProcessGroup) -> None:
+    a = procs.echo_worker("a", "--model", "m", "--token-delay-s", "0.05")
+    b = procs.echo_worker("b", "--model", "m", "--token-delay-s", "0.05")
+    gateway = start_gateway(
+        procs, [{"name": "a", "url": a.url, "models": ["m"]}, {"name": "b", "url": b.url, "models": ["m"]}],
+        server=SERVER, policy="round_robin",
+        health={"interval_s": 0.3, "timeout_s": 0.3, "unhealthy_threshold": 1},
+        circuit_breaker={"failure_threshold": 100},  # health alone takes it out: the timeouts are under test
+    )
+    outcomes: list[tuple[float, Outcome]] = []
+    stop = threading.Event()
+
+    def load(i: int) -> None:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                began = time.monotonic()
+                outcomes.append((began, request(client, stream=(i + n) % 2 == 0, prompt=PROMPT, max_tokens=8)))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)  # both workers busy
+        os.kill(a.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(5.0)  # well past every bound, well before the stop ends
+        assert worker_view(gateway, "a")["healthy"] is False  # its health check found it out
+        stop.set()
+        for t in threads:
+            t.join(STOP_S)
+        assert not any(t.is_alive() for t in threads), "a request was held until the stopped worker resumed"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+        stop.set()
+    during = [o for began, o in outcomes if began >= stopped_at - 1.0]  # in flight at the stop, or sent after
+    assert len(during) >= 16, len(during)
+    for o in during:
+        assert o.whole or o.cut_cleanly, o
+        assert o.seconds < FIRST_BYTE_S + 1.0 + SLACK_S, o  # the echo answer takes ~0.3 s; the rest is the bound
+    assert any(o.cut_cleanly and o.worker == "a" for o in during), "a stream in flight on it at the stop was cut"
+    assert sum(o.whole and o.worker == "b" for o in during) >= 8, "the other worker served the requests"
+    print(f"{len(during)} requests around the stop, longest {max(o.seconds for o in during):.2f} s, "
+          f"{sum(o.cut_cleanly for o in during)} streams cut")
+
+
+def test_a_worker_that_sends_a_head_and_then_nothing_is_retried_and_its_circuit_opens(procs: ProcessGroup) -> None:
+    mute = misbehaving(procs, "mute", "mute")
+    good = misbehaving(procs, "good", "good")
+    gateway = start_gateway(
+        procs, [{"name": "mute", "url": mute.url, "models": ["m"]}, {"name": "good", "url": good.url, "models": ["m"]}],
+        server=SERVER, policy="round_robin", health={"interval_s": 3600},  # it answers /health: passive health acts
+        circuit_breaker={"failure_threshold": 3, "open_s": 3600},
+    )
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        outcomes = [request(client, stream=i % 2 == 0) for i in range(8)]
+    for o in outcomes:
+        assert o.whole and o.worker == "good", o
+        assert o.seconds < max(FIRST_BYTE_S, IDLE_S) + SLACK_S, o
+    view = worker_view(gateway, "mute")
+    assert view["healthy"] is True and view["circuit"] == "open", view
+
+
+def test_a_stream_that_stalls_midway_ends_with_an_error_event_and_done(procs: ProcessGroup) -> None:
+    stall = misbehaving(procs, "stall", "stall")
+    gateway = start_gateway(procs, [{"name": "stall", "url": stall.url, "models": ["m"]}], server=SERVER,
+                            health={"interval_s": 3600}, circuit_breaker={"failure_threshold": 1, "open_s": 3600})
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        o = request(client, stream=True)
+    assert o.cut_cleanly and o.worker == "stall", o
+    assert [e for e in o.events if "t0" in e or "t1" in e] == o.events[:2], o.events  # its two events went out first
+    error = json.loads(o.events[-2])["error"]
+    assert "stall" in error["message"] and "silent" in error["message"], error
+    assert IDLE_S * 0.9 < o.seconds < IDLE_S + SLACK_S, o
+    wait_until(lambda: worker_view(gateway, "stall")["circuit"] == "open", 5, "the stalled worker's circuit open")
