@@ -12,10 +12,16 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from mesh.log_limit import LogLimiter
+
 log = logging.getLogger("mesh.errors")
+# Tracebacks of unexpected errors, a few per route and exception type per minute: a request that
+# trips a bug can be sent in a loop, and each traceback is kilobytes.
+_unexpected = LogLimiter(log, "unexpected errors on")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,6 +35,7 @@ _TYPES = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "upstream_error",
     503: "service_unavailable_error",
@@ -69,6 +76,24 @@ class MeshError(Exception):
         return Response(self.to_bytes(), self.status, self.headers, media_type="application/json")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Error(BaseModel):
+    """The OpenAI error shape, for the OpenAPI schema (``error_responses``)."""
+
+    error: ErrorDetail
+
+
+def error_responses(statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` documenting ``statuses`` (status -> when) as OpenAI errors."""
+    return {status: {"model": Error, "description": when} for status, when in statuses.items()}
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -83,7 +108,7 @@ def openai_error_bytes(status: int, prefix: str, body: bytes | None, code: str =
     ``{"object": "error", "message": ...}`` (the proxy's and the disaggregated relay's rule)."""
     try:
         value = msgspec.json.decode(body) if body else None
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         value = None
     if isinstance(value, dict) and isinstance(value.get("error"), dict) and isinstance(value["error"].get("message"), str):
         return body  # type: ignore[return-value]
@@ -123,8 +148,8 @@ def install_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         return MeshError(exc.status_code, detail, code=code, headers=headers).response()
 
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unexpected error: %s", exc)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        _unexpected.log(logging.ERROR, (request.url.path, type(exc).__name__), "unexpected error: %s", exc, exc_info=True)
         return MeshError(500, "internal gateway error", code="internal_error").response()
 
     app.add_exception_handler(MeshError, mesh_error)  # type: ignore[arg-type]

@@ -61,17 +61,25 @@ def with_server(config: Any, **overrides: Any) -> Any:
     return type(config).model_validate(data)
 
 
-def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> Any:
+def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,
+                   server: Any = None) -> Any:
+    """uvicorn's config for the gateway; ``server``: the ``ServerConfig`` whose head bounds apply
+    (``mesh.gateway.http_protocol``), else the defaults."""
     import uvicorn
 
-    has = importlib.util.find_spec
+    from mesh.config import ServerConfig
+    from mesh.gateway.http_protocol import protocol_class
+
+    server = server or ServerConfig()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        loop="uvloop" if has("uvloop") else "asyncio",
-        http=_http_protocol() if has("httptools") else "h11",
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http=protocol_class(server.max_head_bytes, server.head_timeout_s),
+        ws="none",  # no WebSocket route: an Upgrade is a 400 (the protocol class)
         lifespan="on",
         access_log=access_log,
         log_level=log_level,
@@ -82,34 +90,19 @@ def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", a
     )
 
 
-def _http_protocol() -> Any:
-    """uvicorn's httptools protocol, answering unparseable requests in the OpenAI error shape.
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open descriptors to the hard one: each client and upstream
+    connection is one, and a soft limit of 1,024 let a burst of slow clients refuse everyone."""
+    import resource
 
-    A request the HTTP parser rejects (a header with CR, LF or NUL in it, a broken request line)
-    never reaches the app; uvicorn answers it with plain text. This keeps the shape uniform.
-    """
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-
-    from mesh.errors import MeshError
-
-    class MeshHttpProtocol(HttpToolsProtocol):
-        def send_400_response(self, msg: str) -> None:
-            body = MeshError(400, msg, code="invalid_http").to_bytes()
-            content = [STATUS_LINE[400]]
-            for name, value in self.server_state.default_headers:
-                content.extend([name, b": ", value, b"\r\n"])
-            content.extend(
-                [
-                    b"content-type: application/json\r\n",
-                    b"content-length: %d\r\n" % len(body),
-                    b"connection: close\r\n\r\n",
-                    body,
-                ]
-            )
-            self.transport.write(b"".join(content))
-            self.transport.close()
-
-    return MeshHttpProtocol
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        logging.getLogger("mesh.serve").warning(
+            "open files limit is %d (hard limit): the gateway can hold fewer than %d connections; raise it "
+            "(ulimit -Hn, LimitNOFILE= in systemd)", soft, soft)
 
 
 def gateway_server(app: Any, config: Any, shutdown_timeout_s: float, name: str = "mesh serve") -> Any:
@@ -129,7 +122,8 @@ def serve_app(app: Any, host: str, port: int, *, log_level: str = "info", access
     could not start (uvicorn's: the address in use, say)."""
     from mesh.commands.graceful import DEFAULT_SHUTDOWN_TIMEOUT_S
 
-    config = uvicorn_config(app, host, port, log_level=log_level, access_log=access_log)
+    config = uvicorn_config(app, host, port, log_level=log_level, access_log=access_log,
+                            server=app.state.gateway.config.server)
     server = gateway_server(app, config, DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown_timeout_s is None else shutdown_timeout_s)
     server.run()
     return server.exit_code if server.started else 3

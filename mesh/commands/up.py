@@ -289,7 +289,7 @@ def serve_cluster(args: argparse.Namespace, roles: list[str], workers: list[Loca
     data.update(policy_data(args, roles))
     config = parse_config(data, "mesh up")
     app = create_app(config)
-    server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level),
+    server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level, server=config.server),
                             args.shutdown_timeout, name="mesh up")
     failures: list[str] = []
 

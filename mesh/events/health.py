@@ -1,7 +1,7 @@
 """KV event streams' health: per-stream counters, their ``mesh_kv_events_*`` metrics, bounded logs.
 
 ``StreamHealth`` holds one stream's (one worker rank's) counters and state; ``HealthCollector``
-exports every stream's at scrape time (no per-event metric cost) on the ``CollectorRegistry``
+exports every stream's at scrape time (no per-event metric cost; the inbox backlog as well) on the ``CollectorRegistry``
 the subscriber was given; ``LogLimiter`` keeps a few log lines per stream and kind of trouble
 per window and counts the rest (a publisher sending garbage would otherwise write a line per
 frame; ``/metrics`` counts every occurrence). Ownership: a ``StreamHealth`` is mutated only by
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+
+from mesh import log_limit
 
 log = logging.getLogger("mesh.events.subscriber")
 
@@ -55,32 +57,11 @@ class StreamHealth:
         table[key] = table.get(key, 0) + n
 
 
-class LogLimiter:
-    """At most ``burst`` log lines per key (a stream and a kind of trouble) per ``window_s``.
-
-    A publisher that sends garbage or restarts in a loop would otherwise write a line per frame:
-    the counters on ``/metrics`` count every occurrence; the log keeps a few lines and, when the
-    window turns over, one line saying how many were left out."""
+class LogLimiter(log_limit.LogLimiter):
+    """``mesh.log_limit.LogLimiter`` for KV event streams, on this module's logger."""
 
     def __init__(self, burst: int = 5, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.burst, self.window_s, self.clock = burst, window_s, clock
-        self._windows: dict[tuple[str, str], list[float]] = {}  # key -> [window start, lines, left out]
-
-    def log(self, level: int, key: tuple[str, str], msg: str, *args: object) -> None:
-        now = self.clock()
-        w = self._windows.get(key)
-        if w is None or now - w[0] >= self.window_s:
-            if w is not None and w[2]:
-                log.log(level, "kv events %s: %d more %r lines left out in the last %.0f s", key[0], int(w[2]),
-                        key[1], now - w[0])
-            if len(self._windows) > 4096:  # bounded: keys come from config, but never trust that
-                self._windows.clear()
-            w = self._windows[key] = [now, 0, 0]
-        if w[1] < self.burst:
-            w[1] += 1
-            log.log(level, msg, *args)
-        else:
-            w[2] += 1
+        super().__init__(log, "kv events", burst, window_s, clock)
 
 
 class HealthCollector:
@@ -92,8 +73,9 @@ class HealthCollector:
         streams: Callable[[], Mapping[str, StreamHealth]],
         healthy: Callable[[StreamHealth], bool],
         clock: Callable[[], float],
+        backlog: Callable[[str], int] = lambda target: 0,
     ) -> None:
-        self.streams, self.healthy, self.clock = streams, healthy, clock
+        self.streams, self.healthy, self.clock, self.backlog = streams, healthy, clock, backlog
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -134,10 +116,13 @@ class HealthCollector:
                                 labels=lbl)
         seq = GaugeMetricFamily("mesh_kv_events_last_seq", "Last applied sequence number", labels=lbl)
         ok = GaugeMetricFamily("mesh_kv_events_healthy", "1 while the stream's index is trusted", labels=lbl)
+        backlog = GaugeMetricFamily("mesh_kv_events_backlog_frames", "Frames received, not applied yet", labels=lbl)
         for h in streams:
+            backlog.add_metric([h.worker, h.target], self.backlog(h.target))
             age.add_metric([h.worker, h.target], math.nan if h.last_event_at is None else now - h.last_event_at)
             seq.add_metric([h.worker, h.target], -1 if h.last_seq is None else h.last_seq)
             ok.add_metric([h.worker, h.target], 1.0 if self.healthy(h) else 0.0)
         yield age
         yield seq
         yield ok
+        yield backlog

@@ -40,6 +40,7 @@ from mesh.events.ingest import KvIngest
 from mesh.gateway import disagg_proxy
 from mesh.gateway.admin_routes import add_admin_routes
 from mesh.gateway.admission_queue import AdmissionQueue
+from mesh.gateway.client_io import BodyBuffer
 from mesh.gateway.data_routes import DATA_ROUTES, add_data_routes, serve_data
 from mesh.gateway.debug_routes import add_debug_routes
 from mesh.gateway.ops_routes import add_ops_routes
@@ -66,6 +67,7 @@ class Gateway:
     prompts: PromptProcessor
     ingest: KvIngest
     admission: AdmissionQueue  # requests held while every worker of their model is full
+    bodies: BodyBuffer  # the request body bytes held at once (proxy and /debug/route)
     shared: SharedState | None = None  # state.backend: redis
     proxy: Proxy | None = None  # built in the lifespan, on the pooled client
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
@@ -120,7 +122,7 @@ class Gateway:
 
 # Settings read once at startup; a reload cannot apply them (the listen address is not among
 # them: a reload keeps the running one, which the command line may have set).
-RESTART_ONLY = ("server.connect_timeout_s", "index.max_keys", "state")
+RESTART_ONLY = ("server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s", "index.max_keys", "state")
 
 
 def restart_only_changes(old: MeshConfig, new: MeshConfig) -> list[str]:
@@ -211,6 +213,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         sessions=sessions,
         router=router,
         admission=admission,
+        bodies=BodyBuffer(lambda: registry.config.server.max_buffered_body_bytes),
         prompts=PromptProcessor(registry),
         ingest=KvIngest(index, registry, metrics),
     )
@@ -263,7 +266,10 @@ def create_app(config: MeshConfig | None = None, *, config_path: str | Path | No
         finally:
             await _stop(gateway)
 
-    app = MeshApp(title="Mesh", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # The docs routes are ops routes (behind the API key); no trailing-slash redirects (their
+    # Location would carry the client's Host header).
+    app = MeshApp(title="Mesh", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.gateway = gateway
     install_handlers(app)
     add_data_routes(app, gateway)
@@ -297,10 +303,10 @@ def _build_proxy(gateway: Gateway, pool: UpstreamPool) -> Proxy:
     mirror = gateway.shared.table.mirror if gateway.shared is not None else None
     args = (pool, gateway.registry, gateway.router, gateway.prompts, gateway.metrics, gateway.admission)
     if not disagg_proxy.wanted(gateway.config):
-        return Proxy(*args, mirror=mirror)
+        return Proxy(*args, mirror=mirror, bodies=gateway.bodies)
     server = gateway.config.server
     return disagg_proxy.DisaggProxy(
-        *args, mirror=mirror, http=disagg_proxy.relay_client(server.request_timeout_s, server.connect_timeout_s),
+        *args, mirror=mirror, bodies=gateway.bodies, http=disagg_proxy.relay_client(server.request_timeout_s, server.connect_timeout_s),
         config=disagg_proxy.RelayConfig(timeout_s=server.request_timeout_s, connect_timeout_s=server.connect_timeout_s))
 
 

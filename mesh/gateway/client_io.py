@@ -295,6 +295,12 @@ def transport_of(send: Send) -> Any:
     return getattr(getattr(send, "__self__", None), "transport", None)
 
 
+def client_left(send: Send) -> bool:
+    """Whether the client closed (or shut its sending side of) the connection, as uvicorn's
+    request cycle records it; False when unknown."""
+    return bool(getattr(getattr(send, "__self__", None), "disconnected", False))
+
+
 def buffered_bytes(transport: Any) -> int:
     """Bytes written to ``transport`` and not yet taken by the client (0: unknown or closed)."""
     try:
@@ -340,36 +346,72 @@ def watch_disconnect(receive: Receive, state: Exchange, task: asyncio.Task[Any] 
         state.watch_task = asyncio.get_running_loop().create_task(watch())
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float) -> bytes:
-    """The whole request body: 413 past ``limit`` bytes, 408 when no bytes come for ``idle_s``."""
+class BodyBuffer:
+    """The request body bytes the gateway holds at once, bounded by ``limit()`` (read at each take,
+    so a reload applies): each body is held from its first byte to its request's end (retries
+    resend it), and ``max_body_bytes`` alone let concurrency multiply it without bound. Past the
+    bound a new body is a 503 with ``Retry-After``. Ownership: one per gateway, on its loop."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit():
+            raise MeshError(503, "the gateway holds as many request bodies as it may (server.max_buffered_body_bytes); "
+                            "retry shortly", code="body_buffer_full", headers={"retry-after": "1"})
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int, idle_s: float,
+                    buffer: BodyBuffer | None = None) -> bytes:
+    """The whole request body: 413 past ``limit`` bytes, 408 when no bytes come for ``idle_s``,
+    503 when ``buffer`` is full. Its bytes stay taken from ``buffer`` (the caller gives them back
+    when the request ends); on an error they are given back here."""
     declared = header(headers, b"content-length")
     if declared is not None:
         if not declared.isdigit():
             raise MeshError(400, "invalid Content-Length header", code="invalid_header")
         if int(declared) > limit:
             raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    taken = [0]
     try:
         # A client that stops sending mid-body (or never ends a chunked body) would hold the
         # request forever: each wait for body bytes is bounded.
         async with asyncio.timeout(idle_s) as idle:
-            return await _receive_body(receive, limit, idle, idle_s)
-    except TimeoutError:
-        raise MeshError(  # the rest of the body may still come: the connection cannot be reused
-            408, f"no request body bytes arrived for {idle_s:g} s", code="body_timeout",
-            headers={"connection": "close"},
-        ) from None
+            return await _receive_body(receive, limit, idle, idle_s, buffer, taken)
+    except BaseException as exc:
+        if buffer is not None:
+            buffer.give(taken[0])
+        if isinstance(exc, TimeoutError):
+            raise MeshError(  # the rest of the body may still come: the connection cannot be reused
+                408, f"no request body bytes arrived for {idle_s:g} s", code="body_timeout",
+                headers={"connection": "close"},
+            ) from None
+        raise
 
 
-async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idle_s: float) -> bytes:
+async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idle_s: float,
+                        buffer: BodyBuffer | None, taken: list[int]) -> bytes:
+    """``taken[0]``: the bytes taken from ``buffer`` so far."""
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body"):
         if len(body) > limit:
             raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        if buffer is not None:
+            buffer.take(len(body))
+            taken[0] = len(body)
         return body
     parts = [body]
     size = len(body)
     loop = asyncio.get_running_loop()
+    if buffer is not None:
+        buffer.take(size)
+        taken[0] = size
     while message.get("more_body"):
         idle.reschedule(loop.time() + idle_s)
         message = await receive()
@@ -379,5 +421,8 @@ async def _receive_body(receive: Receive, limit: int, idle: asyncio.Timeout, idl
         size += len(chunk)
         if size > limit:
             raise MeshError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        if buffer is not None:
+            buffer.take(len(chunk))
+            taken[0] = size
         parts.append(chunk)
     return b"".join(parts)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from mesh.errors import MeshError
+from mesh.errors import MeshError, error_responses
 
 if TYPE_CHECKING:  # the type alone: mesh.gateway.app imports this module
     from mesh.gateway.app import Gateway
@@ -70,6 +70,22 @@ _BODY_SCHEMA = {
 }
 
 
+# What a completion answers besides 200, as OpenAI errors (``mesh.errors``).
+DATA_ERRORS = error_responses({
+    400: "invalid request: body, parameters, a prompt no worker can hold",
+    401: "missing or invalid API key",
+    404: "no worker serves the model",
+    408: "the request body or head stopped arriving",
+    413: "request body over server.max_body_bytes",
+    429: "every worker of the model is full and the admission queue too (Retry-After)",
+    431: "request head over server.max_head_bytes",
+    500: "internal gateway error",
+    502: "the worker failed (its error is quoted)",
+    503: "no healthy worker, queue timeout, body buffer full or shutting down (Retry-After where retrying helps)",
+    504: "the worker did not answer in time",
+})
+
+
 def add_data_routes(app: FastAPI, gateway: Gateway) -> None:
     """Documented in the OpenAPI schema; ``MeshApp.__call__`` serves them before FastAPI routing."""
     def endpoint_for(route: tuple[str, str]) -> Any:
@@ -85,5 +101,6 @@ def add_data_routes(app: FastAPI, gateway: Gateway) -> None:
             methods=["POST"],
             tags=["openai"],
             summary=f"OpenAI {route[0]} completion, proxied to the chosen worker (streaming or not)",
+            responses=DATA_ERRORS,
             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _BODY_SCHEMA[route[0]]}}}},
         )

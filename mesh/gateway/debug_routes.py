@@ -30,30 +30,39 @@ def add_debug_routes(app: FastAPI, gateway: Gateway) -> None:
     async def debug_route(request: Request) -> dict[str, Any]:
         """The decision the router would make for this completion body; forwards and commits nothing."""
         server = gateway.config.server
-        raw = await read_body(request.receive, request.scope["headers"], server.max_body_bytes, server.body_idle_timeout_s)
-        kind = request.query_params.get("kind") or _body_kind(raw)
-        if kind not in ("chat", "completion"):
-            raise MeshError(400, "kind must be 'chat' or 'completion'", param="kind")
-        header = request.headers.get(gateway.config.sessions.header)
-        parsed = await gateway.prompts.process(raw, kind, header.encode("latin-1") if header is not None else None)
-        await gateway.mirror_session(parsed.info.session_id)
-        now = time.monotonic()
-        gateway.registry.tick(now)
-        try:  # as the proxy routes: targets at their admission limit are skipped
-            with unchanged(gateway.router.policy):  # the next live request decides as shown
-                decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
-        except NoCandidate as exc:
-            raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
-        out = {
-            "decision": decision.explain(),
-            "policy": gateway.router.policy.describe(),
-            "request": _request_summary(kind, parsed),
-            "session": _session_state(gateway, parsed.info.session_id, now),
-        }
-        inner = _inner_decision(gateway, parsed.info, decision, now)
-        if inner is not None:
-            out["inner_decision"] = inner
-        return out
+        raw = await read_body(request.receive, request.scope["headers"], server.max_body_bytes, server.body_idle_timeout_s,
+                              gateway.bodies)
+        try:
+            return await _explain(gateway, request, raw)
+        finally:
+            gateway.bodies.give(len(raw))
+
+
+async def _explain(gateway: Gateway, request: Request, raw: bytes) -> dict[str, Any]:
+    """The decision for the completion body ``raw``, with what went into it."""
+    kind = request.query_params.get("kind") or _body_kind(raw)
+    if kind not in ("chat", "completion"):
+        raise MeshError(400, "kind must be 'chat' or 'completion'", param="kind")
+    header = request.headers.get(gateway.config.sessions.header)
+    parsed = await gateway.prompts.process(raw, kind, header.encode("latin-1") if header is not None else None)
+    await gateway.mirror_session(parsed.info.session_id)
+    now = time.monotonic()
+    gateway.registry.tick(now)
+    try:  # as the proxy routes: targets at their admission limit are skipped
+        with unchanged(gateway.router.policy):  # the next live request decides as shown
+            decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
+    except NoCandidate as exc:
+        raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
+    out = {
+        "decision": decision.explain(),
+        "policy": gateway.router.policy.describe(),
+        "request": _request_summary(kind, parsed),
+        "session": _session_state(gateway, parsed.info.session_id, now),
+    }
+    inner = _inner_decision(gateway, parsed.info, decision, now)
+    if inner is not None:
+        out["inner_decision"] = inner
+    return out
 
 
 def _request_summary(kind: str, parsed: ParsedRequest) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from mesh.gateway.disagg_relay import (
     pd_profiles,
     relay_disaggregated,
 )
-from mesh.gateway.headers import HOP_BY_HOP
+from mesh.gateway.headers import forwarded
 from mesh.gateway.proxy import Proxy
 from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
 from mesh.gateway.verdicts import shutdown_error
@@ -107,9 +107,7 @@ class DisaggProxy(Proxy):
 
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Decision) -> None:
-        forward = self.registry.config.server.forward_authorization
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers
-                   if k not in HOP_BY_HOP and (forward or k != b"authorization")]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded(client_headers, self._forwarded_names())]
         try:
             resp = await relay_disaggregated(
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,

@@ -1,8 +1,10 @@
 """Header rules of the data plane: what is forwarded each way, and the bearer-key check.
 
-Requests go upstream with the client's headers minus the hop-by-hop ones (RFC 9110: the fixed
-set and any named in ``Connection``), minus what the proxy sets itself, minus Authorization
-unless ``server.forward_authorization``; a header holding CR, LF or NUL is refused (injection).
+Requests go upstream with the client headers named by an allowlist (``forwarded_names``: request
+ids and tracing, the session header, ``server.forward_headers``, Authorization with
+``server.forward_authorization``), never a hop-by-hop one (RFC 9110: the fixed set and any named
+in ``Connection``) nor what the proxy sets itself; a header holding CR, LF or NUL is refused
+(injection). Cookies, ``X-Forwarded-For`` and the like are not a worker's business.
 Answers come back minus hop-by-hop headers, ``server`` and ``date``. Header names are the
 lower-case bytes ASGI servers give.
 """
@@ -24,6 +26,9 @@ RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
 # and a vLLM worker would follow it over the router's choice.
 ROUTER_SET = frozenset({b"content-type", b"x-data-parallel-rank"})
 JSON_HEADERS = [(b"content-type", b"application/json")]
+# Client headers a worker sees by default: what clients send and engines read (vLLM reads
+# x-request-id and the W3C trace context), nothing that identifies the client's network or browser.
+FORWARDED = frozenset(b"accept user-agent x-request-id traceparent tracestate baggage".split())
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 
 
@@ -47,23 +52,33 @@ def check_bearer(headers: list[tuple[bytes, bytes]], keys: list[str], what: str)
                         headers={"www-authenticate": "Bearer"})
 
 
-def upstream_headers(client: list[tuple[bytes, bytes]], forward_authorization: bool) -> list[bytes]:
-    """Client headers as request lines, minus hop-by-hop ones (RFC 9110: the fixed set and any
-    named in ``Connection``) and Authorization unless configured; rejects CR/LF/NUL (injection)."""
-    out = [b"content-type: application/json\r\n"]
+def forwarded_names(forward_headers: list[str], session_header: str, forward_authorization: bool) -> frozenset[bytes]:
+    """The client header names forwarded to workers (lower-case bytes)."""
+    names = FORWARDED | {h.lower().encode() for h in forward_headers} | {session_header.lower().encode()}
+    if forward_authorization:
+        names |= {b"authorization"}
+    return names - HOP_BY_HOP - ROUTER_SET
+
+
+def forwarded(client: list[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
+    """The client headers in ``allowed`` and not named in ``Connection``; rejects CR/LF/NUL (injection)."""
     named: frozenset[bytes] = frozenset()
     for key, value in client:
         if key == b"connection":
             named = named | {t.strip().lower() for t in value.split(b",")}
+    out = []
     for key, value in client:
-        if key in HOP_BY_HOP or key in ROUTER_SET or (key == b"authorization" and not forward_authorization):
+        if key not in allowed or (named and key in named):
             continue
-        if named and key in named:
-            continue
-        if _BAD_HEADER_BYTES.search(value) or _BAD_HEADER_BYTES.search(key):
+        if _BAD_HEADER_BYTES.search(value):
             raise MeshError(400, "header contains a control character", code="invalid_header")
-        out.append(b"%s: %s\r\n" % (key, value))
+        out.append((key, value))
     return out
+
+
+def upstream_headers(client: list[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> list[bytes]:
+    """``forwarded`` headers as request lines, after the proxy's own content type."""
+    return [b"content-type: application/json\r\n", *(b"%s: %s\r\n" % kv for kv in forwarded(client, allowed))]
 
 
 def response_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

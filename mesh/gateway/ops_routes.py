@@ -3,7 +3,8 @@
 ``/health`` always answers 200 and says how many workers are healthy; ``/ready`` answers 503
 until some worker is healthy and not draining (what a load balancer should poll); ``/metrics``
 is the Prometheus text of ``Gateway.metrics``. ``/v1/models`` lists what the registry's workers
-serve, behind ``server.api_keys`` as the completion routes are.
+serve, behind ``server.api_keys`` as the completion routes are; so are the API's own docs,
+``/openapi.json`` and ``/docs`` (the schema describes what the keys protect).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from mesh.errors import MeshError
 from mesh.gateway.route_auth import data_auth
@@ -57,3 +59,11 @@ def add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
         if model not in gateway.registry.models():
             raise MeshError(404, f"the model {model!r} does not exist", code="model_not_found", param="model")
         return model_card(model)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Mesh API")

@@ -50,6 +50,7 @@ from mesh.gateway.client_io import (
     WriteWatch,
     abort_client,
     client_label,
+    client_left,
     read_body,
     watch_disconnect,
 )
@@ -177,6 +178,10 @@ class Proxy:
             self.metrics.prompt_seconds.observe(time.perf_counter() - t0)
             if self.mirror is not None and parsed.info.session_id:
                 await self.mirror(parsed.info.session_id, time.monotonic())
+            if client_left(send):  # it sent its request and left (or shut its side): not started
+                state.status = 499
+                self.metrics.client_disconnects_total.inc()
+                return
             await self._forward(parsed, headers, state, route, start)
         except ClientWriteTimeout:
             await self._abandon(state, scope)

@@ -26,6 +26,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         message = str(exc)
         code = "invalid_utf8" if "UTF-8" in message else "invalid_json"
         raise bad_request(f"request body is not valid JSON: {message}", code=code) from exc
+    except RecursionError:  # msgspec's own depth limit (about 1,000 levels)
+        raise bad_request("request body is nested too deeply", code="too_deeply_nested") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
     return body

@@ -5,20 +5,25 @@ from __future__ import annotations
 import pytest
 
 from mesh.errors import MeshError
-from mesh.gateway.headers import check_bearer, upstream_headers
+from mesh.gateway.headers import check_bearer, forwarded_names, upstream_headers
 
 
 def test_upstream_headers_hygiene() -> None:
     client = [
-        (b"host", b"gw"), (b"connection", b"keep-alive, x-private"), (b"x-private", b"1"), (b"te", b"trailers"),
+        (b"host", b"gw"), (b"connection", b"keep-alive, x-request-id"), (b"x-request-id", b"1"), (b"te", b"trailers"),
         (b"authorization", b"Bearer client-key"), (b"content-length", b"5"), (b"x-session-id", b"s1"),
-        (b"content-type", b"text/plain"),
+        (b"content-type", b"text/plain"), (b"cookie", b"sid=1"), (b"x-forwarded-for", b"6.6.6.6"), (b"traceparent", b"00-a"),
+        (b"x-tenant", b"t1"),
     ]  # fmt: skip
-    lines = upstream_headers(client, forward_authorization=False)
-    assert lines == [b"content-type: application/json\r\n", b"x-session-id: s1\r\n"]
-    assert b"authorization: Bearer client-key\r\n" in upstream_headers(client, forward_authorization=True)
+    allowed = forwarded_names([], "x-session-id", forward_authorization=False)
+    assert upstream_headers(client, allowed) == [b"content-type: application/json\r\n", b"x-session-id: s1\r\n",
+                                                 b"traceparent: 00-a\r\n"]
+    with_auth = forwarded_names(["X-Tenant", "Host"], "x-session-id", forward_authorization=True)
+    lines = upstream_headers(client, with_auth)
+    assert b"authorization: Bearer client-key\r\n" in lines and b"x-tenant: t1\r\n" in lines
+    assert not any(line.startswith((b"host:", b"cookie:")) for line in lines)  # hop-by-hop never, named or not
     with pytest.raises(MeshError) as info:
-        upstream_headers([(b"x-a", b"v\r\nx-injected: 1")], forward_authorization=False)
+        upstream_headers([(b"x-request-id", b"v\r\nx-injected: 1")], allowed)
     assert info.value.status == 400
 
 
