@@ -122,7 +122,9 @@ class Gateway:
 
 # Settings read once at startup; a reload cannot apply them (the listen address is not among
 # them: a reload keeps the running one, which the command line may have set).
-RESTART_ONLY = ("server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s", "index.max_keys", "state")
+RESTART_ONLY = ("server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s", "index.max_keys",
+                "index.ingest_slice_ms", "index.ingest_share", "index.max_backlog_frames", "index.max_backlog_bytes",
+                "state")
 
 
 def restart_only_changes(old: MeshConfig, new: MeshConfig) -> list[str]:
@@ -215,7 +217,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         admission=admission,
         bodies=BodyBuffer(lambda: registry.config.server.max_buffered_body_bytes),
         prompts=PromptProcessor(registry),
-        ingest=KvIngest(index, registry, metrics),
+        ingest=KvIngest(index, registry, metrics, config.index),
     )
     if isinstance(sessions, SharedSessionTable):
         gateway.shared = SharedState(sessions, registry.targets, metrics, config.state.load_sync_s)
@@ -307,7 +309,9 @@ def _build_proxy(gateway: Gateway, pool: UpstreamPool) -> Proxy:
     server = gateway.config.server
     return disagg_proxy.DisaggProxy(
         *args, mirror=mirror, bodies=gateway.bodies, http=disagg_proxy.relay_client(server.request_timeout_s, server.connect_timeout_s),
-        config=disagg_proxy.RelayConfig(timeout_s=server.request_timeout_s, connect_timeout_s=server.connect_timeout_s))
+        config=disagg_proxy.RelayConfig(timeout_s=server.request_timeout_s, connect_timeout_s=server.connect_timeout_s,
+                                        first_byte_timeout_s=server.first_byte_timeout_s,
+                                        idle_timeout_s=server.idle_timeout_s))
 
 
 async def _stop(gateway: Gateway) -> None:

@@ -30,6 +30,12 @@ class RelayConfig:
     # the client is the slow side.
     timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    # server.first_byte_timeout_s / idle_timeout_s, as httpx's per-read bounds: the prefill leg
+    # (one token: its answer's head is its first byte) reads within the first; a streamed decode
+    # leg within the longer of the two, for its head, its first chunk and each gap. A non-streamed
+    # decode answer's head waits for its whole generation: only timeout_s bounds it.
+    first_byte_timeout_s: float = 60.0
+    idle_timeout_s: float = 60.0
 
 
 class DecodeQueue:

@@ -54,7 +54,8 @@ from mesh.gateway.disagg_wire import (
     prefill_body,
     read_bounded,
 )
-from mesh.gateway.verdicts import StatusVerdict, status_verdict
+from mesh.gateway.sse_relay import is_sse
+from mesh.gateway.verdicts import StatusVerdict, answer_problem, status_verdict
 from policies.base import Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
 
 __all__ = [  # what callers import from here (the relay's parts live in disagg_bookkeeping and disagg_wire)
@@ -107,7 +108,12 @@ class _Relay:
         self.failed_transfers: list[str] = []  # "prefill -> decode" of each failed transfer, in order
         self.path, self.headers, self.config, self.queue, self.stats, self.now = path, headers, config, queue, stats, now
         self.stream = bool(body.get("stream"))
-        self.timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        # httpx bounds each read (``RelayConfig``); ``timeout_s`` bounds the decode answer whole.
+        self.prefill_timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s,
+                                             read=min(config.first_byte_timeout_s, config.timeout_s))
+        read = max(config.first_byte_timeout_s, config.idle_timeout_s) if self.stream else config.timeout_s
+        self.decode_timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s,
+                                            read=min(read, config.timeout_s))
         self.bad_prefill: list[str] = []
         self.bad_decode: list[str] = []  # failed: excluded for the whole request
         self.full_decode: list[str] = []  # refused admission: excluded until the next wait
@@ -170,7 +176,7 @@ class _Relay:
         lease = self.router.commit(replace(self.info, session_id=None), Decision(target_id, "prefill"), self.now())
         try:
             request = self.client.build_request("POST", self.url(target_id), json=prefill_body(self.body),
-                                                headers=self.headers, timeout=self.timeout)
+                                                headers=self.headers, timeout=self.prefill_timeout)
             resp = await self.client.send(request, stream=True)
             try:
                 content = await read_bounded(resp)
@@ -178,8 +184,8 @@ class _Relay:
                 await resp.aclose()
         except (httpx.HTTPError, TooLarge) as exc:
             self.check_open()  # closed under it: not the worker's failure
-            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")
-            raise Retry(f"prefill worker {target_id} failed: {exc!r}") from exc
+            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")  # the detail: /workers
+            raise Retry(f"prefill worker {target_id} failed ({_what_failed(exc)})") from exc
         finally:
             lease.finish(self.now())
         status = resp.status_code
@@ -273,7 +279,7 @@ class _Relay:
         handed_over = False
         try:
             request = self.client.build_request("POST", self.url(decode_id), json=body, headers=self.headers,
-                                                timeout=self.timeout)
+                                                timeout=self.decode_timeout)
             try:
                 async with asyncio.timeout_at(deadline):  # httpx's timeouts bound each read, not the whole
                     resp = await self.client.send(request, stream=True)
@@ -284,8 +290,8 @@ class _Relay:
                     first = await first_bytes(chunks) if chunks is not None else await read_bounded(resp)
             except (httpx.HTTPError, TooLarge) as exc:
                 self.check_open()  # closed under it: not the worker's failure
-                self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")
-                raise Retry(f"decode worker {decode_id} failed: {exc!r}") from exc
+                self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")  # the detail: /workers
+                raise Retry(f"decode worker {decode_id} failed ({_what_failed(exc)})") from exc
             except TimeoutError as exc:
                 self.health.record_failure(decode_id, self.now(), "decode timed out")
                 raise Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
@@ -296,6 +302,7 @@ class _Relay:
                                                            else "answered 200 with an empty body")
                 self.health.record_failure(decode_id, self.now(), message)
                 raise Retry(message, headers={"x-mesh-worker": decode_id})
+            self.check_answer(decode_id, resp, first)
             out = self.hand_over(prefill_id, decode_id, kv, resp, first, chunks, lease, deadline)
             handed_over = True  # the response and the lease belong to the RelayResponse now
             return out
@@ -304,6 +311,22 @@ class _Relay:
                 lease.finish(self.now())
                 if resp is not None:
                     await resp.aclose()
+
+    def check_answer(self, decode_id: str, resp: httpx.Response, first: bytes) -> None:
+        """A decode 200 that is not what was asked for (an event stream for a stream; else a JSON
+        object, ``answer_problem``) is the worker's failure at once, retried: never relayed."""
+        headers = [(k.lower(), v) for k, v in resp.headers.raw]
+        if not self.stream:
+            problem = answer_problem(headers, first, False)
+        elif is_sse(headers) or b"json" in resp.headers.get("content-type", "").encode("latin-1").lower():
+            problem = None  # an event stream; or a JSON answer, relayed as sent
+        else:
+            problem = "a body that is neither an event stream nor JSON"
+        if problem is not None:
+            self.check_open()
+            message = f"decode worker {decode_id} answered 200 with {problem}"
+            self.health.record_failure(decode_id, self.now(), message)
+            raise Retry(message, headers={"x-mesh-worker": decode_id})
 
     def check_decode_target(self, decode_id: str) -> None:
         """The pair was chosen before the prefill: its decode worker may have been removed (or
@@ -428,6 +451,17 @@ class _Relay:
             self.stats.cancels_sent += 1
             self.releases.start(url, kv["transfer_id"])  # type: ignore[index]
         return True
+
+
+def _what_failed(exc: Exception) -> str:
+    """An httpx failure for a client: its kind, never its text (which may name the worker's address)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out: " + ("could not connect" if isinstance(exc, httpx.ConnectTimeout) else "no data in time")
+    if isinstance(exc, httpx.ConnectError):
+        return "could not connect"
+    if isinstance(exc, TooLarge):
+        return str(exc)
+    return "the connection broke"
 
 
 def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:

@@ -268,7 +268,10 @@ class PromptProcessor:
             try:
                 tok = load_tokenizer(spec)
             except Exception as exc:
-                message = f"cannot load tokenizer {spec!r}: {exc}"
+                # The path and the loader's error go to the log only (once per TOKENIZER_RETRY_S):
+                # a client must not learn the server's file layout.
+                log.warning("cannot load tokenizer %r: %s", spec, exc)
+                message = "the tokenizer configured for this model's workers cannot be loaded (see the gateway's log)"
                 self._load_failures[spec] = (now, message)
                 raise MeshError(503, message, code="tokenizer_unavailable") from exc
             self._load_failures.pop(spec, None)
@@ -282,8 +285,8 @@ class PromptProcessor:
         One that fails is logged here and answered 503 per request (``tokenizer``)."""
         try:
             self.tokenizer(worker.config.tokenizer)
-        except MeshError as exc:
-            log.warning("%s", exc.message)
+        except MeshError:
+            pass  # logged with its path by ``tokenizer``
 
     def on_worker_removed(self, worker: Any) -> None:
         return None
