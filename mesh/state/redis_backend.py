@@ -51,7 +51,16 @@ class Refresh:
     target: str
 
 
-Write = str | Refresh | None  # a queued write of one session: bind, refresh, or delete (None)
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A binding made while Redis was unreachable (the decision could not see the shared one):
+    written only where Redis has no binding of the session (``SET NX``); where it has one, that
+    one wins (``write_many`` reports it in ``lost``) and its idle time restarts."""
+
+    target: str
+
+
+Write = str | Refresh | Claim | None  # a queued write of one session: bind, refresh, claim, or delete (None)
 
 
 def redis_client(url: str, timeout_s: float, *, cluster: bool = False, seeds: tuple[str, ...] = ()) -> Any:
@@ -198,24 +207,39 @@ class RedisStateBackend:
         await self._call("delete", lambda: self.redis.delete(self.key(session_id)), None)
 
     # -- batches and lifecycle --
-    async def write_many(self, bindings: Mapping[str, Write], *, backoff: bool = True) -> bool:
+    async def write_many(self, bindings: Mapping[str, Write], *, backoff: bool = True,
+                         lost: dict[str, str] | None = None) -> bool:
         """One pipeline: ``SET PX`` each bound session, ``DEL`` each ``None``, ``SET NX PX`` +
-        ``PEXPIRE`` each ``Refresh``; False on error.
+        ``PEXPIRE`` each ``Refresh``, ``SET NX PX`` + ``GET`` + ``PEXPIRE`` each ``Claim``; False
+        on error. ``lost`` receives each claim Redis already held another binding of (session ->
+        that shared target).
 
         ``backoff=False`` (the final flush) tries even right after an error, still bounded by the timeout.
         """
         async def op() -> bool:
+            claims: list[tuple[str, str, int]] = []  # (session, claimed target, index of its GET's result)
             async with self.redis.pipeline(transaction=False) as pipe:
+                n = 0
                 for sid, target in bindings.items():
                     if target is None:
                         pipe.delete(self.key(sid))
                     elif isinstance(target, Refresh):
                         pipe.set(self.key(sid), target.target, px=self.ttl_ms, nx=True)
                         pipe.pexpire(self.key(sid), self.ttl_ms)
+                        n += 1
+                    elif isinstance(target, Claim):
+                        pipe.set(self.key(sid), target.target, px=self.ttl_ms, nx=True)
+                        pipe.get(self.key(sid))
+                        pipe.pexpire(self.key(sid), self.ttl_ms)
+                        claims.append((sid, target.target, n + 1))
+                        n += 2
                     else:
                         pipe.set(self.key(sid), target, px=self.ttl_ms)
+                    n += 1
                 results = await pipe.execute(raise_on_error=False)
             self._refused_writes([r for r in results if isinstance(r, Exception)])
+            if lost is not None:
+                lost.update((sid, results[i]) for sid, want, i in claims if isinstance(results[i], str) and results[i] != want)
             return True
 
         if not bindings:
@@ -253,6 +277,12 @@ class RedisStateBackend:
                 await self._probe
         with contextlib.suppress(Exception):
             await self.redis.aclose()
+
+    @property
+    def down(self) -> bool:
+        """An outage is in progress: a call failed and none has succeeded since (one server), or
+        not every master says the cluster is ok yet (a cluster)."""
+        return self._down_logged
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.url, "cluster": self.cluster, "errors": dict(self.errors), "skipped": self.skipped}

@@ -13,9 +13,9 @@ The modules log on one channel, ``mesh.state.redis_state``.
 
 from __future__ import annotations
 
-from mesh.state.redis_backend import RedisStateBackend, Refresh, redis_client
+from mesh.state.redis_backend import Claim, RedisStateBackend, Refresh, redis_client
 from mesh.state.shared_load import SharedLoad
 from mesh.state.shared_sessions import SharedSessionTable, SharedState, shared_session_table
 
-__all__ = ["RedisStateBackend", "Refresh", "SharedLoad", "SharedSessionTable", "SharedState", "redis_client",
+__all__ = ["Claim", "RedisStateBackend", "Refresh", "SharedLoad", "SharedSessionTable", "SharedState", "redis_client",
            "shared_session_table"]

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from mesh.core.sessions import SessionTable, _norm
-from mesh.state.redis_backend import OPS, RedisStateBackend, Refresh, Write
+from mesh.state.redis_backend import OPS, Claim, RedisStateBackend, Refresh, Write
 from mesh.state.shared_load import SharedLoad, load_families
 
 log = logging.getLogger("mesh.state.redis_state")  # the Redis state's log channel (operators filter on it)
@@ -38,8 +38,12 @@ FLUSH_CHUNK = 1000
 FLUSH_CHUNK_MIN = 16
 
 
+# Why a replica's binding of a session changed to the shared one (mesh_session_replica_moves_total)
+MOVE_REASONS = ("redis_unavailable", "replica_conflict")
+
+
 def _target(write: Write) -> str | None:
-    return write.target if isinstance(write, Refresh) else write
+    return write.target if isinstance(write, (Refresh, Claim)) else write
 
 
 class SharedSessionTable(SessionTable):
@@ -60,6 +64,17 @@ class SharedSessionTable(SessionTable):
       ``MAX_PENDING`` kept; bindings expired or moved locally meanwhile are not written) for the
       retry after ``retry_after_s``. The final flush (``SharedState.stop``, bounded by
       ``timeout_s``) ignores the back-off and stops at its first failed pipeline.
+    - Outages (split brain and its end): a bind made while Redis is unreachable (``backend.down``:
+      the decision could not see the shared binding) is queued as a ``Claim``, which never
+      overwrites a shared binding. Once Redis answers, the shared binding wins wherever one
+      exists: read by ``mirror`` before the session's next decision here, or found by the claim's
+      write; the local binding is pointed at it (``_adopt``) and the move counted in
+      ``replica_moves["redis_unavailable"]`` when it differs (the session ran on two workers
+      during the outage). Where Redis holds none (it restarted empty, or the session is new), the
+      first replica's claim is written and the others adopt it the same way. So after an outage
+      every replica's binding of a session is the shared one by its next decision at the latest.
+      A live local binding that ``mirror`` replaces outside an outage's claims (another replica
+      moved the session since this one last read it) counts in ``replica_moves["replica_conflict"]``.
     - ``touch`` (a request's end: its idle time restarts) is queued as a ``Refresh`` (``SET NX``
       plus ``PEXPIRE``), which never overwrites another target: a turn ending here leaves alone a
       move another replica made and shared while it ran.
@@ -77,12 +92,13 @@ class SharedSessionTable(SessionTable):
         self._chunk = FLUSH_CHUNK  # bindings per pipeline now (halved after a failure)
         self._wake = asyncio.Event()
         self.mirrored = 0  # local bindings set or changed from the shared one
+        self.replica_moves: dict[str, int] = dict.fromkeys(MOVE_REASONS, 0)  # live local bindings the shared one replaced
         self.shared_load: SharedLoad | None = None  # set by SharedState when state.load_sync_s > 0
 
     # -- the router's writes: local at once, shared by the flusher --
     def bind(self, session_id: str, target: str, now: float) -> bool:
         moved = super().bind(session_id, target, now)
-        self._pending[session_id] = target
+        self._pending[session_id] = Claim(target) if self.backend.down else target
         self._wake.set()
         return moved
 
@@ -100,7 +116,7 @@ class SharedSessionTable(SessionTable):
         if b is not None and b[0] != target and b[1] + self.idle_ttl_s > now:
             return  # moved to another live target meanwhile (a later turn): left alone
         SessionTable.bind(self, session_id, target, now)  # local only: not queued as a bind
-        if self._pending.get(session_id) != target:  # a queued bind to it says more: it stays
+        if self._pending.get(session_id) not in (target, Claim(target)):  # a queued bind or claim of it says more: it stays
             self._pending[session_id] = Refresh(target)
             self._wake.set()
 
@@ -119,15 +135,37 @@ class SharedSessionTable(SessionTable):
         if self._writing(session_id) or (after is not None and after != local):
             return None  # this replica bound it meanwhile: its binding is newer than the read
         if shared is not None and shared != local:
-            super().bind(session_id, shared, now)  # not queued: it came from the backend
+            claim = self._pending.get(session_id)
+            if isinstance(claim, Claim) and claim.target == local:  # bound here during the outage
+                self._adopt(session_id, claim.target, shared)
+            else:
+                if local is not None:
+                    self.replica_moves["replica_conflict"] += 1
+                super().bind(session_id, shared, now)  # not queued: it came from the backend
             self.mirrored += 1
         return shared
 
     def _writing(self, session_id: str) -> bool:
         """True while a local bind or delete of the session is queued or in a batch not yet
-        written (a ``Refresh`` claims nothing newer than Redis: the shared binding still wins)."""
-        return any(session_id in writes and not isinstance(writes[session_id], Refresh)
+        written (a ``Refresh`` or a ``Claim`` claims nothing newer than Redis: the shared binding
+        still wins)."""
+        return any(session_id in writes and not isinstance(writes[session_id], (Refresh, Claim))
                    for writes in (self._pending, *self._flushing))
+
+    def _adopt(self, session_id: str, claimed: str, shared: str) -> None:
+        """The shared binding won over this replica's ``Claim`` of ``claimed``: point the local
+        binding at ``shared`` (its idle time and LRU place kept) and drop the queued claim, unless
+        the session was bound elsewhere since (a newer decision: it stays)."""
+        sid = _norm(session_id)
+        b = self._bindings.get(sid)
+        if self._pending.get(session_id) == Claim(claimed):
+            del self._pending[session_id]
+        if b is None or b[0] != claimed or shared == claimed:
+            return
+        self._dec(claimed)
+        self._inc(shared)
+        self._bindings[sid] = (shared, b[1], b[2])  # _order's (last_used, seq, sid) entry unchanged
+        self.replica_moves["redis_unavailable"] += 1
 
     # -- write-behind --
     async def flush(self, *, final: bool = False) -> bool:
@@ -155,13 +193,16 @@ class SharedSessionTable(SessionTable):
             batch = {sid: self._pending.pop(sid) for sid in list(itertools.islice(self._pending, self._chunk))}
         self.backend.idle_ttl_s = self.idle_ttl_s  # a config reload changes the table's TTL
         self._flushing.append(batch)
+        lost: dict[str, str] = {}  # claims Redis held another binding of: that one wins
         try:
-            ok = await self.backend.write_many(batch, backoff=not final)
+            ok = await self.backend.write_many(batch, backoff=not final, lost=lost)
         except asyncio.CancelledError:
             self._requeue(batch)  # back for the final flush
             raise
         finally:
             self._flushing.remove(batch)
+        for sid, shared in lost.items():
+            self._adopt(sid, _target(batch[sid]) or "", shared)
         self._chunk = min(FLUSH_CHUNK, self._chunk * 2) if ok else max(FLUSH_CHUNK_MIN, self._chunk // 2)
         if not ok and not final:
             self._requeue(batch)
@@ -213,7 +254,8 @@ class SharedSessionTable(SessionTable):
 
     def stats(self) -> dict[str, Any]:
         load = self.shared_load.stats() if self.shared_load is not None else None
-        return {**super().stats(), "mirrored": self.mirrored, "backend": self.backend.stats(), "load": load}
+        return {**super().stats(), "mirrored": self.mirrored, "replica_moves": dict(self.replica_moves),
+                "backend": self.backend.stats(), "load": load}
 
 
 def shared_session_table(config: Any) -> SharedSessionTable:
@@ -222,6 +264,18 @@ def shared_session_table(config: Any) -> SharedSessionTable:
     backend = RedisStateBackend(state.url, sessions.idle_ttl_s, key_prefix=state.key_prefix, timeout_s=state.timeout_s,
                                 cluster=state.cluster, seeds=tuple(state.cluster_seeds))
     return SharedSessionTable(backend, sessions.idle_ttl_s, sessions.max_sessions)
+
+
+def replica_moves_family(table: SharedSessionTable) -> Any:
+    """``mesh_session_replica_moves_total{reason}``: this replica's live bindings that the shared
+    one replaced (the table's ``replica_moves``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily("mesh_session_replica_moves", "Sessions whose binding on this replica was replaced "
+                                 "by a different shared one (another replica's decision), by reason", labels=["reason"])
+    for reason, n in table.replica_moves.items():
+        family.add_metric([reason], n)
+    return family
 
 
 class SharedState:
@@ -241,6 +295,7 @@ class SharedState:
         for op in OPS:
             errors.labels(op)
         self.backend.on_error = lambda op: errors.labels(op).inc()
+        metrics.add_collector(lambda: [replica_moves_family(table)])
         self.load = SharedLoad(self.backend, targets, load_sync_s) if load_sync_s > 0 else None
         table.shared_load = self.load  # read by tests and stats; None when load sharing is off
         if self.load is not None:
