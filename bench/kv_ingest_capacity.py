@@ -45,13 +45,21 @@ RATES = [2_000, 10_000, 30_000]
 # -- the flood publisher (its own process) ------------------------------------------------------
 
 
-def frame_payload(rng: random.Random, ts: float) -> bytes:
-    """One vLLM batch of one BlockStored: a new 16-token block (no parent), on the GPU."""
-    import msgspec
+class Frames:
+    """vLLM batches of one BlockStored each: a new 16-token block (no parent) on the GPU, every
+    block distinct (its hash and first tokens count up), so a flood only ever adds to the index."""
 
-    tokens = [rng.randrange(1, 32_000) for _ in range(BLOCK)]
-    ev = ["BlockStored", [rng.getrandbits(63)], None, tokens, BLOCK, None, "GPU"]
-    return msgspec.msgpack.encode([ts, [ev]])
+    def __init__(self, rng: random.Random) -> None:
+        import msgspec
+
+        self.encode = msgspec.msgpack.encode
+        self.tokens = [rng.randrange(1, 32_000) for _ in range(BLOCK)]
+        self.base = rng.getrandbits(40) << 20
+
+    def payload(self, n: int) -> bytes:
+        tokens = self.tokens
+        tokens[0], tokens[1] = 32_000 + (n & 0xFFFF), 32_000 + (n >> 16)
+        return self.encode([0.0, [["BlockStored", [self.base + n], None, tokens, BLOCK, None, "GPU"]]])
 
 
 def publish_main(ports: list[int], rate: float, seconds: float, sent_out: Any) -> None:
@@ -66,9 +74,7 @@ def publish_main(ports: list[int], rate: float, seconds: float, sent_out: Any) -
         s.bind(f"tcp://127.0.0.1:{p}")
         socks.append(s)
     time.sleep(0.6)  # the gateway's SUB sockets reconnect (ZMQ's slow joiner)
-    rng = random.Random(len(ports) * 1000 + int(rate))
-    # a pool of payloads, cycled: the publisher's own encode cost stays off the pacing
-    pool = [frame_payload(rng, 0.0) for _ in range(4096)]
+    frames = Frames(random.Random(time.time_ns()))
     seqs = [0] * len(socks)
     sent = 0
     start_t = time.perf_counter()
@@ -81,7 +87,7 @@ def publish_main(ports: list[int], rate: float, seconds: float, sent_out: Any) -
         while sent < due:
             i = sent % len(socks)
             try:
-                socks[i].send_multipart([b"", seqs[i].to_bytes(8, "big"), pool[sent % len(pool)]], zmq.NOBLOCK)
+                socks[i].send_multipart([b"", seqs[i].to_bytes(8, "big"), frames.payload(sent)], zmq.NOBLOCK)
             except zmq.Again:
                 pass  # over the PUB's high-water mark: ZMQ drops it (the subscriber sees a gap)
             seqs[i] += 1

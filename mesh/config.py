@@ -267,9 +267,22 @@ class RetentionConfig(_Model):
     active_s: PositiveFloat = 30.0  # a session idle this long stops counting
 
 
+# The index's default bound: 32 workers of ~32k GPU blocks each (an H100's KV for an 8B model at
+# block size 16) in one index; measured ~650 bytes of gateway memory a key (nodes and engine
+# maps): ~650 MB at most. Least recently stored/matched leaves go first (hot prefixes stay).
+DEFAULT_MAX_KEYS = 1_000_000
+
+
 class IndexConfig(_Model):
-    max_keys: int = Field(0, ge=0)  # 0 = unbounded
+    max_keys: int = Field(DEFAULT_MAX_KEYS, ge=0)  # 0 = unbounded
     speculative_ttl_s: float = Field(2.0, ge=0)
+    # KV event ingestion (``mesh.events.pacer``, ``mesh.events.inbox``): slices of event work on
+    # the loop, the loop's share event work may take during a flood, and each stream's backlog
+    # budget (frames received, not applied) past which the stream is reset and rebuilt from replay
+    ingest_slice_ms: float = Field(0.5, gt=0, le=100)
+    ingest_share: float = Field(0.5, gt=0, le=1)
+    max_backlog_frames: int = Field(10_000, ge=1)
+    max_backlog_bytes: int = Field(64 << 20, ge=1)
 
 
 def redact_url(url: str) -> str:

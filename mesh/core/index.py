@@ -9,8 +9,11 @@
   stored again for other content (or named twice in one event) is a rename: the block it named
   goes with every copy, as every copy goes with ``tier=None`` removals, ``AllBlocksCleared`` and
   ``clear_target``. Speculative entries: ``mesh.core.index_spec``.
-- With ``max_keys`` > 0, least recently stored/matched leaves are evicted first; a store of a hash
-  whose node was evicted is never a copy (an under-claim, never an over-claim).
+- With ``max_keys`` > 0, least recently stored/matched leaves are evicted first (a match refreshes
+  its deepest block, and a parent is a leaf only once its children are gone: a prefix that keeps
+  being matched stays); a store of a hash whose node was evicted is never a copy (an under-claim,
+  never an over-claim); engine hashes of evicted nodes are swept from the engine maps (``_sweep``),
+  so memory is bounded by ``max_keys`` whatever the events.
 Parts: nodes and masks ``index_nodes``, chain writes ``index_chain``, match's search ``index_depths``.
 Ownership: a ``PrefixIndex`` owns its parts and the slot table; it runs on one thread (no lock).
 """
@@ -34,6 +37,7 @@ from mesh.core.index_spec import Speculation
 from mesh.core.keys import block_keys
 from policies.base import Overlap, Tier
 
+_SWEEP_MIN = 1 << 16  # engine hashes a target's map may hold before its first sweep
 _BULK_MIN = 16  # blocks from which one event's C-speed bulk passes beat the per-block loop
 
 
@@ -50,7 +54,8 @@ class PrefixIndex:
     mask, which every query applies, and is scrubbed from nodes by ``expire``/``compact``); the
     slot is reused only after a full scrub pass. The per-target maps from engine hash to key are
     bounded by each engine's own cache: entries leave with the engine's removals or the target's
-    reset, and an entry whose node the budget evicted still resolves its children's parent key.
+    reset, and an entry whose node the budget evicted still resolves its children's parent key
+    until the map's next sweep (with a budget: about ``2 x max_keys`` entries a target at most).
     """
 
     def __init__(self, max_keys: int = 0, scrub_budget: int = 4096) -> None:
@@ -73,6 +78,8 @@ class PrefixIndex:
         self._offloaded: dict[str, set[int]] = {}
         self._spec = Speculation()
         self._names = TargetNames(self._tids)  # shares ``_tids`` (mutated in place, never rebound)
+        self._sweep_at: dict[str, int] = {}  # with a budget: target -> engine map size of its next sweep
+        self._sweep_floor = max(2 * max_keys, _SWEEP_MIN)
         self._hints_ca: dict[int, int] = {}  # match's search hints (verified before use)
         self._hints_cg: dict[int, int] = {}
 
@@ -134,6 +141,7 @@ class PrefixIndex:
         self._emap.pop(target, None)
         self._copies.drop_target(target)
         self._offloaded.pop(target, None)
+        self._sweep_at.pop(target, None)
         slot = self._slot.pop(target, None)
         if slot is None:
             return
@@ -241,7 +249,24 @@ class PrefixIndex:
         parent = ROOT if parent_engine_hash is None else self._nodes.parent_nid(parent_key)
         self._store_mapped(slot, emap, engine_hashes, keys, tier, parent)
         self._nodes.trim()
+        if self.max_keys and len(emap) > self._sweep_at.get(target, self._sweep_floor):
+            self._sweep(target, emap)
         return n
+
+    def _sweep(self, target: str, emap: dict[int, int]) -> None:
+        """Forget ``target``'s engine hashes whose node the budget evicted (they claim nothing;
+        they only resolved later stores' parents, which are now skipped: an under-claim), but for
+        those the engine holds on its CPU tier (bounded by that tier's removals). Run when
+        the map passes ``max(2 x max_keys, 65,536, 2 x its size after the last sweep)``: amortized
+        O(1) a store, and a target's map stays within that however long an engine stores without
+        removing (a flood, or an engine whose removals never arrive)."""
+        ids = self._nodes.id
+        kept = self._offloaded.get(target, ())  # held on the engine's CPU: a later store's parent
+        gone = [h for h, key in emap.items() if key not in ids and h not in kept]
+        deque(map(emap.__delitem__, gone), 0)
+        if target in self._copies:
+            self._copies.prune(target, emap, gone)
+        self._sweep_at[target] = max(self._sweep_floor, 2 * len(emap))
 
     def _store_mapped(
         self, slot: int, emap: dict[int, int], engine_hashes: Sequence[int], keys: Sequence[int], tier: Tier,

@@ -38,6 +38,7 @@ import logging
 import time
 
 from mesh.cluster.registry import Worker, WorkerRegistry
+from mesh.config import IndexConfig
 from mesh.core.index import PrefixIndex
 from mesh.events.blindness import BlindWatch
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
@@ -81,8 +82,10 @@ def events_spec(worker: Worker) -> WorkerEvents | None:
 class KvIngest:
     """Registry listener + lifespan hooks that keep one subscriber in step with the registry."""
 
-    def __init__(self, index: PrefixIndex, registry: WorkerRegistry, metrics: Metrics) -> None:
+    def __init__(self, index: PrefixIndex, registry: WorkerRegistry, metrics: Metrics,
+                 settings: IndexConfig | None = None) -> None:
         self.index = index
+        self.settings = settings or IndexConfig()
         self.registry = registry
         self.metrics = metrics
         self.subscriber: KvEventSubscriber | None = None
@@ -101,8 +104,11 @@ class KvIngest:
 
     # -- lifespan --
     async def start(self) -> None:
+        cfg = self.settings
         self.subscriber = KvEventSubscriber(
-            self.index, registry=self.metrics.registry, on_health=self._on_health, on_reset=self._on_reset
+            self.index, registry=self.metrics.registry, on_health=self._on_health, on_reset=self._on_reset,
+            max_backlog_frames=cfg.max_backlog_frames, max_backlog_bytes=cfg.max_backlog_bytes,
+            slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share,
         )
         await self.reconcile()  # static workers are subscribed before the first request
         self._task = asyncio.get_running_loop().create_task(self._keep(), name="mesh-kv-ingest")

@@ -1,13 +1,15 @@
 """The ZMQ side of a KV event stream: the SUB socket and its monitor, and the replay socket.
 
-The SUB socket receives live frames; its monitor reports the connection going down (the stream is
+The SUB socket receives live frames (in the receiver thread, ``mesh.events.inbox``); its monitor
+(a socket of the loop) reports the connection going down (the stream is
 unhealthy and the next frame must prove continuity) and coming back. The replay socket (a
 DEALER, opened on a stream's first replay and kept) asks the publisher's ROUTER for every kept
 batch from a seq: ``[b"", start]`` -> ``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``
 per batch, then an end marker whose seq is -1. A replay is bounded in time, batches and bytes
 (ZMQ itself refuses a message over ``max_message_bytes``); a failed one closes the socket, so
-late replies never mix into the next replay. Ownership: each stream task owns its sockets and
-closes them when it ends; the ``zmq.asyncio.Context`` is the subscriber's.
+late replies never mix into the next replay. Ownership: each stream task owns its monitor and replay
+sockets and closes them when it ends, and hands its SUB socket to the receiver thread, which
+closes it; the ``zmq.asyncio.Context`` is the subscriber's.
 """
 
 from __future__ import annotations
@@ -36,12 +38,17 @@ class ReplayLimits:
     max_message_bytes: int  # one message; ZMQ drops the connection over it
 
 
-def monitor_sub(sub: zmq.asyncio.Socket, topic: str, rcvhwm: int) -> zmq.asyncio.Socket:
-    """Set the SUB socket's options and subscription; returns its connection monitor."""
+def monitor_sub(sub: zmq.Socket[bytes], topic: str, rcvhwm: int, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+    """Set the SUB socket's options and subscription; returns its connection monitor, a socket
+    of the loop's context (the SUB socket itself is received from by ``mesh.events.inbox``)."""
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.RCVHWM, rcvhwm)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    return sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    addr = f"inproc://mesh-kv-monitor-{id(sub)}"
+    sub.monitor(addr, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    monitor = ctx.socket(zmq.PAIR)
+    monitor.connect(addr)
+    return monitor
 
 
 async def watch_connection(stream: Stream, monitor: zmq.asyncio.Socket, notify: Callable[[Stream], None]) -> None:
@@ -58,13 +65,11 @@ async def watch_connection(stream: Stream, monitor: zmq.asyncio.Socket, notify: 
         notify(stream)
 
 
-def close_stream(stream: Stream, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
-    """Close every socket of ``stream`` (the SUB socket, its monitor, the replay socket)."""
-    with contextlib.suppress(zmq.ZMQError):
-        sub.disable_monitor()
+def close_stream(stream: Stream, monitor: zmq.asyncio.Socket | None) -> None:
+    """Close the loop's sockets of ``stream`` (the monitor, the replay socket); its SUB socket is
+    the receiver thread's to close (``mesh.events.inbox.Receiver.remove``)."""
     if monitor is not None:
         monitor.close(linger=0)
-    sub.close(linger=0)
     if stream.dealer is not None:
         stream.dealer.close(linger=0)
         stream.dealer = None

@@ -9,7 +9,8 @@ joins the stream when its first batch is ``start`` and, when ``start`` is the la
 carries the same payload (proof of the same publisher). Invariant: ``digests`` holds the digest
 of each of the last ``digest_window`` seqs applied, ``order`` their order. Ownership: a
 ``Stream`` is mutated only by its own tasks on the subscriber's loop (the stream task of
-``mesh.events.subscriber`` and its connection watcher, ``mesh.events.sockets``).
+``mesh.events.subscriber`` and its connection watcher, ``mesh.events.sockets``); its ``inbox`` is
+shared with the receiver thread under the rules of ``mesh.events.inbox``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import xxhash
 import zmq.asyncio
 
 from mesh.events.health import StreamHealth
+from mesh.events.inbox import Inbox
 from mesh.events.wire import DecodeError, GroupFilter, decode_lazy
 
 digest = xxhash.xxh3_64_intdigest
@@ -59,13 +61,17 @@ class Verdict(enum.Enum):
 
 
 class Stream:
-    __slots__ = ("spec", "health", "task", "dealer", "filter", "digests", "order", "last_ts", "reported_healthy", "lost")
+    __slots__ = ("spec", "health", "task", "dealer", "inbox", "dropped_seen", "applying", "filter", "digests", "order", "last_ts",
+                 "reported_healthy", "lost")
 
     def __init__(self, spec: WorkerEvents, health: StreamHealth) -> None:
         self.spec = spec
         self.health = health
         self.task: asyncio.Task[None] | None = None
         self.dealer: zmq.asyncio.Socket | None = None  # the replay socket, opened on first use
+        self.inbox: Inbox | None = None  # live frames from the receiver thread, while the stream runs
+        self.applying = False  # a frame is being applied (in slices: the loop may run between them)
+        self.dropped_seen = 0  # the inbox's refused frames already counted in ``health.dropped``
         self.filter = GroupFilter()
         self.digests: dict[int, int] = {}  # recent seq -> payload digest
         self.order: deque[int] = deque()

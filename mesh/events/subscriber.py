@@ -9,10 +9,16 @@ socket, before it is applied (a publisher that restarted while disconnected may 
 ``last + 1``). Whenever batches are lost for good (no replay socket, a buffer that no longer
 reaches back, a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's
 targets are reset: the index may then miss blocks the worker holds, never claim dropped ones.
-Ownership: the subscriber runs on the gateway's event loop and is the only writer of the index
-for its targets' engine events (the router writes speculative entries on the same loop: no lock).
-Frames are applied in bounded slices (``yield_every`` frames or ``_SLICE_BYTES`` of payload;
-within a frame, ``mesh.events.apply``) so that a flooding publisher cannot starve the loop.
+Off the request loop: a receiver thread (``mesh.events.inbox``) receives every stream's frames
+into the stream's bounded inbox; a stream whose backlog exceeds its budget (``max_backlog_frames``
+or ``max_backlog_bytes``: ingestion cannot keep up) is reset (reason ``backlog``, a loud,
+rate-limited WARNING), its backlog discarded, and rebuilt from replay like any lost batch.
+Ownership: the stream tasks run on the gateway's event loop and are the only writers of the index
+for their targets' engine events (the router writes speculative entries on the same loop: no
+lock; the receiver thread never touches the index nor a ``Stream``'s protocol state). Frames are
+applied in paced slices (``mesh.events.pacer``: ``slice_s`` of work at a time, at most ``share``
+of the loop while a flood lasts; within a frame, ``mesh.events.apply``), so that a flooding
+publisher cannot starve the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from prometheus_client import CollectorRegistry
 from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
+from mesh.events.inbox import Inbox, Receiver
+from mesh.events.pacer import Pacer
 from mesh.events.sockets import ReplayLimits, cancel, close_stream, fetch_replay, monitor_sub, watch_connection
 from mesh.events.stream import Stream, Verdict, WorkerEvents, continues, digest, offset_endpoint, restarted, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
@@ -39,7 +47,6 @@ __all__ = ["KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "o
 
 log = logging.getLogger(__name__)
 
-_SLICE_BYTES = 256 << 10  # a slice of frames also ends after this much payload (~0.1 s of events)
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
 
 
@@ -65,6 +72,10 @@ class KvEventSubscriber:
         yield_every: int = 64,
         digest_window: int = 4096,
         rcvhwm: int = 100_000,
+        max_backlog_frames: int = 10_000,
+        max_backlog_bytes: int = 64 << 20,
+        slice_s: float = 0.0005,
+        share: float = 0.5,
         on_health: Callable[[str, bool], None] | None = None,
         on_reset: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -86,16 +97,24 @@ class KvEventSubscriber:
         self.yield_every = max(1, yield_every)
         self.digest_window = digest_window
         self.rcvhwm = rcvhwm
+        # A stream's budget: frames received but not applied yet (10,000: minutes of a real
+        # engine's one batch a scheduler step, under a second of a flood; 64 MiB: four frames of
+        # the largest accepted). Over it, ingestion cannot keep up: the stream is reset.
+        self.max_backlog_frames = max_backlog_frames
+        self.max_backlog_bytes = max(max_backlog_bytes, max_frame_bytes)
+        self.pacer = Pacer(slice_s, share, clock=time.perf_counter)
         self.on_health = on_health
         self.on_reset = on_reset
         self.clock = clock
         self._logs = LogLimiter(clock=clock)
         self._ctx = zmq.asyncio.Context()
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        self._receiver = Receiver()
         self._streams: dict[str, Stream] = {}  # target -> stream
         self._by_worker: dict[str, list[str]] = {}
         self._seeds = Seeds()
         self._registry = registry
-        self._collector = HealthCollector(self.health, self._is_healthy, clock)
+        self._collector = HealthCollector(self.health, self._is_healthy, clock, self._backlog)
         if registry is not None:
             registry.register(self._collector)
         self._closed = False
@@ -142,6 +161,7 @@ class KvEventSubscriber:
         self._closed = True
         for worker in list(self._by_worker):
             await self.remove_worker(worker, clear_index=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._receiver.stop)
         if self._registry is not None:
             with contextlib.suppress(KeyError):
                 self._registry.unregister(self._collector)
@@ -154,11 +174,22 @@ class KvEventSubscriber:
         stream = self._streams.get(target)
         return stream is not None and self._is_healthy(stream.health)
 
+    def settled(self, target: str) -> bool:
+        """Whether ``target``'s stream has applied every frame it received (none in its inbox,
+        none half-applied): what a reader of the index waits for in tests and benchmarks."""
+        stream = self._streams.get(target)
+        return stream is not None and not stream.applying and (stream.inbox is None or not stream.inbox.backlog)
+
     def health(self) -> dict[str, StreamHealth]:
         return {tid: s.health for tid, s in self._streams.items()}
 
     def targets(self, worker: str) -> list[str]:
         return list(self._by_worker.get(worker, []))
+
+    def _backlog(self, target: str) -> int:
+        """Frames of ``target``'s stream received and not applied yet (0 while it is not running)."""
+        stream = self._streams.get(target)
+        return stream.inbox.backlog if stream is not None and stream.inbox is not None else 0
 
     def _is_healthy(self, h: StreamHealth) -> bool:
         if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
@@ -173,17 +204,23 @@ class KvEventSubscriber:
     # ------------------------------------------------------------------ stream task
     async def _run(self, stream: Stream) -> None:
         h = stream.health
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self._sync_ctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
         watcher: asyncio.Task[None] | None = None
+        handed = False
         try:
-            monitor = monitor_sub(sub, stream.spec.topic, self.rcvhwm)
+            # ZMQ's queue holds no more than the budget: what queues there while the stream is
+            # being reset is dropped by ZMQ (seen as a gap), not received to be discarded
+            monitor = monitor_sub(sub, stream.spec.topic, min(self.rcvhwm, self.max_backlog_frames), self._ctx)
             watcher = asyncio.get_running_loop().create_task(watch_connection(stream, monitor, self._notify))
             sub.connect(h.endpoint)
+            inbox = stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+            self._receiver.add(sub, inbox)  # from here on the receiver thread's socket
+            handed = True
             self._set_running(stream, True)
             if h.replay_endpoint:
                 await self._recover(stream, "connect")
-            await self._receive(stream, sub)
+            await self._receive(stream, inbox)
         except asyncio.CancelledError:
             raise
         except zmq.ZMQError as exc:
@@ -192,18 +229,48 @@ class KvEventSubscriber:
         finally:
             self._set_running(stream, False)
             await cancel(watcher)
-            close_stream(stream, sub, monitor)
+            if handed:
+                self._receiver.remove(sub)
+            else:
+                sub.close(linger=0)
+            close_stream(stream, monitor)
+            stream.inbox = None
 
-    async def _receive(self, stream: Stream, sub: zmq.asyncio.Socket) -> None:
-        n = size = 0
+    async def _receive(self, stream: Stream, inbox: Inbox) -> None:
+        pacer = self.pacer
+        n = 0
         while True:
-            frames = await sub.recv_multipart()
+            frames = inbox.take()
+            if frames is None:
+                pacer.idle()
+                frames = await inbox.get()
+            if inbox.overflowed():
+                await self._overflow(stream, inbox)
+                continue
+            await pacer.turn()
             await self._on_live(stream, frames)
             n += 1
-            size += len(frames[-1])
-            if n >= self.yield_every or size >= _SLICE_BYTES:
-                n = size = 0
-                await asyncio.sleep(0)  # a ready socket never suspends: let others run
+            if n >= self.yield_every:  # between slices too: other streams' turns interleave
+                n = 0
+                await asyncio.sleep(0)
+
+    async def _overflow(self, stream: Stream, inbox: Inbox) -> None:
+        """The backlog went over the budget: ingestion cannot keep up with this stream. Its
+        backlog is discarded and its targets reset, then rebuilt from replay (frames arriving
+        meanwhile were dropped by the receiver: the index may miss blocks, never claim them)."""
+        h = stream.health
+        frames, size = inbox.backlog, inbox.backlog_bytes
+        refused = inbox.dropped  # frames the receiver refused since the overflow (and before, unseen)
+        dropped = inbox.discard() + refused - stream.dropped_seen
+        stream.dropped_seen = refused
+        h.bump(h.dropped, "backlog", dropped)
+        self._logs.log(logging.WARNING, (h.target, "backlog"),
+                       "kv events %s: backlog of %d frames (%d bytes) over the budget (%d frames, %d bytes): "
+                       "events arrive faster than the gateway applies them; the stream is reset and rebuilt "
+                       "from replay", h.target, frames, size, self.max_backlog_frames, self.max_backlog_bytes)
+        self._reset(stream, "backlog", forget_seq=True)
+        if h.replay_endpoint:
+            await self._recover(stream, "backlog")
 
     async def _on_live(self, stream: Stream, frames: list[bytes]) -> None:
         h = stream.health
@@ -279,15 +346,10 @@ class KvEventSubscriber:
 
     async def _apply_replayed(self, stream: Stream, frames: list[tuple[int, bytes]]) -> None:
         h = stream.health
-        n = size = 0
         for seq, payload in frames:
+            await self.pacer.turn()
             if h.last_seq is None or seq > h.last_seq:
                 await self._apply_frame(stream, seq, payload)
-            n += 1
-            size += len(payload)
-            if n >= self.yield_every or size >= _SLICE_BYTES:
-                n = size = 0
-                await asyncio.sleep(0)
 
     async def _fetch_replay(self, stream: Stream, start: int) -> list[tuple[int, bytes]] | None:
         limits = ReplayLimits(self.replay_timeout_s, self.max_replay_batches, self.max_replay_bytes,
@@ -314,7 +376,11 @@ class KvEventSubscriber:
             self._notify(stream)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != h.rank and stream.spec.dp_size > 1:
             h.bump(h.events, "rank_mismatch")
-        await apply_batch(self.index, stream, batch, self._seeds, self._logs)
+        stream.applying = True
+        try:
+            await apply_batch(self.index, stream, batch, self._seeds, self._logs, self.pacer.turn)
+        finally:
+            stream.applying = False
         h.batches += 1  # counted once whole: a frame in progress is not an applied batch
 
     def _admit(self, stream: Stream, seq: int, payload: bytes) -> LazyBatch | None:

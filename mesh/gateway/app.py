@@ -229,7 +229,18 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         registry.add(worker, source="config")
     metrics.add_collector(registry.metric_families)
     metrics.add_collector(lambda: _router_families(gateway))
+    metrics.add_collector(lambda: _index_families(index))
     return gateway
+
+
+def _index_families(index: PrefixIndex) -> list[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    return [GaugeMetricFamily("mesh_index_keys", "Blocks (router keys) in the prefix index", value=len(index)),
+            GaugeMetricFamily("mesh_index_max_keys", "The index's bound, index.max_keys (0: unbounded)",
+                              value=index.max_keys),
+            CounterMetricFamily("mesh_index_evicted", "Keys evicted by index.max_keys, least recently used first",
+                                value=index.evicted)]
 
 
 def _router_families(gateway: Gateway) -> list[Any]:

@@ -1,0 +1,238 @@
+"""KV event frames off the request loop: one receiver thread, one bounded inbox per stream.
+
+``Receiver`` is a thread that owns every stream's ZMQ SUB socket once the stream registered it:
+it polls them, drains each ready socket with non-blocking receives (C calls that release the
+GIL) and appends the frames to the stream's ``Inbox``; the gateway's loop takes them from there
+(``Inbox.get``) and applies them in paced slices (``mesh.events.pacer``). The thread does no
+decoding and no index work: its share of the GIL is a few microseconds a frame, and it sleeps
+briefly after every ``_ROUND`` frames so that a flood never holds the GIL for long. The socket of
+an overflowed inbox is not read until the loop reset its stream: ZMQ drops the flood in its own
+queue (past its HWM), at no cost to the gateway.
+
+The budget: an inbox whose backlog (frames received, not yet taken) exceeds ``max_frames`` or
+``max_bytes`` overflows: the thread receives no further frame of it until the loop has noticed
+(``Inbox.overflowed``), discarded the backlog and reset the stream (``KvEventSubscriber``: the
+target's entries dropped and rebuilt from replay, as for any lost batch). Dropped frames are
+counted (``dropped``); nothing is dropped silently.
+
+Ownership (single writer per field, no lock on the hot path): the thread writes ``in_frames``,
+``in_bytes``, ``overflows`` and ``dropped`` and appends to ``frames``; the loop writes
+``out_frames``, ``out_bytes`` and ``handled`` and pops from ``frames`` (a deque: append and popleft
+are atomic). Sockets move between threads only through ``Receiver.add``/``remove`` (a locked
+hand-over queue), and the thread alone closes a socket it was handed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+
+import zmq
+
+log = logging.getLogger("mesh.events.subscriber")
+
+# Frames received before the thread sleeps a moment, handing the GIL to the loop: a thread that only
+# releases it inside C calls keeps it (the loop's thread, woken too late, waits the whole switch
+# interval, 5 ms); 64 frames are ~0.2 ms of receiving.
+_ROUND = 64
+_NAP_S = 0.0002
+_POLL_MS = 20  # how long the thread waits for frames before it looks at hand-overs again
+
+
+class Inbox:
+    """One stream's frames between the receiver thread and the loop, bounded by a budget."""
+
+    __slots__ = ("max_frames", "max_bytes", "frames", "in_frames", "in_bytes", "out_frames", "out_bytes",
+                 "overflows", "handled", "dropped", "_event", "_loop", "_waiting")
+
+    def __init__(self, max_frames: int, max_bytes: int) -> None:
+        if max_frames < 1 or max_bytes < 1:
+            raise ValueError("an inbox needs a budget of at least one frame and one byte")
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self.frames: deque[list[bytes]] = deque()
+        self.in_frames = self.in_bytes = self.overflows = self.dropped = 0  # the thread's
+        self.out_frames = self.out_bytes = self.handled = 0  # the loop's
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+        self._waiting = False
+
+    # -- the loop's side --
+    @property
+    def backlog(self) -> int:
+        """Frames received and not yet taken."""
+        return self.in_frames - self.out_frames
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self.in_bytes - self.out_bytes
+
+    def overflowed(self) -> bool:
+        return self.overflows != self.handled
+
+    def take(self) -> list[bytes] | None:
+        """The oldest frame, None when empty (never waits)."""
+        try:
+            frames = self.frames.popleft()
+        except IndexError:
+            return None
+        self.out_frames += 1
+        self.out_bytes += _size(frames)
+        return frames
+
+    async def get(self) -> list[bytes]:
+        """The oldest frame; waits for one."""
+        while True:
+            frames = self.take()
+            if frames is not None:
+                return frames
+            self._waiting = True  # set before the re-check: a frame appended now wakes us
+            frames = self.take()
+            if frames is not None:
+                self._waiting = False
+                return frames
+            await self._event.wait()
+            self._event.clear()
+
+    def discard(self) -> int:
+        """After an overflow: drop the backlog and resume receiving. Returns the frames dropped."""
+        n = 0
+        while self.take() is not None:
+            n += 1
+        self.handled = self.overflows
+        return n
+
+    # -- the thread's side --
+    def put(self, frames: list[bytes]) -> bool:
+        """Append a received frame; False when it was dropped (over budget, or overflowed)."""
+        if self.overflows != self.handled:
+            self.dropped += 1
+            return False
+        size = _size(frames)
+        if (self.in_frames - self.out_frames >= self.max_frames
+                or self.in_bytes - self.out_bytes + size > self.max_bytes):
+            self.overflows += 1
+            self.dropped += 1
+            return False
+        self.frames.append(frames)
+        self.in_frames += 1
+        self.in_bytes += size
+        return True
+
+    def wake(self) -> None:
+        """Wake the loop's waiting ``get`` (from the thread; once per round, not per frame)."""
+        if self._waiting or self.overflows != self.handled:
+            self._waiting = False
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(self._event.set)
+
+
+def _size(frames: list[bytes]) -> int:
+    return len(frames[-1]) if frames else 0
+
+
+class Receiver:
+    """The thread that receives every stream's frames into its inbox (started on first use)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changes: list[tuple[zmq.Socket[bytes], Inbox | None]] = []  # None: remove and close
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def add(self, sock: zmq.Socket[bytes], inbox: Inbox) -> None:
+        """Hand ``sock`` (connected, options set) to the thread; the caller never touches it again."""
+        with self._lock:
+            self._changes.append((sock, inbox))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mesh-kv-receiver", daemon=True)
+                self._thread.start()
+
+    def remove(self, sock: zmq.Socket[bytes]) -> None:
+        """Ask the thread to stop receiving from ``sock`` and close it (within ``_POLL_MS``)."""
+        with self._lock:
+            if self._thread is None:
+                sock.close(linger=0)
+                return
+            self._changes.append((sock, None))
+
+    def stop(self) -> None:
+        """Close every socket and end the thread (joins it)."""
+        with self._lock:
+            self._stop = True
+            thread = self._thread
+        if thread is not None:
+            thread.join(5.0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        inboxes: dict[zmq.Socket[bytes], Inbox] = {}
+        try:
+            while not self._stop:
+                self._hand_over(poller, inboxes, self._changed())
+                if not inboxes:
+                    time.sleep(_POLL_MS / 1000)
+                    continue
+                n = 0
+                for sock, _ in poller.poll(_POLL_MS):
+                    inbox = inboxes[sock]
+                    if inbox.overflowed():  # left in ZMQ's queue (dropped there past its HWM, at no cost
+                        inbox.wake()        # here) until the loop has reset the stream
+                        continue
+                    n += self._drain(sock, inbox)
+                if n >= _ROUND:
+                    time.sleep(_NAP_S)
+                elif n == 0 and any(i.overflowed() for i in inboxes.values()):
+                    time.sleep(_POLL_MS / 1000)  # only overflowed streams are ready: wait for the loop
+        except Exception:  # a receiver that dies must say so: every stream goes quiet
+            log.exception("kv events receiver thread failed; KV events are no longer received")
+        finally:
+            with self._lock:
+                self._hand_over(poller, inboxes, self._changes)
+                self._changes = []
+                for sock in inboxes:
+                    _close(sock)
+                self._thread = None
+
+    def _changed(self) -> list[tuple[zmq.Socket[bytes], Inbox | None]]:
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
+
+    @staticmethod
+    def _hand_over(poller: zmq.Poller, inboxes: dict[zmq.Socket[bytes], Inbox],
+                   changes: list[tuple[zmq.Socket[bytes], Inbox | None]]) -> None:
+        for sock, inbox in changes:
+            if inbox is None:
+                if sock in inboxes:
+                    poller.unregister(sock)
+                    del inboxes[sock]
+                _close(sock)
+            else:
+                inboxes[sock] = inbox
+                poller.register(sock, zmq.POLLIN)
+
+    @staticmethod
+    def _drain(sock: zmq.Socket[bytes], inbox: Inbox) -> int:
+        n = 0
+        try:
+            while n < _ROUND:
+                n += 1
+                if not inbox.put(sock.recv_multipart(zmq.NOBLOCK)):
+                    break  # over budget: the loop resets the stream
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            log.warning("kv events receive failed: %s", exc)
+        if n:
+            inbox.wake()
+        return n
+
+
+def _close(sock: zmq.Socket[bytes]) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    sock.close(linger=0)
