@@ -591,3 +591,37 @@ def test_engine_layer_tracks_an_engine_holding_duplicate_copies_of_a_hash(seed: 
         assert set(index.engine_map(t)) == {e.ehash(p) for p in e.copies}
         assert index.keys_of(t) == {block_keys(list(p), 4, ns)[-1] for p in e.copies}
         assert index.engine_copies(t) == {e.ehash(p): len(c) for p, c in e.copies.items() if len(c) > 1}
+
+
+def test_budget_keeps_a_prefix_that_keeps_being_matched_through_a_flood_of_new_chains() -> None:
+    """A flood of new chains, each newer than the hot session: the session is matched between
+    them, so it is never the least recently used, and stays whole while the flood is evicted."""
+    index = PrefixIndex(max_keys=100)
+    hot = [7_000_000 + i for i in range(30)]
+    index.store("a", hot)
+    for n in range(2_000):
+        index.store("b", [n * 10 + i for i in range(1, 5)])
+        if n % 10 == 0:
+            assert index.match(hot) == {"a": Overlap(30, 0)}
+    assert len(index) <= 100 and index.evicted >= 7_000
+    assert index.match(hot) == {"a": Overlap(30, 0)}
+
+
+def test_budget_bounds_the_engine_maps_of_a_target_that_stores_and_never_removes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that only stores (a flood, or removals that never arrive): the hashes of evicted
+    nodes are swept from its map, which stays within the sweep bound; live blocks still resolve."""
+    import mesh.core.index as index_module
+
+    monkeypatch.setattr(index_module, "_SWEEP_MIN", 1_000)
+    ns = namespace_seed("m")
+    index = PrefixIndex(max_keys=100)
+    for h in range(1, 20_001):
+        index.apply_stored("w", [h], None, [h % 30_000, h // 30_000, 3, 4], 4, ns)
+    assert len(index) <= 100
+    assert len(index.engine_map("w")) <= 2_000  # max(2 x max_keys, the floor) x 2 at most
+    last = block_keys([20_000 % 30_000, 0, 3, 4], 4, ns)
+    assert index.holds("w", last[0]) is Tier.GPU and index.engine_map("w")[20_000] == last[0]
+    assert index.apply_stored("w", [20_001], 20_000, [9, 9, 9, 9], 4, ns) == 1  # its child still keyed
+    index.apply_removed("w", [20_000, 20_001], Tier.GPU)
+    assert index.holds("w", last[0]) is None

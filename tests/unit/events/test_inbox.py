@@ -1,0 +1,112 @@
+"""The receiver thread and a stream's bounded inbox (``mesh.events.inbox``), over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from mesh.events.inbox import Inbox, Receiver
+from tests.procs import free_port
+
+
+async def test_an_inbox_keeps_order_and_counts_what_is_received_and_taken() -> None:
+    inbox = Inbox(max_frames=10, max_bytes=1 << 20)
+    for i in range(3):
+        assert inbox.put([b"", i.to_bytes(8, "big"), b"x" * 10])
+    assert inbox.backlog == 3 and inbox.backlog_bytes == 30
+    taken = [await inbox.get() for _ in range(3)]
+    assert [int.from_bytes(f[1], "big") for f in taken] == [0, 1, 2]
+    assert inbox.backlog == 0 and inbox.take() is None
+
+
+async def test_an_inbox_over_its_frame_budget_overflows_and_refuses_until_discarded() -> None:
+    inbox = Inbox(max_frames=4, max_bytes=1 << 20)
+    assert all(inbox.put([b"p"]) for _ in range(4))
+    assert not inbox.overflowed()
+    assert not inbox.put([b"p"])  # the fifth: over the budget
+    assert inbox.overflowed() and not inbox.put([b"p"])  # refused until the loop has reset the stream
+    assert inbox.dropped == 2
+    assert inbox.discard() == 4
+    assert not inbox.overflowed() and inbox.backlog == 0
+    assert inbox.put([b"p"]) and inbox.backlog == 1  # received again
+
+
+async def test_an_inbox_over_its_byte_budget_overflows() -> None:
+    inbox = Inbox(max_frames=1000, max_bytes=100)
+    assert inbox.put([b"x" * 60])
+    assert not inbox.put([b"x" * 60]) and inbox.overflowed()
+
+
+def test_an_inbox_needs_a_budget() -> None:
+    async def make() -> None:
+        Inbox(max_frames=0, max_bytes=1)
+
+    with pytest.raises(ValueError):
+        asyncio.run(make())
+
+
+async def test_the_receiver_thread_fills_inboxes_and_wakes_the_loop_then_closes_its_sockets() -> None:
+    ctx = zmq.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    receiver = Receiver()
+    inbox = Inbox(max_frames=100_000, max_bytes=1 << 30)
+    receiver.add(sub, inbox)
+    try:
+        deadline = time.monotonic() + 10
+        while inbox.backlog == 0:  # ZMQ's slow joiner: publish until the first frame arrives
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"hello"])
+            await asyncio.sleep(0.02)
+        while inbox.take() is not None:
+            pass
+        for i in range(1, 501):
+            pub.send_multipart([b"", i.to_bytes(8, "big"), b"payload"])
+        got = [int.from_bytes((await asyncio.wait_for(inbox.get(), 10))[1], "big") for _ in range(500)]
+        assert got == list(range(1, 501))  # every frame, in order, through a waiting get
+    finally:
+        receiver.remove(sub)
+        await asyncio.get_running_loop().run_in_executor(None, receiver.stop)
+        assert sub.closed  # the thread closed the socket it was handed
+        pub.close(linger=0)
+        ctx.term()
+
+
+async def test_the_receiver_leaves_an_overflowed_stream_in_zmq_until_it_is_discarded() -> None:
+    ctx = zmq.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    receiver = Receiver()
+    inbox = Inbox(max_frames=50, max_bytes=1 << 30)
+    receiver.add(sub, inbox)
+    try:
+        deadline = time.monotonic() + 10
+        while not inbox.overflowed():
+            assert time.monotonic() < deadline
+            for _ in range(100):
+                pub.send_multipart([b"", b"\0" * 8, b"flood"])
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert inbox.backlog == 50  # nothing more taken in while overflowed
+        assert inbox.discard() == 50
+        deadline = time.monotonic() + 10
+        while inbox.backlog == 0:  # receiving again
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"", b"\0" * 8, b"after"])
+            await asyncio.sleep(0.02)
+    finally:
+        receiver.remove(sub)
+        await asyncio.get_running_loop().run_in_executor(None, receiver.stop)
+        pub.close(linger=0)
+        ctx.term()
