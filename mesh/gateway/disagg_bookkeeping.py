@@ -4,13 +4,15 @@
 waiting for decode headroom at once (each wait is bounded in time); ``RelayStats`` counts what
 the relays did; ``Releases`` holds the transfer releases sent in the background, which its
 ``close`` ends, so no task outlives the owner; ``WorkerHealth`` is where attempts report on
-workers (the registry's passive health). Everything here runs on the event loop thread.
+workers (the registry's passive health); ``PendingLegs`` holds the legs waiting for a worker's
+answer, which ``abort`` ends when that worker turns unhealthy. Everything here runs on the event loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,6 +83,52 @@ class WorkerHealth(Protocol):
     def record_failure(self, tid: str, now: float, error: str) -> None: ...
 
     def record_success(self, tid: str) -> None: ...
+
+
+class Leg:
+    """One relay leg waiting for its worker's answer (``PendingLegs.watch``)."""
+
+    __slots__ = ("timeout", "aborted")
+
+    def __init__(self, timeout: asyncio.Timeout) -> None:
+        self.timeout = timeout
+        self.aborted = False  # ended by ``PendingLegs.abort``: its worker turned unhealthy
+
+
+class PendingLegs:
+    """The relay legs (prefill answers, decode first bytes) waiting on each target now. ``abort``
+    expires a leg's ``asyncio.Timeout`` at once: the leg sees a ``TimeoutError`` and, seeing
+    ``Leg.aborted``, retries elsewhere without charging the worker (its health check did). One
+    set entry per leg in flight; ``abort`` runs when a worker turns unhealthy, never per request."""
+
+    def __init__(self) -> None:
+        self._by_target: dict[str, set[Leg]] = {}
+
+    @contextlib.asynccontextmanager
+    async def watch(self, target_id: str, deadline: float | None) -> AsyncIterator[Leg]:
+        """Bound the block by ``deadline`` (loop time; None: none) and by ``abort(target_id)``."""
+        async with asyncio.timeout_at(deadline) as timeout:
+            leg = Leg(timeout)
+            legs = self._by_target.setdefault(target_id, set())
+            legs.add(leg)
+            try:
+                yield leg
+            finally:
+                legs.discard(leg)
+                if not legs:
+                    self._by_target.pop(target_id, None)
+
+    def abort(self, target_ids: Iterable[str]) -> int:
+        """End every leg waiting on these targets now; returns how many."""
+        now = asyncio.get_running_loop().time()
+        aborted = 0
+        for tid in target_ids:
+            for leg in self._by_target.get(tid, ()):
+                if not leg.timeout.expired():
+                    leg.aborted = True
+                    leg.timeout.reschedule(now)
+                    aborted += 1
+        return aborted
 
 
 class NoHealth:

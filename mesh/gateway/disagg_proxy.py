@@ -22,11 +22,13 @@ from typing import Any
 
 import httpx
 
+from mesh.cluster.registry import Worker
 from mesh.config import MeshConfig
 from mesh.gateway.admission_queue import OverCapacity
 from mesh.gateway.client_io import Exchange
 from mesh.gateway.disagg_relay import (
     DecodeQueue,
+    PendingLegs,
     RelayClosed,
     RelayConfig,
     RelayError,
@@ -62,7 +64,17 @@ class DisaggProxy(Proxy):
         # Transfer releases of relays ended by their client or the shutdown: in the background (a
         # hung prefill worker must not hold the client's answer), closed by ``aclose``.
         self.releases = Releases()
+        self.legs = PendingLegs()  # relay legs waiting on a worker: aborted when it turns unhealthy
         self._closing: asyncio.Task[None] | None = None
+
+    def on_worker_unhealthy(self, worker: Worker) -> None:
+        """As ``Proxy.on_worker_unhealthy``, and the relay legs waiting on the worker are aborted
+        (each retried on another worker of its role)."""
+        super().on_worker_unhealthy(worker)
+        aborted = self.legs.abort(t.id for t in worker.targets)
+        if aborted:
+            log.warning("worker %s turned unhealthy: %d relay legs waiting on it are retried elsewhere",
+                        worker.name, aborted)
 
     async def aclose(self) -> None:
         """At the lifespan's end: close the relay's client, and end its background transfer
@@ -112,7 +124,7 @@ class DisaggProxy(Proxy):
             resp = await relay_disaggregated(
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
                 config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
-                releases=self.releases,
+                releases=self.releases, legs=self.legs,
             )
         except RelayClosed:
             raise shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"

@@ -30,6 +30,7 @@ from mesh.core.router import Lease, Router
 from mesh.gateway.disagg_bookkeeping import (
     DecodeQueue,
     NoHealth,
+    PendingLegs,
     RelayConfig,
     RelayStats,
     Releases,
@@ -59,7 +60,7 @@ from mesh.gateway.verdicts import StatusVerdict, answer_problem, status_verdict
 from policies.base import Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
 
 __all__ = [  # what callers import from here (the relay's parts live in disagg_bookkeeping and disagg_wire)
-    "DecodeQueue", "RelayClosed", "RelayConfig", "RelayError", "RelayResponse", "RelayStats", "Releases",
+    "DecodeQueue", "PendingLegs", "RelayClosed", "RelayConfig", "RelayError", "RelayResponse", "RelayStats", "Releases",
     "decode_body", "full_for_pairs", "pd_profiles", "prefill_body", "relay_disaggregated",
 ]
 
@@ -95,9 +96,10 @@ class _Relay:
     def __init__(self, client: httpx.AsyncClient, router: Router, info: RequestInfo, body: dict[str, Any],
                  path: str, headers: dict[str, str], config: RelayConfig, queue: DecodeQueue,
                  stats: RelayStats, now: Callable[[], float], health: WorkerHealth,
-                 releases: Releases | None = None) -> None:
+                 releases: Releases | None = None, legs: PendingLegs | None = None) -> None:
         self.client, self.router, self.info, self.body = client, router, info, body
         self.health, self.releases = health, releases
+        self.legs = legs if legs is not None else PendingLegs()
         # Per role, the 500s met so far, (target id, message): charged once another worker of
         # that role answers the request, forgotten if none does (``status_verdict``).
         self.prefill_suspects: list[tuple[str, str]] = []
@@ -177,11 +179,14 @@ class _Relay:
         try:
             request = self.client.build_request("POST", self.url(target_id), json=prefill_body(self.body),
                                                 headers=self.headers, timeout=self.prefill_timeout)
-            resp = await self.client.send(request, stream=True)
-            try:
-                content = await read_bounded(resp)
-            finally:
-                await resp.aclose()
+            async with self.legs.watch(target_id, None):  # aborted if its worker turns unhealthy
+                resp = await self.client.send(request, stream=True)
+                try:
+                    content = await read_bounded(resp)
+                finally:
+                    await resp.aclose()
+        except TimeoutError as exc:  # only ``PendingLegs.abort`` ends it so: not charged, health did
+            raise Retry(f"prefill worker {target_id} turned unhealthy before it answered") from exc
         except (httpx.HTTPError, TooLarge) as exc:
             self.check_open()  # closed under it: not the worker's failure
             self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")  # the detail: /workers
@@ -281,7 +286,7 @@ class _Relay:
             request = self.client.build_request("POST", self.url(decode_id), json=body, headers=self.headers,
                                                 timeout=self.decode_timeout)
             try:
-                async with asyncio.timeout_at(deadline):  # httpx's timeouts bound each read, not the whole
+                async with self.legs.watch(decode_id, deadline) as leg:  # httpx's timeouts bound each read, not the whole
                     resp = await self.client.send(request, stream=True)
                     if resp.status_code != 200:
                         content = await read_bounded(resp)
@@ -293,6 +298,9 @@ class _Relay:
                 self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")  # the detail: /workers
                 raise Retry(f"decode worker {decode_id} failed ({_what_failed(exc)})") from exc
             except TimeoutError as exc:
+                if leg.aborted:  # its health check failed meanwhile: health already took it out
+                    raise Retry(f"decode worker {decode_id} turned unhealthy before it answered", 503,
+                                code="upstream_error") from exc
                 self.health.record_failure(decode_id, self.now(), "decode timed out")
                 raise Retry(f"decode worker {decode_id} timed out after {self.config.timeout_s:g} s", 504,
                             code="upstream_timeout") from exc
@@ -494,6 +502,7 @@ async def relay_disaggregated(
     request_id: str | None = None,
     health: WorkerHealth | None = None,
     releases: Releases | None = None,
+    legs: PendingLegs | None = None,
 ) -> RelayResponse:
     """Serve one request through a (prefill, decode) pair (the module docstring, ``_Relay``).
 
@@ -506,6 +515,8 @@ async def relay_disaggregated(
     the failures of a worker that breaks every stream.
     ``releases``: where transfer releases go in the background when the client went away or the
     relay's client was closed (the caller closes it at its shutdown); None: they are awaited.
+    ``legs``: where the legs waiting for an answer are kept, for the caller to abort those of a
+    worker that turns unhealthy (``PendingLegs.abort``: retried elsewhere); None: not abortable.
     """
     data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
     if not isinstance(data, dict):
@@ -514,5 +525,5 @@ async def relay_disaggregated(
     stats = stats if stats is not None else RelayStats()
     stats.requests += 1
     relay = _Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
-                   queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases)
+                   queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases, legs)
     return await relay.run(decision)

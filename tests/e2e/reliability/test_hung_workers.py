@@ -7,6 +7,7 @@
 - A worker that sends ``200`` heads and then nothing while answering ``/health``: every request
   is retried on the good worker within the timeouts, and its circuit opens.
 - A stream that stalls after two events ends with the error event and ``[DONE]``.
+- A SIGSTOPped decode worker of the disaggregated relay: its legs are retried on the other one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import httpx
 
 from tests.e2e.reliability.gateway_helpers import Outcome, request, start_gateway, worker_view
+from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.fakes.misbehaving_worker import misbehaving
 from tests.procs import ProcessGroup, wait_until
 
@@ -107,3 +109,50 @@ def test_a_stream_that_stalls_midway_ends_with_an_error_event_and_done(procs: Pr
     assert "stall" in error["message"] and "silent" in error["message"], error
     assert IDLE_S * 0.9 < o.seconds < IDLE_S + SLACK_S, o
     wait_until(lambda: worker_view(gateway, "stall")["circuit"] == "open", 5, "the stalled worker's circuit open")
+
+
+def test_a_sigstopped_decode_worker_holds_no_relayed_request(procs: ProcessGroup) -> None:
+    # A buffered decode answer's head comes once it is generated: no read timeout may cut it, so
+    # the stopped worker's legs end when its health check fails, retried on the other decode worker.
+    p0 = procs.echo_worker("p0", "--model", "m")
+    d1 = procs.echo_worker("d1", "--model", "m", "--token-delay-s", "0.05")
+    d2 = procs.echo_worker("d2", "--model", "m", "--token-delay-s", "0.05")
+    gateway = start_gateway(
+        procs, [{"name": "p0", "url": p0.url, "models": ["m"], "role": "prefill"},
+                {"name": "d1", "url": d1.url, "models": ["m"], "role": "decode"},
+                {"name": "d2", "url": d2.url, "models": ["m"], "role": "decode"}],
+        server=SERVER, policy=PD_POLICY,
+        health={"interval_s": 0.3, "timeout_s": 0.3, "unhealthy_threshold": 1},
+        circuit_breaker={"failure_threshold": 100},
+    )
+    outcomes: list[tuple[float, Outcome]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            while not stop.is_set():
+                began = time.monotonic()
+                outcomes.append((began, request(client, stream=False, prompt=PROMPT, max_tokens=8)))
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        os.kill(d1.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(4.0)
+        assert worker_view(gateway, "d1")["healthy"] is False
+        stop.set()
+        for t in threads:
+            t.join(STOP_S)
+        assert not any(t.is_alive() for t in threads), "a relayed request was held until the decode worker resumed"
+    finally:
+        os.kill(d1.pid, signal.SIGCONT)
+        stop.set()
+    during = [o for began, o in outcomes if began >= stopped_at - 1.0]
+    assert len(during) >= 8, len(during)
+    for o in during:
+        assert o.whole, o
+        assert o.seconds < 1.0 + SLACK_S, o
+    assert sum(o.worker == "d2" for o in during) >= 8
