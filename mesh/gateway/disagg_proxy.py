@@ -97,7 +97,8 @@ class DisaggProxy(Proxy):
         if first is not None or pd_profiles(self.router.policy) is None:  # decided already, or no pairs to form
             await super()._forward(parsed, client_headers, state, route, start, first)
             return
-        decision = await self.admission.admit(lambda: self._decide_pair(parsed))
+        deadline = time.monotonic() + self.registry.config.server.request_timeout_s  # the wait counts against it
+        decision = await self.admission.admit(lambda: self._decide_pair(parsed), deadline)
         if decision is None or decision.decode_target is None:  # this decision, not a second one
             await super()._forward(parsed, client_headers, state, route, start, first=decision)
             return
