@@ -13,10 +13,10 @@ Invariants:
   once on a fresh connection (the server may have closed the idle socket as we wrote).
 - Reading is paused while more than ``HIGH_WATER`` bytes of body wait for the reader, so a slow
   client cannot make the gateway buffer a fast worker's whole stream.
-- A worker's silence is bounded by one timer per request (``_Connection.watch``), never one per
-  chunk: ``first_byte_s`` from the request's write to the first body byte, then ``idle_s``
-  between received bytes (from the head on when there is no first-byte bound). The timer re-arms
-  itself from the last byte's time; silence while the reader is behind (paused, or bytes not read
+- A worker's silence is bounded by one timer at a time per request (``_Connection.watch``), never
+  one per chunk: ``first_byte_s`` from the request's write to the first body byte, then ``idle_s``
+  between received bytes (from the head on when there is no first-byte bound). The timer is set
+  anew at the first body byte and then re-arms itself from the last byte's time when it fires; silence while the reader is behind (paused, or bytes not read
   yet) is the reader's, not the worker's. Past a bound the exchange fails with ``UpstreamStalled``.
 - An exchange marked ``abortable`` (nothing of it has reached a client yet) can be failed from
   outside with ``abort_unanswered`` (its worker turned unhealthy): ``UpstreamAborted``; ``settle``
@@ -190,7 +190,13 @@ class _Connection(asyncio.Protocol):
             return
         self.chunks.append(body)
         self.buffered += len(body)
-        self.got_body = True
+        if not self.got_body:
+            self.got_body = True
+            if self.first_by is not None and self.watch is not None:  # the first-byte bound is met: idle from now
+                self.watch.cancel()
+                self.watch = None
+                if self.idle_s is not None:
+                    self._arm(self.idle_s)
         self._wake()
 
     def on_message_complete(self) -> None:
