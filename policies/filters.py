@@ -61,6 +61,14 @@ class RoleFilter(Filter):
         return {"name": self.name, "roles": sorted(r.value for r in self.roles)}
 
 
+def blocks_needed(request: RequestInfo, block_size: int) -> int:
+    """The KV blocks ``request`` holds at its longest on a target with none of it cached: the
+    prompt's and every choice's ``max_tokens``, the prompt's blocks shared by the choices but for
+    the block of its last token (each choice has its own)."""
+    need = -(-(request.prompt_tokens + request.choices * request.max_tokens) // block_size)
+    return need + request.choices - 1
+
+
 @register("filter", "admission_headroom")
 class AdmissionHeadroom(Filter):
     """Room to admit one more request.
@@ -90,9 +98,7 @@ class AdmissionHeadroom(Filter):
     def _has_room(request: RequestInfo, cluster: ClusterView, t: TargetState) -> bool:
         if t.kv_capacity_blocks <= 0:
             return True
-        bs = t.block_size or request.block_size or 1
-        need = -(-(request.prompt_tokens + request.choices * request.max_tokens) // bs)  # ceil: the prompt is shared
-        need += request.choices - 1  # ...but for the block of its last token: each choice has its own
+        need = blocks_needed(request, t.block_size or request.block_size or 1)
         ov = cluster.overlaps(request).get(t.id)
         if ov is not None:
             need -= ov.gpu_blocks  # CPU-tier hits still need GPU blocks to load into

@@ -83,7 +83,8 @@ from mesh.gateway.verdicts import (
 from mesh.log_limit import LogLimiter
 from mesh.metrics import Metrics
 from mesh.request.prompt import ParsedRequest, PromptProcessor
-from policies.base import Decision, NoCandidate, TargetState
+from policies.base import Decision, NoCandidate, RequestInfo, TargetState
+from policies.filters import blocks_needed
 
 log = logging.getLogger("mesh.gateway.proxy")
 
@@ -335,11 +336,29 @@ class Proxy:
         except NoCandidate as exc:
             if failure is not None:
                 return None
+            if (too_large := self._never_fits(info)) is not None:
+                raise too_large from exc
             if full:
                 raise OverCapacity() from exc
             raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
         self.metrics.routing_decision.observe(time.perf_counter() - t0)
         return lease
+
+    def _never_fits(self, info: RequestInfo) -> MeshError | None:
+        """The 400 for a request larger than the KV cache of every worker of its model (known
+        capacities only): no wait or retry would serve it, so it must not be a retryable 503."""
+        serving = [t for t in self.registry.targets.values()
+                   if t.available and (not t.models or info.model in t.models)]
+        if not serving or any(t.kv_capacity_blocks <= 0 for t in serving):
+            return None
+        needs = [blocks_needed(info, t.block_size or info.block_size or 1) for t in serving]
+        if any(need <= t.kv_capacity_blocks for need, t in zip(needs, serving, strict=True)):
+            return None
+        largest = max(t.kv_capacity_blocks for t in serving)
+        return MeshError(
+            400, f"the request needs {min(needs)} KV blocks ({info.prompt_tokens} prompt tokens + {info.choices} x "
+                 f"{info.max_tokens} max_tokens) and the largest worker of {info.model!r} holds {largest}: shorten "
+                 "the prompt or lower max_tokens", code="context_length_exceeded")
 
     def _home_is_full(self, session_id: str | None, full: list[str], now: float, arrived: float) -> bool:
         """Whether the request should wait for its session's worker, at its in-flight limit."""

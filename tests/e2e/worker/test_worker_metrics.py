@@ -565,6 +565,25 @@ def test_gateway_shows_fake_engines_per_target_and_routes_on_them(procs: Process
     assert gateway.alive()
 
 
+def test_a_request_no_worker_could_hold_is_a_400_not_a_retryable_503(procs: ProcessGroup, tmp_path: Path) -> None:
+    """Under ``admission_headroom`` a prompt larger than every worker's KV cache was "no healthy
+    worker" (503, retried by the SDKs) while both workers were healthy."""
+    urls = start_fakes(procs, ["vllm", "sglang"])  # 2,200 and 500 blocks of 16 tokens
+    workers = [{"name": kind, "url": url, "block_size": 16, "dp_size": 2, "models": ["m"]} for kind, url in urls.items()]
+    policy = {"name": "pipeline", "params": {"filters": ["admission_headroom"], "scorers": [{"name": "load", "weight": 1}]}}
+    _, http = _gateway(procs, tmp_path, workers, policy)
+    with http:
+        wait_until(lambda: "mesh_worker_kv_capacity_blocks{target=\"sglang@1\"} 500" in http.get("/metrics").text, 30,
+                   "capacities scraped")
+        resp = http.post("/v1/completions", json={"model": "m", "prompt": "x" * (2200 * 16), "max_tokens": 16})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "2200" in error["message"], error
+        # one that fits the largest worker's whole cache but not its free blocks now is no 400
+        resp = http.post("/v1/completions", json={"model": "m", "prompt": "x" * (2100 * 16), "max_tokens": 16})
+        assert resp.status_code != 400, resp.text
+
+
 # ---- real bundled workers ------------------------------------------------------------------------
 
 
