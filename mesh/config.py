@@ -53,6 +53,12 @@ class ServerConfig(_Model):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list)  # data plane: empty = open
     admin_key: str | None = None  # admin API: None = admin API disabled (403)
+    # Keys kept out of the YAML: a file of API keys (one a line; blank lines and # comments
+    # skipped), added to api_keys; a file holding the admin key (instead of admin_key). Read at
+    # load and at every reload (rotate a key by rewriting its file). `mesh serve` also takes them
+    # from MESH_API_KEYS / MESH_ADMIN_KEY and flags (mesh.commands.serve_keys).
+    api_keys_file: str | None = None
+    admin_key_file: str | None = None
     max_body_bytes: int = Field(8 * MIB, ge=1024)
     # request body bytes held at once, over all requests (a body is held until its request ends):
     # past it a new body is a 503 with Retry-After (mesh.gateway.client_io.BodyBuffer)
@@ -99,6 +105,13 @@ class ServerConfig(_Model):
     # and the session header (mesh.gateway.headers.FORWARDED); any other client header is dropped
     forward_headers: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _key_files(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not (data.get("api_keys_file") or data.get("admin_key_file")):
+            return data
+        return {**data, **read_key_files(data)}
+
     @field_validator("api_keys")
     @classmethod
     def _keys_not_empty(cls, keys: list[str]) -> list[str]:
@@ -125,6 +138,42 @@ class ServerConfig(_Model):
             allowed_hosts=tuple(self.allowed_worker_hosts) if self.allowed_worker_hosts is not None else None,
             url_schemes=tuple(self.allowed_schemes), zmq_schemes=tuple(self.allowed_kv_event_schemes),
             ipc_paths=tuple(self.allowed_ipc_paths))
+
+
+MAX_KEY_FILE_BYTES = 1 * MIB
+
+
+def read_key_file(path: Any, what: str = "key file") -> list[str]:
+    """The keys in a key file: one a line, blank lines and ``#`` comments skipped; ValueError
+    naming ``what`` when it holds none or cannot be read."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what} must be a file path, got {path!r}")
+    try:
+        text = read_regular_file(path, MAX_KEY_FILE_BYTES).decode("utf-8")
+    except (FileProblem, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {path!r}: cannot read it: {exc}") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"{what} {path!r} holds no key")
+    return keys
+
+
+def read_key_files(data: dict[str, Any]) -> dict[str, Any]:
+    """``api_keys`` and ``admin_key`` of a ``server`` section with its key files read in (the
+    file's keys added to ``api_keys``; ``admin_key`` the file's one key)."""
+    out: dict[str, Any] = {}
+    if data.get("api_keys_file"):
+        inline = data.get("api_keys") or []
+        from_file = read_key_file(data["api_keys_file"], "api_keys_file")
+        out["api_keys"] = [*inline, *(k for k in from_file if k not in inline)] if isinstance(inline, list) else inline
+    if data.get("admin_key_file"):
+        keys = read_key_file(data["admin_key_file"], "admin_key_file")
+        if len(keys) != 1:
+            raise ValueError(f"admin_key_file {data['admin_key_file']!r} must hold one key, it holds {len(keys)}")
+        if data.get("admin_key") not in (None, keys[0]):
+            raise ValueError("set admin_key or admin_key_file, not both")
+        out["admin_key"] = keys[0]
+    return out
 
 
 class KVEventsConfig(_Model):
@@ -539,15 +588,17 @@ def parse_config(data: Any, source: str | None = None, *, check_policy: bool = T
     problem = document_problem(data)
     if problem is not None:
         raise ConfigError([f"(top level): {problem}"], source)
+    errors: list[str] = []
     try:
         config = MeshConfig.model_validate(data, context={"connect_policy": _connect_policy(data)})
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc), source) from exc
-    if check_policy:
-        try:
-            config.build_policy()
-        except ConfigError as exc:
-            raise ConfigError(exc.errors, source) from exc
+        errors += format_errors(exc, MeshConfig)
+    if check_policy:  # every problem of the spec with its path, beside the sections' (policies.spec_check)
+        from policies.spec_check import spec_problems
+
+        errors += spec_problems(data.get("policy", DEFAULT_POLICY))
+    if errors:
+        raise ConfigError(errors, source)
     return config
 
 

@@ -9,9 +9,12 @@ as in the YAML. Both are pure functions: no I/O, no state.
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 # Bounds on a decoded YAML document, aliases expanded; nesting deeper than this is no config (the
 # YAML parser itself recurses once per level).
@@ -19,16 +22,48 @@ MAX_DOC_VALUES = 250_000
 MAX_DOC_DEPTH = 64
 
 
-def format_errors(exc: ValidationError) -> list[str]:
-    """One ``path: message`` line per pydantic error, the path written as in the YAML."""
+def format_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """One ``path: message`` line per pydantic error, the path written as in the YAML. With the
+    validated ``model``, an unknown key names the keys its section takes (the nearest first)."""
     lines = []
     for err in exc.errors():
         path = ""
         for part in err["loc"]:
             path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and model is not None:
+            msg = unknown_key_message(model, err["loc"])
         lines.append(f"{path or '(top level)'}: {msg}")
     return lines
+
+
+def unknown_key_message(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """``unknown key (did you mean 'x'?)`` for the last part of ``loc``, from the fields of the
+    section the rest of ``loc`` leads to in ``model``."""
+    section: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        if isinstance(part, int) or section is None:
+            continue
+        field = section.model_fields.get(part)
+        section = _model_in(field.annotation) if field is not None else None
+    if section is None:
+        return "unknown key"
+    keys = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key ({hint}this section takes: {', '.join(keys)})"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``list[WorkerConfig]``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, (types.UnionType, types.GenericAlias)) or typing.get_origin(annotation) is not None:
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
 
 
 def document_problem(data: Any) -> str | None:

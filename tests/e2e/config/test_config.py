@@ -71,7 +71,7 @@ def test_full_file_is_parsed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("workers:\n  - {name: a, url: 'http://h:1', colour: red}\n", "workers[0].colour: Extra inputs are not permitted"),
+        ("workers:\n  - {name: a, url: 'http://h:1', colour: red}\n", "workers[0].colour: unknown key"),
         ("server: {port: many}\n", "server.port: Input should be a valid integer"),
         ("server: {port: 70000}\n", "server.port: Input should be less than or equal to 65535"),
         ("workers:\n  - {name: a, url: 'http://h:1', role: chef}\n", "workers[0].role: Input should be 'mixed', 'prefill' or 'decode'"),
@@ -80,7 +80,7 @@ def test_full_file_is_parsed(tmp_path: Path) -> None:
         ("workers:\n  - {name: a, url: 'http://u:p@h:1'}\n", "workers[0].url: worker url 'http://u:***@h:1' must not carry credentials"),
         ("workers:\n  - {name: a, url: 'ftp://h:1'}\n", "scheme 'ftp' not in allowed_schemes"),
         ("retries: {max_attempts: 0}\n", "retries.max_attempts: Input should be greater than or equal to 1"),
-        ("frobnicate: 1\n", "frobnicate: Extra inputs are not permitted"),
+        ("frobnicate: 1\n", "frobnicate: unknown key"),
         ("policy: no_such_policy\n", "policy: unknown policy 'no_such_policy'"),
         ("- a\n- b\n", "(top level): expected a mapping of sections, got list"),
         ("server: [\n", "invalid YAML"),
@@ -115,7 +115,7 @@ def test_policy_spec_passes_through_untouched() -> None:
     config = parse_config({"policy": spec})
     assert config.policy == spec
     assert config.build_policy().name == "random"
-    with pytest.raises(ConfigError, match="policy: .*bad parameters"):
+    with pytest.raises(ConfigError, match="policy.params.nope: policy 'random' has no parameter 'nope'"):
         parse_config({"policy": {"name": "random", "params": {"nope": 1}}})
 
 

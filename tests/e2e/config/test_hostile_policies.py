@@ -61,7 +61,7 @@ def test_the_fallback_shows_in_debug_route(gateway: httpx.Client) -> None:
     ({"name": "tests.plugins.hostile_policies:NotAPolicy"}, "has no decide"),
     ({"name": "tests.plugins.hostile_policies:not_a_class"}, "has no class"),
     ({"name": "tests.plugins.broken_plugin:Anything"}, "cannot import"),
-    ({"name": PLUGIN, "params": {"nope": 1}}, "bad parameters"),
+    ({"name": PLUGIN, "params": {"nope": 1}}, "has no parameter 'nope'"),
     ({"name": PLUGIN, "params": [1, 2]}, "params must be a mapping"),
     ({"name": 5}, "spec must be a name"),
 ])
