@@ -127,6 +127,18 @@ def fake_worker_main(ports: list[int]) -> None:
     _run(_serve_fake(ports))
 
 
+def start_fake_workers(ports: list[int]) -> subprocess.Popen[bytes]:
+    """One process serving fake workers on ``ports``, once every one answers its health check."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+         f"from bench.gateway_overhead import fake_worker_main; fake_worker_main({ports!r})"],
+        start_new_session=True,
+    )  # fmt: skip
+    for port in ports:
+        wait_ok(f"http://127.0.0.1:{port}/health", 15, proc)
+    return proc
+
+
 def _run(coro: Any) -> Any:
     try:
         import uvloop
@@ -461,16 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
     worker_ports = free_ports(args.workers)
     mesh_port, sglang_port = free_ports(2)
-    fake = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-         f"from bench.gateway_overhead import fake_worker_main; fake_worker_main({worker_ports!r})"],
-        start_new_session=True,
-    )  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = [fake]  # type: ignore[list-item]
+    procs: list[subprocess.Popen[bytes]] = [start_fake_workers(worker_ports)]
     results: dict[str, Any] = {}
     try:
-        for wp in worker_ports:
-            wait_ok(f"http://127.0.0.1:{wp}/health", 15)
         targets: list[tuple[str, list[int], int | None]] = [("direct", worker_ports, None)]
         mesh = start_mesh(worker_ports, mesh_port, args.mesh_policy, tmp)
         procs.append(mesh)
