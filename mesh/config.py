@@ -56,7 +56,7 @@ class ServerConfig(_Model):
     # Keys kept out of the YAML: a file of API keys (one a line; blank lines and # comments
     # skipped), added to api_keys; a file holding the admin key (instead of admin_key). Read at
     # load and at every reload (rotate a key by rewriting its file). `mesh serve` also takes them
-    # from MESH_API_KEYS / MESH_ADMIN_KEY and flags (mesh.commands.serve_keys).
+    # from MESH_API_KEYS / MESH_ADMIN_KEY and flags (mesh.commands.serve_flags).
     api_keys_file: str | None = None
     admin_key_file: str | None = None
     max_body_bytes: int = Field(8 * MIB, ge=1024)

@@ -1,4 +1,5 @@
-"""``mesh serve --config mesh.yaml [--host H] [--port P]``: run the gateway (uvicorn).
+"""``mesh serve [--config mesh.yaml] [--worker-urls URL ...] [--policy P] [--admin-key K]``: run the
+gateway (uvicorn). Flags and environment variables override the file (``mesh.commands.serve_flags``).
 
 Uses uvloop and httptools when installed; access log off by default (a log line per request
 costs more than the proxying). SIGHUP re-reads the config file (a broken file keeps the old one).
@@ -13,52 +14,55 @@ import sys
 from typing import Any
 
 from mesh.commands.graceful import add_argument as add_shutdown_argument
+from mesh.commands.serve_flags import add_arguments as add_flag_arguments
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="run the gateway from one YAML config file")
-    p.add_argument("--config", "-c", help="YAML config file (default: embedded defaults, no workers)")
-    p.add_argument("--host", help="override server.host")
-    p.add_argument("--port", type=int, help="override server.port")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p = subparsers.add_parser("serve", help="run the gateway (from a YAML config file, flags, or both)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              description="Runs the gateway. Without --config: the defaults (docs/config.md) "
+                                          "with what the flags give, e.g. `mesh serve --worker-urls "
+                                          "http://127.0.0.1:8001 http://127.0.0.1:8002 --policy kv_aware`.")
+    p.add_argument("--config", "-c", help="YAML config file (none: the defaults, no workers)")
+    p.add_argument("--host", help="listen address, overrides server.host (127.0.0.1 when unset)")
+    p.add_argument("--port", type=int, help="listen port, overrides server.port (8000 when unset)")
+    add_flag_arguments(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     p.add_argument("--access-log", action="store_true", help="log every request (slow)")
     add_shutdown_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from mesh.commands.config import load_or_report
+    from mesh.commands.serve_flags import from_args
+    from mesh.config import ConfigError
+    from mesh.config_checks import config_warnings, print_warnings
     from mesh.gateway.app import create_app
+    from policies.registry import PluginError
 
     config = load_or_report(args.config)
     if config is None:
         return 2
     try:
-        config = with_server(config, host=args.host, port=args.port)
-    except ValueError as exc:  # pydantic's ValidationError (--port 99999), one line per error
-        from pydantic import ValidationError
-
-        from mesh.config import format_errors
-
-        lines = format_errors(exc) if isinstance(exc, ValidationError) else [str(exc)]
+        overrides = from_args(args, os.environ)
+        config = overrides.apply(config)
+    except (ConfigError, PluginError) as exc:  # --port 99999, a bad --worker-urls URL, an unreadable key file
+        lines = exc.errors if isinstance(exc, ConfigError) else [f"--policy: {exc}"]
         print(f"mesh serve: error: {'; '.join(lines)}", file=sys.stderr)
         return 2
     if args.shutdown_timeout < 0:
         print(f"mesh serve: error: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
         return 2
-    app = create_app(config, config_path=args.config, handle_sighup=True)
+    warnings = config_warnings(config)
+    if any(level == "warning" for level, _, _ in warnings):
+        print("mesh serve: WARNING " + "=" * 60, file=sys.stderr)
+    print_warnings(warnings, sys.stderr)
+    app = create_app(config, config_path=args.config, handle_sighup=True, overrides=overrides.apply)
     return serve_app(app, config.server.host, config.server.port, log_level=args.log_level,
                      access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
-
-
-def with_server(config: Any, **overrides: Any) -> Any:
-    """A copy of ``config`` with server fields replaced (None values ignored), re-validated."""
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    if not changes:
-        return config
-    data = config.model_dump(mode="python")
-    data["server"].update(changes)
-    return type(config).model_validate(data)
 
 
 def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,

@@ -36,7 +36,7 @@ from mesh.core.retention import RetentionPlanner
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
 from mesh.errors import MeshError, install_handlers
-from mesh.events.ingest import KvIngest
+from mesh.events.ingest import SCRUB_STEP, KvIngest
 from mesh.gateway import disagg_proxy
 from mesh.gateway.admin_routes import add_admin_routes
 from mesh.gateway.admission_queue import AdmissionQueue
@@ -73,6 +73,9 @@ class Gateway:
     http: UpstreamPool | None = None  # the one pooled upstream client (proxy and health checks)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     handle_sighup: bool = False
+    # what the command line set over the file (mesh serve's flags and environment), applied again
+    # to each reloaded file: a reload must not drop a key or a worker given as a flag
+    overrides: Callable[[MeshConfig], MeshConfig] | None = None
     unchecked: list[Worker] = field(default_factory=list)  # added by the last reload, not yet health-checked
 
     async def mirror_session(self, session_id: str | None) -> None:
@@ -86,6 +89,8 @@ class Gateway:
             raise MeshError(400, "this gateway was started without a config file", code="no_config_file")
         try:
             new = load_config(self.config_path, allow_empty=False)
+            if self.overrides is not None:
+                new = self.overrides(new)
             policy = new.build_policy()
         except ConfigError as exc:
             self.metrics.config_reloads_total.labels("error").inc()
@@ -194,7 +199,7 @@ def _retention(config: MeshConfig) -> RetentionPlanner | None:
 def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> Gateway:
     metrics = Metrics()
     registry = WorkerRegistry(config)
-    index = PrefixIndex(max_keys=config.index.max_keys)
+    index = PrefixIndex(max_keys=config.index.max_keys, scrub_budget=SCRUB_STEP)  # the keeper scrubs the rest
     sessions = _session_table(config)
     admission = AdmissionQueue(lambda: registry.config.admission, metrics)
     router = Router(
@@ -265,11 +270,14 @@ def _router_families(gateway: Gateway) -> list[Any]:
     return out
 
 
-def create_app(config: MeshConfig | None = None, *, config_path: str | Path | None = None, handle_sighup: bool = False) -> FastAPI:
-    """The gateway app. ``config_path`` enables ``POST /admin/reload`` (and SIGHUP when asked)."""
+def create_app(config: MeshConfig | None = None, *, config_path: str | Path | None = None, handle_sighup: bool = False,
+               overrides: Callable[[MeshConfig], MeshConfig] | None = None) -> FastAPI:
+    """The gateway app. ``config_path`` enables ``POST /admin/reload`` (and SIGHUP when asked);
+    ``overrides`` (raising ``ConfigError``) is applied to each reloaded file."""
     config = config or (load_config(config_path) if config_path else MeshConfig())
     gateway = build_gateway(config, config_path)
     gateway.handle_sighup = handle_sighup
+    gateway.overrides = overrides
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

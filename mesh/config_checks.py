@@ -1,0 +1,56 @@
+"""Warnings about a valid config that will not do what it seems to (``mesh config validate``,
+``mesh serve`` at start): a gateway that can never get a worker, a policy that routes to roles
+no worker has. Each is ``(level, path, message)``; level ``warning`` or ``note``. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mesh.config import MeshConfig
+
+NO_WORKER_FIX = ("list workers under `workers:`, or pass `mesh serve --worker-urls URL ...`, or set an admin key "
+                 "(server.admin_key, --admin-key, $MESH_ADMIN_KEY) to add them with POST /workers")
+
+
+def config_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
+    return [*_pool_warnings(config), *_role_warnings(config)]
+
+
+def _pool_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
+    if config.workers:
+        return []
+    if config.server.admin_key is None:
+        return [("warning", "workers", "0 workers and no admin key: this gateway can never get a worker and answers "
+                                       f"every request 503; {NO_WORKER_FIX}")]
+    return [("note", "workers", "0 static workers: add them with POST /workers (admin key) before requests can be served")]
+
+
+def _role_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
+    from policies.spec_check import named_roles
+
+    if not config.workers:  # said above; the workers added later have the roles they are given
+        return []
+    have = {w.role for w in config.workers}
+    out = []
+    for path, roles in named_roles(config.policy):
+        if not roles & have:
+            wanted = " or ".join(sorted(r.value for r in roles))
+            out.append(("warning", path, f"no worker has role {wanted} (workers' roles: "
+                                         f"{', '.join(sorted(r.value for r in have))}): {_fallback(path)}"))
+    return out
+
+
+def _fallback(path: str) -> str:
+    if ".profiles." in path and not path.endswith("]"):
+        return "no prefill/decode pair can form; every request runs the prefill profile over mixed-role workers"
+    return "this filter leaves no candidate and every request it sees fails"
+
+
+def format_warning(item: tuple[str, str, str]) -> str:
+    level, path, message = item
+    return f"{level}: {path}: {message}"
+
+
+def print_warnings(items: list[tuple[str, str, str]], stream: Any) -> None:
+    for item in items:
+        print(format_warning(item), file=stream)
