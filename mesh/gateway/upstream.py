@@ -13,11 +13,11 @@ Invariants:
   once on a fresh connection (the server may have closed the idle socket as we wrote).
 - Reading is paused while more than ``HIGH_WATER`` bytes of body wait for the reader, so a slow
   client cannot make the gateway buffer a fast worker's whole stream.
-- A worker's silence is bounded by one timer at a time per request (``_Connection.watch``), never
+- A worker's silence is bounded by one timer at a time per request (``Connection.watch``), never
   one per chunk: ``first_byte_s`` from the request's write to the first body byte, then ``idle_s``
   between received bytes (from the head on when there is no first-byte bound). The timer is set
-  anew at the first body byte and then re-arms itself from the last byte's time when it fires; silence while the reader is behind (paused, or bytes not read
-  yet) is the reader's, not the worker's. Past a bound the exchange fails with ``UpstreamStalled``.
+  anew at the first body byte and then re-arms itself from the last byte's time when it fires;
+  silence while the reader is behind (paused, or bytes not read yet) is the reader's, not the worker's. Past a bound the exchange fails with ``UpstreamStalled``.
 - An exchange marked ``abortable`` (nothing of it has reached a client yet) can be failed from
   outside with ``abort_unanswered`` (its worker turned unhealthy): ``UpstreamAborted``; ``settle``
   on its response takes the mark off once its bytes go to a client.
@@ -26,250 +26,26 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import collections
 import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
-from typing import Any
 
-import httptools
+from mesh.gateway.upstream_connection import (
+    ConnectError,
+    Connection,
+    UpstreamAborted,
+    UpstreamError,
+    UpstreamStalled,
+    UpstreamTimeout,
+    cancel_timers,
+)
 
-HIGH_WATER = 1 << 20
-MAX_HEAD_BYTES = 64 * 1024  # a response head longer than this is refused (uvicorn/h11 limits are similar)
 IDLE_TIMEOUT_S = 4.0  # below uvicorn's 5 s keep-alive default: we close idle sockets first
-_SMALL_BODY = 1 << 16
+_SMALL_BODY = 1 << 16  # a body under this goes out in the head's write
 
-
-class UpstreamError(ConnectionError):
-    """The exchange with the worker failed. ``got_response``: some response bytes had arrived."""
-
-    def __init__(self, message: str, *, got_response: bool = False) -> None:
-        super().__init__(message)
-        self.got_response = got_response
-
-
-class ConnectError(UpstreamError):
-    """The TCP (or TLS) connection could not be made; nothing was sent."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """The whole exchange took longer than its timeout (the connection is closed).
-    ``reader_behind``: body bytes were waiting for the reader when it fired (its client read
-    too slowly to keep up: the worker was not the slow one)."""
-
-    def __init__(self, message: str, *, got_response: bool = False, reader_behind: bool = False) -> None:
-        super().__init__(message, got_response=got_response)
-        self.reader_behind = reader_behind
-
-
-class UpstreamStalled(UpstreamError):
-    """The worker went silent past a bound: no first body byte within ``first_byte_s`` (``phase``
-    "first_byte") or no byte for ``idle_s`` once its answer started ("idle")."""
-
-    def __init__(self, message: str, *, phase: str, after_s: float, got_response: bool = False) -> None:
-        super().__init__(message, got_response=got_response)
-        self.phase = phase
-        self.after_s = after_s
-
-
-class UpstreamAborted(UpstreamError):
-    """The exchange was failed from outside before it reached a client (``abort_unanswered``)."""
-
-
-class _Connection(asyncio.Protocol):
-    __slots__ = (
-        "transport", "parser", "pool_key", "status", "headers", "chunks", "buffered", "complete",
-        "error", "waiter", "got_bytes", "keep_alive", "paused", "closed", "idle_since", "until_close",
-        "headers_done", "timer", "head_bytes", "interim", "stray", "on_stall",
-        "watch", "first_s", "first_by", "idle_s", "last_at", "got_body", "abortable",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.pool_key: tuple[str, str, int] = ("", "", 0)
-        self.closed = False
-        self.idle_since = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        self.complete = False
-        self.headers_done = False
-        self.error: BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.got_bytes = False
-        self.keep_alive = True
-        self.paused = False
-        self.until_close = False
-        self.timer: asyncio.TimerHandle | None = None
-        self.head_bytes = 0
-        self.interim = False  # parsing a 1xx response (skipped: the answer follows it)
-        self.stray = False  # the worker sent a response after the answer (dropped; no reuse)
-        self.on_stall: Callable[[float], None] | None = None  # called (with now) on a timeout while the reader is behind
-        self.watch: asyncio.TimerHandle | None = None  # the silence bound's one timer (the module docstring)
-        self.first_s = 0.0  # the first-byte bound, and the monotonic time by which that byte must be in
-        self.first_by: float | None = None
-        self.idle_s: float | None = None
-        self.last_at = 0.0  # monotonic time of the last bytes received
-        self.got_body = False
-        self.abortable = False
-
-    # -- asyncio.Protocol --
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        self.last_at = time.monotonic()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"invalid HTTP response from worker: {exc}", got_response=True))
-            self.transport.close()  # type: ignore[union-attr]
-            return
-        if not self.headers_done:
-            # httptools buffers a header without bound: a worker streaming an endless head would
-            # grow the gateway's memory, and a client could not parse the head if relayed.
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES:
-                self._fail(UpstreamError(f"worker's response head is over {MAX_HEAD_BYTES} bytes", got_response=True))
-                self.transport.close()  # type: ignore[union-attr]
-                return
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.complete:
-            return
-        if self.headers_done and self.until_close and exc is None:
-            self.complete = True  # a body delimited by the end of the connection
-            self._wake()
-            return
-        self._fail(UpstreamError(f"worker closed the connection{': ' + str(exc) if exc else ''}", got_response=self.got_bytes))
-
-    # -- httptools callbacks --
-    def on_message_begin(self) -> None:
-        if self.complete:  # a response nobody asked for: never relayed, and the connection is not reused
-            self.stray = True
-            self.keep_alive = False
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.stray:
-            self.headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        if self.stray:
-            return
-        status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the answer follows
-            self.interim = True
-            self.headers = []
-            return
-        self.status = status
-        self.keep_alive = self.parser.should_keep_alive()
-        delimited = self.status in (204, 304)
-        for name, _ in self.headers:
-            if name == b"content-length" or name == b"transfer-encoding":
-                delimited = True
-                break
-        self.until_close = not delimited
-        self.headers_done = True
-        if self.watch is None and self.idle_s is not None:  # no first-byte bound: silence counts from the head
-            self._arm(self.idle_s)
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        if self.stray:
-            return
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if not self.got_body:
-            self.got_body = True
-            if self.first_by is not None and self.watch is not None:  # the first-byte bound is met: idle from now
-                self.watch.cancel()
-                self.watch = None
-                if self.idle_s is not None:
-                    self._arm(self.idle_s)
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        if self.stray:
-            return
-        self.complete = True
-        self._wake()
-
-    # -- helpers --
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _arm(self, delay: float) -> None:
-        self.watch = asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_watch)
-
-    def _on_watch(self) -> None:
-        """The silence timer: fail the exchange if the worker is past its bound, else re-arm."""
-        self.watch = None
-        if self.complete or self.error is not None or self.closed:
-            return
-        now = time.monotonic()
-        if self.first_by is not None and not self.got_body:
-            if now < self.first_by:
-                self._arm(self.first_by - now)
-                return
-            bound, phase = self.first_s, "first_byte"
-        elif self.idle_s is not None:
-            if self.paused or self.chunks:  # the reader is behind: the silence is not the worker's
-                self._arm(self.idle_s)
-                return
-            if now - self.last_at < self.idle_s:
-                self._arm(self.last_at + self.idle_s - now)
-                return
-            bound, phase = self.idle_s, "idle"
-        else:
-            return
-        what = "no first byte" if phase == "first_byte" else "no data"
-        self._fail(UpstreamStalled(f"{what} from the worker within {bound:g} s", phase=phase, after_s=bound,
-                                   got_response=self.got_bytes))
-        if self.transport is not None:
-            self.transport.close()
-
-    def on_timeout(self, timeout_s: float) -> None:
-        self.timer = None
-        if not self.complete:
-            behind = self.paused or bool(self.chunks)
-            self._fail(UpstreamTimeout(f"no complete answer within {timeout_s:g} s", got_response=self.got_bytes,
-                                       reader_behind=behind))
-            if self.transport is not None:
-                self.transport.close()
-            if behind and self.on_stall is not None:
-                # The reader waits on its own client, maybe for good: the worker is done with now.
-                self.on_stall(time.monotonic())
-
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-
+__all__ = ["ConnectError", "UpstreamAborted", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamStalled",
+           "UpstreamTimeout", "header_lines", "split_url"]
 
 _NOT_STALE = (UpstreamTimeout, UpstreamStalled, UpstreamAborted)  # failures a fresh connection would not cure
 
@@ -279,7 +55,7 @@ class UpstreamResponse:
 
     __slots__ = ("_conn", "_pool", "status", "headers", "_done")
 
-    def __init__(self, conn: _Connection, pool: UpstreamPool) -> None:
+    def __init__(self, conn: Connection, pool: UpstreamPool) -> None:
         self._conn = conn
         self._pool = pool
         self.status = conn.status
@@ -352,8 +128,8 @@ class UpstreamPool:
     def __init__(self, connect_timeout_s: float = 5.0, max_idle_per_host: int = 512) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
-        self._busy: set[_Connection] = set()
+        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+        self._busy: set[Connection] = set()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -415,7 +191,7 @@ class UpstreamPool:
             return UpstreamResponse(conn, self)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _acquire(self, key: tuple[str, str, int]) -> tuple[_Connection, bool]:
+    async def _acquire(self, key: tuple[str, str, int]) -> tuple[Connection, bool]:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -428,7 +204,7 @@ class UpstreamPool:
                 conn.transport.close()
         return await self._connect(key), False
 
-    async def _connect(self, key: tuple[str, str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, str, int]) -> Connection:
         if self._closed:
             raise ConnectError("upstream pool is closed")
         scheme, host, port = key
@@ -436,7 +212,7 @@ class UpstreamPool:
         ssl_ctx = self._ssl_context() if scheme == "https" else None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(_Connection, host, port, ssl=ssl_ctx)
+                _, conn = await loop.create_connection(Connection, host, port, ssl=ssl_ctx)
         except TimeoutError as exc:
             raise ConnectError(f"connect to {host}:{port} timed out after {self.connect_timeout_s:g} s") from exc
         except OSError as exc:
@@ -450,9 +226,9 @@ class UpstreamPool:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
-    def _release(self, conn: _Connection) -> None:
+    def _release(self, conn: Connection) -> None:
         self._busy.discard(conn)
-        _cancel_timers(conn)
+        cancel_timers(conn)
         if conn.complete and conn.keep_alive and not conn.closed and conn.error is None and not self._closed:
             idle = self._idle.setdefault(conn.pool_key, [])
             if len(idle) < self.max_idle_per_host:
@@ -464,9 +240,9 @@ class UpstreamPool:
                 return
         self._discard(conn)
 
-    def _discard(self, conn: _Connection) -> None:
+    def _discard(self, conn: Connection) -> None:
         self._busy.discard(conn)
-        _cancel_timers(conn)
+        cancel_timers(conn)
         if conn.transport is not None and not conn.closed:
             conn.transport.close()  # an unfinished response: the worker sees the disconnect
 
@@ -524,13 +300,6 @@ class UpstreamPool:
             return resp.status, await resp.read()
         finally:
             resp.close()
-
-
-def _cancel_timers(conn: _Connection) -> None:
-    for timer in (conn.timer, conn.watch):
-        if timer is not None:
-            timer.cancel()
-    conn.timer = conn.watch = None
 
 
 def split_url(url: str) -> tuple[str, str, int, bytes]:
