@@ -49,8 +49,8 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class ServerConfig(_Model):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="Address the gateway listens on (`mesh serve --host`); 0.0.0.0 for every interface.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on (`mesh serve --port`).")
     api_keys: list[str] = Field(default_factory=list)  # data plane: empty = open
     admin_key: str | None = None  # admin API: None = admin API disabled (403)
     # Keys kept out of the YAML: a file of API keys (one a line; blank lines and # comments
@@ -58,13 +58,13 @@ class ServerConfig(_Model):
     # load and at every reload (rotate a key by rewriting its file). `mesh serve` also takes them
     # from MESH_API_KEYS / MESH_ADMIN_KEY and flags (mesh.commands.serve_flags).
     api_keys_file: str | None = None
-    admin_key_file: str | None = None
-    max_body_bytes: int = Field(8 * MIB, ge=1024)
+    admin_key_file: str | None = Field(None, description="A file holding the admin key (see api_keys_file); instead of admin_key.")
+    max_body_bytes: int = Field(8 * MIB, ge=1024, description="Largest request body; a larger one is a 413.")
     # request body bytes held at once, over all requests (a body is held until its request ends):
     # past it a new body is a 503 with Retry-After (mesh.gateway.client_io.BodyBuffer)
     max_buffered_body_bytes: int = Field(1024 * MIB, ge=1024)
-    max_tokens_limit: int = Field(1_000_000, ge=1)
-    max_prompt_tokens: int = Field(4_000_000, ge=1)
+    max_tokens_limit: int = Field(1_000_000, ge=1, description="Largest max_tokens (max_completion_tokens) a request may ask for; more is a 400.")
+    max_prompt_tokens: int = Field(4_000_000, ge=1, description="Largest prompt, in tokens, a request may send; more is a 400.")
     # The request's one deadline: from the moment it is routable (before the admission queue) to
     # the end of its answer, streaming included. The admission wait (admission.max_wait_s, cut to
     # what is left of it), every attempt and its retries all count against it; the upstream
@@ -91,19 +91,22 @@ class ServerConfig(_Model):
     # closes; one not complete this long after its first byte (or a connection silent this long
     # after it opened) closes (mesh.gateway.http_protocol). nginx's buffers hold 8-32 KiB.
     max_head_bytes: int = Field(32 * 1024, ge=1024, le=16 * MIB)
-    head_timeout_s: PositiveFloat = 5.0
-    connect_timeout_s: PositiveFloat = 5.0
+    head_timeout_s: PositiveFloat = Field(5.0, description="See max_head_bytes: how long a request head may take to arrive.")
+    connect_timeout_s: PositiveFloat = Field(5.0, description="Longest wait for a TCP connection to a worker; past it the attempt fails and is retried on another worker.")
     # What the gateway may connect to on a worker's behalf (mesh.connect_policy): its url and its
     # kv_events endpoints. allowed_worker_hosts: hosts (any IP spelling) or CIDR networks; None =
     # any host except link-local and cloud metadata ones (listing one allows it).
     allowed_worker_hosts: list[str] | None = None
     allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"])  # of worker urls
-    allowed_kv_event_schemes: list[Literal["tcp", "ipc", "inproc"]] = Field(default_factory=lambda: ["tcp", "ipc", "inproc"])
+    allowed_kv_event_schemes: list[Literal["tcp", "ipc", "inproc"]] = Field(default_factory=lambda: ["tcp", "ipc", "inproc"], description="Transports a worker's kv_events endpoints may use.")
     allowed_ipc_paths: list[str] = Field(default_factory=list)  # unix sockets (or their directories) ipc:// may reach
     forward_authorization: bool = False  # pass the client's Authorization header to workers
     # client headers forwarded to workers besides request ids, trace context, user-agent, accept
     # and the session header (mesh.gateway.headers.FORWARDED); any other client header is dropped
     forward_headers: list[str] = Field(default_factory=list)
+    # "json": one JSON line per data-plane request on the `mesh.access` logger (stdout), written
+    # by a background thread (mesh.gateway.access_log); `mesh serve --access-log json` sets it
+    access_log: Literal["off", "json"] = "off"
 
     @model_validator(mode="before")
     @classmethod
@@ -179,7 +182,7 @@ def read_key_files(data: dict[str, Any]) -> dict[str, Any]:
 class KVEventsConfig(_Model):
     endpoint: str  # ZMQ SUB endpoint, e.g. tcp://host:5557
     replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
-    topic: str = ""
+    topic: str = Field("", description="ZMQ topic (prefix) of this worker's events on the endpoint; two workers on one endpoint need topics that are not prefixes of each other.")
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -194,19 +197,20 @@ class KVEventsConfig(_Model):
 
 
 class WorkerConfig(_Model):
-    name: str
-    url: str
+    name: str = Field(description="Unique name (1-64 of A-Za-z0-9_.-): in /workers, metrics labels and routing decisions.")
+    url: str = Field(description="Base URL of the worker's OpenAI-compatible API, e.g. http://10.0.0.5:8000 "
+                                 "(no credentials, query or fragment).")
     models: list[str] | None = None  # None: discovered from the worker's /v1/models
-    role: Role = Role.MIXED
-    dp_size: int = Field(1, ge=1, le=1024)
-    block_size: int = Field(16, ge=1, le=65536)
+    role: Role = Field(Role.MIXED, description="mixed (prefill and decode), prefill or decode (disaggregated serving: docs/disaggregation.md).")
+    dp_size: int = Field(1, ge=1, le=1024, description="Data-parallel ranks behind this URL; each rank is a routing target (its KV events on endpoint port + rank).")
+    block_size: int = Field(16, ge=1, le=65536, description="The engine's KV block size in tokens: prefix hashes are computed per block of this size, as the engine does.")
     tokenizer: str | None = None  # None = byte-level; else a tokenizer.json or model directory
-    kv_events: KVEventsConfig | None = None
+    kv_events: KVEventsConfig | None = Field(None, description="The engine's KV cache event stream (vLLM/SGLang ZMQ publisher): precise prefix-aware routing. None: the index learns only from the gateway's own routing.")
     max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
     api_key: str | None = None  # sent to the worker as a Bearer token
     # server.first_byte_timeout_s / server.idle_timeout_s for this worker alone (None: the server's)
     first_byte_timeout_s: PositiveFloat | None = None
-    idle_timeout_s: PositiveFloat | None = None
+    idle_timeout_s: PositiveFloat | None = Field(None, description="See first_byte_timeout_s: server.idle_timeout_s for this worker alone.")
     # LoRA adapters served under their own model names, adapter -> base model (None: discovered
     # from /v1/models ``parent``). A list of adapter names means "on the first of ``models``".
     loras: dict[str, str] | None = None
@@ -260,13 +264,13 @@ class WorkerConfig(_Model):
 
 
 class HealthConfig(_Model):
-    interval_s: PositiveFloat = 2.0
-    timeout_s: PositiveFloat = 2.0
+    interval_s: PositiveFloat = Field(2.0, description="Seconds between health checks of each worker (GET /health).")
+    timeout_s: PositiveFloat = Field(2.0, description="Longest wait for one health check's answer.")
     # each round also reads every worker's /metrics for its KV usage and capacity (vLLM, SGLang,
     # bundled names: mesh.cluster.worker_metrics); off: they stay unknown and the KV checks never fire
     worker_metrics: bool = True
-    unhealthy_threshold: int = Field(2, ge=1)
-    healthy_threshold: int = Field(1, ge=1)
+    unhealthy_threshold: int = Field(2, ge=1, description="Consecutive failed checks that mark a worker unhealthy (it gets no requests).")
+    healthy_threshold: int = Field(1, ge=1, description="Consecutive good checks that mark it healthy again.")
 
 
 class CircuitBreakerConfig(_Model):
@@ -276,15 +280,15 @@ class CircuitBreakerConfig(_Model):
 
 class RetriesConfig(_Model):
     max_attempts: int = Field(3, ge=1, le=16)  # attempts in all, each on another target
-    backoff_base_s: float = Field(0.01, ge=0)
-    backoff_max_s: float = Field(0.5, ge=0)
+    backoff_base_s: float = Field(0.01, ge=0, description="Wait before the second attempt; doubled for each later one.")
+    backoff_max_s: float = Field(0.5, ge=0, description="Longest wait between attempts.")
 
 
 class SessionsConfig(_Model):
-    header: str = "x-session-id"
-    body_field: str = "user"
-    idle_ttl_s: PositiveFloat = 600.0
-    max_sessions: int = Field(1_000_000, ge=1)
+    header: str = Field("x-session-id", description="Request header carrying a session id (requests of one session go to one worker while it can take them).")
+    body_field: str = Field("user", description="Body field read as the session id when the header is absent (OpenAI's user).")
+    idle_ttl_s: PositiveFloat = Field(600.0, description="A session's binding to its worker ends after this long without a request.")
+    max_sessions: int = Field(1_000_000, ge=1, description="Session bindings kept at once; past it the least recently used goes.")
     # The load ceiling of a bound session is a parameter of the session policy
     # (``session_sticky``: ``load_factor``, ``load_slack``, ``max_in_flight``), not of the table.
 
@@ -311,7 +315,7 @@ class RetentionConfig(_Model):
     their worker's KV cache carry ``x-mesh-retention: spill`` (the bundled worker evicts their
     blocks first; other workers ignore the header)."""
 
-    spill_hint: bool = True
+    spill_hint: bool = Field(True, description="Mark requests of sessions that do not fit their worker's KV cache with x-mesh-retention: spill.")
     fill: float = Field(0.9, gt=0, le=1)  # share of a worker's KV capacity the kept sessions may fill
     active_s: PositiveFloat = 30.0  # a session idle this long stops counting
 
@@ -323,15 +327,15 @@ DEFAULT_MAX_KEYS = 1_000_000
 
 
 class IndexConfig(_Model):
-    max_keys: int = Field(DEFAULT_MAX_KEYS, ge=0)  # 0 = unbounded
-    speculative_ttl_s: float = Field(2.0, ge=0)
+    max_keys: int = Field(DEFAULT_MAX_KEYS, ge=0, description="Bound on the prefix index's keys (KV blocks over all workers); 0 = unbounded. Least recently stored or matched leaves go first.")
+    speculative_ttl_s: float = Field(2.0, ge=0, description="A routed request's prompt blocks count as cached on its worker for this long, until the engine's KV events confirm them (0: off).")
     # KV event ingestion (``mesh.events.pacer``, ``mesh.events.inbox``): slices of event work on
     # the loop, the loop's share event work may take during a flood, and each stream's backlog
     # budget (frames received, not applied) past which the stream is reset and rebuilt from replay
     ingest_slice_ms: float = Field(0.5, gt=0, le=100)
-    ingest_share: float = Field(0.5, gt=0, le=1)
-    max_backlog_frames: int = Field(10_000, ge=1)
-    max_backlog_bytes: int = Field(64 << 20, ge=1)
+    ingest_share: float = Field(0.5, gt=0, le=1, description="See ingest_slice_ms: the share of the event loop KV event work may take during a flood.")
+    max_backlog_frames: int = Field(10_000, ge=1, description="See ingest_slice_ms: a stream's backlog budget in frames.")
+    max_backlog_bytes: int = Field(64 << 20, ge=1, description="See ingest_slice_ms: a stream's backlog budget in bytes.")
 
 
 def redact_url(url: str) -> str:
@@ -372,9 +376,9 @@ class StateConfig(_Model):
     Redis, shared by every gateway replica (``mesh.state.redis_state``): one server, or a Redis Cluster
     (``cluster: true``)."""
 
-    backend: Literal["memory", "redis"] = "memory"
+    backend: Literal["memory", "redis"] = Field("memory", description="memory: this process; redis: shared by every gateway replica.")
     url: str | None = None  # redis://host:port/db, rediss://..., unix:///path; required for redis
-    key_prefix: str = "mesh:"
+    key_prefix: str = Field("mesh:", description="Prefix of every Redis key Mesh writes.")
     timeout_s: float = Field(0.1, gt=0, le=10)  # per Redis call; past it the gateway goes local
     # redis only: every load_sync_s each replica publishes its own per-target load and adds the
     # other live replicas' to its TargetStates (mesh.state.shared_load.SharedLoad); 0 = sessions only.
@@ -383,7 +387,7 @@ class StateConfig(_Model):
     # and follows MOVED/ASK); cluster_seeds are more seeds (host:port, with url's scheme,
     # credentials and options), tried when url's node is down at the first discovery.
     cluster: bool = False
-    cluster_seeds: list[str] = Field(default_factory=list, max_length=64)
+    cluster_seeds: list[str] = Field(default_factory=list, max_length=64, description="See cluster: more seed nodes of a Redis Cluster (host:port).")
 
     @field_validator("url")
     @classmethod
@@ -466,7 +470,8 @@ class MeshConfig(_Model):
     health: HealthConfig = Field(default_factory=HealthConfig)
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
-    policy: Any = DEFAULT_POLICY  # a policies spec, passed untouched to policies.create_policy
+    policy: Any = Field(DEFAULT_POLICY, description="The routing policy: a name or {name, params} spec, passed "
+                        "untouched to policies.create_policy (docs/policies.md); the default is session_sticky over kv_aware.")
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -45,7 +45,7 @@ def unknown_key_message(model: type[BaseModel], loc: tuple[int | str, ...]) -> s
         if isinstance(part, int) or section is None:
             continue
         field = section.model_fields.get(part)
-        section = _model_in(field.annotation) if field is not None else None
+        section = model_in(field.annotation) if field is not None else None
     if section is None:
         return "unknown key"
     keys = list(section.model_fields)
@@ -54,13 +54,13 @@ def unknown_key_message(model: type[BaseModel], loc: tuple[int | str, ...]) -> s
     return f"unknown key ({hint}this section takes: {', '.join(keys)})"
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model inside an annotation (``list[WorkerConfig]``, ``X | None``), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if isinstance(annotation, (types.UnionType, types.GenericAlias)) or typing.get_origin(annotation) is not None:
         for arg in typing.get_args(annotation):
-            found = _model_in(arg)
+            found = model_in(arg)
             if found is not None:
                 return found
     return None
