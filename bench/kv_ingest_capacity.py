@@ -8,12 +8,14 @@ per frame: the costliest shape per event, and every block new, never removed: th
 unless bounded). Per phase the flood runs at a paced rate (events/s over all streams, sent every
 millisecond) or unpaced (as fast as one publisher process sends), over 1 or several streams,
 while an open-loop request load (``--rate`` req/s, non-streaming chat completions) measures
-request p50/p99. Between phases the gateway drains its backlog. Reported: the table, the JSON
+request p50/p99, against a no-event baseline measured just before it (the machine's other load
+drifts); every phase runs ``--rounds`` times and the medians are reported. Between phases the
+gateway drains its backlog. Reported: the table, the JSON
 (``bench/results/kv_ingest_capacity.json`` unless ``--json``), the gateway's RSS and index size,
 and the ingestion capacity: the events/s at which request p99 rises 1 ms over the no-events
 baseline (interpolated between the paced rates measured on one stream).
 
-    python bench/kv_ingest_capacity.py [--quick] [--duration 8] [--rate 100] [--streams 4] [--json PATH]
+    python bench/kv_ingest_capacity.py [--quick] [--rounds 2] [--duration 8] [--rate 100] [--streams 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -193,15 +195,35 @@ def run_phase(port: int, pid: int, kv_ports: list[int], rate: float, streams: in
     }
 
 
-def capacity(baseline_p99: float, rows: list[dict[str, Any]]) -> float | None:
-    """Events/s at which p99 first exceeds the baseline by 1 ms (one stream, paced), interpolated."""
-    pts = [(0.0, baseline_p99)] + sorted((r["rate"], r["p99_ms"]) for r in rows if r["streams"] == 1 and r["rate"])
-    for (r0, p0), (r1, p1) in zip(pts, pts[1:]):
-        if p1 - baseline_p99 > 1.0:
-            if p1 == p0:
-                return r1
-            return r0 + (r1 - r0) * max(0.0, baseline_p99 + 1.0 - p0) / (p1 - p0)
+def capacity(rows: list[dict[str, Any]]) -> float | None:
+    """Events/s at which p99 first exceeds its baseline by 1 ms (one stream, paced), interpolated."""
+    pts = [(0.0, 0.0)] + sorted((r["rate"], r["delta_ms"]) for r in rows if r["streams"] == 1 and r["rate"])
+    for (r0, d0), (r1, d1) in zip(pts, pts[1:]):
+        if d1 > 1.0:
+            return r1 if d1 == d0 else r0 + (r1 - r0) * max(0.0, 1.0 - d0) / (d1 - d0)
     return None  # never reached within the rates measured
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase over its rounds: medians of latency, sums of counts, the last RSS and index size."""
+    out = dict(runs[-1])
+    for k in ("p50_ms", "p99_ms", "base_p99_ms", "delta_ms"):
+        out[k] = round(median([r[k] for r in runs]), 2)
+    out["deltas_ms"] = [r["delta_ms"] for r in runs]
+    out["max_ms"] = max(r["max_ms"] for r in runs)
+    for k in ("events_sent", "batches_applied", "gaps", "requests", "errors"):
+        out[k] = sum(r[k] for r in runs)
+    resets: dict[str, float] = {}
+    for r in runs:
+        for k, v in r["resets"].items():
+            resets[k] = resets.get(k, 0) + v
+    out["resets"] = resets
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,16 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of requests per phase")
     ap.add_argument("--rate", type=float, default=100.0, help="requests/s (open loop)")
     ap.add_argument("--streams", type=int, default=4, help="streams (workers) of the multi-stream phases")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of every phase (default 2, 1 with --quick)")
     ap.add_argument("--config", default="{}", help="JSON merged into the gateway config (e.g. an index section)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "kv_ingest_capacity.json"))
     args = ap.parse_args(argv)
     duration = 4.0 if args.quick else args.duration
+    rounds = args.rounds or (1 if args.quick else 2)
     phases: list[tuple[float, int]] = [(r, 1) for r in RATES] + [(0.0, 1)]
     phases += [(30_000, args.streams), (0.0, args.streams)] if args.quick else \
         [(r, args.streams) for r in RATES] + [(0.0, args.streams)]
     n = max(args.streams, 1)
     worker_ports, kv_ports, (port,) = free_ports(n), free_ports(n), free_ports(1)
+    runs: dict[tuple[float, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="mesh-kv-bench-") as d:
         tmp = Path(d)
         fake = mp.get_context("spawn").Process(target=fake_worker_main, args=(worker_ports,), daemon=True)
@@ -227,28 +252,40 @@ def main(argv: list[str] | None = None) -> int:
         gw = start_gateway(worker_ports, kv_ports, port, tmp, json.loads(args.config))
         try:
             asyncio.run(open_loop([port], False, args.rate, 1.0))  # warm up the pools
-            base = run_phase(port, gw.pid, kv_ports, 0, 0, duration, args.rate, flood=False)
-            rows = [base]
-            for rate, streams in phases:
-                rows.append(run_phase(port, gw.pid, kv_ports, rate, streams, duration, args.rate, flood=True))
-                print(f"  {rows[-1]['flood']:>8} x{streams}: p99 {rows[-1]['p99_ms']} ms", file=sys.stderr)
+            for _ in range(rounds):
+                # each flood against a baseline measured just before it: the machine's other load
+                # drifts, and a baseline minutes old measures that drift too
+                base = run_phase(port, gw.pid, kv_ports, 0, 0, duration, args.rate, flood=False)
+                base["base_p99_ms"], base["delta_ms"] = base["p99_ms"], 0.0
+                runs.setdefault((-1.0, 0), []).append(base)
+                for rate, streams in phases:
+                    own = base if (rate, streams) == phases[0] else \
+                        run_phase(port, gw.pid, kv_ports, 0, 0, duration / 2, args.rate, flood=False)
+                    row = run_phase(port, gw.pid, kv_ports, rate, streams, duration, args.rate, flood=True)
+                    row["base_p99_ms"], row["delta_ms"] = own["p99_ms"], round(row["p99_ms"] - own["p99_ms"], 2)
+                    runs.setdefault((rate, streams), []).append(row)
+                    print(f"  {row['flood']:>8} x{streams}: p99 {row['p99_ms']} ms (baseline {own['p99_ms']})",
+                          file=sys.stderr)
             end = run_phase(port, gw.pid, kv_ports, 0, 0, duration, args.rate, flood=False)
-            rows.append(end)
+            end["base_p99_ms"], end["delta_ms"] = runs[(-1.0, 0)][0]["p99_ms"], 0.0
         finally:
             stop(gw)
             fake.terminate()
-    cap = capacity(base["p99_ms"], rows[1:-1])
-    report = {"label": args.label, "quick": args.quick, "duration_s": duration, "request_rate": args.rate,
-              "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "config": json.loads(args.config),
-              "baseline_p99_ms": base["p99_ms"], "capacity_events_per_s": cap, "phases": rows}
+    rows = [combine(v) for v in runs.values()] + [end]
+    base = rows[0]
+    cap = capacity(rows[1:-1])
+    report = {"label": args.label, "quick": args.quick, "duration_s": duration, "rounds": rounds,
+              "request_rate": args.rate, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+              "config": json.loads(args.config), "baseline_p99_ms": base["p99_ms"], "capacity_events_per_s": cap,
+              "phases": rows}
     headers = ["flood", "streams", "sent", "applied", "gaps", "resets", "req", "err", "p50 ms", "p99 ms",
-               "max ms", "p99 - base", "RSS MB", "index keys", "drain s"]
+               "max ms", "its base p99", "p99 - base", "RSS MB", "index keys", "drain s"]
     print_table("KV event ingestion: request latency under a flood", headers, [
         [r["flood"], str(r["streams"]), str(r["events_sent"]), str(r["batches_applied"]), str(r["gaps"]),
          ",".join(f"{k}:{int(v)}" for k, v in r["resets"].items()) or "-", str(r["requests"]), str(r["errors"]),
-         f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}", f"{r['p99_ms'] - base['p99_ms']:+.2f}",
+         f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}", f"{r['base_p99_ms']:.2f}", f"{r['delta_ms']:+.2f}",
          f"{r['rss_mb']:.0f}", str(r["index_keys"]), f"{r['drain_s']:.1f}"] for r in rows], left=["flood"])
-    print(f"ingestion capacity (p99 +1 ms over the baseline {base['p99_ms']:.2f} ms, one stream): "
+    print("ingestion capacity (p99 +1 ms over its baseline, one stream, median of rounds): "
           + (f"{cap:,.0f} events/s" if cap is not None else f"above {max(RATES):,} events/s (never reached)"))
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -180,6 +180,13 @@ class PrefixIndex:
             self._scrub_step(self.scrub_budget)
         return ended
 
+    def scrub(self, budget: int) -> bool:
+        """Scrub up to ``budget`` nids of retired slots now; whether scrubbing work remains (the
+        gateway's keeper scrubs in short paced steps after a reset instead of one long one)."""
+        if self._nodes.dying or self._nodes.scrub is not None:
+            self._scrub_step(budget)
+        return bool(self._nodes.dying or self._nodes.scrub is not None)
+
     def compact(self) -> None:
         """Finish scrubbing every retired slot now (tests; otherwise ``expire`` does it)."""
         while self._nodes.dying or self._nodes.scrub is not None:

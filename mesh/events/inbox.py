@@ -18,7 +18,7 @@ counted (``dropped``); nothing is dropped silently.
 Ownership (single writer per field, no lock on the hot path): the thread writes ``in_frames``,
 ``in_bytes``, ``overflows`` and ``dropped`` and appends to ``frames``; the loop writes
 ``out_frames``, ``out_bytes`` and ``handled`` and pops from ``frames`` (a deque: append and popleft
-are atomic). Sockets move between threads only through ``Receiver.add``/``remove`` (a locked
+are atomic), and replaces ``frames`` only while overflowed, when the thread appends nothing. Sockets move between threads only through ``Receiver.add``/``remove`` (a locked
 hand-over queue), and the thread alone closes a socket it was handed.
 """
 
@@ -98,10 +98,13 @@ class Inbox:
             self._event.clear()
 
     def discard(self) -> int:
-        """After an overflow: drop the backlog and resume receiving. Returns the frames dropped."""
-        n = 0
-        while self.take() is not None:
-            n += 1
+        """After an overflow: drop the backlog at once and resume receiving. Returns the frames
+        dropped. (The thread appends nothing while overflowed: the deque is the loop's to swap.)"""
+        if not self.overflowed():
+            raise RuntimeError("discard() is for an overflowed inbox only")
+        n = self.in_frames - self.out_frames
+        self.frames = deque()
+        self.out_frames, self.out_bytes = self.in_frames, self.in_bytes
         self.handled = self.overflows
         return n
 
@@ -177,12 +180,14 @@ class Receiver:
                     time.sleep(_POLL_MS / 1000)
                     continue
                 n = 0
-                for sock, _ in poller.poll(_POLL_MS):
+                ready = poller.poll(_POLL_MS)
+                each = max(1, _ROUND // max(1, len(ready)))  # one budget a round, shared fairly
+                for sock, _ in ready:
                     inbox = inboxes[sock]
                     if inbox.overflowed():  # left in ZMQ's queue (dropped there past its HWM, at no cost
                         inbox.wake()        # here) until the loop has reset the stream
                         continue
-                    n += self._drain(sock, inbox)
+                    n += self._drain(sock, inbox, each)
                 if n >= _ROUND:
                     time.sleep(_NAP_S)
                 elif n == 0 and any(i.overflowed() for i in inboxes.values()):
@@ -216,10 +221,10 @@ class Receiver:
                 poller.register(sock, zmq.POLLIN)
 
     @staticmethod
-    def _drain(sock: zmq.Socket[bytes], inbox: Inbox) -> int:
+    def _drain(sock: zmq.Socket[bytes], inbox: Inbox, most: int) -> int:
         n = 0
         try:
-            while n < _ROUND:
+            while n < most:
                 n += 1
                 if not inbox.put(sock.recv_multipart(zmq.NOBLOCK)):
                     break  # over budget: the loop resets the stream

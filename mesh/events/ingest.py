@@ -16,7 +16,8 @@ and starts and stops it in the gateway's lifespan. Ownership:
   ``kv_events`` that is not subscribed yet (model unknown) is not index-healthy.
 - The same task warns about blind streams (``mesh.events.blindness``: a worker routed requests
   while its stream delivers nothing) and ends speculative index entries on time (``PrefixIndex.expire`` every
-  ``TICK_S``), which also scrubs the slots of removed targets.
+  ``TICK_S``), then scrubs the slots of removed and reset targets in ``SCRUB_STEP`` steps paced
+  with the event work (``mesh.events.pacer``).
 
 Namespace (must equal what ``mesh.request.prompt`` seeds a request's keys with): the router keys a
 worker's blocks with ``mesh.core.keys.namespace_seed(model)``, ``model`` being the name the worker
@@ -47,6 +48,7 @@ from mesh.metrics import Metrics
 log = logging.getLogger("mesh.events.ingest")
 
 TICK_S = 0.25  # keeper period: speculative expiry, model discovery catch-up
+SCRUB_STEP = 256  # nodes scrubbed at a time (~0.3 ms)
 
 
 def namespace_model(worker: Worker) -> str | None:
@@ -133,6 +135,7 @@ class KvIngest:
             try:
                 now = time.monotonic()
                 self.index.expire(now)
+                await self._scrub()
                 if self.subscriber is not None:
                     self.blind.check(now, self.subscriber.health(), self.registry.workers)
                 if self._wake.is_set() or registry.version != self._seen_version:
@@ -141,6 +144,15 @@ class KvIngest:
                 raise
             except Exception:  # one bad round must not end ingestion
                 log.exception("kv ingest round failed")
+
+    async def _scrub(self) -> None:
+        """Finish scrubbing reset targets' slots in short steps paced with the event work (one
+        step of a few thousand nodes held the loop for ~5 ms; a flood resets streams often)."""
+        sub = self.subscriber
+        if sub is None:
+            return
+        while self.index.scrub(SCRUB_STEP):
+            await sub.pacer.turn()
 
     async def reconcile(self) -> None:
         """Subscribe, resubscribe and unsubscribe until subscriptions match the registry."""
