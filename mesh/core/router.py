@@ -11,6 +11,7 @@ Nothing here does I/O or reads a clock: ``now`` is passed in (simulated or wall 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -107,6 +108,12 @@ class Lease:
         return self._phase == 2
 
 
+# One committed decision, as ``Router.recent`` keeps it: (now, model, session id, target, reason,
+# predicted cached blocks on the target, a retry's commit). Cheap fields only, no explain().
+RecentDecision = tuple[float, str, str | None, str, str, int, bool]
+RECENT_DECISIONS = 200
+
+
 def footprint_blocks(request: RequestInfo) -> int:
     """The KV blocks a request leaves on its worker: its prompt and every choice's output."""
     tokens = request.prompt_tokens + request.max_tokens * request.choices
@@ -133,6 +140,8 @@ class Router:
         self.on_release = on_release  # told after every lease's release (the gateway's admission queue)
         self.retention = retention  # marks the requests of sessions that do not fit their target
         self.session_moves = 0
+        # The last committed decisions, newest last (the gateway's /dashboard reads them); bounded.
+        self.recent: deque[RecentDecision] = deque(maxlen=RECENT_DECISIONS)
         self._touch = getattr(sessions, "touch", None)  # optional in a SessionStore
         self._begin = getattr(sessions, "begin", None)
         self._end = getattr(sessions, "end", None) if self._begin is not None else None
@@ -182,6 +191,8 @@ class Router:
             self.bind_session(request.session_id, target.id, now)
         cached = decision.overlaps.get(target.id)
         cached_tokens = min(cached.blocks * request.block_size, request.prompt_tokens) if cached else 0
+        self.recent.append((now, request.model, request.session_id, target.id, decision.reason,
+                            cached.blocks if cached else 0, not bind))
         if self.index is not None and request.block_keys and self.speculative_ttl_s > 0:
             store = getattr(self.index, "store_speculative", None)
             if store is not None:

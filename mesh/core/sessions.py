@@ -235,6 +235,17 @@ class SessionTable:
             "per_target": dict(self._counts),
         }
 
+    def next_expiries(self, n: int) -> list[tuple[str, str, float]]:
+        """The ``n`` bindings that expire first, as (session, target, expiry time): the front of
+        ``_order`` (O(log size + n)); a session with a request in flight never expires, so none
+        is listed."""
+        out = []
+        for last, _, sid in self._order[:n]:
+            if last == math.inf:
+                break
+            out.append((sid, self._bindings[sid][0], last + self.idle_ttl_s))
+        return out
+
     # -- internals --
     def _evict_lru(self) -> None:
         _, _, sid = self._order.pop(0)

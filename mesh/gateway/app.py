@@ -10,7 +10,8 @@
   shared binding ``shared`` mirrors in before each decision).
 - The lifespan (``_start``, ``_stop``) owns ``http``, the one pooled upstream client, and
   ``proxy``, the data plane built on it; ``MeshApp.__call__`` sends the completion routes there.
-The routes live in ``data_routes``, ``ops_routes``, ``admin_routes`` and ``debug_routes``.
+The routes live in ``data_routes``, ``ops_routes``, ``admin_routes``, ``debug_routes`` and
+``dashboard_routes`` (the live view).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from mesh.gateway import disagg_proxy
 from mesh.gateway.admin_routes import add_admin_routes
 from mesh.gateway.admission_queue import AdmissionQueue
 from mesh.gateway.client_io import BodyBuffer
+from mesh.gateway.dashboard_routes import add_dashboard_routes
 from mesh.gateway.data_routes import DATA_ROUTES, add_data_routes, serve_data
 from mesh.gateway.debug_routes import add_debug_routes
 from mesh.gateway.ops_routes import add_ops_routes
@@ -297,6 +299,7 @@ def create_app(config: MeshConfig | None = None, *, config_path: str | Path | No
     add_ops_routes(app, gateway)
     add_debug_routes(app, gateway)
     add_admin_routes(app, gateway)
+    add_dashboard_routes(app, gateway)
     return app
 
 
