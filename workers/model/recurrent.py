@@ -1,0 +1,174 @@
+"""A gated linear-attention recurrent layer (Mamba2-SSD-style scalar decay per head) for hybrid models.
+
+Per request and layer the state is ``S`` of shape ``[heads, d_k, d_v]`` (float32). Token t with
+query q_t, key k_t (both L2-normalized per head), value v_t and log decay g_t <= 0 does
+
+    S_t = exp(g_t) * S_{t-1} + k_t^T v_t,        o_t = q_t S_t
+
+then ``o`` is RMS-normed per head, gated by ``silu(z)`` and projected back. Three forms of the
+same recurrence, held to each other by tests:
+
+- ``naive_scan``: token by token (the reference);
+- ``chunk_scan``: prefill; segments of at most ``chunk`` tokens, each in closed form (intra-segment
+  attention with decay weights ``exp(b_t - b_s)``, plus the carried state), the state carried
+  between segments. Segment boundaries sit at absolute multiples of ``chunk`` and at the
+  requested snapshot offsets, so the state at a block-aligned position is computed by the same
+  operations whether a step ends there or not;
+- ``decode_step``: one token for a batch of states (``recurrent_triton.decode_step`` on CUDA).
+
+Ownership: the state tensor ``[recurrent layers, slots, heads, d_k, d_v]`` belongs to the model
+runner; ``RecurrentMetadata`` names, per sequence of a step, the slot it reads and writes, and
+where mid-step snapshots go (the block manager's ``StateCheckpoints`` plans the slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RecurrentMetadata:
+    """The recurrent side of one step (``AttentionMetadata.recurrent``)."""
+
+    states: torch.Tensor  # [recurrent layers, slots, heads, d_k, d_v] float32
+    prefill_slots: list[int] = field(default_factory=list)  # per prefill sequence
+    # absolute position of each prefill sequence's first new token; 0: the state starts at zero
+    prefill_starts: list[int] = field(default_factory=list)
+    # per prefill sequence: (tokens into its chunk, destination slot), offsets < chunk length
+    prefill_snaps: list[list[tuple[int, int]]] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None  # [num decodes] int64
+
+
+def naive_scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence: q, k [T, H, dk], v [T, H, dv], g [T, H], state [H, dk, dv]."""
+    s = state.float().clone()
+    outs = []
+    for t in range(q.shape[0]):
+        s = s * g[t].float().exp()[:, None, None] + k[t].float()[:, :, None] * v[t].float()[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[t].float(), s))
+    return torch.stack(outs) if outs else v.new_zeros(v.shape, dtype=torch.float32), s
+
+
+def _segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, s0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segment in closed form (float32 in): outputs [L, H, dv] and the state after it."""
+    b = g.cumsum(0)  # [L, H]: log decay from the segment start through token t
+    o_inter = torch.einsum("thk,hkv->thv", q, s0) * b.exp()[:, :, None]
+    n = q.shape[0]
+    diff = b[:, None, :] - b[None, :, :]  # [t, s, H]: decay from token s to token t
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    w = torch.einsum("thk,shk->tsh", q, k) * decay
+    o = o_inter + torch.einsum("tsh,shv->thv", w, v)
+    tail = (b[-1][None, :] - b).exp()  # [s, H]: decay from token s to the segment's end
+    s1 = s0 * b[-1].exp()[:, None, None] + torch.einsum("sh,shk,shv->hkv", tail, k, v)
+    return o, s1
+
+
+def chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+    start: int = 0,
+    snap_at: tuple[int, ...] | list[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The recurrence over T tokens at absolute positions ``[start, start + T)``; outputs
+    [T, H, dv] (float32), the final state and the states after each offset of ``snap_at``
+    (0 < offset <= T, ascending)."""
+    t_len = q.shape[0]
+    cuts = {o for o in snap_at if 0 < o < t_len}
+    first = (-start) % chunk or chunk
+    cuts.update(range(first, t_len, chunk))
+    bounds = [0, *sorted(cuts), t_len]
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
+    s = state.float()
+    outs: list[torch.Tensor] = []
+    snaps: dict[int, torch.Tensor] = {}
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        if hi <= lo:
+            continue
+        o, s = _segment(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], s)
+        outs.append(o)
+        snaps[hi] = s
+    out = torch.cat(outs) if outs else vf.new_zeros(vf.shape)
+    return out, s, [snaps[o] if o in snaps else state.float() for o in snap_at]
+
+
+def decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for B sequences: q, k [B, H, dk], v [B, H, dv], g [B, H], states [B, H, dk, dv];
+    returns (o [B, H, dv], new states), float32."""
+    s = states.float() * g.float().exp()[:, :, None, None] + k.float()[..., :, None] * v.float()[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q.float(), s), s
+
+
+class GatedLinearAttention(nn.Module):
+    """The recurrent mixer of a hybrid layer (in place of self-attention)."""
+
+    def __init__(self, hidden: int, num_heads: int, key_dim: int, value_dim: int, chunk: int, eps: float,
+                 layer_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.key_dim, self.value_dim, self.chunk, self.eps = num_heads, key_dim, value_dim, chunk, eps
+        self.layer_index = layer_index  # the row of this layer in the state tensor
+        hk, hv = num_heads * key_dim, num_heads * value_dim
+        self.sizes = [hk, hk, hv, hv, num_heads]  # q, k, v, z (gate), a (decay input)
+        self.in_proj = nn.Linear(hidden, sum(self.sizes), bias=False)
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(num_heads))
+        self.o_norm = nn.Parameter(torch.ones(value_dim))  # per-head RMSNorm weight
+        self.out_proj = nn.Linear(hv, hidden, bias=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t, h = x.shape[0], self.num_heads
+        q, k, v, z, a = self.in_proj(x).split(self.sizes, dim=-1)
+        q = F.normalize(q.float().view(t, h, self.key_dim), dim=-1)
+        k = F.normalize(k.float().view(t, h, self.key_dim), dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, H] log decay
+        return q, k, v.float().view(t, h, self.value_dim), z, g
+
+    def forward(self, x: torch.Tensor, num_prefill_tokens: int, cu_seqlens: list[int],
+                meta: RecurrentMetadata) -> torch.Tensor:
+        q, k, v, z, g = self._project(x)
+        states = meta.states[self.layer_index]
+        outs = []
+        for i, slot in enumerate(meta.prefill_slots):
+            lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
+            start = meta.prefill_starts[i]
+            s0 = states[slot] if start else torch.zeros_like(states[slot])
+            snaps = meta.prefill_snaps[i] if meta.prefill_snaps else []
+            o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, self.chunk, start,
+                                     [off for off, _ in snaps])
+            states[slot] = s
+            for (_, dest), st in zip(snaps, taken, strict=True):
+                states[dest] = st
+            outs.append(o)
+        if meta.decode_slots is not None and meta.decode_slots.numel():
+            p = num_prefill_tokens
+            outs.append(self._decode(q[p:], k[p:], v[p:], g[p:], states, meta.decode_slots))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
+        o = o.view(x.shape[0], -1).to(x.dtype) * F.silu(z)
+        return self.out_proj(o)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        if states.is_cuda:
+            from workers.model import recurrent_triton
+
+            if recurrent_triton.available():
+                return recurrent_triton.decode_step(q, k, v, g, states, slots)
+        o, s = decode_step(q, k, v, g, states.index_select(0, slots))
+        states.index_copy_(0, slots, s)
+        return o
