@@ -4,7 +4,8 @@ It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not) 
 last user message (or the prompt) word by word, up to ``max_tokens`` words, ``n`` (1 to 128)
 choices of it (streamed, their chunks interleave word by word); ``/v1/models`` (``--lora
 NAME[=BASE]`` adds an adapter as vLLM lists one); ``/health``. Usage counts prompt tokens with the
-byte-level tokenizer (the gateway's default) and ``cached_tokens = 0`` (it has no cache).
+byte-level tokenizer (the gateway's default) and ``cached_tokens = 0`` (it has no cache; tests set
+``--cached-tokens N`` to have it report N).
 
 Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /admin/faults``):
 ``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers 500
@@ -51,6 +52,7 @@ class EchoSettings:
     unhealthy: bool = False
     default_max_tokens: int = 16
     repeat: int = 1  # the echoed text, this many times over
+    cached_tokens: int = 0  # reported as usage.prompt_tokens_details.cached_tokens (at most the prompt's)
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
@@ -148,10 +150,11 @@ class _Echo:
             "prompt_tokens": len(prompt_text.encode()),
             "completion_tokens": n * len(out),
             "total_tokens": len(prompt_text.encode()) + n * len(out),
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": min(settings.cached_tokens, len(prompt_text.encode()))},
         }
         answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], str(model), out, finish, chat, n)
-        headers = {"x-echo-worker": settings.name}
+        # the request id it was sent (the gateway's, forwarded): tests check what reached the worker
+        headers = {"x-echo-worker": settings.name, "x-echo-request-id": request.headers.get("x-request-id", "")}
         if body.get("stream"):
             stream = self.stream(answer, usage if include_usage else None)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -306,6 +309,8 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
                    help="answer 500 to requests whose prompt contains TEXT")
     p.add_argument("--crash-after-tokens", type=int, default=int(env("MESH_ECHO_CRASH_AFTER_TOKENS", "0")))
     p.add_argument("--repeat", type=int, default=int(env("MESH_ECHO_REPEAT", "1")), help="echo the text N times")
+    p.add_argument("--cached-tokens", type=int, default=int(env("MESH_ECHO_CACHED_TOKENS", "0")),
+                   help="report N cached prompt tokens (at most the prompt's) in usage")
     p.add_argument("--unhealthy", action="store_true", default=env("MESH_ECHO_UNHEALTHY", "") not in ("", "0"))
     args = p.parse_args(argv)
     models = tuple(args.models or [env("MESH_ECHO_MODEL", "echo")])
@@ -326,6 +331,7 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
         crash_after_tokens=args.crash_after_tokens,
         unhealthy=args.unhealthy,
         repeat=max(1, args.repeat),
+        cached_tokens=max(0, args.cached_tokens),
     )
     return settings, args.host, args.port
 

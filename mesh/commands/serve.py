@@ -1,8 +1,8 @@
 """``mesh serve [--config mesh.yaml] [--worker-urls URL ...] [--policy P] [--admin-key K]``: run the
 gateway (uvicorn). Flags and environment variables override the file (``mesh.commands.serve_flags``).
 
-Uses uvloop and httptools when installed; access log off by default (a log line per request
-costs more than the proxying). SIGHUP re-reads the config file (a broken file keeps the old one).
+Uses uvloop and httptools when installed; access log off by default (``--access-log json``: one
+JSON line per request, written by a background thread, ``mesh.gateway.access_log``). SIGHUP re-reads the config file (a broken file keeps the old one).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from mesh.commands.serve_flags import add_arguments as add_flag_arguments
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="run the gateway (from a YAML config file, flags, or both)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                               description="Runs the gateway. Without --config: the defaults (docs/config.md) "
                                           "with what the flags give, e.g. `mesh serve --worker-urls "
                                           "http://127.0.0.1:8001 http://127.0.0.1:8002 --policy kv_aware`.")
@@ -28,12 +27,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, help="listen port, overrides server.port (8000 when unset)")
     add_flag_arguments(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    p.add_argument("--access-log", action="store_true", help="log every request (slow)")
+    add_access_log_argument(p)
     add_shutdown_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import os
 
     from mesh.commands.config import load_or_report
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         overrides = from_args(args, os.environ)
+        if args.access_log == "json":  # kept across reloads, as every flag
+            overrides = dataclasses.replace(overrides, server={**overrides.server, "access_log": "json"})
         config = overrides.apply(config)
     except (ConfigError, PluginError) as exc:  # --port 99999, a bad --worker-urls URL, an unreadable key file
         lines = exc.errors if isinstance(exc, ConfigError) else [f"--policy: {exc}"]
@@ -62,7 +64,15 @@ def run(args: argparse.Namespace) -> int:
     print_warnings(warnings, sys.stderr)
     app = create_app(config, config_path=args.config, handle_sighup=True, overrides=overrides.apply)
     return serve_app(app, config.server.host, config.server.port, log_level=args.log_level,
-                     access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
+                     access_log=args.access_log == "text", shutdown_timeout_s=args.shutdown_timeout)
+
+
+def add_access_log_argument(p: argparse.ArgumentParser) -> None:
+    """``--access-log [text|json]`` (``mesh serve``, ``mesh up``)."""
+    p.add_argument("--access-log", nargs="?", const="text", choices=["text", "json"], default=None,
+                   help="log every request: json = one JSON line per request on stdout (request id, status, "
+                        "model, worker, tokens, TTFT, duration; server.access_log), written off the request "
+                        "path; text (the flag alone) = uvicorn's access log")
 
 
 def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.commands.graceful import add_argument as add_shutdown_argument
+from mesh.commands.serve import add_access_log_argument
 from workers.transfer.auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
@@ -52,6 +53,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
     p.add_argument("--decode", type=int, default=0, help="disaggregated: M decode workers (bundled engine)")
+    add_access_log_argument(p)
     add_shutdown_argument(p)
     p.set_defaults(func=run)
 
@@ -283,14 +285,16 @@ def serve_cluster(args: argparse.Namespace, roles: list[str], workers: list[Loca
 
     admin_key = secrets.token_urlsafe(16)
     data: dict[str, Any] = {
-        "server": {"host": args.host, "port": args.port, "admin_key": admin_key},
+        "server": {"host": args.host, "port": args.port, "admin_key": admin_key,
+                   "access_log": "json" if args.access_log == "json" else "off"},
         "workers": [w.config() for w in workers],
     }
     data.update(policy_data(args, roles))
     config = parse_config(data, "mesh up")
     app = create_app(config)
-    server = gateway_server(app, uvicorn_config(app, args.host, args.port, log_level=args.log_level, server=config.server),
-                            args.shutdown_timeout, name="mesh up")
+    uv_config = uvicorn_config(app, args.host, args.port, log_level=args.log_level, server=config.server,
+                               access_log=args.access_log == "text")
+    server = gateway_server(app, uv_config, args.shutdown_timeout, name="mesh up")
     failures: list[str] = []
 
     async def serve() -> None:

@@ -13,10 +13,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mesh.errors import MeshError, sse_error_event
 from mesh.gateway.headers import header
+
+if TYPE_CHECKING:
+    from policies.base import TargetState
 
 log = logging.getLogger("mesh.gateway.proxy")  # the proxy's log: operators filter on it
 
@@ -177,7 +180,8 @@ class Exchange:
     """
 
     __slots__ = ("send", "started", "done", "disconnected", "status", "watch_task", "write_timeout_s", "sends",
-                 "in_write", "seen_send", "blocked_since", "write_timed_out", "watch", "loop", "task")
+                 "in_write", "seen_send", "blocked_since", "write_timed_out", "watch", "loop", "task", "request_id",
+                 "served_by", "ttft_s", "usage")
 
     def __init__(self, send: Send, write_timeout_s: float = 30.0, watch: WriteWatch | None = None,
                  task: asyncio.Task[Any] | None = None) -> None:
@@ -196,6 +200,14 @@ class Exchange:
         self.watch = watch  # None: writes are not bounded
         self.loop = asyncio.get_running_loop()
         self.task = task  # the handler's task, cancelled by a write timeout
+        # What the request was answered with, for its metrics and access log line (the proxy
+        # writes them): its id (sent back as ``x-request-id`` with the response head), the target
+        # that answered, seconds to its first token, and the (prompt, cached, generation)
+        # tokens its worker reported.
+        self.request_id = b""
+        self.served_by: TargetState | None = None
+        self.ttft_s: float | None = None
+        self.usage: tuple[int, int, int] | None = None
         if watch is not None:
             watch.ensure(self.loop)
             watch.live.add(self)
@@ -252,6 +264,8 @@ class Exchange:
             self.in_write = False
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.request_id:
+            headers.append((b"x-request-id", self.request_id))
         self.started = True
         self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
@@ -266,6 +280,8 @@ class Exchange:
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         headers.append((b"content-length", str(len(body)).encode()))
+        if self.request_id:
+            headers.append((b"x-request-id", self.request_id))
         self.started = True
         self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": headers})

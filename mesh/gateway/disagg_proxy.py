@@ -6,7 +6,7 @@ request down the ordinary proxy path.
 workers with roles or a policy with profiles (``wanted``); it owns the relay's client, decode
 queue and background transfer releases, and ``aclose`` ends them at the lifespan's end. A
 streamed decode answer goes through the proxy's own relay (``sse_relay``) and counts as the
-proxy counts a stream.
+proxy counts a stream; its TTFT, ITL, latency and tokens go to the decode target's series.
 
 Cost for policies without prefill/decode profiles: one attribute check per request. With
 profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
@@ -40,10 +40,11 @@ from mesh.gateway.disagg_relay import (
     relay_disaggregated,
 )
 from mesh.gateway.headers import forwarded
-from mesh.gateway.proxy import Proxy
+from mesh.gateway.proxy import Proxy, count_usage
 from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
 from mesh.gateway.verdicts import shutdown_error
 from mesh.request.prompt import ParsedRequest
+from mesh.request_metrics import Series
 from policies.base import Decision, NoCandidate, Role
 
 log = logging.getLogger("mesh.gateway.disagg_proxy")
@@ -77,8 +78,9 @@ class DisaggProxy(Proxy):
                         worker.name, aborted)
 
     async def aclose(self) -> None:
-        """At the lifespan's end: close the relay's client, and end its background transfer
-        releases (``RELEASE_GRACE_S`` for those in flight, then cancelled: no task outlives it)."""
+        """At the lifespan's end: as ``Proxy.aclose``, close the relay's client, and end its background
+        transfer releases (``RELEASE_GRACE_S`` for those in flight, then cancelled: no task outlives it)."""
+        await super().aclose()
         await self.http.aclose()
         if self._closing is not None:
             await asyncio.gather(self._closing, return_exceptions=True)
@@ -125,7 +127,7 @@ class DisaggProxy(Proxy):
             resp = await relay_disaggregated(
                 self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
                 config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
-                releases=self.releases, legs=self.legs,
+                releases=self.releases, legs=self.legs, request_id=state.request_id.decode("ascii"),
             )
         except RelayClosed:
             raise shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
@@ -133,9 +135,15 @@ class DisaggProxy(Proxy):
             out = [(b"content-type", b"application/json"), *((k.encode(), v.encode()) for k, v in exc.headers.items())]
             await state.respond(exc.status, out, exc.body)
             return
+        series = self.series.series(parsed.info.model, resp.decode)
         try:
-            self._ttfb_hist[route].observe(time.perf_counter() - start)
-            out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
+            ttft = time.perf_counter() - start
+            self._ttfb_hist[route].observe(ttft)
+            state.served_by = self.registry.targets.get(resp.decode)
+            if resp.status == 200:
+                series.ttft(ttft)
+                state.ttft_s = ttft
+            out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers if k.lower() != "x-request-id"]
             try:
                 # The request timeout bounds the relay whether the worker or the client is slow:
                 # a client that stops reading (socket open) would hold the decode lease forever.
@@ -143,7 +151,9 @@ class DisaggProxy(Proxy):
                 # ClientWriteTimeout (``Exchange``): the finally below ends the decode lease and
                 # closes its connection, and ``Proxy.handle`` drops the client.
                 async with asyncio.timeout_at(resp.deadline):
-                    await self._send_answer(resp, out, state)
+                    tail = await self._send_answer(resp, out, state, series)
+                if tail and resp.status == 200:
+                    count_usage(tail, series, state)
             except TimeoutError:
                 # Lease and decode connection end first: the error event below waits on a client
                 # that may never read again (its disconnect cancels that wait).
@@ -151,23 +161,27 @@ class DisaggProxy(Proxy):
                 if state.started and not state.done:
                     self.metrics.stream_errors_total.inc()  # an error event after the first byte, as the proxy counts it
                     await state.stream_error(f"request timed out after {self.relay_config.timeout_s:g} s")
+            series.e2e(time.perf_counter() - start)
         finally:
             await resp.aclose()
 
-    async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: Exchange) -> None:
+    async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: Exchange,
+                           series: Series) -> bytes:
+        """Relay the decode worker's answer; its last bytes (where the usage is), b"" if it broke."""
         if not resp.stream:
             await state.respond(resp.status, headers, resp.first)
-            return
+            return resp.first
         await state.start(resp.status, headers)
         sse = is_sse([(k.lower(), v) for k, v in headers])
-        end = await relay_stream(state, resp.first, resp.read_chunk, sse, httpx.HTTPError)
+        end = await relay_stream(state, resp.first, resp.read_chunk, sse, httpx.HTTPError, series.itl)
         if not isinstance(end, StreamBreak):
             # A stream is its worker's success once it ended whole (as in the proxy), not at its
             # first bytes: a decode worker that breaks every stream must reach its failure threshold.
             self.registry.record_success(resp.decode)
-            return
+            return end
         worker = self.registry.worker_of(resp.decode)
         await self._end_broken_stream(state, resp.decode, worker.name if worker is not None else resp.decode, end)
+        return b""
 
 
 def wanted(config: MeshConfig) -> bool:

@@ -1,7 +1,7 @@
 """Header rules of the data plane: what is forwarded each way, and the bearer-key check.
 
-Requests go upstream with the client headers named by an allowlist (``forwarded_names``: request
-ids and tracing, the session header, ``server.forward_headers``, Authorization with
+Requests go upstream with the request's id (``mesh.gateway.request_id``) and the client headers
+named by an allowlist (``forwarded_names``: tracing, the session header, ``server.forward_headers``, Authorization with
 ``server.forward_authorization``), never a hop-by-hop one (RFC 9110: the fixed set and any named
 in ``Connection``) nor what the proxy sets itself; a header holding CR, LF or NUL is refused
 (injection). Cookies, ``X-Forwarded-For`` and the like are not a worker's business.
@@ -21,14 +21,17 @@ HOP_BY_HOP = frozenset(
     b"connection keep-alive proxy-authenticate proxy-authorization proxy-connection te trailer trailers "
     b"transfer-encoding upgrade host content-length expect".split()
 )
-RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
+# x-request-id: the gateway sends its own (``mesh.gateway.request_id``), one of the worker's would repeat it
+RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date", b"x-request-id"}
 # Set by the proxy, never taken from the client: a client's data-parallel rank would come first
-# and a vLLM worker would follow it over the router's choice.
-ROUTER_SET = frozenset({b"content-type", b"x-data-parallel-rank"})
+# and a vLLM worker would follow it over the router's choice; the request id is the gateway's
+# (the client's when sane, ``mesh.gateway.request_id``).
+ROUTER_SET = frozenset({b"content-type", b"x-data-parallel-rank", b"x-request-id"})
 JSON_HEADERS = [(b"content-type", b"application/json")]
-# Client headers a worker sees by default: what clients send and engines read (vLLM reads
-# x-request-id and the W3C trace context), nothing that identifies the client's network or browser.
-FORWARDED = frozenset(b"accept user-agent x-request-id traceparent tracestate baggage".split())
+# Client headers a worker sees by default: what clients send and engines read (the W3C trace
+# context), nothing that identifies the client's network or browser. vLLM also reads x-request-id:
+# every request carries one (the client's when sane), set by the proxy (ROUTER_SET).
+FORWARDED = frozenset(b"accept user-agent traceparent tracestate baggage".split())
 _BAD_HEADER_BYTES = re.compile(rb"[\r\n\0]")
 
 
@@ -76,9 +79,10 @@ def forwarded(client: list[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> l
     return out
 
 
-def upstream_headers(client: list[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> list[bytes]:
-    """``forwarded`` headers as request lines, after the proxy's own content type."""
-    return [b"content-type: application/json\r\n", *(b"%s: %s\r\n" % kv for kv in forwarded(client, allowed))]
+def upstream_headers(client: list[tuple[bytes, bytes]], allowed: frozenset[bytes], request_id: bytes) -> list[bytes]:
+    """``forwarded`` headers as request lines, after the proxy's own content type and the request's id."""
+    return [b"content-type: application/json\r\nx-request-id: %s\r\n" % request_id,
+            *(b"%s: %s\r\n" % kv for kv in forwarded(client, allowed))]
 
 
 def response_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

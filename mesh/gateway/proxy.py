@@ -19,7 +19,10 @@ alone cost ~40% of the rate, see BENCHMARKS.md); upstream requests go through th
 - A client that leaves cancels the handler, closing the upstream response; one that takes no
   bytes for ``server.client_write_timeout_s`` is abandoned alike. Neither charges the worker.
 - Prefix reuse is counted as predicted (the lease) and as reported (the answer's usage, found in
-  its tail: no chunk is parsed on the way through).
+  its tail: no chunk is parsed on the way through); the same one parse of the usage feeds the
+  token counters (``mesh.request_metrics``).
+- Every request has an id (``request_id``): the worker gets it, the client gets it back
+  (``x-request-id``), and it names the request in the log lines about it and its access log line.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.core.retention import RETENTION_HEADER, SPILL
 from mesh.core.router import Lease, Router
 from mesh.errors import MeshError, bad_request, openai_error_bytes
+from mesh.gateway.access_log import AccessLog, Entry
 from mesh.gateway.admission_queue import AdmissionQueue, OverCapacity
 from mesh.gateway.client_io import (
     WATCH_AFTER_S,
@@ -60,6 +64,7 @@ from mesh.gateway.headers import (
     response_headers,
     upstream_headers,
 )
+from mesh.gateway.request_id import RequestIds
 from mesh.gateway.sse_relay import StreamBreak, ended_whole, is_sse, relay_stream
 from mesh.gateway.upstream import (
     ConnectError,
@@ -83,6 +88,7 @@ from mesh.gateway.verdicts import (
 from mesh.log_limit import LogLimiter
 from mesh.metrics import Metrics
 from mesh.request.prompt import ParsedRequest, PromptProcessor
+from mesh.request_metrics import RequestSeries, Series
 from policies.base import Decision, NoCandidate, RequestInfo, TargetState
 from policies.filters import blocks_needed
 
@@ -91,6 +97,9 @@ log = logging.getLogger("mesh.gateway.proxy")
 Scope = MutableMapping[str, Any]
 
 RETENTION_SPILL = f"{RETENTION_HEADER}: {SPILL}\r\n".encode()  # the retention hint
+# An answer's usage, searched from its (last) ``"usage"`` key: the keys' order differs by engine.
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
@@ -129,6 +138,13 @@ class Proxy:
         self._route_hist = {r: metrics.request_latency.labels(r) for r in ("chat", "completions")}
         self._ttfb_hist = {r: metrics.ttfb.labels(r) for r in ("chat", "completions")}
         self._prefix_children: dict[str, tuple[Any, Any]] = {}  # target -> (predicted, reported)
+        # TTFT, ITL, end-to-end latency and reported tokens per (model, target); its own cheap
+        # histograms (``mesh.request_metrics``), rendered by /metrics, pruned with removed workers
+        self.series = RequestSeries(registry)
+        metrics.add_collector(self.series.families)
+        registry.add_listener(self.series)
+        self._ids = RequestIds()
+        self.access_log = AccessLog()  # server.access_log: json (its thread starts with the first line)
         self._write_watch = WriteWatch(metrics.client_write_timeouts_total)  # client writes past server.client_write_timeout_s
         # Set by ``shut_down`` (the gateway's shutdown timeout, right before it closes the pool):
         # from then on an upstream break is the gateway's doing, charged to no worker.
@@ -148,8 +164,8 @@ class Proxy:
                         worker.name, aborted)
 
     async def aclose(self) -> None:
-        """At the lifespan's end, before the pool closes: nothing of its own to close here."""
-        return None
+        """At the lifespan's end, before the pool closes: the access log's pending lines are written."""
+        await asyncio.to_thread(self.access_log.close)
 
     def shut_down(self) -> None:
         """The gateway is about to close every upstream connection (``app.end_in_flight``): the
@@ -165,8 +181,10 @@ class Proxy:
         state = Exchange(send, self.registry.config.server.client_write_timeout_s, self._write_watch, task)
         watcher: asyncio.TimerHandle | None = None
         held = 0  # body bytes taken from ``bodies``
+        parsed: ParsedRequest | None = None
+        headers = scope["headers"]
+        state.request_id = self._ids.of(headers)
         try:
-            headers = scope["headers"]
             self._check_auth(headers)
             server = self.registry.config.server
             raw = await read_body(receive, headers, server.max_body_bytes, server.body_idle_timeout_s, self.bodies)
@@ -195,8 +213,8 @@ class Proxy:
         except RecursionError:  # a body nested deeper than the request's processing can walk
             await self._error(state, bad_request("request body is nested too deeply", code="too_deeply_nested"), scope)
         except Exception as exc:  # a bug must never surface as a traceback to the client
-            self._unexpected.log(logging.ERROR, (route, type(exc).__name__), "unexpected error in proxy: %s", exc,
-                                 exc_info=True)
+            self._unexpected.log(logging.ERROR, (route, type(exc).__name__), "request %s: unexpected error in proxy: %s",
+                                 state.request_id.decode(), exc, exc_info=True)
             await self._error(state, MeshError(500, "internal gateway error", code="internal_error"), scope)
         finally:
             self.bodies.give(held)
@@ -206,7 +224,10 @@ class Proxy:
             if state.watch_task is not None:
                 state.watch_task.cancel()
             self.metrics.request_done(route, state.status)
-            self._route_hist[route].observe(time.perf_counter() - start)
+            took = time.perf_counter() - start
+            self._route_hist[route].observe(took)
+            if self.registry.config.server.access_log == "json":
+                self.access_log.record(_entry(scope, state, parsed, took))
 
     async def _error(self, state: Exchange, exc: MeshError, scope: Scope) -> None:
         try:
@@ -222,8 +243,8 @@ class Proxy:
         state.status = 499
         self.metrics.client_write_timeouts_total.inc()
         self._write_watch.log.warning(
-            "client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, worker freed",
-            client_label(scope.get("client")), state.write_timeout_s)
+            "request %s: client write timeout: a write to %s waited %g s (it stopped reading); response abandoned, "
+            "worker freed", state.request_id.decode(), client_label(scope.get("client")), state.write_timeout_s)
         if abort_client(state.send):
             # one loop turn, so that the server sees the connection lost before the handler
             # returns (else uvicorn logs "ASGI callable returned without completing response")
@@ -267,7 +288,7 @@ class Proxy:
         config = self.registry.config
         retries = config.retries
         deadline = time.monotonic() + config.server.request_timeout_s  # the request's one deadline
-        out_headers = upstream_headers(client_headers, self._forwarded_names())
+        out_headers = upstream_headers(client_headers, self._forwarded_names(), state.request_id)
         excluded: list[str] = []
         suspects: list[Failure] = []
         failure: Failure | None = None
@@ -302,7 +323,7 @@ class Proxy:
         if failure is None:  # no attempt could be routed at all
             raise MeshError(503, "no healthy worker is available", code="no_healthy_worker")
         if failure.body is not None:
-            await state.respond(failure.status, failure.headers or JSON_HEADERS, failure.body)
+            await state.respond(failure.status, failure.headers or list(JSON_HEADERS), failure.body)
         else:
             raise MeshError(failure.status, failure.message, code="upstream_error")
 
@@ -435,14 +456,23 @@ class Proxy:
             except UpstreamError as exc:  # connect errors, resets, stalls, bad responses: retryable
                 if self.shutting_down:  # the pool closed under it (or refuses): no retry, no worker charged
                     raise shutdown_error() from None
-                raise self._attempt_failed(target, exc) from exc
+                raise self._attempt_failed(target, exc, state.request_id) from exc
             lease.first_token()
-            self._ttfb_hist[route].observe(time.perf_counter() - start)
-            await self._deliver(resp, first, parsed.stream, state, lease, deadline, suspects)
+            ttft = time.perf_counter() - start
+            self._ttfb_hist[route].observe(ttft)
+            series = self.series.series(parsed.info.model, target.id)
+            state.served_by = target
+            if resp.status == 200:
+                series.ttft(ttft)
+                state.ttft_s = ttft
+            await self._deliver(resp, first, parsed.stream, state, lease, deadline, suspects, series)
+            series.e2e(time.perf_counter() - start)
             return None
         except UpstreamFailed as exc:
             if self.shutting_down and exc.body is None:  # e.g. "closed the stream before any data"
                 raise shutdown_error() from None
+            if exc.detail is None:  # not logged yet (``_attempt_failed`` logs the others)
+                self._attempt_log.warning("request %s: %s", state.request_id.decode(), exc)
             self.metrics.upstream_errors_total.labels(target.worker, exc.kind).inc()
             suspect = exc.suspect
             if exc.worker_fault and not suspect:
@@ -452,7 +482,7 @@ class Proxy:
             if resp is not None:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
 
-    def _attempt_failed(self, target: TargetState, exc: UpstreamError) -> UpstreamFailed:
+    def _attempt_failed(self, target: TargetState, exc: UpstreamError, request_id: bytes) -> UpstreamFailed:
         """What an upstream error before the client's first byte means: its kind, the client's
         message (the worker's name, not its address) and the detail (the log, ``/workers``)."""
         if isinstance(exc, ConnectError):
@@ -467,16 +497,18 @@ class Proxy:
             return failed
         else:
             kind, what = "disconnect", f"failed: {exc}"  # the pool's own messages carry no address
-        self._attempt_log.warning("worker %s: %s attempt failed: %s", target.worker, kind, exc)
+        self._attempt_log.warning("request %s: worker %s: %s attempt failed: %s", request_id.decode(), target.worker,
+                                  kind, exc)
         return UpstreamFailed(kind, f"worker {target.worker} {what}", detail=f"{kind}: {exc}")
 
     async def _deliver(
         self, resp: UpstreamResponse, first: bytes, stream: bool, state: Exchange, lease: Lease, deadline: float,
-        suspects: list[Failure],
+        suspects: list[Failure], series: Series,
     ) -> None:
         """Relay an answer whose first bytes are in, and count it: the worker's success (a stream
         once it ended whole, not at its first byte: a break counts as a failure, a client too slow
-        to read as nobody's), the suspects' failures, the prefix reuse of a 200."""
+        to read as nobody's), the suspects' failures, the prefix reuse and tokens of a 200, a
+        stream's gaps between chunks (``series``)."""
         target = lease.target
         resp.settle()  # its bytes go to the client from here: no abort any more
         streaming = stream and resp.status == 200 and is_sse(resp.headers)
@@ -490,7 +522,7 @@ class Proxy:
         if streaming:
             # a client that stops reading holds its lease only until the request timeout
             resp.on_stall(lease.finish)
-            tail = await self._stream(resp, first, out, state, target, lease, deadline, is_sse(resp.headers))
+            tail = await self._stream(resp, first, out, state, target, lease, deadline, is_sse(resp.headers), series)
             if tail:  # b"": it broke (counted there), or its client read too slowly (nobody's fault)
                 self.registry.record_success(target.id)
         elif resp.status >= 400:
@@ -500,11 +532,13 @@ class Proxy:
             await state.respond(resp.status, out, first)
             tail = first
         if tail and resp.status == 200:
-            self._count_prefix(lease, tail)
+            cached = count_usage(tail, series, state)
+            if cached is not None:
+                self._count_prefix(lease, cached)
 
     async def _stream(
         self, resp: UpstreamResponse, first: bytes, headers: list[tuple[bytes, bytes]], state: Exchange,
-        target: TargetState, lease: Lease, deadline: float, sse: bool,
+        target: TargetState, lease: Lease, deadline: float, sse: bool, series: Series,
     ) -> bytes:
         """Relay the stream (``sse_relay.relay_stream``); returns its last chunks (where the usage
         chunk is), b"" if it broke. ``sse``: an OpenAI event stream, whose end without ``[DONE]``
@@ -520,7 +554,7 @@ class Proxy:
             return data
         timer = asyncio.get_running_loop().call_at(deadline, _finish_lease, lease)
         try:
-            end = await relay_stream(state, data, resp.read_chunk, sse, UpstreamError)
+            end = await relay_stream(state, data, resp.read_chunk, sse, UpstreamError, series.itl)
             if isinstance(end, StreamBreak):
                 await self._end_broken_stream(state, target.id, target.worker, end)
                 return b""
@@ -555,14 +589,8 @@ class Proxy:
         self.registry.record_failure(target_id, time.monotonic(), f"stream broke: {exc!r}")
         await state.stream_error(f"worker {worker} {what}")
 
-    def _count_prefix(self, lease: Lease, tail: bytes) -> None:
-        """Predicted vs reported cached tokens of one answered request (when the answer says)."""
-        at = tail.rfind(b'"cached_tokens"')
-        if at < 0:
-            return
-        found = _CACHED_TOKENS.match(tail, at)
-        if found is None:
-            return
+    def _count_prefix(self, lease: Lease, cached: int) -> None:
+        """Predicted vs reported cached tokens of one answered request whose answer says."""
         tid = lease.target.id
         pair = self._prefix_children.get(tid)
         if pair is None:
@@ -573,7 +601,36 @@ class Proxy:
                 m.prefix_predicted_tokens_total.labels(tid), m.prefix_reported_tokens_total.labels(tid)
             )
         pair[0].inc(lease.prompt_tokens - lease.uncached_tokens)
-        pair[1].inc(int(found.group(1)))
+        pair[1].inc(cached)
+
+
+def count_usage(tail: bytes, series: Series, state: Exchange) -> int | None:
+    """Count the tokens an answer's worker reported (its last ``usage``: a stream's usage chunk)
+    in ``series`` and ``state``; the cached tokens when it reported them, else None."""
+    at = tail.rfind(b'"usage"')
+    if at < 0:
+        return None
+    prompt = _PROMPT_TOKENS.search(tail, at)
+    completion = _COMPLETION_TOKENS.search(tail, at)
+    if prompt is None and completion is None:  # "usage": null
+        return None
+    found = _CACHED_TOKENS.search(tail, at)
+    usage = (int(prompt.group(1)) if prompt else 0, int(found.group(1)) if found else 0,
+             int(completion.group(1)) if completion else 0)
+    series.usage(*usage)
+    state.usage = usage
+    return usage[1] if found is not None else None
+
+
+def _entry(scope: Scope, state: Exchange, parsed: ParsedRequest | None, took: float) -> Entry:
+    """The access log's entry of one request (``server.access_log: json``)."""
+    target = state.served_by
+    usage = state.usage or (None, None, None)
+    client = scope.get("client")
+    return (time.time(), state.request_id, scope.get("method", ""), scope.get("path", ""), state.status,
+            parsed.info.model if parsed is not None else None, target.worker if target is not None else None,
+            target.id if target is not None else None, parsed.info.session_id if parsed is not None else None,
+            usage[0], usage[1], usage[2], state.ttft_s, took, f"{client[0]}:{client[1]}" if client else None)
 
 
 def _finish_lease(lease: Lease) -> None:

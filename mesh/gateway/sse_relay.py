@@ -11,12 +11,14 @@ Invariants:
   of its worker's own (``ended_whole``); a body that ends otherwise broke. Other streamed answers
   (a worker's JSON) end when their body ends. A break after a whole stream is an end.
 - On an end the relay ends the response; on a break it leaves the response open for the
-  caller's error event. No chunk is parsed on the way through.
+  caller's error event. No chunk is parsed on the way through; the gaps between chunks are timed
+  (one clock read and one call per chunk) for the inter-token latency histogram.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,8 +38,10 @@ class StreamBreak:
 
 async def relay_stream(
     state: Exchange, data: bytes, read: Read, sse: bool, breaks: type[Exception] | tuple[type[Exception], ...],
+    gap: Callable[[float], None] | None = None,
 ) -> bytes | StreamBreak:
-    """Relay ``data`` (the first bytes, not empty), then every chunk ``read`` gives.
+    """Relay ``data`` (the first bytes, not empty), then every chunk ``read`` gives; ``gap`` is
+    told the seconds between successive chunks (the first measured from this call).
 
     Returns the stream's last chunks (where the usage chunk and ``[DONE]`` are) once it ended
     and the response is complete; a ``StreamBreak`` when it broke (an exception of ``breaks``
@@ -48,6 +52,8 @@ async def relay_stream(
     c4 = c3 = c2 = b""
     c1 = data
     pending = b""  # the start of an event not ended yet
+    clock = time.perf_counter
+    last = clock()
     try:
         while True:
             cut = whole_events(data)
@@ -63,6 +69,10 @@ async def relay_stream(
             data = await read()
             if not data:
                 break
+            if gap is not None:
+                now = clock()
+                gap(now - last)
+                last = now
             if pending:
                 data, pending = pending + data, b""
             c4, c3, c2, c1 = c3, c2, c1, data

@@ -16,14 +16,15 @@ def test_upstream_headers_hygiene() -> None:
         (b"x-tenant", b"t1"),
     ]  # fmt: skip
     allowed = forwarded_names([], "x-session-id", forward_authorization=False)
-    assert upstream_headers(client, allowed) == [b"content-type: application/json\r\n", b"x-session-id: s1\r\n",
-                                                 b"traceparent: 00-a\r\n"]
+    # the client's x-request-id is replaced by the request's (mesh.gateway.request_id), never repeated
+    assert upstream_headers(client, allowed, b"rid-1") == [b"content-type: application/json\r\nx-request-id: rid-1\r\n",
+                                                           b"x-session-id: s1\r\n", b"traceparent: 00-a\r\n"]
     with_auth = forwarded_names(["X-Tenant", "Host"], "x-session-id", forward_authorization=True)
-    lines = upstream_headers(client, with_auth)
+    lines = upstream_headers(client, with_auth, b"rid-1")
     assert b"authorization: Bearer client-key\r\n" in lines and b"x-tenant: t1\r\n" in lines
     assert not any(line.startswith((b"host:", b"cookie:")) for line in lines)  # hop-by-hop never, named or not
     with pytest.raises(MeshError) as info:
-        upstream_headers([(b"x-request-id", b"v\r\nx-injected: 1")], allowed)
+        upstream_headers([(b"traceparent", b"v\r\nx-injected: 1")], allowed, b"rid-1")
     assert info.value.status == 400
 
 
