@@ -149,7 +149,8 @@ function spark(points) {
   const top = Math.max(1, ...deltas.map(d => Math.max(d.p, d.r)));
   for (const [field, color] of [["p", "#bc8cff"], ["r", "#3fb950"]]) {
     if (deltas.length < 1) break;
-    const step = W / Math.max(1, HISTORY - 1), x0 = W - step * (deltas.length - 1);
+    // right-aligned, newest at the right edge; a short history is spread over at least a fifth of the width
+    const step = W / (Math.min(HISTORY, Math.max(deltas.length, 12)) - 1), x0 = W - step * (deltas.length - 1);
     const pts = deltas.map((d, i) => (x0 + i * step).toFixed(1) + "," + (H - 2 - (H - 4) * d[field] / top).toFixed(1));
     if (pts.length === 1) pts.unshift((x0 - step).toFixed(1) + "," + pts[0].split(",")[1]);
     const line = document.createElementNS(NS, "polyline");

@@ -203,3 +203,15 @@ async def test_memory_state_backend_gets_sets_and_deletes() -> None:
     assert await backend.get_session("s", 16.0) is None
     await backend.delete_session("s")
     assert len(backend.table) == 0
+
+
+def test_next_expiries_are_the_soonest_idle_bindings_in_order() -> None:
+    t = SessionTable(idle_ttl_s=10)
+    for i, sid in enumerate(("c", "a", "b", "busy")):
+        t.bind(sid, f"t{i}", float(i))
+    t.begin("busy", 3.0)  # a session with a request in flight never expires: not listed
+    t.bind("c", "t0", 5.0)  # refreshed: now the last idle one to expire
+    assert t.next_expiries(10) == [("a", "t1", 11.0), ("b", "t2", 12.0), ("c", "t0", 15.0)]
+    assert t.next_expiries(1) == [("a", "t1", 11.0)]
+    t.expire(11.0)
+    assert [sid for sid, _, _ in t.next_expiries(10)] == ["b", "c"]
