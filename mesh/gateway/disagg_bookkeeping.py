@@ -5,18 +5,21 @@ waiting for decode headroom at once (each wait is bounded in time); ``RelayStats
 the relays did; ``Releases`` holds the transfer releases sent in the background, which its
 ``close`` ends, so no task outlives the owner; ``WorkerHealth`` is where attempts report on
 workers (the registry's passive health); ``PendingLegs`` holds the legs waiting for a worker's
-answer, which ``abort`` ends when that worker turns unhealthy. Everything here runs on the event loop thread.
+answer, which ``abort`` ends when that worker turns unhealthy; ``full_for_pairs`` and
+``pd_profiles`` read what pairs may form. Everything here runs on the event loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
+
+from policies.base import Policy, Role, TargetState
 
 RELEASE_TIMEOUT_S = 5.0  # one release request to a prefill worker, whole
 
@@ -177,3 +180,17 @@ async def release_transfer(url: str, transfer_id: str, timeout_s: float = RELEAS
     with contextlib.suppress(Exception):
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             await client.post(url, json={"transfer_id": transfer_id, "cancel": True})
+
+
+def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
+    """Targets a new pair must leave out: those at their admission limit (``max_in_flight``),
+    except decode-role ones, which the relay checks itself (waiting in the decode queue)."""
+    return [t.id for t in targets.values() if t.at_admission_limit and t.role != Role.DECODE]
+
+
+def pd_profiles(policy: Policy) -> Any:
+    """The policy's prefill/decode profiles (``Pipeline.pd``: prefill, decode, mixed fallback), or
+    None for a policy that forms no pairs."""
+    # A probe, not a typed field: ``Policy`` declares no ``pd``; a plugin says it forms pairs by
+    # having one (``GuardedPolicy`` forwards it), and ``policies/`` is the interface's owner.
+    return getattr(policy, "pd", None)

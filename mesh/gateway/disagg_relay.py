@@ -35,10 +35,16 @@ from mesh.gateway.disagg_bookkeeping import (
     RelayStats,
     Releases,
     WorkerHealth,
+    full_for_pairs,
+    pd_profiles,
     release_transfer,
 )
 from mesh.gateway.disagg_wire import (
+    ADMISSION_CODES,
     HOP_BY_HOP,
+    PREFILL_SIDE_CODES,
+    TRANSFER_CHARGED,
+    TRANSFER_SUSPECT,
     Full,
     NewPair,
     RelayClosed,
@@ -54,25 +60,16 @@ from mesh.gateway.disagg_wire import (
     named_headers,
     prefill_body,
     read_bounded,
+    what_failed,
 )
 from mesh.gateway.sse_relay import is_sse
 from mesh.gateway.verdicts import StatusVerdict, answer_problem, status_verdict
-from policies.base import Decision, NoCandidate, Overlap, Policy, RequestInfo, Role, TargetState
+from policies.base import Decision, NoCandidate, Overlap, RequestInfo
 
 __all__ = [  # what callers import from here (the relay's parts live in disagg_bookkeeping and disagg_wire)
     "DecodeQueue", "PendingLegs", "RelayClosed", "RelayConfig", "RelayError", "RelayResponse", "RelayStats", "Releases",
     "decode_body", "full_for_pairs", "pd_profiles", "prefill_body", "relay_disaggregated",
 ]
-
-ADMISSION_CODES = frozenset({"kv_admission_full", "kv_no_space"})
-PREFILL_SIDE_CODES = frozenset({"kv_transfer_failed", "kv_transfer_corrupt", "kv_transfer_truncated", "kv_transfer_gone"})
-# Of those, what the prefill worker is charged for (``_Relay.transfer_failed``): bytes it sent that
-# failed verification or ended early, at once; a pull that could not connect or broke (its transfer
-# server, or the network between), once the same decode worker took another prefill worker's
-# transfer for the request. ``kv_transfer_gone`` (released before the pull: its deadline, a cancel)
-# is no fault of a worker's.
-TRANSFER_CHARGED = frozenset({"kv_transfer_corrupt", "kv_transfer_truncated"})
-TRANSFER_SUSPECT = frozenset({"kv_transfer_failed"})
 
 
 class _Relay:
@@ -190,7 +187,7 @@ class _Relay:
         except (httpx.HTTPError, TooLarge) as exc:
             self.check_open()  # closed under it: not the worker's failure
             self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")  # the detail: /workers
-            raise Retry(f"prefill worker {target_id} failed ({_what_failed(exc)})") from exc
+            raise Retry(f"prefill worker {target_id} failed ({what_failed(exc)})") from exc
         finally:
             lease.finish(self.now())
         status = resp.status_code
@@ -296,7 +293,7 @@ class _Relay:
             except (httpx.HTTPError, TooLarge) as exc:
                 self.check_open()  # closed under it: not the worker's failure
                 self.health.record_failure(decode_id, self.now(), f"decode failed: {exc!r}")  # the detail: /workers
-                raise Retry(f"decode worker {decode_id} failed ({_what_failed(exc)})") from exc
+                raise Retry(f"decode worker {decode_id} failed ({what_failed(exc)})") from exc
             except TimeoutError as exc:
                 if leg.aborted:  # its health check failed meanwhile: health already took it out
                     raise Retry(f"decode worker {decode_id} turned unhealthy before it answered", 503,
@@ -461,31 +458,6 @@ class _Relay:
         return True
 
 
-def _what_failed(exc: Exception) -> str:
-    """An httpx failure for a client: its kind, never its text (which may name the worker's address)."""
-    if isinstance(exc, httpx.TimeoutException):
-        return "timed out: " + ("could not connect" if isinstance(exc, httpx.ConnectTimeout) else "no data in time")
-    if isinstance(exc, httpx.ConnectError):
-        return "could not connect"
-    if isinstance(exc, TooLarge):
-        return str(exc)
-    return "the connection broke"
-
-
-def full_for_pairs(targets: Mapping[str, TargetState]) -> list[str]:
-    """Targets a new pair must leave out: those at their admission limit (``max_in_flight``),
-    except decode-role ones, which the relay checks itself (waiting in the decode queue)."""
-    return [t.id for t in targets.values() if t.at_admission_limit and t.role != Role.DECODE]
-
-
-def pd_profiles(policy: Policy) -> Any:
-    """The policy's prefill/decode profiles (``Pipeline.pd``: prefill, decode, mixed fallback), or
-    None for a policy that forms no pairs."""
-    # A probe, not a typed field: ``Policy`` declares no ``pd``; a plugin says it forms pairs by
-    # having one (``GuardedPolicy`` forwards it), and ``policies/`` is the interface's owner.
-    return getattr(policy, "pd", None)
-
-
 async def relay_disaggregated(
     client: httpx.AsyncClient,
     router: Router,
@@ -510,9 +482,8 @@ async def relay_disaggregated(
     attempt. Returns once the decode worker's first bytes are in (every retry happens before):
     stream ``RelayResponse.body()`` to the client and call ``aclose()`` in a ``finally``.
     Raises ``RelayError`` (status, OpenAI-shaped body, headers) when no pair could serve it.
-    ``health``: told of failures and successes per worker as the proxy tells them. A streamed decode answer's success is not told here: whoever relays it tells it
-    once the stream ended whole (``DisaggProxy``), since a success at its first bytes would reset
-    the failures of a worker that breaks every stream.
+    ``health``: told of failures and successes per worker as the proxy tells them; a streamed
+    decode answer's success is told by its relayer once the stream ended whole (``DisaggProxy``).
     ``releases``: where transfer releases go in the background when the client went away or the
     relay's client was closed (the caller closes it at its shutdown); None: they are awaited.
     ``legs``: where the legs waiting for an answer are kept, for the caller to abort those of a

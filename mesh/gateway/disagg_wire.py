@@ -28,6 +28,18 @@ HOP_BY_HOP = frozenset(
     "connection keep-alive proxy-authenticate proxy-authorization te trailer transfer-encoding upgrade host "
     "content-length content-encoding".split()
 )
+
+# Error codes of a decode worker's answer to a transfer (the bundled worker's and vLLM's).
+ADMISSION_CODES = frozenset({"kv_admission_full", "kv_no_space"})
+PREFILL_SIDE_CODES = frozenset({"kv_transfer_failed", "kv_transfer_corrupt", "kv_transfer_truncated", "kv_transfer_gone"})
+# Of those, what the prefill worker is charged for (``_Relay.transfer_failed``): bytes it sent that
+# failed verification or ended early, at once; a pull that could not connect or broke (its transfer
+# server, or the network between), once the same decode worker took another prefill worker's
+# transfer for the request. ``kv_transfer_gone`` (released before the pull: its deadline, a cancel)
+# is no fault of a worker's.
+TRANSFER_CHARGED = frozenset({"kv_transfer_corrupt", "kv_transfer_truncated"})
+TRANSFER_SUSPECT = frozenset({"kv_transfer_failed"})
+
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -210,3 +222,14 @@ async def first_bytes(chunks: AsyncIterator[bytes]) -> bytes:
         if chunk:
             return chunk
     return b""
+
+
+def what_failed(exc: Exception) -> str:
+    """An httpx failure for a client: its kind, never its text (which may name the worker's address)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out: " + ("could not connect" if isinstance(exc, httpx.ConnectTimeout) else "no data in time")
+    if isinstance(exc, httpx.ConnectError):
+        return "could not connect"
+    if isinstance(exc, TooLarge):
+        return str(exc)
+    return "the connection broke"
