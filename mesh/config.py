@@ -122,6 +122,11 @@ class ServerConfig(_Model):
             raise ValueError("api keys must be non-empty printable strings")
         return keys
 
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _access_log_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
     @field_validator("allowed_ipc_paths")
     @classmethod
     def _ipc_paths(cls, paths: list[str]) -> list[str]:

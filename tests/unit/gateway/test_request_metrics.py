@@ -1,5 +1,5 @@
-"""mesh.request_metrics (bounded labels, Prometheus histogram semantics), mesh.gateway.request_id
-and the access log's line format."""
+"""mesh.request_metrics (bounded labels, Prometheus histogram semantics), mesh.gateway.request_id,
+the access log's line format and its config key."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import timeit
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from mesh.config import ConfigError, parse_config
 from mesh.gateway.access_log import FIELDS, line
 from mesh.gateway.request_id import MAX_LENGTH, RequestIds
 from mesh.request_metrics import OTHER_MODEL, TTFT_BUCKETS, RequestSeries
@@ -129,3 +132,10 @@ def test_an_access_log_line_is_one_json_object_with_every_field() -> None:
     assert (got["prompt_tokens"], got["cached_tokens"], got["generation_tokens"]) == (12, 4, 7)
     assert got["ttft_s"] == 0.123457 and got["client"] == "10.0.0.1:5555"
     assert "\n" not in line(entry)  # type: ignore[arg-type]
+
+
+def test_the_access_log_key_takes_yaml_off_and_json_only() -> None:
+    assert parse_config(yaml.safe_load("server: {access_log: off}"), "t").server.access_log == "off"  # YAML: false
+    assert parse_config(yaml.safe_load("server: {access_log: json}"), "t").server.access_log == "json"
+    with pytest.raises(ConfigError, match="server.access_log"):
+        parse_config({"server": {"access_log": "text"}}, "t")
