@@ -30,8 +30,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
+from simulator.fit import TermFit, fit_terms, linear_slope
 from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, Profile, ProfileError, dump_profile
 
 
@@ -200,23 +199,6 @@ def _reseed(prompt: Prompt, vocab: int = 0) -> Prompt:
     return f"n{_rng.getrandbits(48):x}" + prompt[prompt.index(" "):]
 
 
-def _fit(xs: list[list[float]], ys: list[float]) -> list[float]:
-    """Non-negative least squares by clipping: good enough for 2-3 smooth terms."""
-    a = np.asarray(xs, dtype=float)
-    y = np.asarray(ys, dtype=float)
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    for _ in range(a.shape[1]):
-        neg = coef < 0
-        if not neg.any():
-            break
-        keep = ~neg
-        coef = np.zeros_like(coef)
-        if keep.any():
-            sub, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
-            coef[keep] = sub
-    return [max(0.0, float(c)) for c in coef]
-
-
 async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     ep = Endpoint(args.url, args.model, args.api_key, args.timeout,
                   getattr(args, "session", None), getattr(args, "session_header", "x-session-id"))
@@ -237,29 +219,31 @@ async def _measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             ttft = await _ttft(ep, _reseed(prompt, ep.vocab), repeats)
             prefill_pts.append((tokens, ttft))
             log(f"prefill {tokens:>6} tokens: TTFT {ttft * 1e3:8.2f} ms")
-        base, per_tok, per_tok2 = _fit([[1.0, n, n * n] for n, _ in prefill_pts], [t for _, t in prefill_pts])
-        block_size = args.block_size or BUILTIN[args.base].block_size
+        cold = fit_terms(("base", "per_token", "per_token2"), [[1.0, n, n * n] for n, _ in prefill_pts],
+                         [t for _, t in prefill_pts]).values
+        block_size = getattr(args, "resolved_block_size", None) or args.block_size or BUILTIN[args.base].block_size
 
-        cold_fit = (base, per_tok, per_tok2)
+        cold_fit = (cold["base"], cold["per_token"], cold["per_token2"])
         ctx_pts = await _context_points(ep, top, repeats, cold_fit, block_size, log)
         # every TTFT at once, priced in the engine's steps (the simulator chunks at the profile's budget)
-        base, per_tok, per_tok2, per_ctx, per_hit = fit_prefill(prefill_pts, ctx_pts,
-                                                                BUILTIN[args.base].max_batched_tokens)
+        prefill = fit_prefill_terms(prefill_pts, ctx_pts, BUILTIN[args.base].max_batched_tokens)
 
         steps = 16 if quick else 64
         decode_pts, decode_ctx_pts = await _decode_points(ep, top, steps, 4 if quick else args.max_batch, quick, log)
         if not decode_pts:
             raise CalibrationError("no inter-token gaps measured: does the endpoint stream token by token?")
-        d_base, d_seq, per_ctx_tok = _fit_decode(decode_pts, decode_ctx_pts)
-        mixed_pts = await _mixed_points(ep, top, repeats, quick, (d_base, d_seq, per_ctx_tok), log)
-        mixed, mixed_seq, mixed_tok = _fit_mixed(mixed_pts)
+        decode = fit_decode_terms(decode_pts, decode_ctx_pts)
+        d = decode.values
+        mixed_pts = await _mixed_points(ep, top, repeats, quick, (d["base"], d["per_seq"], d["per_ctx_token"]), log)
+        mixed = fit_mixed_terms(mixed_pts)
+        unfitted = {f"prefill.{k}": v for k, v in prefill.unfitted.items()}
+        unfitted |= {f"prefill.{k}": v for k, v in mixed.unfitted.items()}
+        unfitted |= {f"decode.{k}": v for k, v in decode.unfitted.items()}
         return {
             "model": model, "url": ep.base,
-            "prefill": {"base_ms": base * 1e3, "per_token_ms": per_tok * 1e3, "per_token2_ms": per_tok2 * 1e3,
-                        "per_token_ctx_ms": per_ctx * 1e3, "per_hit_token_ms": per_hit * 1e3,
-                        "mixed_ms": mixed * 1e3, "mixed_per_seq_ms": mixed_seq * 1e3,
-                        "mixed_per_token_ms": mixed_tok * 1e3},
-            "decode": {"base_ms": d_base * 1e3, "per_seq_ms": d_seq * 1e3, "per_ctx_token_ms": per_ctx_tok * 1e3},
+            "prefill": {f"{k}_ms": v * 1e3 for k, v in (prefill.values | mixed.values).items()},
+            "decode": {f"{k}_ms": v * 1e3 for k, v in d.items()},
+            "unfitted": unfitted,
             "points": {"prefill": prefill_pts, "context": ctx_pts, "decode": [(b, t) for b, t, _ in decode_pts],
                        "decode_context": decode_ctx_pts, "mixed": mixed_pts},
         }
@@ -312,23 +296,48 @@ def prefill_features(new: int, cached: int, chunk: int) -> list[float]:
     return [steps, float(new), tok2, ctx, float(cached)]
 
 
+PREFILL_TERMS = ("base", "per_token", "per_token2", "per_token_ctx", "per_hit_token")
+
+
 def fit_prefill(cold: list[tuple[int, float]], context: list[tuple[int, int, float, float]],
                 chunk: int) -> tuple[float, float, float, float, float]:
-    """(base, per_token, per_token2, per_token_ctx, per_hit_token) in s, one least-squares fit of
-    every TTFT measured: the cold prompts (tokens, TTFT) and the prompts extending a cached
-    context ((cached, new, TTFT, _) as ``_context_points`` records them), each priced as the
-    engine runs it, in ``chunk``-token steps (``prefill_features``). A cold prompt longer than a
-    step measures the attention of its later steps over the earlier ones: the same
-    ``per_token_ctx`` that a cached context costs."""
+    """(base, per_token, per_token2, per_token_ctx, per_hit_token) in s (``fit_prefill_terms``)."""
+    fit = fit_prefill_terms(cold, context, chunk)
+    return tuple(fit.values[name] for name in PREFILL_TERMS)  # type: ignore[return-value]
+
+
+def fit_prefill_terms(cold: list[tuple[int, float]], context: list[tuple[int, int, float, float]],
+                      chunk: int) -> TermFit:
+    """The prefill terms in s, one non-negative least-squares fit (``simulator.fit``) of every
+    TTFT measured: the cold prompts (tokens, TTFT) and the prompts extending a cached context
+    ((cached, new, TTFT, _) as ``_context_points`` records them), each priced as the engine runs
+    it, in ``chunk``-token steps (``prefill_features``; its step count is the intercept). A cold
+    prompt longer than a step measures the attention of its later steps over the earlier ones:
+    the same ``per_token_ctx`` that a cached context costs.
+
+    The per-token cost comes first: when TTFT rises with prompt length (the cold points' line,
+    with an intercept, has a positive slope) and the finer terms (quadratic, context) take it
+    all, leaving ``per_token`` at 0, they are left out one by one (named in ``unfitted``) until
+    ``per_token`` is positive."""
     rows = [prefill_features(n, 0, chunk) for n, _ in cold]
     rows += [prefill_features(n, c, chunk) for c, n, _, _ in context if n > 0]
     ys = [t for _, t in cold] + [t for _, n, t, _ in context if n > 0]
-    if not any(r[3] for r in rows):  # nothing measures attention over earlier tokens
-        rows = [r[:3] + r[4:] for r in rows]
-        base, per_tok, per_tok2, per_hit = _fit(rows, ys)
-        return base, per_tok, per_tok2, 0.0, per_hit
-    base, per_tok, per_tok2, per_ctx, per_hit = _fit(rows, ys)
-    return base, per_tok, per_tok2, per_ctx, per_hit
+    fit = fit_terms(PREFILL_TERMS, rows, ys)
+    slope = linear_slope([n for n, _ in cold], [t for _, t in cold])
+    if fit.values["per_token"] > 0 or slope is None or slope <= 0:
+        if slope is not None and slope <= 0:
+            fit.unfitted["per_token"] = "non-positive slope (TTFT did not rise with prompt length over the sweep)"
+        return fit
+    left_out: list[str] = []
+    for finer in ("per_token2", "per_token_ctx"):
+        left_out.append(finer)
+        keep = [i for i, name in enumerate(PREFILL_TERMS) if name not in left_out]
+        sub = fit_terms([PREFILL_TERMS[i] for i in keep], [[r[i] for i in keep] for r in rows], ys)
+        if sub.values["per_token"] > 0:
+            why = "left out: with it the fit put no cost on a prompt token (TTFT rises with prompt length)"
+            return TermFit({**{name: 0.0 for name in left_out}, **sub.values},
+                           {**sub.unfitted, **{name: why for name in left_out}})
+    return fit
 
 
 async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, quick: bool, log: Any
@@ -360,15 +369,14 @@ async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, qui
     return batch_pts, ctx_pts
 
 
-def _fit_decode(batch_pts: list[tuple[int, float, int]], ctx_pts: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """(base, per_seq, per_ctx_token) in s: ``base + per_seq * B + per_ctx_token * C`` over all points."""
+DECODE_TERMS = ("base", "per_seq", "per_ctx_token")
+
+
+def fit_decode_terms(batch_pts: list[tuple[int, float, int]], ctx_pts: list[tuple[int, float]]) -> TermFit:
+    """``base + per_seq * B + per_ctx_token * C`` (s) over all decode points."""
     rows = [[1.0, b, c] for b, _, c in batch_pts] + [[1.0, 1.0, c] for c, _ in ctx_pts]
     ys = [t for _, t, _ in batch_pts] + [t for _, t in ctx_pts]
-    if len(rows) < 3:
-        base, per_seq = _fit([[1.0, b] for b, _, _ in batch_pts], [t for _, t, _ in batch_pts])
-        return base, per_seq, 0.0
-    base, per_seq, per_ctx = _fit(rows, ys)
-    return base, per_seq, per_ctx
+    return fit_terms(DECODE_TERMS, rows, ys)
 
 
 async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decode: tuple[float, float, float],
@@ -416,21 +424,22 @@ async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decod
     return points
 
 
-def _fit_mixed(points: list[tuple[int, int, float, float]]) -> tuple[float, float, float]:
-    """(mixed, mixed_per_seq, mixed_per_token) in s: the excess as
-    ``mixed + mixed_per_seq * B + mixed_per_token * P`` (non-negative)."""
+MIXED_TERMS = ("mixed", "mixed_per_seq", "mixed_per_token")
+
+
+def fit_mixed_terms(points: list[tuple[int, int, float, float]]) -> TermFit:
+    """The excess as ``mixed + mixed_per_seq * B + mixed_per_token * P`` (s, non-negative); a
+    term whose variable took one value in the sweep is not measured."""
     if not points:
-        return 0.0, 0.0, 0.0
-    cols = [lambda b, p: 1.0]
-    if len({b for b, _, _, _ in points}) > 1:
-        cols.append(lambda b, p: float(b))
-    if len({p for _, p, _, _ in points}) > 1:
-        cols.append(lambda b, p: float(p))
-    coef = _fit([[f(b, p) for f in cols] for b, p, _, _ in points], [e for _, _, e, _ in points])
-    mixed = coef[0]
-    per_seq = coef[1] if len(cols) > 1 and len({b for b, _, _, _ in points}) > 1 else 0.0
-    per_tok = coef[-1] if len({p for _, p, _, _ in points}) > 1 else 0.0
-    return mixed, per_seq, per_tok
+        return TermFit({name: 0.0 for name in MIXED_TERMS}, {name: "not measured" for name in MIXED_TERMS})
+    bs = {b for b, _, _, _ in points}
+    ps = {p for _, p, _, _ in points}
+    rows = [[1.0, float(b) if len(bs) > 1 else 0.0, float(p) if len(ps) > 1 else 0.0] for b, p, _, _ in points]
+    fit = fit_terms(MIXED_TERMS, rows, [e for _, _, e, _ in points])
+    for name, values in (("mixed_per_seq", bs), ("mixed_per_token", ps)):
+        if len(values) < 2:
+            fit.unfitted[name] = "not measured (one value in the sweep)"
+    return fit
 
 
 def refit_prefill(profile: Profile, points: dict[str, Any]) -> Profile:
@@ -447,15 +456,66 @@ def refit_prefill(profile: Profile, points: dict[str, Any]) -> Profile:
                                             per_hit_token_ms=per_hit * 1e3))
 
 
-def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class WorkerCapacity:
+    """The KV capacity a worker reports (``mesh.commands.calibrate_capacity`` reads it)."""
+
+    kv_blocks: int
+    block_size: int | None  # tokens per reported block; None: not reported
+    source: str  # where it was read, for the profile and the summary
+
+
+def resolve_capacity(args: argparse.Namespace, base: Profile, capacity: WorkerCapacity | None) -> tuple[int, int, str]:
+    """(block size, KV blocks of that size, where the capacity came from): ``--kv-blocks`` over
+    the worker's report over the base profile's (the last a loud warning: not this worker's)."""
+    reported = capacity.block_size if capacity is not None and (capacity.block_size or 0) > 1 else None  # 1: tokens
+    block_size = args.block_size or reported or base.block_size
+    if args.kv_blocks is not None:
+        return block_size, args.kv_blocks, "--kv-blocks"
+    if capacity is not None and capacity.kv_blocks > 0:
+        return block_size, capacity.kv_blocks * (capacity.block_size or block_size) // block_size, capacity.source
+    return block_size, base.kv_blocks, f"base profile {base.name} (the worker reported no KV capacity)"
+
+
+# (section, term, label, unit scale from ms, unit) of every cost the summary prints
+_TERMS = (
+    ("prefill", "base_ms", "base", 1.0, "ms"), ("prefill", "per_token_ms", "per token", 1e3, "us"),
+    ("prefill", "per_token2_ms", "per token^2", 1e6, "ns"), ("prefill", "per_token_ctx_ms", "per token x context", 1e6, "ns"),
+    ("prefill", "per_hit_token_ms", "per cached token", 1e3, "us"), ("prefill", "mixed_ms", "mixed step", 1.0, "ms"),
+    ("prefill", "mixed_per_seq_ms", "mixed per decoding seq", 1.0, "ms"),
+    ("prefill", "mixed_per_token_ms", "mixed per prompt token", 1e3, "us"),
+    ("decode", "base_ms", "base", 1.0, "ms"), ("decode", "per_seq_ms", "per sequence", 1.0, "ms"),
+    ("decode", "per_ctx_token_ms", "per context token", 1e3, "us"),
+)
+
+
+def summary_lines(profile: Profile, unfitted: dict[str, str], capacity_source: str) -> list[str]:
+    """What the profile holds: every fitted cost, every one not fitted and why, the capacity."""
+    lines = [f"KV capacity: {profile.kv_blocks:,} blocks of {profile.block_size} tokens ({capacity_source})"]
+    for section in ("prefill", "decode"):
+        timing = getattr(profile, section)
+        fitted = [f"{label} {getattr(timing, term) * scale:.3g} {unit}" for sec, term, label, scale, unit in _TERMS
+                  if sec == section and f"{section}.{term[:-3]}" not in unfitted]
+        lines.append(f"{section}: {', '.join(fitted) or 'nothing fitted'}")
+    lines += [f"not fitted (0 in the profile): {term}: {why}" for term, why in unfitted.items()]
+    return lines
+
+
+def calibrate(args: argparse.Namespace, capacity: WorkerCapacity | None = None) -> dict[str, Any]:
+    """Measure, fit and write the profile; ``capacity``: what the worker reported, if anything."""
     from rich.console import Console
 
     console = Console(stderr=True)
     if args.base not in BUILTIN:
         raise CalibrationError(f"unknown base profile {args.base!r} (built-in: {', '.join(BUILTIN)})")
+    base = BUILTIN[args.base]
+    block_size, kv_blocks, source = resolve_capacity(args, base, capacity)
+    if source.startswith("base profile"):
+        console.print(f"[yellow]warning:[/] the worker reported no KV capacity (its /metrics and /health); the "
+                      f"profile keeps {base.name}'s {kv_blocks:,} blocks, not this worker's: pass --kv-blocks")
+    args.resolved_block_size = block_size
     with console.status("calibrating"):
         fit = asyncio.run(_measure(args, lambda msg: console.log(msg)))
-    base = BUILTIN[args.base]
     profile = replace(
         base,
         name=f"calibrated-{fit['model']}".replace("/", "_"),
@@ -463,15 +523,18 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         estimate=False,
         prefill=PrefillTiming(**fit["prefill"]),
         decode=replace(DecodeTiming(**fit["decode"])),
-        block_size=args.block_size or base.block_size,
-        kv_blocks=args.kv_blocks if args.kv_blocks is not None else base.kv_blocks,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
     )
     if profile.decode.base_ms + profile.decode.per_seq_ms <= 0:
         raise CalibrationError("decode timing fit to zero: too few or too noisy measurements")
+    extra = {"url": fit["url"], "model": fit["model"], "kv_capacity_source": source, "unfitted": fit["unfitted"],
+             "points": fit["points"]}
     try:
-        dump_profile(profile, args.out, extra={"url": fit["url"], "model": fit["model"], "points": fit["points"]})
+        dump_profile(profile, args.out, extra=extra)
     except (OSError, ProfileError) as exc:
         raise CalibrationError(f"cannot write {args.out}: {exc}") from None
-    console.print(f"wrote {args.out}: prefill {profile.prefill.per_token_ms * 1e3:.2f} us/token, "
-                  f"decode {profile.decode.base_ms:.2f} ms + {profile.decode.per_seq_ms:.3f} ms/seq")
+    console.print(f"wrote {args.out}:", highlight=False)
+    for line in summary_lines(profile, fit["unfitted"], source):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
     return fit

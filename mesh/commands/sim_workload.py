@@ -71,7 +71,7 @@ def load_workload(args: argparse.Namespace, engine_block: int) -> tuple[Any, dic
         engine_block_size=engine_block))
     trace = plan_trace(prep.trace, prep.plan, prep.builder, engine_block, session_ids=not args.no_session_ids)
     info = {"replay_plan": {k: v for k, v in prep.trace_info().items() if k not in ("files", "formats")},
-            "ideal_hit_rate": prep.ideal.session}
+            "ideal_hit_rate": prep.ideal.session, "ideal_hit_rate_global": prep.ideal.global_}
     return trace, info
 
 

@@ -33,9 +33,17 @@ def _add_simulate_parser(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[1],
     )
     sim.add_argument("traces", nargs="+", metavar="TRACE", help="trace files or directories (format auto-detected)")
-    sim.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    sim.add_argument("--workers", type=worker_counts, default=[4], metavar="N[,N...]",
+                     help="simulated workers (default 4); a comma-separated list (4,8,12) sweeps them: a run per "
+                          "count per policy")
+    sim.add_argument("--ttft-p99-target", type=float, metavar="SECONDS",
+                     help="report per policy the smallest --workers count whose TTFT p99 is at most SECONDS")
     sim.add_argument("--policy", action="append", metavar="NAME_OR_YAML",
-                     help="built-in policy name, module:Class, or a YAML file with a 'policy:' key; repeat to compare")
+                     help="built-in policy name, module:Class, or a YAML file with a 'policy:' key; repeat to "
+                          "compare (default: the gateway's default policy, which is also added as its own row "
+                          "unless --no-default-policy)")
+    sim.add_argument("--no-default-policy", action="store_true",
+                     help="run only the --policy values, without the gateway's default policy beside them")
     sim.add_argument("--profile", default=None, metavar="FILE_OR_NAME",
                      help="timing profile: YAML/JSON file or built-in name (h200-8b, dynamo-mocker, unit)")
     sim.add_argument("--json", dest="json_out", metavar="OUT", help="write the report as JSON")
@@ -61,7 +69,8 @@ def _add_simulate_parser(subparsers: Any) -> None:
     sim.add_argument("--speculative-ttl", type=float, default=2.0, metavar="S",
                      help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
     sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
-    sim.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    sim.add_argument("--quiet", action="store_true",
+                     help="no progress and no table (a terminal gets a bar; a log or pipe a line every 5 s)")
     add_workload_args(sim)
     sim.set_defaults(func=run_simulate)
 
@@ -78,9 +87,13 @@ def _add_calibrate_parser(subparsers: Any) -> None:
     cal.add_argument("--out", default="profile.yaml", help="profile file to write (default profile.yaml)")
     cal.add_argument("--model", help="model name (default: the first of /v1/models)")
     cal.add_argument("--api-key", help="bearer token, if the endpoint needs one")
-    cal.add_argument("--base", default="h200-8b", help="built-in profile whose capacity fields are kept")
-    cal.add_argument("--kv-blocks", type=int, help="GPU KV capacity in blocks to record")
-    cal.add_argument("--block-size", type=int, help="the engine's block size to record")
+    cal.add_argument("--base", default="h200-8b",
+                     help="built-in profile whose other fields (batch limits, CPU tier, P/D transfer) are kept")
+    cal.add_argument("--kv-blocks", type=int,
+                     help="GPU KV capacity in blocks to record (default: the worker's, from its /metrics or "
+                          "/health; the base profile's, with a warning, when it reports none)")
+    cal.add_argument("--block-size", type=int, help="the engine's block size to record (default: the worker's, "
+                                                    "else the base profile's)")
     cal.add_argument("--max-prompt", type=int, default=8192, help="longest prompt to measure, in tokens")
     cal.add_argument("--max-batch", type=int, default=32, help="largest decode batch to measure")
     cal.add_argument("--repeats", type=int, default=3, help="measurements per point (median kept)")
@@ -97,6 +110,18 @@ def _add_calibrate_parser(subparsers: Any) -> None:
                      help="send prompts as random token ids below VOCAB instead of text (as a replay of token-id "
                           "traffic does: what parsing id lists costs is then measured too)")
     cal.set_defaults(func=run_calibrate)
+
+
+def worker_counts(value: str) -> list[int]:
+    """``--workers``: one count or a comma-separated list (each checked by the plan, named after
+    the flag)."""
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or a comma-separated list of counts, got {value!r}") from None
+    if not counts:
+        raise argparse.ArgumentTypeError(f"expected a count or a comma-separated list of counts, got {value!r}")
+    return counts
 
 
 def _fail(cmd: str, message: str) -> int:
@@ -121,117 +146,81 @@ def default_policy() -> str:
 def run_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from mesh.commands.sim_progress import SimProgress
+    from mesh.commands.sim_run import plan, run_all
     from policies.registry import PluginError
     from simulator.engine import SimulationError
     from simulator.profile import ProfileError
-    from simulator.report import write_html, write_json
     from simulator.traces import TraceError
     from simulator.worker_model import CapacityError
 
     console = Console(stderr=True)
     started = time.perf_counter()
+    progress = SimProgress(0, stream=sys.stderr, enabled=not args.quiet, console=console, tty=console.is_terminal)
     try:
-        trace, profile, results, workload = _simulate(args, console)
+        policies, default_label = _policies(args)
+        progress.runs = len(policies) * len(set(args.workers))
+        p = plan(args, policies, default_label, progress)
+        for w in p.trace.warnings:
+            console.print(f"[yellow]warning:[/] {w}")
+        results, payload = run_all(args, p, progress, started)
     except (TraceError, ProfileError, PluginError, SimulationError, CapacityError) as exc:
         return _fail("simulate", str(exc))
+    except KeyboardInterrupt:
+        progress.close()
+        where = " and ".join(x for x in (args.json_out, args.html_out) if x)
+        print(f"mesh simulate: interrupted{f'; the runs finished are in {where}' if where else ''}", file=sys.stderr)
+        return 130
     except OSError as exc:
         return _fail("simulate", f"{exc.filename or ''}: {exc.strerror or exc}")
-    payload = _report(args, trace, profile, results, workload, console, started)
-    try:
-        if args.json_out:
-            write_json(args.json_out, payload)
-        if args.html_out:
-            write_html(args.html_out, payload, results)
-    except OSError as exc:
-        return _fail("simulate", f"cannot write report: {exc}")
+    finally:
+        progress.close()
+    _show(args, p, payload, console)
     return 0
 
 
-def _simulate(args: argparse.Namespace, console: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    """(trace, profile, result per policy label, the workload's report fields): every flag checked
-    before the (possibly long) trace load, then one run per policy."""
-    from mesh.commands.sim_workload import load_workload, workload_problem
-    from simulator.engine import SimConfig, SimulationError, check_config
-    from simulator.profile import load_profile
-    from simulator.traces import TraceError
-
-    problem = workload_problem(args)
-    if problem is not None:
-        raise SimulationError(problem)
-    policies = [_load_policy_arg(p) for p in (args.policy or [default_policy()])]
-    labels = _unique([label for label, _ in policies])
-    overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
-    profile = load_profile(args.profile, **overrides)
-    config = SimConfig(workers=args.workers, profile=profile, seed=args.seed,
-                       prefill_workers=args.prefill_workers, session_ttl_s=args.session_ttl,
-                       speculative_ttl_s=args.speculative_ttl, concurrency=args.concurrency or 0,
-                       horizon_s=args.run_s, workers_per_device=args.workers_per_device,
-                       spill_hint=not args.no_spill_hint)
-    check_config(config)  # every flag is checked before the (possibly long) trace load and run
-    for flag, path in (("json", args.json_out), ("html", args.html_out)):
-        if path:
-            check_report_path(flag, path)
-    try:
-        trace, workload = load_workload(args, args.block_size or profile.block_size)
-    except ValueError as exc:  # the replay's planning: no request left (a TraceError is one too)
-        if isinstance(exc, TraceError):
-            raise
-        raise SimulationError(str(exc)) from None
-    for w in trace.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
-    results = {}
-    for label, (_, spec) in zip(labels, policies):
-        results[label] = _run_one(trace, spec, config, label, console, args.quiet)
-    return trace, profile, results, workload
+def _policies(args: argparse.Namespace) -> tuple[list[tuple[str, Any]], str | None]:
+    """((label, spec) per run's policy, the label of the gateway's default among them): the
+    ``--policy`` values, then the gateway's default as its own row (named as the gateway names
+    it) unless one of them is it or ``--no-default-policy``."""
+    default = default_policy()
+    given = [_load_policy_arg(p) for p in (args.policy or [])]
+    specs = [spec for _, spec in given]
+    with_default = not given or (not args.no_default_policy and default not in specs)
+    if with_default:
+        given.append((default, default))
+    labels = _unique([label for label, _ in given])
+    default_label = next((lab for lab, (_, spec) in zip(labels, given) if spec == default), None)
+    return [(lab, spec) for lab, (_, spec) in zip(labels, given)], default_label
 
 
-def _report(args: argparse.Namespace, trace: Any, profile: Any, results: dict[str, Any], workload: dict[str, Any],
-            console: Any, started: float) -> dict[str, Any]:
-    """The report's payload (``wall_s``: since ``started``); its warnings on stderr, one line
-    each, and its table on stdout unless ``--quiet``."""
+def _show(args: argparse.Namespace, p: Any, payload: dict[str, Any], console: Any) -> None:
+    """The report's warnings on stderr, one line each, and its table (and sizing) on stdout
+    unless ``--quiet``."""
     from rich.console import Console
     from rich.text import Text
 
-    from simulator.report import render_table, summarize
+    from mesh.commands.sim_run import sizing_lines
+    from simulator.report import render_table
 
-    summaries = {label: summarize(r) for label, r in results.items()}
-    warnings = []  # one line each, on stderr and in the JSON
-    for label, s in summaries.items():
-        if s["rejected"]:  # not in the latency and hit-rate numbers: they cover served requests only
-            warnings.append(f"{label}: {s['rejected']:,} of {s['requests'] + s['rejected']:,} "
-                            "requests rejected (the policy found no candidate for them)")
-        warnings.extend(f"{label}: {note}" for note in s["notes"])
-    for w in warnings:
+    for w in payload["warnings"]:
         console.print(Text.assemble(("warning:", "yellow"), f" {w}"), highlight=False, soft_wrap=True)  # one line
-    payload = {
-        "mesh_simulate": 1,
-        "trace": {
-            "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
-            "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,
-            "time_scale": args.time_scale, "session_start_spread_s": args.session_start_spread,
-            **workload,
-        },
-        "closed_loop": {"concurrency": args.concurrency, "run_s": args.run_s,
-                        "session_ids": not args.no_session_ids},
-        "workers_per_device": args.workers_per_device,
-        "spill_hint": not args.no_spill_hint,
-        "workers": args.workers,
-        "prefill_workers": args.prefill_workers,
-        "profile": profile.to_dict(),
-        "seed": args.seed,
-        "policies": summaries,
-        "warnings": warnings,
-        "wall_s": time.perf_counter() - started,
-    }
-    if not args.quiet:
-        out = Console()
-        if not out.is_terminal:
-            out = Console(width=200)
-        render_table(summaries, out, title=f"mesh simulate: {len(trace.requests):,} requests, "
-                                                  f"{args.workers} workers, profile {profile.name}")
-        if profile.estimate:
-            console.print(f"[dim]profile {profile.name} is an estimate (not calibrated)[/]")
-    return payload
+    if args.quiet:
+        return
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=200)
+    workers = ", ".join(str(n) for n in p.counts)
+    render_table(payload["policies"], out, title=f"mesh simulate: {len(p.trace.requests):,} requests, "
+                                                 f"{workers} workers, profile {p.profile.name}",
+                 reference=p.reference)
+    if p.default_label is not None:
+        out.print(f"{p.default_label}: the gateway's default policy (mesh serve without a policy)", highlight=False)
+    if "sizing" in payload:
+        for line in sizing_lines(payload["sizing"], p.counts):
+            out.print(line, highlight=False, soft_wrap=True)
+    if p.profile.estimate:
+        console.print(f"[dim]profile {p.profile.name} is an estimate (not calibrated)[/]")
 
 
 def check_report_path(flag: str, path: str) -> None:
@@ -283,28 +272,16 @@ def _unique(labels: list[str]) -> list[str]:
     return out
 
 
-def _run_one(trace: Any, spec: Any, config: Any, label: str, console: Any, quiet: bool) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from simulator.engine import Simulator
-
-    if quiet:
-        return Simulator(trace, spec, config).run()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as progress:  # a log: no blank line
-        task = progress.add_task(f"simulating {label}", total=len(trace.requests))
-        sim = Simulator(trace, spec, config, progress=lambda done: progress.update(task, completed=done))
-        return sim.run()
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
     from simulator.calibrate import CalibrationError, calibrate
 
     problem = calibrate_args_problem(args)
     if problem is not None:
         return _fail("calibrate", problem)
+    from mesh.commands.calibrate_capacity import read_capacity
+
     try:
-        calibrate(args)
+        calibrate(args, None if args.kv_blocks is not None else read_capacity(args.url, args.api_key, args.timeout))
     except CalibrationError as exc:
         return _fail("calibrate", str(exc))
     return 0

@@ -64,7 +64,8 @@ def test_the_report_check_leaves_no_file_behind_on_a_later_error(tmp_path: Path)
 
 def test_duplicate_policies_and_a_one_request_run_still_work(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    proc = simulate("--json", str(out), "--policy", "round_robin", "--policy", "round_robin", "--max-requests", "1")
+    proc = simulate("--json", str(out), "--policy", "round_robin", "--policy", "round_robin", "--max-requests", "1",
+                    "--no-default-policy")
     assert proc.returncode == 0, proc.stderr
     import json
     report = json.loads(out.read_text())

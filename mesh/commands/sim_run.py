@@ -1,0 +1,236 @@
+"""``mesh simulate``'s runs: one per policy per ``--workers`` count, each result kept as it lands.
+
+The plan (``plan``) checks every flag and builds every policy before the (possibly long) trace
+load. The runs then go one at a time (``run_all``); after each one the JSON and HTML reports are
+rewritten with every run finished so far (``complete: false`` and the runs still pending until
+the last), each written to a temporary file renamed over the report, so a run cut short (Ctrl-C,
+a killed job, a full disk on the last write) leaves the finished runs readable, never a torn file.
+
+Sizing: with several ``--workers`` counts and ``--ttft-p99-target S``, ``sizing`` names per
+policy the smallest count whose TTFT p99 is at most ``S`` seconds (None: none of them). The
+table's reference row is the trace's ideal hit rate (``simulator.ideal``; in the replay's plan,
+the replay's own at its token scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mesh.commands.sim_progress import SimProgress, duration
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    label: str  # the report's key: the policy's label, with the worker count in a sweep
+    policy: str  # the policy's label
+    spec: Any
+    workers: int
+    config: Any  # simulator.sim_config.SimConfig
+
+
+@dataclass(slots=True)
+class Plan:
+    trace: Any
+    profile: Any
+    workload: dict[str, Any]
+    runs: list[Run]
+    counts: list[int]
+    default_label: str | None  # the row of the gateway's default policy (None: not run)
+    reference: dict[str, float | None] = field(default_factory=dict)
+
+
+def run_label(policy: str, workers: int, sweep: bool) -> str:
+    return f"{policy} ({workers} workers)" if sweep else policy
+
+
+def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_label: str | None,
+         progress: SimProgress) -> Plan:
+    """Every flag checked and every policy built, then the trace loaded; raises the errors that
+    ``run_simulate`` turns into messages."""
+    from mesh.commands.sim_workload import load_workload, workload_problem
+    from mesh.commands.simulate import check_report_path
+    from policies import create_policy
+    from simulator.engine import SimConfig, SimulationError, check_config
+    from simulator.ideal import ideal_hit_rate
+    from simulator.profile import load_profile
+    from simulator.traces import TraceError
+
+    problem = workload_problem(args)
+    if problem is not None:
+        raise SimulationError(problem)
+    if args.ttft_p99_target is not None and not args.ttft_p99_target > 0:
+        raise SimulationError(f"--ttft-p99-target must be a number of seconds > 0, got {args.ttft_p99_target}")
+    overrides = {"kv_blocks": args.kv_blocks, "cpu.blocks": args.cpu_blocks, "event_lag_ms": args.event_lag_ms}
+    profile = load_profile(args.profile, **overrides)
+    base = SimConfig(workers=1, profile=profile, seed=args.seed, prefill_workers=args.prefill_workers,
+                     session_ttl_s=args.session_ttl, speculative_ttl_s=args.speculative_ttl,
+                     concurrency=args.concurrency or 0, horizon_s=args.run_s,
+                     workers_per_device=args.workers_per_device, spill_hint=not args.no_spill_hint)
+    counts = sorted(set(args.workers))
+    configs = {n: replace(base, workers=n) for n in counts}
+    for config in configs.values():
+        check_config(config)
+    for flag, path in (("json", args.json_out), ("html", args.html_out)):
+        if path:
+            check_report_path(flag, path)
+    for _, spec in policies:  # a plugin error now, not after hours of the runs before it
+        create_policy(spec, seed=args.seed, strict=True)
+    sweep = len(counts) > 1
+    runs = [Run(run_label(label, n, sweep), label, spec, n, configs[n]) for label, spec in policies for n in counts]
+    progress.say(f"loading {', '.join(args.traces)}")
+    loaded = time.perf_counter()
+    try:
+        trace, workload = load_workload(args, args.block_size or profile.block_size)
+    except ValueError as exc:  # the replay's planning: no request left (a TraceError is one too)
+        if isinstance(exc, TraceError):
+            raise
+        raise SimulationError(str(exc)) from None
+    if "ideal_hit_rate" in workload:
+        reference = {"ideal_hit_rate": workload["ideal_hit_rate"],
+                     "ideal_hit_rate_global": workload.get("ideal_hit_rate_global")}
+    else:
+        ideal = ideal_hit_rate(trace)
+        reference = {"ideal_hit_rate": ideal.session, "ideal_hit_rate_global": ideal.global_}
+    progress.say(f"loaded {len(trace.requests):,} requests, {trace.sessions:,} sessions in "
+                 f"{duration(time.perf_counter() - loaded)}; {len(runs)} run(s) to go")
+    return Plan(trace, profile, workload, runs, counts, default_label, reference)
+
+
+def run_all(args: argparse.Namespace, p: Plan, progress: SimProgress, started: float
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(result per run label, the final payload): each run's reports written as it ends."""
+    from simulator.engine import Simulator
+    from simulator.report import summarize
+
+    results: dict[str, Any] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    payload: dict[str, Any] = {}
+    for run in p.runs:
+        sim = Simulator(p.trace, run.spec, run.config, progress=progress.update if progress.tty else None)
+        progress.start(run.label, len(p.trace.requests), lambda sim=sim: sim.done)
+        result = sim.run()
+        results[run.label] = result
+        summaries[run.label] = {**summarize(result), "workers": run.workers,
+                                "gateway_default": run.policy == p.default_label}
+        progress.close()  # the run's display ends with it, before the reports are written
+        payload = build_payload(args, p, summaries, started)
+        written = write_reports(args, payload, results)
+        progress.finished(result_line(run.label, summaries[run.label], result.wall_s, written))
+    return results, payload
+
+
+def result_line(label: str, s: dict[str, Any], wall_s: float, written: list[str]) -> str:
+    t = s["ttft_ms"]
+    where = f"; written to {', '.join(written)}" if written else ""
+    return (f"{label} done in {duration(wall_s)}: {s['requests']:,} requests, hit rate {s['hit_rate']:.1%}, "
+            f"TTFT p50 {t['p50'] / 1e3:,.3f} s, p99 {t['p99'] / 1e3:,.3f} s{where}")
+
+
+def sizing(p: Plan, summaries: dict[str, dict[str, Any]], target_s: float) -> dict[str, Any]:
+    """Per policy, the smallest worker count whose TTFT p99 meets ``target_s`` (None: none did,
+    among the counts finished), with every finished count's p99."""
+    out: dict[str, Any] = {}
+    for run in p.runs:
+        s = summaries.get(run.label)
+        if s is None:
+            continue
+        entry = out.setdefault(run.policy, {"workers": None, "ttft_p99_ms": {}})
+        entry["ttft_p99_ms"][run.workers] = s["ttft_ms"]["p99"]
+        if entry["workers"] is None and s["ttft_ms"]["p99"] <= target_s * 1e3 and not s["rejected"]:
+            entry["workers"] = run.workers
+    return {"ttft_p99_target_s": target_s, "policies": out}
+
+
+def sizing_lines(report: dict[str, Any], counts: list[int]) -> list[str]:
+    target = report["ttft_p99_target_s"]
+    lines = []
+    for policy, entry in report["policies"].items():
+        p99 = entry["ttft_p99_ms"]
+        if entry["workers"] is not None:
+            n = entry["workers"]
+            lines.append(f"TTFT p99 <= {target:g} s: {policy} needs {n} workers (p99 {p99[n] / 1e3:,.3f} s)")
+        else:
+            best = min(p99, key=lambda k: p99[k])
+            tried = ", ".join(str(n) for n in counts if n in p99)
+            lines.append(f"TTFT p99 <= {target:g} s: {policy} meets it with none of {tried} workers "
+                         f"(best: {best} workers, p99 {p99[best] / 1e3:,.3f} s)")
+    return lines
+
+
+def build_payload(args: argparse.Namespace, p: Plan, summaries: dict[str, dict[str, Any]], started: float
+                  ) -> dict[str, Any]:
+    """The report with every run finished so far (``complete``: all of them)."""
+    trace = p.trace
+    warnings = report_warnings(summaries)
+    pending = [r.label for r in p.runs if r.label not in summaries]
+    payload: dict[str, Any] = {
+        "mesh_simulate": 1,
+        "complete": not pending,
+        "runs": {"done": len(summaries), "total": len(p.runs), "pending": pending},
+        "trace": {
+            "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
+            "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,
+            "time_scale": args.time_scale, "session_start_spread_s": args.session_start_spread,
+            **p.workload, **p.reference,
+        },
+        "closed_loop": {"concurrency": args.concurrency, "run_s": args.run_s,
+                        "session_ids": not args.no_session_ids},
+        "workers_per_device": args.workers_per_device,
+        "spill_hint": not args.no_spill_hint,
+        "workers": p.counts[0] if len(p.counts) == 1 else p.counts,
+        "prefill_workers": args.prefill_workers,
+        "profile": p.profile.to_dict(),
+        "seed": args.seed,
+        "gateway_default_policy": p.default_label,
+        "policies": summaries,
+        "warnings": warnings,
+        "wall_s": time.perf_counter() - started,
+    }
+    if args.ttft_p99_target is not None:
+        payload["sizing"] = sizing(p, summaries, args.ttft_p99_target)
+    return payload
+
+
+def report_warnings(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    warnings = []
+    for label, s in summaries.items():
+        if s["rejected"]:  # not in the latency and hit-rate numbers: they cover served requests only
+            warnings.append(f"{label}: {s['rejected']:,} of {s['requests'] + s['rejected']:,} "
+                            "requests rejected (the policy found no candidate for them)")
+        warnings.extend(f"{label}: {note}" for note in s["notes"])
+    return warnings
+
+
+def write_reports(args: argparse.Namespace, payload: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """The JSON and HTML reports, each replaced atomically; the paths written."""
+    from simulator.report import write_html, write_json
+
+    written = []
+    if args.json_out:
+        atomic_write(args.json_out, lambda tmp: write_json(tmp, payload))
+        written.append(args.json_out)
+    if args.html_out:
+        atomic_write(args.html_out, lambda tmp: write_html(tmp, payload, results))
+        written.append(args.html_out)
+    return written
+
+
+def atomic_write(path: str, write: Any) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then renamed over it (a reader sees the
+    old report or the new one, whole)."""
+    from simulator.engine import SimulationError
+
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise SimulationError(f"cannot write report {path}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
