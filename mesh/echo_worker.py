@@ -11,6 +11,8 @@ Failure injection for tests (flags, or env ``MESH_ECHO_<FLAG>``; also ``POST /ad
 ``--fail-rate P`` answers 500 before any output with probability P; ``--fail-on TEXT`` answers 500
 to every prompt containing TEXT; ``--crash-after-tokens N`` kills the process after streaming N
 tokens; ``--unhealthy`` makes ``/health`` answer 503; ``--repeat N`` echoes the text N times.
+Timing: ``--first-token-delay-s``, ``--token-delay-s`` per output word, ``--prompt-token-delay-s``
+per prompt token before answering (a TTFT that grows with the prompt, as a real prefill's).
 
     python -m mesh.echo_worker --port 9001 [--model echo] [--token-delay-s 0.01]
 """
@@ -46,6 +48,7 @@ class EchoSettings:
     loras: tuple[tuple[str, str], ...] = ()  # (adapter, base model)
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0
+    prompt_token_delay_s: float = 0.0  # per prompt token before the first (a prefill whose TTFT grows with the prompt)
     fail_rate: float = 0.0
     fail_on: str = ""  # prompts containing it answer 500 ("" = never)
     crash_after_tokens: int = 0  # 0 = never
@@ -103,7 +106,8 @@ class _Echo:
             if not isinstance(changes, dict):
                 raise ValueError("body must be a JSON object")
             for key, value in changes.items():
-                if key in ("fail_rate", "fail_on", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s"):
+                if key in ("fail_rate", "fail_on", "crash_after_tokens", "unhealthy", "token_delay_s", "first_token_delay_s",
+                           "prompt_token_delay_s"):
                     # by name, from the JSON body: each value converted to the setting's own type
                     setattr(settings, key, type(getattr(settings, key))(value))
         except (msgspec.MsgspecError, ValueError, TypeError) as exc:
@@ -155,6 +159,8 @@ class _Echo:
         answer = _Answer(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], str(model), out, finish, chat, n)
         # the request id it was sent (the gateway's, forwarded): tests check what reached the worker
         headers = {"x-echo-worker": settings.name, "x-echo-request-id": request.headers.get("x-request-id", "")}
+        if settings.prompt_token_delay_s:  # the prefill: before any byte of the answer
+            await asyncio.sleep(settings.prompt_token_delay_s * usage["prompt_tokens"])
         if body.get("stream"):
             stream = self.stream(answer, usage if include_usage else None)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -304,6 +310,8 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
                    help="LoRA adapter served under its own model name (repeatable; BASE: the first --model)")
     p.add_argument("--token-delay-s", type=float, default=float(env("MESH_ECHO_TOKEN_DELAY_S", "0")))
     p.add_argument("--first-token-delay-s", type=float, default=float(env("MESH_ECHO_FIRST_TOKEN_DELAY_S", "0")))
+    p.add_argument("--prompt-token-delay-s", type=float, default=float(env("MESH_ECHO_PROMPT_TOKEN_DELAY_S", "0")),
+                   help="wait S seconds per prompt token before answering (TTFT grows with the prompt, as a prefill's)")
     p.add_argument("--fail-rate", type=float, default=float(env("MESH_ECHO_FAIL_RATE", "0")))
     p.add_argument("--fail-on", default=env("MESH_ECHO_FAIL_ON", ""), metavar="TEXT",
                    help="answer 500 to requests whose prompt contains TEXT")
@@ -326,6 +334,7 @@ def settings_from_args(argv: list[str] | None = None) -> tuple[EchoSettings, str
         loras=tuple(loras),
         token_delay_s=args.token_delay_s,
         first_token_delay_s=args.first_token_delay_s,
+        prompt_token_delay_s=args.prompt_token_delay_s,
         fail_rate=args.fail_rate,
         fail_on=args.fail_on,
         crash_after_tokens=args.crash_after_tokens,
