@@ -326,8 +326,9 @@ class RetentionConfig(_Model):
 
 
 # The index's default bound: 32 workers of ~32k GPU blocks each (an H100's KV for an 8B model at
-# block size 16) in one index; measured ~650 bytes of gateway memory a key (nodes and engine
-# maps): ~650 MB at most. Least recently stored/matched leaves go first (hot prefixes stay).
+# block size 16) in one index; measured ~570 bytes of gateway memory a key at the bound (nodes,
+# engine maps with the evicted nodes' hashes not yet swept, the LRU heap): ~600 MB at most.
+# Least recently stored/matched leaves go first (hot prefixes stay).
 DEFAULT_MAX_KEYS = 1_000_000
 
 
