@@ -18,13 +18,14 @@ PAGE = r"""<!doctype html>
 *{box-sizing:border-box}body{margin:0;background:var(--bg);color:var(--text);font:13px/1.45 system-ui,sans-serif}
 header{display:flex;align-items:center;gap:14px;padding:10px 18px;border-bottom:1px solid var(--line);background:var(--panel)}
 h1{font-size:16px;margin:0}h2{font-size:13px;margin:0 0 8px;color:var(--dim);text-transform:uppercase;letter-spacing:.06em}
-main{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:14px;padding:14px 18px}
-section{background:var(--panel);border:1px solid var(--line);border-radius:6px;padding:12px 14px;min-width:0}
+main{display:grid;grid-template-columns:minmax(0,3fr) minmax(0,2fr);gap:14px;padding:14px 18px}
+@media (max-width:1100px){main{grid-template-columns:minmax(0,1fr)}}
+section{background:var(--panel);border:1px solid var(--line);border-radius:6px;padding:12px 14px;min-width:0;overflow-x:auto}
 section.wide{grid-column:1/-1}
 table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:4px 8px;border-bottom:1px solid var(--line);
 white-space:nowrap}th{color:var(--dim);font-weight:500}td.r,th.r{text-align:right}td.reason{white-space:normal;color:var(--dim)}
 .pill{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;border:1px solid currentColor}
-.ok{color:var(--ok)}.warn{color:var(--warn)}.bad{color:var(--bad)}.info{color:var(--info)}.dim{color:var(--dim)}
+.ok{color:var(--ok)}.pred{color:var(--pred)}.warn{color:var(--warn)}.bad{color:var(--bad)}.info{color:var(--info)}.dim{color:var(--dim)}
 .bar{position:relative;display:inline-block;width:110px;height:10px;background:#0b0f13;border:1px solid var(--line);
 border-radius:3px;vertical-align:middle;margin-right:6px}.bar i{position:absolute;left:0;top:0;bottom:0;background:var(--info)}
 .bar i.hot{background:var(--warn)}.bar i.full{background:var(--bad)}
@@ -47,17 +48,18 @@ svg.spark{vertical-align:middle}.legend i{display:inline-block;width:10px;height
 <div class="card"><b id="c-workers">–</b><span>workers healthy</span></div>
 <div class="card"><b id="c-inflight">–</b><span>requests in flight</span></div>
 <div class="card"><b id="sessions-live">–</b><span>sessions bound</span></div>
-<div class="card"><b id="c-agree">–</b><span>reported / predicted cached</span></div>
+<div class="card"><b id="c-hit">–</b><span>hit rate reported / predicted</span></div>
 <div class="card"><b id="c-index">–</b><span>index keys</span></div>
 <div class="card"><b id="c-waiting">–</b><span>waiting for a slot</span></div>
 </div></section>
 <section class="wide"><h2>Workers and targets</h2><table><thead><tr><th>worker</th><th>target</th><th>health</th>
 <th>circuit</th><th>draining</th><th>in flight / max</th><th>KV usage</th><th class="r">KV capacity</th>
 <th class="r">sessions</th><th>KV event stream</th></tr></thead><tbody id="workers"></tbody></table></section>
-<section><h2>Prefix reuse: predicted vs reported cached tokens</h2>
-<div class="legend dim">per refresh<i style="background:var(--pred)"></i>predicted<i style="background:var(--ok)"></i>reported</div>
-<table><thead><tr><th>target</th><th class="r">predicted</th><th class="r">reported</th><th class="r">reported / predicted</th>
-<th>history</th></tr></thead><tbody id="prefix"></tbody></table></section>
+<section><h2>Prefix hit rate: predicted vs reported</h2>
+<div class="legend dim">cached prompt tokens the router predicted vs the workers reported, of the prompt tokens they
+reported; history over this page's refreshes<i style="background:var(--pred)"></i>predicted<i style="background:var(--ok)"></i>reported</div>
+<table><thead><tr><th>target</th><th class="r">prompt tokens</th><th class="r">cached: predicted</th><th class="r">reported</th>
+<th class="r">hit rate: predicted</th><th class="r">reported</th><th>history</th></tr></thead><tbody id="prefix"></tbody></table></section>
 <section><h2>Sessions</h2><table><tbody id="sessions"></tbody></table>
 <h2 style="margin-top:12px">Next expiries</h2><table><thead><tr><th>session</th><th>target</th><th class="r">expires in</th>
 </tr></thead><tbody id="expiries"></tbody></table></section>
@@ -138,20 +140,20 @@ function renderWorkers(st) {
 }
 
 function spark(points) {
+  // the hit rates (0..1, fixed scale) at each refresh, newest at the right edge; a short history
+  // is spread over at least a fifth of the width
   const W = 140, H = 26, NS = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(NS, "svg");
   svg.setAttribute("width", W); svg.setAttribute("height", H); svg.setAttribute("class", "spark");
   const base = document.createElementNS(NS, "line");
   base.setAttribute("x1", 0); base.setAttribute("x2", W); base.setAttribute("y1", H - 1); base.setAttribute("y2", H - 1);
   base.setAttribute("stroke", "#2a3642"); svg.appendChild(base);
-  const deltas = [];
-  for (let i = 1; i < points.length; i++) deltas.push({p: points[i].p - points[i - 1].p, r: points[i].r - points[i - 1].r});
-  const top = Math.max(1, ...deltas.map(d => Math.max(d.p, d.r)));
+  const known = points.filter(q => q !== null);
+  const step = W / (Math.min(HISTORY, Math.max(points.length, 12)) - 1), x0 = W - step * (points.length - 1);
   for (const [field, color] of [["p", "#bc8cff"], ["r", "#3fb950"]]) {
-    if (deltas.length < 1) break;
-    // right-aligned, newest at the right edge; a short history is spread over at least a fifth of the width
-    const step = W / (Math.min(HISTORY, Math.max(deltas.length, 12)) - 1), x0 = W - step * (deltas.length - 1);
-    const pts = deltas.map((d, i) => (x0 + i * step).toFixed(1) + "," + (H - 2 - (H - 4) * d[field] / top).toFixed(1));
+    if (!known.length) break;
+    const pts = [];
+    points.forEach((q, i) => { if (q !== null) pts.push((x0 + i * step).toFixed(1) + "," + (H - 2 - (H - 4) * q[field]).toFixed(1)); });
     if (pts.length === 1) pts.unshift((x0 - step).toFixed(1) + "," + pts[0].split(",")[1]);
     const line = document.createElementNS(NS, "polyline");
     line.setAttribute("points", pts.join(" ")); line.setAttribute("fill", "none");
@@ -160,20 +162,25 @@ function spark(points) {
   }
   const td = el("td"); td.appendChild(svg); return td;
 }
-function remember(id, p, r) {
+function rates(v) { return v.prompt ? {p: v.predicted / v.prompt, r: v.reported / v.prompt} : null; }
+function remember(id, v) {
   const h = series[id] = series[id] || [];
-  h.push({p, r});
+  h.push(rates(v));
   if (h.length > HISTORY) h.shift();
   return h;
 }
 function renderPrefix(st) {
   const rows = [], pre = st.prefix;
-  const line = (label, id, v, cls) => row([el("td", label, cls), el("td", num(v.predicted), "r"), el("td", num(v.reported), "r"),
-    el("td", v.predicted ? pct(v.reported / v.predicted) : "–", "r"), spark(remember(id, v.predicted, v.reported))]);
+  const line = (label, id, v, cls) => {
+    const q = rates(v);
+    return row([el("td", label, cls), el("td", num(v.prompt), "r"), el("td", num(v.predicted), "r"), el("td", num(v.reported), "r"),
+                el("td", q ? pct(q.p) : "–", "r pred"), el("td", q ? pct(q.r) : "–", "r ok"), spark(remember(id, v))]);
+  };
   rows.push(line("all targets", "\u0000all", pre, "info"));
   for (const [tid, v] of Object.entries(pre.targets)) rows.push(line(tid, tid, v));
-  fill("prefix", rows, "", 5);
-  document.getElementById("c-agree").textContent = pre.predicted ? pct(pre.reported / pre.predicted) : "–";
+  fill("prefix", rows, "", 7);
+  const q = rates(pre);
+  document.getElementById("c-hit").textContent = q ? pct(q.r) + " / " + pct(q.p) : "–";
 }
 
 function renderSessions(st) {

@@ -10,9 +10,10 @@ into wall time here. Session ids are the gateway's hashes (``session_key``), sho
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter
+from prometheus_client.core import Metric
 
 from mesh.cluster.worker import Worker
 from policies.base import TargetState
@@ -70,24 +71,33 @@ def _target(t: TargetState, reported: bool) -> dict[str, Any]:
     }
 
 
-def _by_target(counter: Counter) -> dict[str, float]:
-    """A counter labelled by ``target``: its value per target (``collect``, the public API)."""
+def _by_target(families: Iterable[Metric], name: str) -> dict[str, float]:
+    """A counter family labelled by ``target``, summed per target (over models, where labelled)."""
     out: dict[str, float] = {}
-    for family in counter.collect():
+    for family in families:
+        if family.name != name:
+            continue
         for sample in family.samples:
-            if sample.name.endswith("_total"):
-                out[sample.labels["target"]] = sample.value
+            if sample.name == name + "_total":
+                target = sample.labels["target"]
+                out[target] = out.get(target, 0.0) + sample.value
     return out
 
 
 def _prefix(gateway: Gateway) -> dict[str, Any]:
     """Cached prompt tokens, predicted by the router vs reported by the workers, per target and
-    overall (counted for the answers that report ``cached_tokens``)."""
-    predicted = _by_target(gateway.metrics.prefix_predicted_tokens_total)
-    reported = _by_target(gateway.metrics.prefix_reported_tokens_total)
-    targets = {tid: {"predicted": predicted.get(tid, 0.0), "reported": reported.get(tid, 0.0)}
-               for tid in sorted(set(predicted) | set(reported))}
-    return {"predicted": sum(predicted.values()), "reported": sum(reported.values()), "targets": targets}
+    overall (both counted for the answers that report ``cached_tokens``), over the prompt tokens
+    the workers reported: the hit rates, predicted and reported."""
+    m = gateway.metrics
+    predicted = _by_target(m.prefix_predicted_tokens_total.collect(), "mesh_prefix_predicted_tokens")
+    reported = _by_target(m.prefix_reported_tokens_total.collect(), "mesh_prefix_reported_tokens")
+    # the proxy's serving series (built in the lifespan): the prompt tokens of every answer with a usage
+    prompt = _by_target(gateway.proxy.series.families(), "mesh_prompt_tokens") if gateway.proxy is not None else {}
+    targets = {tid: {"predicted": predicted.get(tid, 0.0), "reported": reported.get(tid, 0.0),
+                     "prompt": prompt.get(tid, 0.0)}
+               for tid in sorted(set(predicted) | set(reported) | set(prompt))}
+    return {"predicted": sum(predicted.values()), "reported": sum(reported.values()), "prompt": sum(prompt.values()),
+            "targets": targets}
 
 
 def _sessions(gateway: Gateway, mono: float, wall: float) -> dict[str, Any]:

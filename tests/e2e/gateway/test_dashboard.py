@@ -75,9 +75,9 @@ class DevTools:
 
 
 @contextlib.contextmanager
-def browser(procs: ProcessGroup, profile: Path) -> Iterator[DevTools]:
+def browser(procs: ProcessGroup, binary: str, profile: Path) -> Iterator[DevTools]:
     """Headless Chromium (a process of ``procs``) and a DevTools session on its page."""
-    cmd = [chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+    cmd = [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
            f"--user-data-dir={profile}", "--remote-debugging-port=0", f"--window-size={WIDTH},{HEIGHT}", "about:blank"]
     proc = procs.start(cmd, name="chromium")
@@ -204,6 +204,7 @@ def check_screenshot(png: bytes, tmp: Path) -> Path:
 
 
 def test_dashboard_renders_live_state_in_chromium(procs: ProcessGroup, tmp_path: Path) -> None:
+    binary = chromium_binary()  # first: a machine without it fails at once
     zmq_port = free_port()
     with kv_publisher(zmq_port):
         url, keyless = start_gateways(procs, tmp_path, zmq_port)
@@ -215,7 +216,7 @@ def test_dashboard_renders_live_state_in_chromium(procs: ProcessGroup, tmp_path:
         assert page.status_code == 200 and "content-security-policy" in page.headers  # no key: the page holds no data
         assert client.get("/dashboard/state").status_code == 401
 
-        with browser(procs, tmp_path / "chromium") as tools:
+        with browser(procs, binary, tmp_path / "chromium") as tools:
             tools.call("Page.navigate", url=f"{url}/dashboard#key={KEY}")
             tools.wait_for("Number(document.body.dataset.refreshes || 0) >= 1", "the page's first render")
             served += send_turns(client, LATER_TURNS)  # the page refreshes itself: it shows them without a reload
@@ -234,7 +235,13 @@ def test_dashboard_renders_live_state_in_chromium(procs: ProcessGroup, tmp_path:
             # newest first: exactly the requests sent, each on the target that served it
             assert [row[3] for row in dom["decisions"]] == served[::-1]
             assert all(row[1] == "echo" and row[2] != "–" and row[5] for row in dom["decisions"])
-            assert dom["prefix"][0][0] == "all targets" and dom["sparklines"] >= 2
+            # the hit rates as the gateway counts them (no request since: the counters are still)
+            prefix = client.get("/dashboard/state", headers={"authorization": f"Bearer {KEY}"}).json()["prefix"]
+            assert prefix["prompt"] > 0 and prefix["predicted"] > 0  # later turns found their prefix predicted
+            overall = dom["prefix"][0]
+            assert overall[:4] == ["all targets", *(f"{round(prefix[k]):,}" for k in ("prompt", "predicted", "reported"))]
+            assert overall[4] == f"{100 * prefix['predicted'] / prefix['prompt']:.1f} %"
+            assert dom["sparklines"] >= 2
             assert KEY not in dom["href"]  # the fragment left the address bar
             requested = [e["params"]["request"]["url"] for e in tools.events if e.get("method") == "Network.requestWillBeSent"]
             assert requested and all(u.startswith(url + "/dashboard") for u in requested), requested

@@ -31,7 +31,7 @@ def test_the_state_needs_the_admin_key_and_is_refused_without_one_configured() -
     assert ok.status_code == 200
     state = ok.json()
     assert state["workers"] == [] and state["decisions"] == [] and state["sessions"]["live"] == 0
-    assert state["prefix"] == {"predicted": 0, "reported": 0, "targets": {}}
+    assert state["prefix"] == {"predicted": 0, "reported": 0, "prompt": 0, "targets": {}}
     with client() as c:
         refused = c.get("/dashboard/state", headers={"authorization": "Bearer k"})
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
