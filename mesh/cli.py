@@ -12,10 +12,13 @@ import argparse
 import importlib
 import sys
 
+from mesh import __version__
+from mesh.commands.help_format import MeshArgumentParser
+
 SUBCOMMAND_MODULES = (
-    "mesh.commands.serve",  # mesh serve --config mesh.yaml
+    "mesh.commands.serve",  # mesh serve [--config mesh.yaml] [--worker-urls URL ...]
     "mesh.commands.up",  # mesh up [--workers N]
-    "mesh.commands.config",  # mesh config validate FILE
+    "mesh.commands.config",  # mesh config validate FILE | show | reference
     "workers.server.cli",  # mesh worker [--preset NAME | --model DIR]
     "mesh.commands.simulate",  # mesh simulate TRACE ... / mesh calibrate
     "mesh.commands.replay",  # mesh replay URL TRACE ...
@@ -30,7 +33,8 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mesh", description=DESCRIPTION)
+    parser = MeshArgumentParser(prog="mesh", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"mesh {__version__}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)

@@ -183,6 +183,9 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # the address a wildcard publisher endpoint (tcp://*:P) binds: the HTTP server's host when that
+    # is a concrete address (a worker on loopback publishes on loopback); None: every interface
+    kv_events_bind_host: str | None = None
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
     kv_events_queue_size: int = 100_000  # batches queued for the publisher thread
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)

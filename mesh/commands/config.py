@@ -27,7 +27,6 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("file", metavar="FILE", help="the deployment's YAML config (e.g. mesh.yaml or examples/*.yaml)")
     v.set_defaults(func=validate)
     s = sub.add_parser("show", help="print the effective config (defaults filled in, secrets redacted)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Prints the config `mesh serve --config FILE` would run as YAML: the file, "
                                    "the MESH_API_KEYS / MESH_ADMIN_KEY(_FILE) environment variables over it, "
                                    "every default filled in; keys and passwords shown as ***.")

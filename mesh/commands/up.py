@@ -44,13 +44,18 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("up", help="start a local cluster: N workers and the gateway")
     p.add_argument("--workers", type=int, default=2, help="number of local workers (default 2)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="gateway listen address (the workers, their KV event publishers and KV transfers "
+                        "listen on 127.0.0.1 whatever it is)")
     p.add_argument("--engine", choices=["echo", "bundled"], default="bundled",
                    help="bundled: the tiny engine on CPU with KV events (default); echo: instant echo workers")
     p.add_argument("--policy", default=None, metavar="NAME_OR_YAML",
                    help="routing policy: a built-in name, module:Class, or a YAML file with a 'policy:' key, "
                         "e.g. examples/pipeline.yaml (default: session_sticky over kv_aware)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="gateway log level")
+    p.add_argument("--base-port", type=int, default=None, metavar="N",
+                   help="pin the worker ports: worker i listens on N+i (bundled: its KV events on N+W+2i and "
+                        "N+W+2i+1, W workers); default: free ports picked at start")
     p.add_argument("--prefill", type=int, default=0, help="disaggregated: N prefill workers (bundled engine)")
     p.add_argument("--decode", type=int, default=0, help="disaggregated: M decode workers (bundled engine)")
     add_access_log_argument(p)
@@ -106,13 +111,31 @@ class LocalWorker:
         return out
 
 
-def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None) -> list[LocalWorker]:
+def worker_ports(engine: str, n: int, base_port: int | None) -> list[tuple[int, tuple[int, int] | None]]:
+    """Each worker's HTTP port and (bundled) KV event ports: free ones, or pinned from ``base_port``
+    (worker i on base+i; its events on base+n+2i and base+n+2i+1)."""
+    out: list[tuple[int, tuple[int, int] | None]] = []
+    for i in range(n):
+        if base_port is None:
+            out.append((free_port(), (free_port(), free_port()) if engine == "bundled" else None))
+        else:
+            kv = base_port + n + 2 * i
+            out.append((base_port + i, (kv, kv + 1) if engine == "bundled" else None))
+    return out
+
+
+def pinned_ports(engine: str, n: int, base_port: int) -> list[int]:
+    return [p for port, kv in worker_ports(engine, n, base_port) for p in (port, *(kv or ()))]
+
+
+def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None,
+                  base_port: int | None = None) -> list[LocalWorker]:
     # one secret per local cluster: its workers sign and check kv_transfer_params (workers.transfer.auth)
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)}
     out = []
-    for i, role in enumerate(roles or ["mixed"] * n):
-        port, name = free_port(), f"worker-{i}" if role == "mixed" else f"{role}-{i}"
-        kv_ports = (free_port(), free_port()) if engine == "bundled" else None
+    roles = roles or ["mixed"] * n
+    for i, (role, (port, kv_ports)) in enumerate(zip(roles, worker_ports(engine, len(roles), base_port), strict=True)):
+        name = f"worker-{i}" if role == "mixed" else f"{role}-{i}"
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
             worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT,
@@ -236,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
-    workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None)
+    workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None, args.base_port)
     # SIGTERM behaves like Ctrl-C: unwind through the finally below, which stops the workers.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -266,7 +289,7 @@ def args_problem(args: argparse.Namespace, roles: list[str]) -> str | None:
     if max(args.workers, len(roles)) > MAX_LOCAL_WORKERS:
         return (f"--workers must be <= {MAX_LOCAL_WORKERS} (and --prefill + --decode too): a local cluster "
                 f"on one machine; use `mesh serve` with a config for more")
-    problem = preflight(args, roles)  # before any worker starts (the bundled engine takes minutes)
+    problem = preflight(args, roles) or base_port_problem(args, roles)  # before any worker starts (minutes)
     if problem is not None:
         return problem
     if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
@@ -332,6 +355,23 @@ def preflight(args: argparse.Namespace, roles: list[str]) -> str | None:
     except PluginError as exc:
         return f"--policy: {exc}"
     return bind_problem(args.host, args.port)
+
+
+def base_port_problem(args: argparse.Namespace, roles: list[str]) -> str | None:
+    """Why the pinned worker ports (``--base-port``) cannot be used: out of range, the gateway's
+    port among them, or one already taken."""
+    if args.base_port is None:
+        return None
+    ports = pinned_ports(args.engine, len(roles) or args.workers, args.base_port)
+    if args.base_port < 1 or max(ports) > 65535:
+        return f"--base-port {args.base_port}: the worker ports {min(ports)}-{max(ports)} must lie in 1-65535"
+    if args.port in ports:
+        return f"--base-port {args.base_port}: the worker ports {min(ports)}-{max(ports)} include the gateway's --port {args.port}"
+    for port in ports:
+        problem = bind_problem("127.0.0.1", port)
+        if problem is not None:
+            return f"--base-port {args.base_port}: {problem}"
+    return None
 
 
 def bind_problem(host: str, port: int) -> str | None:

@@ -89,6 +89,7 @@ class LLMEngine:
 
             self.publisher = KVEventPublisher(
                 config.kv_events_endpoint, config.kv_events_replay_endpoint, topic=config.kv_events_topic,
+                bind_host=config.kv_events_bind_host,
                 buffer_steps=config.kv_events_buffer_steps, max_queue_size=config.kv_events_queue_size,
             )
 

@@ -33,31 +33,37 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default=None, help="random-weight preset (tiny, qwen2-0.5b, llama3-1b, llama3-3b, llama3-8b); default tiny")
     src.add_argument("--model", default=None, metavar="DIR", help="local Hugging Face directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--served-model-name", default=None, help="model name in the API and in block keys (default: preset or directory name)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="listen address of the API (and of a wildcard --kv-events-endpoint, and KV transfers); "
+                        "the API has no auth: give 0.0.0.0 only on a trusted network")
+    p.add_argument("--port", type=int, default=8000, help="listen port of the API")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention kernels: triton on CUDA when available (auto), else torch")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="override the model dtype")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (the gateway's workers[].block_size)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV capacity in blocks (default: from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use (weights, activations, KV cache)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens computed in one step")
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="most new tokens of one request per step")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt plus output in tokens (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
                    help="CPU offload tier: N blocks of host memory (pinned on CUDA) that keep evicted prefix blocks for restore; 0: off")
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--cpu-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-events-endpoint", default=None, metavar="ADDR", help="ZMQ PUB address, e.g. tcp://*:5557")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graph capture)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
+                   help="ZMQ PUB address of the KV cache events, e.g. tcp://*:5557 (bound; * is --host's address "
+                        "unless --host is 0.0.0.0); a concrete address is connected to, as vLLM does")
     p.add_argument("--kv-events-replay-endpoint", default=None, metavar="ADDR", help="ZMQ ROUTER address, e.g. tcp://*:5558")
-    p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (the gateway's kv_events.topic)")
     p.add_argument("--chat-template-content-format", default="auto", choices=list(CONTENT_FORMATS),
                    help="how message content reaches the chat template, as vLLM's flag: auto (detected from the "
                         "template), string, or openai (a list of text parts); give the gateway pool the same")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="log level (debug, info, warning, error)")
     add_disagg_arguments(p)  # --role, --kv-transfer-*, --kv-max-pending* (workers.transfer.disagg_config)
     add_shutdown_argument(p)  # --shutdown-timeout
 
@@ -86,7 +92,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
         cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic,
+        kv_events_topic=args.kv_events_topic, kv_events_bind_host=concrete_host(args.host),
     )
     tokenizer = load_tokenizer(model_config.tokenizer)
     engine = LLMEngine(model_config, config, eos_token_id=tokenizer.eos_token_id)
@@ -104,6 +110,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         "chat_template_content_format": args.chat_template_content_format,
     }
     return AsyncLLMEngine(engine), tokenizer, name, info
+
+
+def concrete_host(host: str) -> str | None:
+    """``host`` unless it means every interface (then None: a wildcard endpoint binds them all)."""
+    return None if host in ("", "0.0.0.0", "::", "*", "[::]") else host
 
 
 def run(args: argparse.Namespace) -> int:

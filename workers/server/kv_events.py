@@ -68,6 +68,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         max_queue_size: int = 100_000,
         data_parallel_rank: int = 0,
+        bind_host: str | None = None,
     ) -> None:
         import msgspec
         import zmq
@@ -75,6 +76,7 @@ class KVEventPublisher:
         self._zmq = zmq
         self._encode = msgspec.msgpack.Encoder().encode
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.bind_host = bind_host  # what the ``*`` of a wildcard endpoint binds (None: every interface)
         self._topic = topic.encode("utf-8")
         self._dp_rank = data_parallel_rank
         self._queue: deque[tuple[int, float, list[KVEvent]]] = deque()
@@ -132,10 +134,10 @@ class KVEventPublisher:
         try:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, 100_000)
-            _bind_or_connect(pub, self.endpoint)
+            _bind_or_connect(pub, self.endpoint, self.bind_host)
             if self.replay_endpoint:
                 replay = ctx.socket(zmq.ROUTER)
-                replay.bind(self.replay_endpoint)
+                replay.bind(_at_host(replay, self.replay_endpoint, self.bind_host))
         except Exception as exc:  # reported to the constructor
             self._startup_error = exc
             for s in (pub, replay):
@@ -188,12 +190,27 @@ class KVEventPublisher:
         replay.send_multipart([client, b"", self._topic, END_SEQ, b""])
 
 
-def _bind_or_connect(sock: Any, endpoint: str) -> None:
-    """vLLM's convention: bind a wildcard, ipc or inproc address, connect to anything else."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+def _bind_or_connect(sock: Any, endpoint: str, bind_host: str | None = None) -> None:
+    """vLLM's convention: bind a wildcard, ipc or inproc address, connect to anything else. The
+    ``*`` of a wildcard binds ``bind_host`` when one is given (the worker's own listen address)."""
+    if "*" in endpoint and bind_host:
+        sock.bind(_at_host(sock, endpoint, bind_host))
+    elif "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
         sock.bind(endpoint)
     else:
         log.warning("KV events: %s is a concrete address, so this worker CONNECTS to it (vLLM's rule) and "
                     "publishes only to a subscriber that binds there; for a gateway that connects to the "
                     "worker (Mesh's kv_events.endpoint), give tcp://*:%s instead", endpoint, endpoint.rpartition(":")[2])
         sock.connect(endpoint)
+
+
+def _at_host(sock: Any, endpoint: str, host: str | None) -> str:
+    """``endpoint`` with its wildcard ``*`` replaced by ``host`` (None: kept, every interface)."""
+    if "*" not in endpoint or not host:
+        return endpoint
+    if ":" in host:  # IPv6: zmq needs the socket option and brackets
+        import zmq
+
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{host.strip('[]')}]"
+    return endpoint.replace("*", host, 1)
