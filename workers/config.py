@@ -35,6 +35,13 @@ class ModelConfig:
     tokenizer: str = "byte"  # "byte" or a path load_tokenizer accepts
     eos_token_id: int | None = None  # None: the tokenizer's
     path: str | None = None  # a local HF directory to load weights from; None: random weights
+    # Hybrid models: one entry per layer, "full_attention" or "linear_attention" (the recurrent
+    # layer of ``workers.model.recurrent``); None: every layer is full attention.
+    layer_types: tuple[str, ...] | None = None
+    linear_num_heads: int = 0  # recurrent layers' heads, key and value dims (state [heads, d_k, d_v])
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_chunk: int = 64  # tokens per closed-form segment of the prefill scan
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -43,6 +50,34 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = set(self.layer_types) - {"full_attention", "linear_attention"}
+            if bad:
+                raise ValueError(f"unknown layer types {sorted(bad)} (full_attention, linear_attention)")
+            if self.is_hybrid and min(self.linear_num_heads, self.linear_key_dim, self.linear_value_dim) < 1:
+                raise ValueError("a hybrid model needs linear_num_heads, linear_key_dim and linear_value_dim")
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the full-attention layers (the ones with paged K/V)."""
+        types = self.layer_types
+        return [i for i in range(self.num_layers) if types is None or types[i] == "full_attention"]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Indices of the recurrent (linear-attention) layers, whose per-request state is kept in slots."""
+        types = self.layer_types or ()
+        return [i for i, t in enumerate(types) if t == "linear_attention"]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
+
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent state (all recurrent layers, float32)."""
+        return len(self.recurrent_layers) * self.linear_num_heads * self.linear_key_dim * self.linear_value_dim * 4
 
     @property
     def q_size(self) -> int:
@@ -58,12 +93,15 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i + 2 * h
+        hk, hv = self.linear_num_heads * self.linear_key_dim, self.linear_num_heads * self.linear_value_dim
+        linear = h * (2 * hk + 2 * hv + self.linear_num_heads) + hv * h + 2 * self.linear_num_heads + self.linear_value_dim
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return (len(self.attention_layers) * (attn + mlp) + len(self.recurrent_layers) * (linear + mlp)
+                + emb + h)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        return 2 * len(self.attention_layers) * self.kv_size * dtype_bytes
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -73,6 +111,22 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", init_std=0.1,
+    ),
+    # tiny's shape with every second layer recurrent (gated linear attention, state [4, 32, 32]).
+    "tiny-hybrid": ModelConfig(
+        name="tiny-hybrid", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", init_std=0.1,
+        layer_types=("linear_attention", "full_attention") * 2,
+        linear_num_heads=4, linear_key_dim=32, linear_value_dim=32,
+    ),
+    # qwen2-0.5b's shape, three recurrent layers to one full-attention layer (Qwen3-Next's ratio).
+    "hybrid-0.5b": ModelConfig(
+        name="hybrid-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, qkv_bias=True, tie_word_embeddings=True,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 6,
+        linear_num_heads=8, linear_key_dim=128, linear_value_dim=128,
     ),
     "qwen2-0.5b": ModelConfig(
         name="qwen2-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -169,6 +223,13 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # most new tokens of one sequence per step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Hybrid models (``workers.engine.state_checkpoints``): checkpoints of the recurrent state, kept
+    # in a pool of their own (LRU) under the key of the last block they cover. One is taken at every
+    # multiple of the interval (rounded up to a multiple of block_size; 0: none on an interval)
+    # and one at the end of each turn (the last full block of prompt + output); a prefix hit
+    # resumes only where attention blocks and a checkpoint both exist. 0 checkpoints: off.
+    num_state_checkpoints: int = 256
+    state_checkpoint_interval: int = 512
     # CPU offload tier (``workers.offload.kv_offload``): blocks of host memory (pinned on CUDA) that keep
     # evicted prefix blocks for restore instead of recompute; 0: off.
     cpu_offload_blocks: int = 0
@@ -195,12 +256,20 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if self.num_state_checkpoints < 0 or self.state_checkpoint_interval < 0:
+            raise ValueError("num_state_checkpoints and state_checkpoint_interval must be >= 0")
         if self.cpu_offload_blocks < 0:
             raise ValueError("cpu_offload_blocks must be >= 0 (0: no CPU offload tier)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1]")
+
+    @property
+    def checkpoint_interval_tokens(self) -> int:
+        """The checkpoint interval rounded up to whole blocks (0: none on an interval)."""
+        bs = self.block_size
+        return -(-self.state_checkpoint_interval // bs) * bs
 
     @property
     def prefill_chunk(self) -> int:

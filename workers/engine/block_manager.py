@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 from mesh.core.keys import block_keys
 from workers.engine.sequence import Sequence
+from workers.engine.state_checkpoints import ATTENTION_GROUP, ATTENTION_KIND, StateCheckpoints
 from workers.offload.cpu_block_pool import CpuBlockPool
 
 MEDIUM_GPU = "GPU"
@@ -61,6 +62,9 @@ class BlockStored:
     # vLLM's per-block extra hash inputs: the cache salt rides on a chain's first block, so a
     # subscriber keys a salted chain in the salt's namespace (None: nothing extra anywhere)
     extra_keys: list[tuple[str, ...] | None] | None = None
+    # hybrid models: the KV cache group and its kind (vLLM's KVCacheSpecKind value); None: one group
+    group_idx: int | None = None
+    kind: str | None = None
 
 
 def salt_extra_keys(salt: str | None, first: int, n: int) -> list[tuple[str, ...] | None] | None:
@@ -74,6 +78,7 @@ def salt_extra_keys(salt: str | None, first: int, n: int) -> list[tuple[str, ...
 class BlockRemoved:
     block_hashes: list[int]
     medium: str = MEDIUM_GPU
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,19 @@ class BlockManager:
         self.swaps: list[Swap] = []  # queued page copies, in order (run by the engine)
         self.num_saved = 0  # blocks copied GPU -> CPU
         self.num_restored = 0  # blocks copied CPU -> GPU (CPU prefix hits)
+        # Hybrid models: recurrent-state slots and checkpoints (``enable_states``); a hit is cut
+        # back to the deepest block with a checkpoint.
+        self.states: StateCheckpoints | None = None
+        self.num_unresumable_tokens = 0  # attention-block hits dropped for want of a checkpoint
+
+    def enable_states(self, max_num_seqs: int, num_checkpoints: int, interval: int) -> StateCheckpoints:
+        """Make this a hybrid model's block manager (before any allocation). Its attention blocks
+        are announced as group 0 of kind full_attention, checkpoints as the recurrent group."""
+        if self.cpu is not None:
+            raise ValueError("the CPU offload tier does not hold recurrent state: hybrid models run without it")
+        self.states = StateCheckpoints(max_num_seqs, num_checkpoints if self.enable_prefix_caching else 0,
+                                       interval, self.block_size, self.events)
+        return self.states
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -156,6 +174,12 @@ class BlockManager:
         return hits
 
     def _match(self, seq: Sequence) -> list[tuple[int, int]]:
+        """``seq``'s resumable cached prefix: the attention blocks' (``_match_blocks``), cut back
+        to the deepest block with a recurrent-state checkpoint on a hybrid model."""
+        hits = self._match_blocks(seq)
+        return hits if self.states is None else self.states.resumable(hits)
+
+    def _match_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
         """``seq``'s cached prefix, verified token by token; pure. One ``(block id, key)`` per
         block: the GPU block holding it, or -1 when only the CPU pool does (a restore).
 
@@ -201,6 +225,8 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         hits = self._match(seq)
+        if self.states is not None:
+            self.num_unresumable_tokens += (len(self._match_blocks(seq)) - len(hits)) * self.block_size
         if self._blocks_needed(seq, hits) > len(self.free):
             raise RuntimeError("allocate without capacity (call can_allocate first)")
         for bid, _ in hits:  # revive before taking fresh blocks, so a hit is never evicted here
@@ -210,6 +236,8 @@ class BlockManager:
         seq.block_table = table + [self._take_fresh() for _ in range(seq.num_blocks - len(table))]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
+        if self.states is not None:
+            self.states.acquire(seq, hits[-1][1] if hits else None)
         return seq.num_computed_tokens
 
     def _restore(self, seq: Sequence, hits: list[tuple[int, int]], cpu: CpuBlockPool) -> list[int]:
@@ -281,7 +309,7 @@ class BlockManager:
         if self.cpu is not None:
             self._save(block, self.cpu)
         del self.cached[key]
-        self.events.append(BlockRemoved([key]))
+        self.events.append(BlockRemoved([key], group_idx=self._group))
         self.num_evicted += 1
         block.clear()
 
@@ -378,8 +406,15 @@ class BlockManager:
                 token_ids=seq.token_ids[first * bs : (first + len(run)) * bs],
                 block_size=bs,
                 extra_keys=salt_extra_keys(seq.cache_salt, first, len(run)),
+                group_idx=self._group,
+                kind=None if self.states is None else ATTENTION_KIND,
             )
         )
+
+    @property
+    def _group(self) -> int | None:
+        """The attention blocks' KV cache group on the wire (None: a one-group model)."""
+        return None if self.states is None else ATTENTION_GROUP
 
     # ---- free -----------------------------------------------------------------------------
 
@@ -387,6 +422,8 @@ class BlockManager:
         """Drop ``seq``'s references (finish, abort or preemption); cached content stays. The
         blocks it frees go to the back of the pool, tail first; with ``seq.evict_first`` (the
         retention hint) to the front, behind the empty blocks and still tail first."""
+        if self.states is not None:
+            self.states.release(seq)
         spill = seq.evict_first
         front: list[int] = []
         for bid in reversed(seq.block_table):
@@ -427,11 +464,14 @@ class BlockManager:
         self.cached.clear()
         if self.cpu is not None:
             self.cpu.clear()
+        if self.states is not None:
+            self.states.clear()
         self.events.append(AllBlocksCleared())
         return True
 
     def drain_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()  # in place: the state checkpoints append to this same list
         return events
 
     def cached_keys(self) -> set[int]:
@@ -457,6 +497,8 @@ class BlockManager:
             errors += self._check_refs(list(seqs))
         if self.cpu is not None:
             errors += self.cpu.check() + self._check_tiers(self.cpu)
+        if self.states is not None:
+            errors += self.states.check()
         if errors:
             raise RuntimeError("block manager corrupt: " + "; ".join(errors[:10]))
 

@@ -64,6 +64,9 @@ class LLMEngine:
                                           num_cpu_blocks=config.cpu_offload_blocks)
         self.cpu_cache = (  # the CPU offload tier's pages (the block manager keeps their bookkeeping)
             CpuKVCache(self.runner.kv_cache, config.cpu_offload_blocks) if config.cpu_offload_blocks else None)
+        if model_config.is_hybrid:
+            self.block_manager.enable_states(config.max_num_seqs, config.num_state_checkpoints,
+                                             config.checkpoint_interval_tokens)
         self.scheduler = Scheduler(config, self.block_manager)
         # Async decode: while a graph decode step runs on the device, the next one is scheduled
         # and enqueued, and the finished one is booked (the host's ~0.3-1 ms per step overlaps
@@ -174,6 +177,12 @@ class LLMEngine:
             self._publish()
             return outputs
         batch = self.scheduler.schedule()
+        states = self.block_manager.states
+        if states is not None:  # where this step's forward pass snapshots the recurrent state
+            for seq, n in batch.items():
+                plan = states.plan(seq, seq.num_computed_tokens, n)
+                if plan:
+                    batch.snapshots[seq.seq_id] = plan
         self.run_swaps()  # saves read pages before this step overwrites them; restores land before it reads
         if batch:
             if self.async_decode and self.runner.graph_size_for(len(batch.decodes)) is not None and not batch.prefills:
@@ -234,6 +243,9 @@ class LLMEngine:
     def run_swaps(self, sync: bool = False) -> int:
         """Run the page copies the block manager queued (CPU offload); call before anything
         writes or reads the GPU pages after an allocation. ``sync``: wait until they are done."""
+        states = self.block_manager.states
+        if states is not None:
+            self.runner.copy_states(states.take_copies())
         swaps = self.block_manager.take_swaps()
         if swaps and self.cpu_cache is not None:
             self.cpu_cache.run(swaps)
@@ -301,6 +313,7 @@ class LLMEngine:
             "blocks_revived": bm.num_revived,
             "evict_first_requests": self.num_evict_first,
             **self._offload_stats(),
+            **self._state_stats(),
             "steps": self.num_steps,
             "kv_events_published": pub.num_published if pub else 0,
             "kv_events_dropped": pub.num_dropped if pub else 0,
@@ -315,6 +328,19 @@ class LLMEngine:
             "cpu_blocks_restored": bm.num_restored,
             "cpu_blocks_saved": bm.num_saved,
             "cpu_blocks_evicted": cpu.num_evicted if cpu else 0,
+        }
+
+    def _state_stats(self) -> dict[str, float]:
+        """Hybrid models' recurrent-state checkpoints (zeros for other models)."""
+        bm, st = self.block_manager, self.block_manager.states
+        return {
+            "state_checkpoints_total": st.num_checkpoints if st else 0,
+            "state_checkpoints_cached": len(st) if st else 0,
+            "state_checkpoints_saved": st.num_saved if st else 0,
+            "state_checkpoints_end_of_turn": st.num_promoted if st else 0,
+            "state_checkpoints_restored": st.num_restored if st else 0,
+            "state_checkpoints_evicted": st.num_evicted if st else 0,
+            "prefix_unresumable_tokens": bm.num_unresumable_tokens,  # attention hits without a checkpoint
         }
 
     def close(self) -> None:

@@ -25,9 +25,11 @@ from workers.config import EngineConfig, ModelConfig
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
+from workers.engine.state_checkpoints import StateCopy, num_state_slots
 from workers.model.attention.base import AttentionBackend, get_backend
 from workers.model.decoder import DTYPES, CausalLM, build_model
 from workers.model.layers import AttentionMetadata
+from workers.model.recurrent import RecurrentMetadata
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +84,19 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One allocation: [layers, k|v, blocks, block_size, kv_heads, head_dim]; per-layer views
         # are contiguous, as the backends require.
+        n_attn = len(model_config.attention_layers)
         self.kv_cache = torch.empty(
-            model_config.num_layers, 2, self.num_blocks, self.block_size, model_config.num_kv_heads,
+            n_attn, 2, self.num_blocks, self.block_size, model_config.num_kv_heads,
             model_config.head_dim, dtype=self.dtype, device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_attn)]
+        # Hybrid models: recurrent state per slot (``workers.engine.state_checkpoints`` owns the
+        # slot numbering: running states, boundary buffers, the checkpoint pool), float32.
+        m = model_config
+        self.states: torch.Tensor | None = torch.zeros(
+            len(m.recurrent_layers), self._num_state_slots(), m.linear_num_heads, m.linear_key_dim,
+            m.linear_value_dim, dtype=torch.float32, device=self.device,
+        ) if m.is_hybrid else None
         self.sampler = Sampler(self.device, config.seed)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._g_sizes: list[int] = []
@@ -96,6 +106,10 @@ class ModelRunner:
 
     # ---- sizing ---------------------------------------------------------------------------
 
+    def _num_state_slots(self) -> int:
+        cfg = self.config
+        return num_state_slots(cfg.max_num_seqs, cfg.num_state_checkpoints if cfg.enable_prefix_caching else 0)
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -104,6 +118,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - self._activation_reserve()
+            budget -= self._num_state_slots() * self.model_config.state_bytes() if self.model_config.is_hybrid else 0
         else:
             budget = cfg.cpu_kv_cache_bytes
         blocks = budget // per_block
@@ -140,6 +155,8 @@ class ModelRunner:
         else:
             inputs = self.prepare(batch)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+            if self.states is not None:
+                self._end_snapshots(batch)
             seqs = inputs.sample_seqs
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if seqs else None
         if not seqs:
@@ -178,6 +195,8 @@ class ModelRunner:
         if batch.decodes:
             meta.decode_block_tables = _t(_tables(batch.decodes), dev, torch.int32)
             meta.decode_context_lens = _t(np.array([s.num_computed_tokens + 1 for s in batch.decodes]), dev, torch.int32)
+        if self.states is not None:
+            meta.recurrent = self._recurrent_meta(batch)
         return StepInputs(
             input_ids=_t(np.concatenate(ids), dev),
             positions=_t(np.concatenate(pos), dev),
@@ -185,6 +204,45 @@ class ModelRunner:
             logits_indices=_t(np.array(logits_idx, dtype=np.int64), dev),
             sample_seqs=sample_seqs,
         )
+
+    # ---- recurrent state (hybrid models) -----------------------------------------------------
+
+    def _recurrent_meta(self, batch: ScheduledBatch) -> RecurrentMetadata:
+        """Slots of this step's sequences; the snapshots that fall inside a prefill chunk (the
+        ones at a chunk's end are copied after the forward pass, ``_end_snapshots``)."""
+        assert self.states is not None
+        snaps = batch.snapshots
+        meta = RecurrentMetadata(self.states)
+        for seq, n in batch.prefills:
+            if seq.state_slot is None:
+                raise RuntimeError(f"sequence {seq.seq_id} runs without a recurrent state slot")
+            meta.prefill_slots.append(seq.state_slot)
+            meta.prefill_starts.append(seq.num_computed_tokens)
+            meta.prefill_snaps.append([(o, d) for o, d in snaps.get(seq.seq_id, ()) if o < n])
+        if batch.decodes:
+            meta.decode_slots = _t(np.array([s.state_slot for s in batch.decodes], dtype=np.int64), self.device)
+        return meta
+
+    def _end_snapshots(self, batch: ScheduledBatch) -> None:
+        """Copy each sequence's state into the snapshot slots planned at the end of its step."""
+        assert self.states is not None
+        src, dst = [], []
+        for seq, n in batch.items():
+            for off, dest in batch.snapshots.get(seq.seq_id, ()):
+                if off == n:
+                    src.append(seq.state_slot)
+                    dst.append(dest)
+        if src:
+            st = self.states
+            st.index_copy_(1, _t(np.array(dst), self.device), st.index_select(1, _t(np.array(src), self.device)))
+
+    def copy_states(self, copies: list[StateCopy]) -> None:
+        """Run queued slot-to-slot state copies in order (restores, end-of-turn promotions)."""
+        if self.states is None:
+            return
+        with torch.inference_mode():
+            for c in copies:
+                self.states[:, c.dst].copy_(self.states[:, c.src])
 
     # ---- CUDA graphs for decode -------------------------------------------------------------
     #
@@ -199,7 +257,9 @@ class ModelRunner:
     # j - 2's event, so a launch may be enqueued while the previous one still runs.
 
     def _use_graphs(self) -> bool:
-        return self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
+        # Hybrid models run eagerly: their state slots are not graph inputs yet.
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
+                and not self.model_config.is_hybrid)
 
     def _graph_sizes(self) -> list[int]:
         top = min(self.config.max_graph_batch_size, self.config.max_num_seqs)

@@ -30,6 +30,8 @@ class ScheduledBatch:
 
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
+    # hybrid models: seq_id -> (tokens into its step, state slot) snapshots this step writes
+    snapshots: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -102,7 +102,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "block_hashes", "num_committed_blocks", "status",
         "params", "key_seed", "cache_salt", "block_size", "finish_reason", "admissions", "generator",
-        "evict_first",
+        "evict_first", "state_slot", "state_boundary",
     )
 
     def __init__(
@@ -134,6 +134,8 @@ class Sequence:
         self.admissions = 0  # > 1 after a preemption
         self.generator: object | None = None  # the sampler's per-request RNG (seeded requests)
         self.evict_first = evict_first  # retention hint: its blocks go to the eviction front when freed
+        self.state_slot: int | None = None  # hybrid models: the running recurrent-state slot
+        self.state_boundary = 0  # the block-aligned position whose state the boundary buffer holds
 
     def __len__(self) -> int:
         return len(self.token_ids)

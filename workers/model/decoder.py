@@ -16,11 +16,14 @@ from torch import nn
 from workers.config import ModelConfig
 from workers.model.attention.base import AttentionBackend
 from workers.model.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
+from workers.model.recurrent import GatedLinearAttention
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class DecoderLayer(nn.Module):
+    is_attention = True
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(
@@ -45,6 +48,33 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class RecurrentDecoderLayer(nn.Module):
+    """A hybrid model's recurrent layer: gated linear attention in place of self-attention
+    (HF Qwen3-Next's name ``linear_attn``), the same MLP and norms."""
+
+    is_attention = False
+
+    def __init__(self, cfg: ModelConfig, recurrent_index: int) -> None:
+        super().__init__()
+        self.linear_attn = GatedLinearAttention(
+            cfg.hidden_size, cfg.linear_num_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_chunk,
+            cfg.rms_norm_eps, recurrent_index,
+        )
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, cu_seqlens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if meta.recurrent is None:
+            raise ValueError("a recurrent layer needs RecurrentMetadata (state slots)")
+        h, residual = self.input_layernorm(x, residual)
+        h = self.linear_attn(h, meta.num_prefill_tokens, cu_seqlens, meta.recurrent)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
 class Model(nn.Module):
     """The decoder stack (HF's ``model.`` prefix)."""
 
@@ -54,7 +84,11 @@ class Model(nn.Module):
         # One RoPE table shared by every layer (not a parameter: never saved or loaded).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        recurrent = cfg.recurrent_layers
+        self.layers = nn.ModuleList(
+            RecurrentDecoderLayer(cfg, recurrent.index(i)) if i in recurrent else DecoderLayer(cfg, rotary)
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -71,14 +105,21 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per full-attention layer (k_cache, v_cache)
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.model.embed_tokens(input_ids)
         residual = None
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv, meta, backend)
+        kv_iter = iter(kv_caches)
+        cu: list[int] = []
+        if meta.recurrent is not None and meta.cu_seqlens_q is not None:
+            cu = meta.cu_seqlens_q.tolist()  # host offsets for the per-sequence scans
+        for layer in self.model.layers:
+            if layer.is_attention:
+                x, residual = layer(positions, x, residual, next(kv_iter), meta, backend)
+            else:
+                x, residual = layer(x, residual, meta, cu)
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -101,7 +142,8 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Causal
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling).to(device)
     for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+        if layer.is_attention:
+            layer.self_attn.rotary = rotary
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if cfg.path:
@@ -118,8 +160,10 @@ def random_init(model: CausalLM, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     std = model.config.init_std
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.endswith("o_norm"):
             p.fill_(1.0)
+        elif name.endswith("A_log"):  # per-token decay exp(-exp(A_log) * softplus(.)) near 0.97: long memory
+            p.copy_(torch.empty(p.shape, device=device).uniform_(0.02, 0.1, generator=gen).log())
         else:
             p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(std))
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from workers.model import kernels
 from workers.model.attention.base import AttentionBackend
+from workers.model.recurrent import RecurrentMetadata
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None  # [num_prefill_seqs] int32
     decode_block_tables: torch.Tensor | None = None  # [num_decode_seqs, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None  # [num_decode_seqs] int32
+    recurrent: RecurrentMetadata | None = None  # hybrid models: state slots of this step's sequences
 
     @property
     def has_decode(self) -> bool:

@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="random-weight preset (tiny, qwen2-0.5b, llama3-1b, llama3-3b, llama3-8b); default tiny")
+    src.add_argument("--preset", default=None, help="random-weight preset (tiny, tiny-hybrid, hybrid-0.5b, qwen2-0.5b, llama3-1b, llama3-3b, llama3-8b); default tiny")
     src.add_argument("--model", default=None, metavar="DIR", help="local Hugging Face directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--served-model-name", default=None, help="model name in the API and in block keys (default: preset or directory name)")
     p.add_argument("--host", default="127.0.0.1",

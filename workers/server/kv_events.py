@@ -7,6 +7,11 @@
   offloading connector's shape: a tier update of blocks already announced on the GPU). A salted
   request's chain carries its salt as vLLM does: ``extra_keys`` with ``[salt]`` for the chain's
   first block (``None`` for the others), so a subscriber keys it in the salt's namespace.
+- Hybrid models (``workers.engine.state_checkpoints``), as vLLM publishes its KV cache groups:
+  attention blocks carry ``group_idx`` 0 and ``kv_cache_spec_kind`` ``"full_attention"``;
+  recurrent-state checkpoints are group 1, kind ``"mamba"`` (vLLM's ``KVCacheSpecKind.MAMBA``): a
+  BlockStored naming the one block a checkpoint covers (its key, its parent's, its tokens) and a
+  BlockRemoved with ``group_idx`` 1 when the checkpoint pool evicts it.
 - Replay (ROUTER): a request ``[b"", start_seq (8 bytes)]`` is answered with
   ``[b"", topic, seq, payload]`` for every kept batch with ``seq >= start_seq``, then
   ``[b"", topic, -1 (8 bytes, signed), b""]``.
@@ -50,9 +55,15 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
         }
         if event.extra_keys is not None:
             out["extra_keys"] = [list(k) if k is not None else None for k in event.extra_keys]
+        if event.group_idx is not None:  # a hybrid model's KV cache group (vLLM annotates stores with its kind)
+            out["group_idx"] = event.group_idx
+            out["kv_cache_spec_kind"] = event.kind
         return out
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+        removed: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+        if event.group_idx is not None:
+            removed["group_idx"] = event.group_idx
+        return removed
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")

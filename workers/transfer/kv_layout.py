@@ -57,7 +57,7 @@ class Layout:
 
 def layout_of(engine: Any) -> Layout:
     mc = engine.model_config
-    return Layout(engine.model_name, mc.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size)
+    return Layout(engine.model_name, mc.dtype, len(mc.attention_layers), mc.num_kv_heads, mc.head_dim, engine.config.block_size)
 
 
 class TransferError(Exception):
