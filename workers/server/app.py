@@ -822,6 +822,8 @@ _GAUGES = {
     "kv_blocks_cached": "KV blocks registered in the prefix cache (used or free)",
     "cpu_kv_blocks_total": "Blocks of the CPU offload tier (0: off)",
     "cpu_kv_blocks_cached": "KV blocks held in the CPU offload tier",
+    "state_checkpoints_total": "Recurrent-state checkpoint slots of a hybrid model (0: not hybrid, or off)",
+    "state_checkpoints_cached": "Recurrent-state checkpoints held (hybrid models)",
 }
 _COUNTERS = {
     "prompt_tokens": "Prompt tokens of admitted requests",
@@ -837,6 +839,11 @@ _COUNTERS = {
     "cpu_blocks_restored": "KV blocks copied back from the CPU tier to the GPU (CPU hits)",
     "cpu_blocks_saved": "KV blocks copied from the GPU to the CPU tier (on eviction or a cpu_save)",
     "cpu_blocks_evicted": "KV blocks dropped from the CPU tier to make room",
+    "state_checkpoints_saved": "Recurrent-state checkpoints written (interval and end of turn; hybrid models)",
+    "state_checkpoints_end_of_turn": "Recurrent-state checkpoints written at a turn's end (part of state_checkpoints_saved)",
+    "state_checkpoints_restored": "Prefix hits resumed from a recurrent-state checkpoint (hybrid models)",
+    "state_checkpoints_evicted": "Recurrent-state checkpoints dropped to make room (LRU)",
+    "prefix_unresumable_tokens": "Cached prompt tokens not reused: no recurrent-state checkpoint covers them (hybrid models)",
     "kv_events_published": "KV event batches published",
     "kv_events_dropped": "KV event batches dropped (publisher queue full)",
 }

@@ -52,6 +52,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
                    help="CPU offload tier: N blocks of host memory (pinned on CUDA) that keep evicted prefix blocks for restore; 0: off")
+    p.add_argument("--state-checkpoints", type=int, default=256, metavar="N",
+                   help="hybrid models: recurrent-state checkpoints kept (LRU pool); a prefix is resumable only "
+                        "where one exists; 0: off")
+    p.add_argument("--state-checkpoint-interval", type=int, default=512, metavar="TOKENS",
+                   help="hybrid models: a checkpoint every TOKENS tokens (rounded up to whole blocks), besides the "
+                        "one at each turn's end; 0: turn ends only")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graph capture)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and sampling")
@@ -89,6 +95,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill_size=args.chunked_prefill_size,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         cpu_offload_blocks=args.cpu_offload_blocks,
+        num_state_checkpoints=args.state_checkpoints, state_checkpoint_interval=args.state_checkpoint_interval,
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
         cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
@@ -105,6 +112,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         "attention_backend": engine.runner.backend.name,
         "prefix_caching": config.enable_prefix_caching,
         "cpu_offload_blocks": config.cpu_offload_blocks,
+        "hybrid": model_config.is_hybrid,  # recurrent layers: prefixes resume only at state checkpoints
         "kv_events_endpoint": config.kv_events_endpoint,
         "kv_events_replay_endpoint": config.kv_events_replay_endpoint,
         "chat_template_content_format": args.chat_template_content_format,
