@@ -474,7 +474,7 @@ def resolve_capacity(args: argparse.Namespace, base: Profile, capacity: WorkerCa
         return block_size, args.kv_blocks, "--kv-blocks"
     if capacity is not None and capacity.kv_blocks > 0:
         return block_size, capacity.kv_blocks * (capacity.block_size or block_size) // block_size, capacity.source
-    return block_size, base.kv_blocks, f"base profile {base.name} (the worker reported no KV capacity)"
+    return block_size, base.kv_blocks, f"base profile {base.name}'s: the worker reported no KV capacity"
 
 
 # (section, term, label, unit scale from ms, unit) of every cost the summary prints

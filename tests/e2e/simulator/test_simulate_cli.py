@@ -102,6 +102,11 @@ FAKE_SERVER = textwrap.dedent('''
     async def models():
         return {"data": [{"id": "fake-model"}]}
 
+    @app.get("/metrics")
+    async def metrics():  # as vLLM reports its KV capacity
+        from fastapi.responses import PlainTextResponse
+        return PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="16384"} 1.0\\n')
+
     @app.post("/v1/completions")
     async def completions(req: Request):
         global active
@@ -143,13 +148,15 @@ def test_calibrate_writes_a_loadable_profile(tmp_path: Path) -> None:
             except OSError:
                 time.sleep(0.1)
         out = tmp_path / "calibrated.yaml"
-        proc = mesh("calibrate", "--url", f"http://127.0.0.1:{port}", "--out", str(out), "--quick",
-                    "--kv-blocks", "1000", "--block-size", "16", timeout=180)
+        proc = mesh("calibrate", "--url", f"http://127.0.0.1:{port}", "--out", str(out), "--quick", timeout=180)
         assert proc.returncode == 0, proc.stderr
         from simulator.profile import load_profile
 
         profile = load_profile(out)
-        assert profile.estimate is False and profile.kv_blocks == 1000 and profile.block_size == 16
+        # the worker's capacity (its /metrics), not the base profile's 52,000 blocks
+        assert profile.estimate is False and profile.kv_blocks == 16384 and profile.block_size == 16
+        assert "KV capacity: 16,384 blocks of 16 tokens (the worker's /metrics" in proc.stderr
+        assert profile.prefill.per_token_ms > 0  # its TTFT grows with the prompt
         assert profile.name == "calibrated-fake-model"
         import yaml
 
