@@ -11,11 +11,22 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.config import parse_config
 from mesh.gateway import disagg_proxy
 from mesh.gateway.app import create_app
-from tests.disagg_cluster import PD_POLICY, Cluster, assert_no_leaks, completion, direct, parse_answer, prompt_tokens, status
+from tests.disagg_cluster import (
+    MODEL,
+    PD_POLICY,
+    Cluster,
+    assert_no_leaks,
+    completion,
+    direct,
+    parse_answer,
+    prompt_tokens,
+    status,
+)
 from tests.procs import ProcessGroup, free_port, wait_http
 
 
@@ -109,3 +120,29 @@ def test_mesh_up_with_prefill_and_decode_workers_serves_disaggregated(procs: Pro
     assert resp.status_code == 200
     assert resp.headers["x-mesh-prefill-worker"].startswith("prefill-") and resp.headers["x-mesh-worker"].startswith("decode-")
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192  # 12 blocks came over
+
+
+async def test_a_relayed_request_counts_on_the_decode_targets_series(cluster: Cluster) -> None:
+    """As the ordinary proxy: TTFT, inter-token gaps, latency and the decode worker's reported
+    tokens on the decode target's series; the request id echoed once."""
+    labels = frozenset({("model", MODEL), ("target", "d0")})
+    async with _gateway(cluster, PD_POLICY) as client:
+        usages: list[dict[str, Any]] = []
+        for stream in (False, True):
+            body = completion(prompt_tokens(200, seed=70 + stream), 12, stream)
+            resp = await client.post("/v1/completions", json=body, headers={"x-request-id": f"pd-{stream}"})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-mesh-worker"] == "d0"
+            assert resp.headers.get_list("x-request-id") == [f"pd-{stream}"]
+            usage = parse_answer(resp.content, stream, "/v1/completions")[1]
+            assert usage is not None
+            usages.append(usage)
+        text = (await client.get("/metrics")).text
+    got = {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got[("mesh_time_to_first_token_seconds_count", labels)] == 2
+    assert got[("mesh_e2e_request_latency_seconds_count", labels)] == 2
+    assert got[("mesh_inter_token_latency_seconds_count", labels)] >= 1  # the stream's 12 tokens came in chunks
+    assert got[("mesh_generation_tokens_total", labels)] == sum(u["completion_tokens"] for u in usages) == 24
+    assert got[("mesh_prompt_tokens_total", labels)] == sum(u["prompt_tokens"] for u in usages)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    assert got[("mesh_cached_prompt_tokens_total", labels)] == cached
