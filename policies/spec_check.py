@@ -52,8 +52,8 @@ def _node(kind: str, spec: Any, path: str) -> list[str]:
     except PluginError as exc:
         return [f"{where}: {exc}{nearest(name, names(kind)) if ':' not in name else ''}"]
     problems = _unknown_params(kind, name, cls, params, f"{path}.params")
-    problems += [p for child_kind, child, child_path in _children(cls, params, f"{path}.params")
-                 for p in (_node(child_kind, child, child_path) if child_kind else [f"{child_path}: {child}"])]
+    for child_kind, child, child_path in _children(cls, params, f"{path}.params"):
+        problems += _node(child_kind, child, child_path) if child_kind else [f"{child_path}: {child}"]
     if problems:
         return problems
     try:

@@ -53,3 +53,10 @@ def test_the_subcommands_are_all_there() -> None:
             "mesh config reference", "mesh simulate"} <= names
     up_help = " ".join(dict(ALL)["mesh up"].format_help().split())  # unwrapped
     assert "--base-port N" in up_help and "(default: 127.0.0.1)" in up_help, up_help
+
+
+def test_serve_policy_help_names_every_built_in_policy() -> None:
+    from policies.registry import names
+
+    policy = next(a for a in dict(ALL)["mesh serve"]._actions if "--policy" in a.option_strings)
+    assert all(name in (policy.help or "") for name in names("policy")), policy.help
