@@ -124,7 +124,7 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
             f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}",
             f"{s['load_spread']:.2f}", f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
         ))
-    if reference and reference.get("ideal_hit_rate") is not None:
+    if reference and (reference.get("ideal_hit_rate") is not None or reference.get("ideal_hit_rate_global") is not None):
         rows.append(_reference_row(reference, cols))
     wide = sum(max(len(c), *(len(r[i]) for r in rows)) + 3 for i, c in enumerate(cols)) + 1 if rows else 0
     if wide > console.width:  # an 80-column terminal truncated every cell to 'kv…', '2,…': a policy per column
@@ -144,14 +144,15 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
 
 def _reference_row(reference: dict[str, float | None], cols: tuple[str, ...]) -> tuple[str, ...]:
     """The trace's ideal hit rate in the hit-rate column, the other cells empty."""
-    glob = reference.get("ideal_hit_rate_global")
-    hit = f"{reference['ideal_hit_rate']:.1%}" + (f" ({glob:.1%} any)" if glob is not None else "")
+    session, glob = reference.get("ideal_hit_rate"), reference.get("ideal_hit_rate_global")
+    hit = " ".join(x for x in (f"{session:.1%}" if session is not None else "",
+                                f"({glob:.1%} any)" if glob is not None else "") if x)
     return tuple("ideal (trace)" if c == "policy" else hit if c == "hit rate" else "" for c in cols)
 
 
 # The table's footnote: what the columns that are not self-explanatory count.
 TABLE_NOTE = ("ideal (trace): the hit rate of an unbounded cache reusing every prefix seen before in the same "
-              "session (in brackets: seen before at all). ITL p50/p99: over requests, of each one's mean time per output token after the first. "
+              "session (in brackets: seen before at all; a trace without sessions: only that). ITL p50/p99: over requests, of each one's mean time per output token after the first. "
               "spread: busiest worker's requests / mean. moves: session turns sent to another worker "
               "than the session's previous turn.")
 

@@ -124,7 +124,7 @@ class SimProgress:
         self._thread.start()
 
     def _tick(self) -> None:
-        wait = self.first_s
+        wait = min(self.first_s, self.interval_s)
         while not self._stop.wait(wait):
             self._write(self.line(time.monotonic()))
             wait = self.interval_s

@@ -95,7 +95,8 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
                      "ideal_hit_rate_global": workload.get("ideal_hit_rate_global")}
     else:
         ideal = ideal_hit_rate(trace)
-        reference = {"ideal_hit_rate": ideal.session, "ideal_hit_rate_global": ideal.global_}
+        reference = {"ideal_hit_rate": ideal.session if trace.sessions else None,  # no session: only the global
+                     "ideal_hit_rate_global": ideal.global_}
     progress.say(f"loaded {len(trace.requests):,} requests, {trace.sessions:,} sessions in "
                  f"{duration(time.perf_counter() - loaded)}; {len(runs)} run(s) to go")
     return Plan(trace, profile, workload, runs, counts, default_label, reference)
@@ -153,7 +154,8 @@ def sizing_lines(report: dict[str, Any], counts: list[int]) -> list[str]:
         p99 = entry["ttft_p99_ms"]
         if entry["workers"] is not None:
             n = entry["workers"]
-            lines.append(f"TTFT p99 <= {target:g} s: {policy} needs {n} workers (p99 {p99[n] / 1e3:,.3f} s)")
+            lines.append(f"TTFT p99 <= {target:g} s: {policy} needs {n} worker{'s' if n > 1 else ''} "
+                         f"(p99 {p99[n] / 1e3:,.3f} s)")
         else:
             best = min(p99, key=lambda k: p99[k])
             tried = ", ".join(str(n) for n in counts if n in p99)

@@ -70,7 +70,10 @@ def _add_simulate_parser(subparsers: Any) -> None:
                      help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
     sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
     sim.add_argument("--quiet", action="store_true",
-                     help="no progress and no table (a terminal gets a bar; a log or pipe a line every 5 s)")
+                     help="no progress and no table (a terminal gets a bar; a log or pipe a line every --progress-s)")
+    sim.add_argument("--progress-s", type=_positive_seconds, default=5.0, metavar="S",
+                     help="seconds between progress lines when stderr is not a terminal (default 5; the first "
+                          "comes 2 s into each run, or S if shorter)")
     add_workload_args(sim)
     sim.set_defaults(func=run_simulate)
 
@@ -124,6 +127,16 @@ def worker_counts(value: str) -> list[int]:
     return counts
 
 
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and seconds < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def _fail(cmd: str, message: str) -> int:
     print(f"mesh {cmd}: error: {message}", file=sys.stderr)
     return 2
@@ -156,7 +169,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     started = time.perf_counter()
-    progress = SimProgress(0, stream=sys.stderr, enabled=not args.quiet, console=console, tty=console.is_terminal)
+    progress = SimProgress(0, stream=sys.stderr, enabled=not args.quiet, console=console, tty=console.is_terminal,
+                           interval_s=args.progress_s)
     try:
         policies, default_label = _policies(args)
         progress.runs = len(policies) * len(set(args.workers))

@@ -1,0 +1,92 @@
+"""A long ``mesh simulate`` with its output piped (no terminal): progress lines early and on a
+schedule, each run's result on disk as it finishes, sweeps and sizing. Real CLI subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.procs import SHARED_TRACES
+
+ROOT = Path(__file__).resolve().parents[3]
+MOONCAKE = SHARED_TRACES / "mooncake" / "conversation_trace.jsonl"
+
+
+def _popen(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.Popen([sys.executable, "-m", "mesh", "simulate", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def _read(path: Path) -> dict[str, object] | None:
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):  # not there yet (a torn file would fail the test below instead)
+        return None
+
+
+def test_piped_output_gets_progress_lines_and_each_runs_result_as_it_finishes(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    started = time.monotonic()
+    proc = _popen(str(MOONCAKE), "--max-requests", "3000", "--profile", "unit", "--kv-blocks", "100000",
+                  "--policy", "round_robin", "--policy", "kv_aware", "--no-default-policy", "--progress-s", "0.5",
+                  "--json", str(out))
+    lines: list[tuple[float, str]] = []  # (seconds since start, line), as they arrive through the pipe
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - started, ln) for ln in proc.stdout or []))
+    reader.start()
+    partial = None  # the report while the process still ran, with the first run only
+    while proc.poll() is None:
+        report = _read(out)
+        if report is not None and partial is None:
+            partial = (time.monotonic() - started, report)
+        time.sleep(0.02)
+    reader.join(timeout=10)
+    assert proc.returncode == 0, "".join(line for _, line in lines)
+    text = [line for _, line in lines]
+    # a line at once (before the trace load), then percentage lines with an ETA
+    assert lines[0][0] < 10 and lines[0][1].startswith("mesh simulate: loading"), lines[:3]
+    ticks = [(t, ln) for t, ln in lines if "requests (" in ln and "ETA" in ln]
+    assert ticks and ticks[0][1].startswith("mesh simulate: run 1/2 round_robin: "), text
+    first_done = next(t for t, ln in lines if "run 1/2 round_robin done in" in ln)
+    assert ticks[0][0] < first_done  # progress during the first run, not only after it
+    # the first run's result was on disk, whole, while the second still ran
+    assert partial is not None, "the report appeared only after the process ended"
+    seen_at, report = partial
+    assert report["complete"] is False and list(report["policies"]) == ["round_robin"]  # type: ignore[call-overload]
+    assert report["runs"] == {"done": 1, "total": 2, "pending": ["kv_aware"]}
+    assert seen_at >= first_done - 1.0
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and list(final["policies"]) == ["round_robin", "kv_aware"]
+    assert not list(tmp_path.glob(".*.tmp"))  # every write renamed over the report
+    assert time.monotonic() - started < 120
+
+
+def test_a_worker_sweep_names_the_smallest_count_that_meets_the_ttft_target(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = _popen(str(ROOT / "examples" / "traces" / "agent_sessions.jsonl"), "--workers", "1,2,4", "--profile", "unit",
+                  "--policy", "round_robin", "--ttft-p99-target", "100", "--json", str(out))
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout
+    report = json.loads(out.read_text())
+    # a run per count per policy, the gateway's default policy its own row named as the gateway names it
+    from mesh.config import DEFAULT_POLICY
+
+    assert report["workers"] == [1, 2, 4] and report["gateway_default_policy"] == DEFAULT_POLICY
+    assert set(report["policies"]) == {f"{p} ({n} workers)" for p in ("round_robin", DEFAULT_POLICY) for n in (1, 2, 4)}
+    assert all(s["workers"] == int(k.split("(")[1].split()[0]) for k, s in report["policies"].items())
+    sizing = report["sizing"]
+    assert sizing["ttft_p99_target_s"] == 100 and sizing["policies"]["round_robin"]["workers"] == 1
+    assert "TTFT p99 <= 100 s: round_robin needs 1 worker (p99" in stdout
+    # the trace's ideal hit rate: a reference row, and in the report
+    ideal = report["trace"]["ideal_hit_rate"]
+    assert 0 < ideal <= 1 and "ideal (trace)" in stdout and f"{ideal:.1%}" in stdout
+    ideal_any = report["trace"]["ideal_hit_rate_global"]  # no cache reuses more than every prefix seen
+    assert all(s["hit_rate"] <= ideal_any + 1e-9 for s in report["policies"].values())
+    bad = _popen(str(ROOT / "examples" / "traces" / "agent_sessions.jsonl"), "--workers", "2,0", "--quiet")
+    err, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "--workers must be >= 1" in err
