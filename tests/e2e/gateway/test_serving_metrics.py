@@ -168,3 +168,16 @@ def test_the_json_access_log_has_one_line_per_request(gateway: Proc) -> None:
     failed = next(x for x in lines if x["request_id"] == "log-me-2")
     assert failed["status"] == 400 and failed["worker"] is None and failed["prompt_tokens"] is None
     assert failed["ttft_s"] is None and failed["duration_s"] >= 0
+
+
+def test_mesh_up_writes_the_json_access_log_too(procs: ProcessGroup) -> None:
+    port = free_port()
+    up = procs.start([PYTHON, "-m", "mesh", "up", "--engine", "echo", "--workers", "1", "--port", str(port),
+                      "--access-log", "json"], name="up", port=port)
+    wait_http(f"{up.url}/ready", proc=up, timeout_s=90)
+    resp = httpx.post(f"{up.url}/v1/completions", json={"model": "echo", "prompt": "hi up", "max_tokens": 2},
+                      headers={"x-request-id": "from-up-1"}, timeout=30)
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "from-up-1"
+    line = wait_until(lambda: next((x for x in access_lines(up) if x.get("request_id") == "from-up-1"), None),
+                      timeout_s=10, what="the access log line")
+    assert line["status"] == 200 and line["model"] == "echo" and line["generation_tokens"] == 2
