@@ -53,17 +53,19 @@ class Series:
         self.cached_tokens = 0
         self.generation_tokens = 0
 
-    def ttft(self, seconds: float) -> None:
-        self.ttft_counts[bisect_left(TTFT_BUCKETS, seconds)] += 1
+    # The observers bind ``bisect_left`` and their bounds as defaults: no global lookup per call
+    # (the inter-token one runs once per relayed chunk).
+    def ttft(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = TTFT_BUCKETS) -> None:
+        self.ttft_counts[_at(_bounds, seconds)] += 1
         self.ttft_sum += seconds
 
-    def itl(self, seconds: float) -> None:
+    def itl(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = ITL_BUCKETS) -> None:
         """One gap between two chunks of a stream (``sse_relay.relay_stream``'s ``gap``)."""
-        self.itl_counts[bisect_left(ITL_BUCKETS, seconds)] += 1
+        self.itl_counts[_at(_bounds, seconds)] += 1
         self.itl_sum += seconds
 
-    def e2e(self, seconds: float) -> None:
-        self.e2e_counts[bisect_left(E2E_BUCKETS, seconds)] += 1
+    def e2e(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = E2E_BUCKETS) -> None:
+        self.e2e_counts[_at(_bounds, seconds)] += 1
         self.e2e_sum += seconds
 
     def usage(self, prompt: int, cached: int, generated: int) -> None:
