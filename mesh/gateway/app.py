@@ -97,9 +97,8 @@ class Gateway:
         except ConfigError as exc:
             self.metrics.config_reloads_total.labels("error").inc()
             raise MeshError(400, "config not reloaded: " + "; ".join(exc.errors), code="invalid_config") from exc
-        # The listener stays where it is (host and port may also come from the command line).
-        new = new.model_copy(update={"server": new.server.model_copy(
-            update={"host": self.config.server.host, "port": self.config.server.port})})
+        # The listen address is restart-only as well; the command line's --host/--port are in
+        # ``overrides``, so only the file's own change differs here.
         if changed := restart_only_changes(self.config, new):
             # Applying the rest would leave these looking applied (self.config) while the objects
             # built from them at startup (Redis client, load sync, index budget, upstream pool)
@@ -127,10 +126,9 @@ class Gateway:
             await asyncio.gather(*(self.registry.check(w, self.http) for w in workers))
 
 
-# Settings read once at startup; a reload cannot apply them (the listen address is not among
-# them: a reload keeps the running one, which the command line may have set).
-RESTART_ONLY = ("server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s", "index.max_keys",
-                "index.ingest_slice_ms", "index.ingest_share", "index.max_backlog_frames", "index.max_backlog_bytes",
+# Settings read once at startup; a reload cannot apply them.
+RESTART_ONLY = ("server.host", "server.port", "server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s",
+                "index.max_keys", "index.ingest_slice_ms", "index.ingest_share", "index.max_backlog_frames", "index.max_backlog_bytes",
                 "state")
 
 

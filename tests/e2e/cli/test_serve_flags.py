@@ -97,3 +97,18 @@ def test_a_gateway_that_can_never_get_a_worker_warns_how_to_fix_it(tmp_path: Pat
         proc.wait(20)
     assert "WARNING" in text and "0 workers and no admin key: this gateway can never get a worker" in text, text
     assert "--worker-urls" in text and "--admin-key" in text
+
+
+def test_a_reload_that_moves_the_listener_is_refused_unless_a_flag_pins_it(procs: ProcessGroup, tmp_path: Path) -> None:
+    worker = procs.echo_worker("w")
+    port, other = free_port(), free_port()
+    config = tmp_path / "mesh.yaml"
+    text = "server: {{port: {port}, admin_key: adm}}\nworkers:\n  - {{name: w, url: '{url}'}}\n"
+    config.write_text(text.format(port=port, url=worker.url))
+    procs.start_http([PYTHON, "-m", "mesh", "serve", "--config", str(config)], name="serve", port=port)
+    config.write_text(text.format(port=other, url=worker.url))
+    resp = httpx.post(f"http://127.0.0.1:{port}/admin/reload", headers=auth("adm"), timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "restart_required", resp.text
+    assert "server.port" in resp.json()["error"]["message"]
+    pinned = serve(procs, "--config", str(config))  # --port given: the file's port is not the listener's
+    assert httpx.post(f"{pinned}/admin/reload", headers=auth("adm"), timeout=30).status_code == 200
