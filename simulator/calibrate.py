@@ -6,8 +6,9 @@ measurement reuses another's prefix cache, except where a cached context is the 
 1. Prefill: TTFT of cold prompts of growing length, ``max_tokens=1``.
 2. Cached context: a prompt of ``C`` tokens is sent once (warming the cache), then again
    extended by ``n`` new tokens.
-   Both fit the prefill terms at once (``fit_prefill``: least squares, coefficients clipped at
-   0), each TTFT priced as the engine runs it, in steps of the profile's ``max_batched_tokens``:
+   Both fit the prefill terms at once (``fit_prefill``: non-negative least squares,
+   ``simulator.fit``; a TTFT that rises with the prompt always gets a positive per-token cost),
+   each TTFT priced as the engine runs it, in steps of the profile's ``max_batched_tokens``:
    ``base + per_token * c + per_token2 * c^2 + per_token_ctx * c * (tokens before the step)``
    per step of ``c`` tokens, ``per_hit_token`` per cached token. A cold prompt of two steps
    measures the attention of the second over the first, which a small cached context cannot.
@@ -17,6 +18,11 @@ measurement reuses another's prefix cache, except where a cached context is the 
 
 Token counts come from the endpoint's ``usage`` (``stream_options.include_usage``), or, when it
 does not report usage, from a non-streaming probe of a same-shaped prompt.
+
+Every cost is fitted or named as not fitted, with the reason (too few points, not measured,
+non-positive slope: ``calibration.unfitted`` in the profile, and the summary printed). The KV
+capacity is the worker's (``mesh.commands.calibrate_capacity``), ``--kv-blocks``, or, with a
+warning, the base profile's.
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from simulator.calibrate_summary import WorkerCapacity, resolve_capacity, summary_lines
 from simulator.fit import TermFit, fit_terms, linear_slope
 from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, Profile, ProfileError, dump_profile
+
+__all__ = ["CalibrationError", "WorkerCapacity", "calibrate", "fit_prefill", "fit_prefill_terms", "prefill_features",
+           "refit_prefill", "resolve_capacity"]
 
 
 class CalibrationError(RuntimeError):
@@ -454,51 +464,6 @@ def refit_prefill(profile: Profile, points: dict[str, Any]) -> Profile:
     return replace(profile, prefill=replace(profile.prefill, base_ms=base * 1e3, per_token_ms=per_tok * 1e3,
                                             per_token2_ms=per_tok2 * 1e3, per_token_ctx_ms=per_ctx * 1e3,
                                             per_hit_token_ms=per_hit * 1e3))
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerCapacity:
-    """The KV capacity a worker reports (``mesh.commands.calibrate_capacity`` reads it)."""
-
-    kv_blocks: int
-    block_size: int | None  # tokens per reported block; None: not reported
-    source: str  # where it was read, for the profile and the summary
-
-
-def resolve_capacity(args: argparse.Namespace, base: Profile, capacity: WorkerCapacity | None) -> tuple[int, int, str]:
-    """(block size, KV blocks of that size, where the capacity came from): ``--kv-blocks`` over
-    the worker's report over the base profile's (the last a loud warning: not this worker's)."""
-    reported = capacity.block_size if capacity is not None and (capacity.block_size or 0) > 1 else None  # 1: tokens
-    block_size = args.block_size or reported or base.block_size
-    if args.kv_blocks is not None:
-        return block_size, args.kv_blocks, "--kv-blocks"
-    if capacity is not None and capacity.kv_blocks > 0:
-        return block_size, capacity.kv_blocks * (capacity.block_size or block_size) // block_size, capacity.source
-    return block_size, base.kv_blocks, f"base profile {base.name}'s: the worker reported no KV capacity"
-
-
-# (section, term, label, unit scale from ms, unit) of every cost the summary prints
-_TERMS = (
-    ("prefill", "base_ms", "base", 1.0, "ms"), ("prefill", "per_token_ms", "per token", 1e3, "us"),
-    ("prefill", "per_token2_ms", "per token^2", 1e6, "ns"), ("prefill", "per_token_ctx_ms", "per token x context", 1e6, "ns"),
-    ("prefill", "per_hit_token_ms", "per cached token", 1e3, "us"), ("prefill", "mixed_ms", "mixed step", 1.0, "ms"),
-    ("prefill", "mixed_per_seq_ms", "mixed per decoding seq", 1.0, "ms"),
-    ("prefill", "mixed_per_token_ms", "mixed per prompt token", 1e3, "us"),
-    ("decode", "base_ms", "base", 1.0, "ms"), ("decode", "per_seq_ms", "per sequence", 1.0, "ms"),
-    ("decode", "per_ctx_token_ms", "per context token", 1e3, "us"),
-)
-
-
-def summary_lines(profile: Profile, unfitted: dict[str, str], capacity_source: str) -> list[str]:
-    """What the profile holds: every fitted cost, every one not fitted and why, the capacity."""
-    lines = [f"KV capacity: {profile.kv_blocks:,} blocks of {profile.block_size} tokens ({capacity_source})"]
-    for section in ("prefill", "decode"):
-        timing = getattr(profile, section)
-        fitted = [f"{label} {getattr(timing, term) * scale:.3g} {unit}" for sec, term, label, scale, unit in _TERMS
-                  if sec == section and f"{section}.{term[:-3]}" not in unfitted]
-        lines.append(f"{section}: {', '.join(fitted) or 'nothing fitted'}")
-    lines += [f"not fitted (0 in the profile): {term}: {why}" for term, why in unfitted.items()]
-    return lines
 
 
 def calibrate(args: argparse.Namespace, capacity: WorkerCapacity | None = None) -> dict[str, Any]:

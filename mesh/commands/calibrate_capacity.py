@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from simulator.calibrate import WorkerCapacity
+from simulator.calibrate_summary import WorkerCapacity
 
 
 def read_capacity(url: str, api_key: str | None, timeout_s: float) -> WorkerCapacity | None:
