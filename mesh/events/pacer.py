@@ -2,8 +2,9 @@
 
 Index mutation stays on the loop (the router writes speculative entries there too: one thread
 owns the index). Every stream task calls ``turn()`` before each unit of work (a frame, a slice of
-a large frame). A slice ends after ``slice_s`` of work, and then the loop is left alone for long
-enough that event work uses at most ``share`` of the loop while a flood lasts (``slice_s`` work,
+a large frame). A slice ends after ``slice_s`` of work (a turn after a pause, ``idle()`` or a gap
+longer than any unit of work, starts a fresh one: a rest is only ever owed for time worked), and
+then the loop is left alone for long enough that event work uses at most ``share`` of the loop while a flood lasts (``slice_s`` work,
 then ``slice_s * (1 - share) / share`` rest; a rest shorter than ``_MIN_REST_S`` is a plain
 yield). A request's callbacks thus wait at most one slice behind event work, and a flood past what
 that share can apply piles up in the streams' inboxes until their budget resets them
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 _MIN_REST_S = 0.0002
+_GAP_S = 0.002
 
 
 class Pacer:
@@ -28,6 +30,8 @@ class Pacer:
         self.slice_s, self.share, self.clock = slice_s, share, clock
         self._start = 0.0  # when the current slice began
         self._idle = True  # no work since ``idle()``: the next turn starts a fresh slice
+        self._last = 0.0  # the last turn; a turn more than ``_gap_s`` later starts a fresh slice too
+        self._gap_s = max(4 * slice_s, _GAP_S)  # (no unit of event work runs that long: a pause)
         self._resume_at = 0.0  # no event work before this (a rest in progress)
         self.slices = 0  # slices ended (tests, debugging)
         self.rested_s = 0.0
@@ -38,10 +42,10 @@ class Pacer:
         if now < self._resume_at:  # another stream's rest: wait it out
             await asyncio.sleep(self._resume_at - now)
             self._fresh()
-        elif self._idle:
+        elif self._idle or now - self._last > self._gap_s:  # no event work since: a new slice
             self._start = now
         elif now - self._start >= self.slice_s:
-            worked = now - self._start
+            worked = min(now - self._start, self._gap_s)  # never a rest for time nobody worked
             rest = worked * (1 - self.share) / self.share
             self.slices += 1
             if rest >= _MIN_REST_S:
@@ -52,6 +56,7 @@ class Pacer:
                 await asyncio.sleep(0)
             self._fresh()
         self._idle = False
+        self._last = self.clock()
 
     def idle(self) -> None:
         """A stream has nothing left to do (it is about to wait for frames)."""

@@ -53,14 +53,14 @@ async def test_work_within_a_slice_never_yields() -> None:
 
 
 async def test_a_stream_starting_during_another_streams_rest_waits_for_it() -> None:
-    pacer = Pacer(slice_s=0.001, share=0.1)  # a rest 9x the slice
+    pacer = Pacer(slice_s=0.01, share=0.1)  # a rest 9x the slice
     await pacer.turn()
-    busy(0.002)
-    rest = asyncio.get_running_loop().create_task(pacer.turn())  # ends the slice: rests ~18 ms
+    busy(0.012)
+    rest = asyncio.get_running_loop().create_task(pacer.turn())  # ends the slice: rests ~0.1 s
     await asyncio.sleep(0)
     t = time.perf_counter()
     await pacer.turn()  # another stream: waits the rest out
-    assert time.perf_counter() - t >= 0.01
+    assert time.perf_counter() - t >= 0.05
     await rest
 
 
@@ -68,3 +68,15 @@ def test_a_pacer_needs_a_positive_slice_and_share() -> None:
     for slice_s, share in ((0, 0.5), (0.001, 0), (0.001, 1.5)):
         with pytest.raises(ValueError):
             Pacer(slice_s, share)
+
+
+async def test_a_pause_without_event_work_is_never_charged_as_work() -> None:
+    """A turn long after the last (another task used the pacer, then nothing ran for a while)
+    starts a fresh slice: no rest is owed for the time nobody worked."""
+    pacer = Pacer(slice_s=0.0005, share=0.5)
+    await pacer.turn()  # e.g. the keeper's scrub step, then nothing: no idle() call
+    await asyncio.sleep(0.2)
+    t = time.perf_counter()
+    for _ in range(10):
+        await pacer.turn()
+    assert time.perf_counter() - t < 0.05 and pacer.rested_s < 0.01
