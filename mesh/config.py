@@ -211,6 +211,7 @@ class WorkerConfig(_Model):
     block_size: int = Field(16, ge=1, le=65536, description="The engine's KV block size in tokens: prefix hashes are computed per block of this size, as the engine does.")
     tokenizer: str | None = None  # None = byte-level; else a tokenizer.json or model directory
     kv_events: KVEventsConfig | None = Field(None, description="The engine's KV cache event stream (vLLM/SGLang ZMQ publisher): precise prefix-aware routing. None: the index learns only from the gateway's own routing.")
+    hybrid: bool = Field(False, description="The worker serves a hybrid model (recurrent layers beside attention): a cached prefix counts only up to its deepest recurrent-state checkpoint (docs/hybrid.md). Learned anyway from the first checkpoint its KV events announce; set it so no attention-only prefix is claimed before that.")
     max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
     api_key: str | None = None  # sent to the worker as a Bearer token
     # server.first_byte_timeout_s / server.idle_timeout_s for this worker alone (None: the server's)

@@ -98,7 +98,7 @@ class WorkerRegistry:
     def add_health_listener(self, listener: HealthListener) -> None:
         self._health_listeners.append(listener)
 
-    def add(self, cfg: WorkerConfig, source: Literal["config", "admin"] = "admin") -> Worker:
+    def add(self, cfg: WorkerConfig, source: Literal["config", "admin", "discovery"] = "admin") -> Worker:
         if cfg.name in self.workers:
             raise RegistryError(409, f"worker {cfg.name!r} already exists")
         try:
@@ -374,7 +374,7 @@ class WorkerRegistry:
 
 
 # What names a worker's engine and its KV state: a change of any of these is a new worker.
-_ENGINE_FIELDS = ("url", "role", "dp_size", "block_size", "kv_events")
+_ENGINE_FIELDS = ("url", "role", "dp_size", "block_size", "kv_events", "hybrid")
 
 
 def _same_engine(a: WorkerConfig, b: WorkerConfig) -> bool:

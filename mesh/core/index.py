@@ -14,6 +14,9 @@
   being matched stays); a store of a hash whose node was evicted is never a copy (an under-claim,
   never an over-claim); engine hashes of evicted nodes are swept from the engine maps (``_sweep``),
   so memory is bounded by ``max_keys`` whatever the events.
+- Hybrid targets (recurrent layers beside attention, ``mesh.core.index_states``): a match is cut
+  back to the deepest block that also holds a recurrent-state checkpoint (``apply_state_stored``),
+  since only there can the engine resume.
 Parts: nodes and masks ``index_nodes``, chain writes ``index_chain``, match's search ``index_depths``.
 Ownership: a ``PrefixIndex`` owns its parts and the slot table; it runs on one thread (no lock).
 """
@@ -34,6 +37,7 @@ from mesh.core.index_copies import CopyCounts
 from mesh.core.index_depths import Position, TargetNames, bits_of, depths, live_groups, split_groups
 from mesh.core.index_nodes import EMPTY, ROOT, Nodes
 from mesh.core.index_spec import Speculation
+from mesh.core.index_states import Checkpoints
 from mesh.core.keys import block_keys
 from policies.base import Overlap, Tier
 
@@ -82,6 +86,7 @@ class PrefixIndex:
         self._sweep_floor = max(2 * max_keys, _SWEEP_MIN)
         self._hints_ca: dict[int, int] = {}  # match's search hints (verified before use)
         self._hints_cg: dict[int, int] = {}
+        self._states = Checkpoints()  # hybrid targets' recurrent-state checkpoints
 
     @property
     def evicted(self) -> int:
@@ -137,7 +142,9 @@ class PrefixIndex:
         remove_chain(self._nodes, slot, reversed(keys), tier, specs)
 
     def clear_target(self, target: str) -> None:
-        """Drop every entry of ``target`` at once (O(1); nodes are scrubbed incrementally)."""
+        """Drop every entry of ``target`` at once (O(1); nodes are scrubbed incrementally). A
+        hybrid target stays hybrid, without checkpoints."""
+        self._states.clear(target)
         self._emap.pop(target, None)
         self._copies.drop_target(target)
         self._offloaded.pop(target, None)
@@ -402,12 +409,83 @@ class PrefixIndex:
             self._copies.prune(target, emap, engine_hashes)
         return kept + done
 
+    # ------------------------------------------------------- hybrid targets
+    def mark_hybrid(self, target: str, hybrid: bool = True) -> None:
+        """``target`` serves a hybrid model: its matches need a checkpoint (``resumable``)."""
+        if hybrid:
+            self._states.hybrid.add(target)
+        else:
+            self._states.forget(target)
+
+    def is_hybrid(self, target: str) -> bool:
+        return target in self._states.hybrid
+
+    def apply_state_stored(
+        self,
+        target: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int] | None,
+        block_size: int,
+        seed: int,
+    ) -> int:
+        """Apply a BlockStored of a recurrent KV cache group: checkpoints of the state after the
+        blocks ``engine_hashes`` name. Marks ``target`` hybrid. Keys are chained from the parent's
+        router key, as attention stores are; ``token_ids`` cover whole blocks ending at the last
+        hash, possibly more blocks than hashes (vLLM skips a Mamba group's null blocks, whose
+        state was not kept): the hashes name the last blocks of the span. Returns the checkpoints
+        applied (0: the parent is unknown, or no tokens to key them by)."""
+        self._states.hybrid.add(target)
+        n = len(engine_hashes)
+        if not n or not token_ids or block_size <= 0:
+            return 0
+        if len(token_ids) % block_size or len(token_ids) < n * block_size:
+            raise ValueError(f"a state BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}")
+        if parent_engine_hash is None:
+            parent_key = seed
+        else:
+            found = self._emap.get(target, {}).get(parent_engine_hash)
+            if found is None:
+                return 0
+            parent_key = found
+        keys = chain_keys(token_ids, block_size, parent_key)
+        return self._states.store(target, engine_hashes, keys[len(keys) - n :])
+
+    def apply_state_removed(self, target: str, engine_hashes: Sequence[int]) -> int:
+        """Apply a BlockRemoved of a recurrent KV cache group (checkpoints evicted)."""
+        return self._states.remove(target, engine_hashes)
+
+    def state_keys_of(self, target: str) -> set[int]:
+        """Router keys where ``target`` holds a checkpoint (tests, debugging)."""
+        return self._states.keys_of(target)
+
+    def _resumable(self, keys: Sequence[int], out: dict[str, Overlap]) -> dict[str, Overlap]:
+        """Cut hybrid targets' overlaps to their deepest checkpoint; drop those with none."""
+        states = self._states
+        for target in states.hybrid.intersection(out):
+            ov = out[target]
+            d = states.resumable(target, keys, ov.blocks)
+            if d == 0:
+                del out[target]
+            elif d < ov.blocks:
+                gpu = min(ov.gpu_blocks, d)
+                out[target] = Overlap(gpu, d - gpu)
+        return out
+
     def apply_cleared(self, target: str) -> None:
         """Apply an engine's AllBlocksCleared."""
         self.clear_target(target)
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[int]) -> Mapping[str, Overlap]:
+        """Per target, its longest consecutive cached prefix of ``keys``; for a hybrid target the
+        deepest part of it that ends at a recurrent-state checkpoint (its resumable prefix)."""
+        out = self._match(keys)
+        if self._states.hybrid and out:
+            return self._resumable(keys, dict(out))
+        return out
+
+    def _match(self, keys: Sequence[int]) -> Mapping[str, Overlap]:
         n = len(keys)
         if not n:
             return {}
@@ -480,6 +558,7 @@ class PrefixIndex:
             "speculative": self._spec.count(),
             "dying_slots": self._nodes.dying.bit_count(),
             "evicted": self._nodes.evicted,
+            "state_checkpoints": self._states.count(),
         }
 
     def __len__(self) -> int:

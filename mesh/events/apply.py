@@ -103,6 +103,9 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -
     h = stream.health
     spec = stream.spec
     tier = TIERS.get(ev.medium)
+    if stream.filter.is_state_stored(ev):
+        _state_stored(index, stream, ev, seeds)
+        return
     if tier is None or not stream.filter.accept_stored(ev):
         h.bump(h.events, "filtered")
         return
@@ -138,9 +141,33 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -
         h.bump(h.blocks, "skipped", len(hashes) - done)
 
 
+def _state_stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -> None:
+    """A hybrid model's recurrent-state checkpoint(s): the target is hybrid from now on, and its
+    matches end at checkpoints (``PrefixIndex.apply_state_stored``). Only a device-tier store is a
+    resumable checkpoint here."""
+    h = stream.health
+    bs = ev.block_size or stream.spec.block_size or 0
+    if TIERS.get(ev.medium) is not Tier.GPU:
+        index.mark_hybrid(h.target)
+        h.bump(h.events, "filtered")
+        return
+    try:
+        done = index.apply_state_stored(h.target, ev.block_hashes, ev.parent_block_hash, ev.token_ids, bs,
+                                        seeds.get(stream.spec.model, ev.lora_name, ev.cache_salt))
+    except ValueError:
+        h.bump(h.events, "invalid")
+        return
+    h.bump(h.events, "state_stored")
+    h.bump(h.blocks, "state_stored" if done else "state_skipped", done or len(ev.block_hashes))
+
+
 def _removed(index: PrefixIndex, stream: Stream, ev: BlockRemoved, logs: LogLimiter) -> Iterator[None]:
     h = stream.health
     target = h.target
+    if stream.filter.is_state_removed(ev):
+        h.bump(h.events, "state_removed")
+        h.bump(h.blocks, "state_removed", index.apply_state_removed(target, ev.block_hashes))
+        return
     tier = TIERS.get(ev.medium)
     if tier is None or not stream.filter.accept_removed(ev):
         h.bump(h.events, "filtered")

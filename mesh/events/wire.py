@@ -34,6 +34,9 @@ import msgspec
 U64 = (1 << 64) - 1
 # Kinds whose blocks form a reusable prefix (Dynamo's ``is_main_attention``).
 MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+# Kinds whose blocks are recurrent-state checkpoints of a hybrid model (vLLM's KVCacheSpecKind.MAMBA,
+# which also covers its linear-attention layers): a prefix is resumable only where one exists.
+RECURRENT_KINDS = frozenset({"mamba"})
 _decoder = msgspec.msgpack.Decoder()
 # A batch with its events left undecoded: one pass over the bytes that builds no event objects
 # (measured: 0.06 s for a 16 MiB frame of 113k events, against 2.5 s to decode and normalize them)
@@ -471,12 +474,26 @@ class GroupFilter:
     same block hashes. Without a kind, only group 0 (or no group) qualifies. Removals carry a
     group but no kind: they qualify when their group is the main group (group 0 until one is
     learned) or absent.
+
+    Groups of a recurrent kind (``RECURRENT_KINDS``) carry recurrent-state checkpoints: a store of
+    one is a checkpoint (``is_state_stored``, which learns the group), and a removal naming a
+    learned recurrent group is a checkpoint evicted (``is_state_removed``).
     """
 
-    __slots__ = ("main",)
+    __slots__ = ("main", "recurrent")
 
     def __init__(self) -> None:
         self.main: int | None = None
+        self.recurrent: set[int] = set()
+
+    def is_state_stored(self, ev: BlockStored) -> bool:
+        if ev.kv_cache_spec_kind not in RECURRENT_KINDS:
+            return False
+        self.recurrent.add(ev.group_idx or 0)
+        return True
+
+    def is_state_removed(self, ev: BlockRemoved) -> bool:
+        return ev.group_idx is not None and ev.group_idx in self.recurrent and ev.group_idx != self.main
 
     def accept_stored(self, ev: BlockStored) -> bool:
         group = ev.group_idx or 0

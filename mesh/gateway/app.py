@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from mesh.cluster.kubernetes import KubernetesDiscovery
 from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.config import ConfigError, MeshConfig, load_config
 from mesh.core.index import PrefixIndex
@@ -79,6 +80,7 @@ class Gateway:
     # to each reloaded file: a reload must not drop a key or a worker given as a flag
     overrides: Callable[[MeshConfig], MeshConfig] | None = None
     unchecked: list[Worker] = field(default_factory=list)  # added by the last reload, not yet health-checked
+    discovery: KubernetesDiscovery | None = None  # discovery.kubernetes: adds and removes workers at runtime
 
     async def mirror_session(self, session_id: str | None) -> None:
         """With shared state, copy the session's shared binding in before a decision."""
@@ -129,7 +131,7 @@ class Gateway:
 # Settings read once at startup; a reload cannot apply them.
 RESTART_ONLY = ("server.host", "server.port", "server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s",
                 "index.max_keys", "index.ingest_slice_ms", "index.ingest_share", "index.max_backlog_frames", "index.max_backlog_bytes",
-                "state")
+                "state", "discovery")
 
 
 def restart_only_changes(old: MeshConfig, new: MeshConfig) -> list[str]:
@@ -156,7 +158,9 @@ class _Housekeeper:
         self.gateway = gateway
 
     def on_worker_added(self, worker: Worker) -> None:
-        return None
+        if worker.config.hybrid:  # matches need a recurrent-state checkpoint from the start
+            for t in worker.targets:
+                self.gateway.index.mark_hybrid(t.id)
 
     def on_worker_removed(self, worker: Worker) -> None:
         self.on_workers_removed([worker])
@@ -168,6 +172,7 @@ class _Housekeeper:
         retention = self.gateway.router.retention
         for tid in tids:
             self.gateway.index.clear_target(tid)
+            self.gateway.index.mark_hybrid(tid, False)
             if retention is not None:
                 retention.forget_target(tid)
         self.gateway.sessions.unbind_targets(tids)
@@ -232,6 +237,9 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
     registry.add_listener(gateway.ingest)  # before the static workers: it hears them too
     for worker in config.workers:
         registry.add(worker, source="config")
+    if config.discovery.kubernetes is not None:
+        gateway.discovery = KubernetesDiscovery(config.discovery.kubernetes, registry)
+        metrics.add_collector(gateway.discovery.metric_families)
     metrics.add_collector(registry.metric_families)
     metrics.add_collector(lambda: _router_families(gateway))
     metrics.add_collector(lambda: _index_families(index))
@@ -308,6 +316,8 @@ async def _start(gateway: Gateway) -> None:
     if gateway.shared is not None:
         await gateway.shared.start()
     await gateway.ingest.start()
+    if gateway.discovery is not None:
+        await gateway.discovery.start(gateway.http)
     gateway.tasks.append(asyncio.create_task(_housekeeping(gateway)))
     # Everything allocated so far lives as long as the app: keep it out of the cyclic GC's scans,
     # so that full collections stay short on the request path.
@@ -337,6 +347,8 @@ def _build_proxy(gateway: Gateway, pool: UpstreamPool) -> Proxy:
 async def _stop(gateway: Gateway) -> None:
     # In reverse order of _start; one failing step must not keep the others from running.
     steps: list[Callable[[], Awaitable[None]]] = []
+    if gateway.discovery is not None:
+        steps.append(gateway.discovery.stop)
     if gateway.proxy is not None:
         steps.append(gateway.proxy.aclose)
     steps.append(gateway.ingest.stop)

@@ -141,7 +141,7 @@ class BlockManager:
         if self.cpu is not None:
             raise ValueError("the CPU offload tier does not hold recurrent state: hybrid models run without it")
         self.states = StateCheckpoints(max_num_seqs, num_checkpoints if self.enable_prefix_caching else 0,
-                                       interval, self.block_size, self.events)
+                                       interval, self.block_size)
         return self.states
 
     # ---- capacity -------------------------------------------------------------------------
@@ -465,13 +465,19 @@ class BlockManager:
         if self.cpu is not None:
             self.cpu.clear()
         if self.states is not None:
+            self.events += self.states.events  # announced before the clear that covers them
+            self.states.events.clear()
             self.states.clear()
         self.events.append(AllBlocksCleared())
         return True
 
     def drain_events(self) -> list[KVEvent]:
-        events = list(self.events)
-        self.events.clear()  # in place: the state checkpoints append to this same list
+        events, self.events = self.events, []
+        if self.states is not None and self.states.events:
+            # Checkpoints after the step's attention blocks: a subscriber keys a checkpoint by
+            # its parent block, which this step's commit may be the one to announce.
+            events += self.states.events
+            self.states.events.clear()
         return events
 
     def cached_keys(self) -> set[int]:

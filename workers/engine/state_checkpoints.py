@@ -21,7 +21,7 @@ next forward pass (``take_copies``), so a restore reads a pool slot before a lat
 it, and a promotion reads a boundary buffer before its next owner's forward pass writes it.
 Snapshot destinations of a step (``plan``) are written by that step's forward pass.
 
-Events: a checkpoint stored is a ``BlockStored`` of the recurrent KV cache group (``GROUP``,
+Events (drained by the block manager after the step's attention events): a checkpoint stored is a ``BlockStored`` of the recurrent KV cache group (``GROUP``,
 kind ``"mamba"``: vLLM's ``KVCacheSpecKind.MAMBA``) naming the one block it covers, with that
 block's parent key and tokens; an evicted checkpoint is a ``BlockRemoved`` of that group.
 """
@@ -49,13 +49,14 @@ def num_state_slots(max_num_seqs: int, num_checkpoints: int) -> int:
 
 
 class StateCheckpoints:
-    def __init__(self, max_num_seqs: int, num_checkpoints: int, interval: int, block_size: int,
-                 events: list[KVEvent]) -> None:
+    def __init__(self, max_num_seqs: int, num_checkpoints: int, interval: int, block_size: int) -> None:
         self.num_running = max_num_seqs
         self.num_checkpoints = num_checkpoints
         self.interval = interval  # tokens, a multiple of block_size; 0: no interval checkpoints
         self.block_size = block_size
-        self.events = events  # the block manager's list: one ordered stream for both groups
+        # checkpoint events of the current step; the block manager drains them after its own
+        # (a checkpoint's parent block is announced by the same step's commit)
+        self.events: list[KVEvent] = []
         self._free_running = list(range(max_num_seqs - 1, -1, -1))
         self._free_pool = list(range(2 * max_num_seqs + num_checkpoints - 1, 2 * max_num_seqs - 1, -1))
         self.pool: OrderedDict[int, int] = OrderedDict()  # key -> slot; front = least recently used
