@@ -19,6 +19,8 @@ def config_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
 def _pool_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
     if config.workers:
         return []
+    if config.discovery.kubernetes is not None:
+        return [("note", "workers", "0 static workers: they come from Kubernetes discovery (discovery.kubernetes)")]
     if config.server.admin_key is None:
         return [("warning", "workers", "0 workers and no admin key: this gateway can never get a worker and answers "
                                        f"every request 503; {NO_WORKER_FIX}")]

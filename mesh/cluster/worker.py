@@ -31,7 +31,7 @@ class Worker:
     config: WorkerConfig
     targets: list[TargetState]
     breaker: CircuitBreaker
-    source: Literal["config", "admin"] = "config"
+    source: Literal["config", "admin", "discovery"] = "config"
     healthy: bool = False  # unknown until the first check passes
     draining: bool = False
     ok_streak: int = 0

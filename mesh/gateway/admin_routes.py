@@ -28,7 +28,10 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/workers", tags=["admin"], dependencies=auth)
     async def list_workers() -> dict[str, Any]:
-        return {"workers": [w.describe() for w in gateway.registry.workers.values()]}
+        out: dict[str, Any] = {"workers": [w.describe() for w in gateway.registry.workers.values()]}
+        if gateway.discovery is not None:  # what discovery watches, its state and what it left out
+            out["discovery"] = gateway.discovery.describe()
+        return out
 
     @app.post("/workers", tags=["admin"], status_code=201, dependencies=auth)
     async def add_worker(cfg: WorkerConfig) -> dict[str, Any]:
