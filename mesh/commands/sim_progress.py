@@ -120,8 +120,9 @@ class SimProgress:
 
     def _start_ticker(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._tick, name="mesh-simulate-progress", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._tick, name="mesh-simulate-progress", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: an interrupt inside start() leaves nothing to join
 
     def _tick(self) -> None:
         wait = min(self.first_s, self.interval_s)

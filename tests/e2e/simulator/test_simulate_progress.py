@@ -90,3 +90,22 @@ def test_a_worker_sweep_names_the_smallest_count_that_meets_the_ttft_target(tmp_
     bad = _popen(str(ROOT / "examples" / "traces" / "agent_sessions.jsonl"), "--workers", "2,0", "--quiet")
     err, _ = bad.communicate(timeout=60)
     assert bad.returncode == 2 and "--workers must be >= 1" in err
+
+
+def test_an_interrupted_run_keeps_the_runs_that_finished(tmp_path: Path) -> None:
+    import signal
+
+    out = tmp_path / "r.json"
+    proc = _popen(str(MOONCAKE), "--max-requests", "3000", "--profile", "unit", "--kv-blocks", "100000",
+                  "--policy", "round_robin", "--policy", "kv_aware", "--no-default-policy", "--json", str(out))
+    seen = []
+    for line in proc.stdout or []:
+        seen.append(line)
+        if line.startswith("mesh simulate: run 2/2 kv_aware:"):  # the second run has begun
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted; the runs finished are in" in rest and "Traceback" not in rest
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and list(report["policies"]) == ["round_robin"]
