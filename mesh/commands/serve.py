@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if args.access_log == "json":  # kept across reloads, as every flag
             overrides = dataclasses.replace(overrides, server={**overrides.server, "access_log": "json"})
         config = overrides.apply(config)
+        check_discovery(config)
     except (ConfigError, PluginError) as exc:  # --port 99999, a bad --worker-urls URL, an unreadable key file
         lines = exc.errors if isinstance(exc, ConfigError) else [f"--policy: {exc}"]
         print(f"mesh serve: error: {'; '.join(lines)}", file=sys.stderr)
@@ -65,6 +66,17 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config, config_path=args.config, handle_sighup=True, overrides=overrides.apply)
     return serve_app(app, config.server.host, config.server.port, log_level=args.log_level,
                      access_log=args.access_log == "text", shutdown_timeout_s=args.shutdown_timeout)
+
+
+def check_discovery(config: Any) -> None:
+    """Raise ``ConfigError`` for a ``discovery.kubernetes`` that names no API server outside a pod
+    (else the gateway would fail in its startup, with a traceback instead of this line)."""
+    import os
+
+    from mesh.cluster.kube_api import api_server_url
+
+    if config.discovery.kubernetes is not None:
+        api_server_url(config.discovery.kubernetes, os.environ)
 
 
 def add_access_log_argument(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,10 @@ default. The keys:
   ``MESH_ADMIN_KEY_FILE``; else ``server.admin_key`` or ``server.admin_key_file``.
 
 A key file holds one key a line (blank lines and ``#`` comments skipped) and is read again at
-every reload. ``--worker-urls`` replaces the file's workers, ``--policy`` its policy. The result
+every reload. ``--worker-urls`` replaces the file's workers, ``--policy`` its policy;
+``--service-discovery`` turns on ``discovery.kubernetes`` (``--selector k=v ...``,
+``--service-discovery-port``, ``--service-discovery-namespace`` set its keys, as sglang-router's
+flags of those names do). The result
 is validated as a whole (``mesh.config.parse_config``): a bad flag is a config error with its path.
 """
 
@@ -46,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "admin API is disabled")
     p.add_argument("--admin-key-file", metavar="FILE", default=None,
                    help=f"a file holding the admin key, re-read at reload (env: ${ENV_ADMIN_KEY_FILE})")
+    p.add_argument("--service-discovery", action="store_true",
+                   help="discover workers from the Kubernetes API (discovery.kubernetes): the ready endpoints of "
+                        "the EndpointSlices matching --selector")
+    p.add_argument("--selector", nargs="+", metavar="KEY=VALUE", default=None,
+                   help="label selector of --service-discovery, e.g. --selector app=mesh-worker "
+                        "(replaces discovery.kubernetes.selector)")
+    p.add_argument("--service-discovery-port", metavar="NAME_OR_NUMBER", default=None,
+                   help="the workers' HTTP port of --service-discovery: a port name or number (default: http)")
+    p.add_argument("--service-discovery-namespace", metavar="NS", default=None,
+                   help="namespace of --service-discovery (default: the gateway pod's own)")
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,13 @@ class Overrides:
     server: dict[str, Any] = field(default_factory=dict)  # server fields replaced
     workers: list[dict[str, Any]] | None = None  # None: the file's workers
     policy: Any = _UNSET  # _UNSET: the file's policy
+    kubernetes: dict[str, Any] | None = None  # discovery.kubernetes fields replaced (None: the file's)
 
     def apply(self, config: Any) -> Any:
         """``config`` with the overrides, validated again (raises ``ConfigError``)."""
         from mesh.config import parse_config
 
-        if not self.server and self.workers is None and self.policy is _UNSET:
+        if not self.server and self.workers is None and self.policy is _UNSET and self.kubernetes is None:
             return config
         data = config.model_dump(mode="python", exclude_defaults=True)
         data["server"] = {**data.get("server", {}), **self.server}
@@ -68,6 +82,9 @@ class Overrides:
             data["workers"] = self.workers
         if self.policy is not _UNSET:
             data["policy"] = self.policy
+        if self.kubernetes is not None:
+            discovery = data.get("discovery", {})
+            data["discovery"] = {**discovery, "kubernetes": {**(discovery.get("kubernetes") or {}), **self.kubernetes}}
         return parse_config(data, "the command line")
 
 
@@ -85,7 +102,33 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Overrides
         from mesh.commands.policy_arg import load_policy_arg
 
         policy = load_policy_arg(args.policy)[1]
-    return Overrides(server, workers, policy)
+    return Overrides(server, workers, policy, _kubernetes(args))
+
+
+def _kubernetes(args: argparse.Namespace) -> dict[str, Any] | None:
+    """discovery.kubernetes as --service-discovery and its flags set it (raises ``ConfigError``)."""
+    from mesh.config import ConfigError
+
+    given = {"--selector": args.selector, "--service-discovery-port": args.service_discovery_port,
+             "--service-discovery-namespace": args.service_discovery_namespace}
+    if not args.service_discovery:
+        if any(v is not None for v in given.values()):
+            flags = ", ".join(f for f, v in given.items() if v is not None)
+            raise ConfigError([f"{flags}: only with --service-discovery"])
+        return None
+    out: dict[str, Any] = {}
+    if args.selector:
+        pairs = [term.partition("=") for term in args.selector]
+        bad = [term for term, (k, eq, _) in zip(args.selector, pairs, strict=True) if not k or not eq]
+        if bad:
+            raise ConfigError([f"--selector: {bad[0]!r} is not KEY=VALUE"])
+        out["selector"] = {k: v for k, _, v in pairs}
+    port = args.service_discovery_port
+    if port is not None:
+        out["port"] = int(port) if port.isdigit() else port
+    if args.service_discovery_namespace is not None:
+        out["namespace"] = args.service_discovery_namespace
+    return out
 
 
 def _api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:

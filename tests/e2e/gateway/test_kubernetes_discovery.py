@@ -206,3 +206,21 @@ def test_pods_with_role_and_model_metadata(procs: ProcessGroup, echoes: tuple[Pr
     assert resp.status_code == 200, resp.text
     cluster.put(pod(False))
     cluster.wait_names(set(), "unready pod removed")
+
+
+def test_serve_flags_turn_discovery_on_over_the_file(procs: ProcessGroup, cluster: Cluster, echoes: tuple[Proc, Proc]) -> None:
+    """`mesh serve --service-discovery --selector ...` (sglang-router's flags): the file only names
+    the API server; the flags choose what is watched."""
+    cluster.put(endpoint_slice("echo-a", echoes[0].port, [("echo-0", "127.0.0.1")]))
+    cluster.put(endpoint_slice("other", echoes[1].port, [("other-0", "127.0.0.1")], labels={"app": "other"}))
+    token = Path(procs.log_dir) / "token"
+    token.write_text(TOKEN)
+    path = Path(procs.log_dir) / "api.yaml"
+    path.write_text(yaml.safe_dump({"server": {"admin_key": "adm"}, "discovery": {"kubernetes": {
+        "api_server": cluster.api.url, "selector": {"app": "nothing"}, "token_file": str(token)}}}))
+    port = free_port()
+    cluster.gw = procs.start_http([PYTHON, "-m", "mesh.commands.serve", "--config", str(path), "--port", str(port),
+                                   "--service-discovery", "--selector", "app=other", "--service-discovery-namespace", "ml",
+                                   "--service-discovery-port", "http"], name="gateway", port=port)
+    wait_until(lambda: cluster.healthy() == {"other-0"}, timeout_s=15, what="the flags' selector watched")
+    assert cluster.served_by(2) == {"other-0"}
