@@ -54,7 +54,8 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
             x = x + alpha * (z - x)
             passive &= x > tol
             x[~passive] = 0.0
-    return x / scale
+    out: np.ndarray = x / scale
+    return out
 
 
 def fit_terms(names: Sequence[str], rows: Sequence[Sequence[float]], ys: Sequence[float]) -> TermFit:

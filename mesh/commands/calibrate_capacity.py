@@ -27,9 +27,9 @@ def read_capacity(url: str, api_key: str | None, timeout_s: float) -> WorkerCapa
     if from_metrics is not None:
         blocks, size, source = from_metrics
         return WorkerCapacity(blocks, size or block_size, source)
-    blocks = health.get("num_kv_blocks")
-    if isinstance(blocks, int) and blocks > 0:
-        return WorkerCapacity(blocks, block_size, f"the worker's /health: num_kv_blocks {blocks}")
+    reported = health.get("num_kv_blocks")
+    if isinstance(reported, int) and reported > 0:
+        return WorkerCapacity(reported, block_size, f"the worker's /health: num_kv_blocks {reported}")
     return None
 
 

@@ -1,8 +1,10 @@
 """``mesh simulate`` and ``mesh calibrate``: the simulator's command line.
 
-``mesh simulate TRACE [TRACE ...] --workers N --policy NAME_OR_YAML [--policy ...]`` replays the
-traces (format detected per file) once per policy on a fresh simulated cluster and prints a
-table; ``--json`` and ``--html`` write the full report. A YAML policy file is a file whose
+``mesh simulate TRACE [TRACE ...] --workers N[,N...] --policy NAME_OR_YAML [--policy ...]`` replays
+the traces (format detected per file) once per policy and worker count on a fresh simulated
+cluster, the gateway's default policy among them, and prints a table with the trace's ideal hit
+rate beside; ``--json`` and ``--html`` write the full report, rewritten as each run ends
+(``mesh.commands.sim_run``), and ``--ttft-p99-target`` names the smallest count meeting it. A YAML policy file is a file whose
 ``policy:`` key holds a policy spec (a name, or ``{name, params}``), as in ``mesh.yaml``.
 
 ``mesh calibrate --url URL [--out profile.yaml]`` measures a running OpenAI-compatible endpoint
