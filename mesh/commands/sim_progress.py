@@ -8,7 +8,8 @@ Two displays, picked by whether the stream (stderr) is a terminal:
   simulator is doing (a long step, a slow policy): ``mesh simulate: run 2/4 kv_aware: 1,024/9,762
   requests (10%), 31 s; ETA 4 min 40 s (all runs: 15 min)``.
 
-Both print a line when a run ends (``finished``), so a log shows each result as it lands. The
+Both print a line when a run ends (``finished``), so a log shows each result as it lands; a step
+before the runs (``phase``: the trace load, which takes a while on a large directory) ticks too. The
 ticker only reads the simulator's finished-request count (``Simulator.done``, an int written by
 the simulating thread): it never touches simulation state. One lock orders every write.
 """
@@ -50,6 +51,7 @@ class SimProgress:
         self._total = 0
         self._count: Callable[[], int] = lambda: 0
         self._run_started = 0.0
+        self._line: Callable[[float], str] = self.line  # what the ticker writes
         self._bar: Any = None
         self._task: Any = None
 
@@ -58,6 +60,17 @@ class SimProgress:
         """One line, now (loading, warnings of the progress's own)."""
         if self.enabled:
             self._write(f"mesh simulate: {text}")
+
+    def phase(self, text: str) -> None:
+        """A step before the runs (the trace load) begins: said now, then, without a terminal,
+        how long it has taken so far on the ticker's schedule, until ``close``."""
+        if not self.enabled:
+            return
+        self._write(f"mesh simulate: {text}")
+        if not self.tty:
+            begun = time.monotonic()
+            self._line = lambda now: f"mesh simulate: {text}: {duration(now - begun)} so far"
+            self._start_ticker()
 
     def start(self, label: str, total: int, count: Callable[[], int]) -> None:
         """Run ``label`` begins: ``count()`` says how many of its ``total`` requests finished."""
@@ -70,6 +83,7 @@ class SimProgress:
             self._start_bar()
         else:
             self._write(f"mesh simulate: run {self._run}/{self.runs} {label}: {total:,} requests")
+            self._line = self.line
             self._start_ticker()
 
     def update(self, done: int) -> None:
@@ -127,7 +141,7 @@ class SimProgress:
     def _tick(self) -> None:
         wait = min(self.first_s, self.interval_s)
         while not self._stop.wait(wait):
-            self._write(self.line(time.monotonic()))
+            self._write(self._line(time.monotonic()))
             wait = self.interval_s
 
     def _start_bar(self) -> None:

@@ -82,7 +82,7 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
         create_policy(spec, seed=args.seed, strict=True)
     sweep = len(counts) > 1
     runs = [Run(run_label(label, n, sweep), label, spec, n, configs[n]) for label, spec in policies for n in counts]
-    progress.say(f"loading {', '.join(args.traces)}")
+    progress.phase(f"loading {', '.join(args.traces)}")
     loaded = time.perf_counter()
     try:
         trace, workload = load_workload(args, args.block_size or profile.block_size)
@@ -90,6 +90,8 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
         if isinstance(exc, TraceError):
             raise
         raise SimulationError(str(exc)) from None
+    finally:
+        progress.close()
     if "ideal_hit_rate" in workload:
         reference = {"ideal_hit_rate": workload["ideal_hit_rate"],
                      "ideal_hit_rate_global": workload.get("ideal_hit_rate_global")}
