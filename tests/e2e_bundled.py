@@ -33,6 +33,7 @@ class BundledWorker:
     proc: Proc
     kv_port: int
     replay_port: int
+    hybrid: bool = False  # a hybrid preset (recurrent layers): the gateway's workers[].hybrid
 
     def config(self) -> dict[str, Any]:
         return {
@@ -41,21 +42,25 @@ class BundledWorker:
             "block_size": BLOCK,
             "kv_events": {"endpoint": f"tcp://127.0.0.1:{self.kv_port}",
                           "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"},
+            **({"hybrid": True} if self.hybrid else {}),
         }
 
 
 def start_workers(procs: ProcessGroup, names: list[str], *, num_kv_blocks: int = 4096,
-                  wait: bool = True) -> dict[str, BundledWorker]:
-    """Start every worker, then (``wait``) wait for all: start-up runs in parallel."""
+                  wait: bool = True, preset: str = "tiny", extra: tuple[str, ...] = ()) -> dict[str, BundledWorker]:
+    """Start every worker, then (``wait``) wait for all: start-up runs in parallel. A preset other
+    than tiny is served under tiny's name (the helpers' requests name model "tiny")."""
     out = {}
     for name in names:
         port, kv, replay = free_port(), free_port(), free_port()
-        cmd = [PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [PYTHON, "-m", "workers.server.cli", "--preset", preset, "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", str(port),
                "--block-size", str(BLOCK), "--num-kv-blocks", str(num_kv_blocks), "--cpu-threads", "1",
                "--max-model-len", "8192", "--log-level", "warning",
                # vLLM's convention: the publisher binds a wildcard address, the gateway connects
                "--kv-events-endpoint", f"tcp://*:{kv}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
-        out[name] = BundledWorker(name, procs.start(cmd, name=name, port=port), kv, replay)
+        cmd += list(extra)
+        out[name] = BundledWorker(name, procs.start(cmd, name=name, port=port), kv, replay, hybrid="hybrid" in preset)
     if wait:
         wait_workers(out)
     return out
