@@ -205,6 +205,7 @@ class KubernetesDiscovery:
     async def _run(self, api: KubeApi) -> None:
         backoff = BACKOFF_FIRST_S
         while True:
+            events, listed = self.events, self.resource_version is None
             try:
                 rv = self.resource_version
                 if rv is None:
@@ -217,19 +218,22 @@ class KubernetesDiscovery:
             except asyncio.CancelledError:
                 raise
             except Gone as exc:
-                log.info("kubernetes discovery: %s; listing again", exc)
                 self.restarts["gone"] += 1
                 self.resource_version = None
+                if not listed or self.events > events:  # an old resourceVersion expired: list again at once
+                    log.info("kubernetes discovery: %s; listing again", exc)
+                    continue
+                self._failed(f"410 Gone right after a list: {exc}", backoff)  # never spin on a server that always says it
             except (KubeApiError, httpx.HTTPError, OSError) as exc:
                 self.restarts["error"] += 1
                 self._failed(f"{type(exc).__name__}: {exc}", backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.backoff_max_s)
             except Exception as exc:  # a bug must not end discovery silently
                 log.exception("kubernetes discovery failed; retrying")
                 self._failed(f"{type(exc).__name__}: {exc}", backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.backoff_max_s)
+            if self.events > events:  # the watch ran a while before it broke: a fresh backoff
+                backoff = BACKOFF_FIRST_S
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.backoff_max_s)
 
     def _failed(self, error: str, backoff: float) -> None:
         level = logging.WARNING if error != self.last_error else logging.INFO

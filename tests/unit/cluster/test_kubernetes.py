@@ -95,3 +95,52 @@ def test_selector_and_ports_are_validated_with_their_paths() -> None:
         assert path in text
     assert KubernetesDiscoveryConfig(selector={"b": "2", "app.kubernetes.io/name": "w"}).label_selector() == \
         "app.kubernetes.io/name=w,b=2"
+
+
+class AlwaysGone:
+    """An API server that lists fine and answers every watch with 410 at once."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+
+    async def list_objects(self) -> tuple[list[dict[str, Any]], str]:
+        self.lists += 1
+        return [], str(self.lists)
+
+    async def watch(self, rv: str) -> Any:
+        raise Gone("too old resource version")
+        yield  # an async generator, as KubeApi.watch
+
+
+async def test_a_410_right_after_every_list_backs_off_instead_of_spinning() -> None:
+    import asyncio
+
+    from mesh.cluster.kubernetes import KubernetesDiscovery
+    from mesh.cluster.registry import WorkerRegistry
+
+    cfg = KubernetesDiscoveryConfig(selector={"app": "w"}, backoff_max_s=0.2)
+    discovery = KubernetesDiscovery(cfg, WorkerRegistry(parse_config({})))
+    api = AlwaysGone()
+    task = asyncio.create_task(discovery._run(api))  # type: ignore[arg-type]
+    await asyncio.sleep(1.0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert 2 <= api.lists <= 8, api.lists  # ~0.2 s apart; a spinning loop lists thousands of times
+    assert discovery.last_error and "410" in discovery.last_error and discovery.state == "backoff"
+
+
+def test_a_relist_keeps_the_workers_still_there_as_they_are() -> None:
+    from mesh.cluster.kubernetes import KubernetesDiscovery
+    from mesh.cluster.registry import WorkerRegistry
+
+    registry = WorkerRegistry(parse_config({}))
+    discovery = KubernetesDiscovery(CFG, registry)
+    discovery.objects = {"ns/s": eps(ep("10.0.0.1", "a"), ep("10.0.0.2", "b"))}
+    discovery.reconcile()
+    a = registry.workers["a"]
+    discovery.objects = {"ns/s": eps(ep("10.0.0.1", "a"))}  # what a relist after a 410 found
+    discovery.reconcile()
+    assert set(registry.workers) == {"a"} and registry.workers["a"] is a  # not removed and added again
+    discovery.objects = {"ns/s": eps(ep("10.0.0.9", "a"))}  # the pod came back at another address
+    discovery.reconcile()
+    assert registry.workers["a"] is not a and registry.workers["a"].url == "http://10.0.0.9:8000"
