@@ -122,7 +122,7 @@ def run_all(args: argparse.Namespace, p: Plan, progress: SimProgress, started: f
                                 "gateway_default": run.policy == p.default_label}
         progress.close()  # the run's display ends with it, before the reports are written
         payload = build_payload(args, p, summaries, started)
-        written = write_reports(args, payload, results)
+        written = write_reports(args, payload, results, final=run is p.runs[-1])
         progress.finished(result_line(run.label, summaries[run.label], result.wall_s, written))
     return results, payload
 
@@ -215,31 +215,42 @@ def report_warnings(summaries: dict[str, dict[str, Any]]) -> list[str]:
     return warnings
 
 
-def write_reports(args: argparse.Namespace, payload: dict[str, Any], results: dict[str, Any]) -> list[str]:
-    """The JSON and HTML reports, each replaced atomically; the paths written."""
+def write_reports(args: argparse.Namespace, payload: dict[str, Any], results: dict[str, Any], final: bool) -> list[str]:
+    """The JSON and HTML reports, each replaced atomically; the paths written. A report that is
+    not a regular file (``--json /dev/stdout``, a FIFO) is written once, whole, at the end."""
     from simulator.report import write_html, write_json
 
     written = []
-    if args.json_out:
-        atomic_write(args.json_out, lambda tmp: write_json(tmp, payload))
-        written.append(args.json_out)
-    if args.html_out:
-        atomic_write(args.html_out, lambda tmp: write_html(tmp, payload, results))
-        written.append(args.html_out)
+    for path, write in ((args.json_out, lambda tmp: write_json(tmp, payload)),
+                        (args.html_out, lambda tmp: write_html(tmp, payload, results))):
+        if path and (final or not _special(path)):
+            atomic_write(path, write)
+            written.append(path)
     return written
 
 
+def _special(path: str) -> bool:
+    """An existing path that is not a regular file (following links): a device, a pipe."""
+    return os.path.exists(path) and not os.path.isfile(path)
+
+
 def atomic_write(path: str, write: Any) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then renamed over it (a reader sees the
-    old report or the new one, whole)."""
+    """``write(tmp)`` to a temporary file beside ``path`` (beside the file a link names), then
+    renamed over it: a reader sees the old report or the new one, whole. A path that is not a
+    regular file is written in place (renaming over ``/dev/stdout`` would replace the device link)."""
     from simulator.engine import SimulationError
 
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        write(tmp)
-        os.replace(tmp, target)
+        if _special(path):
+            write(target)
+            return
+        target = target.resolve() if target.is_symlink() else target
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     except OSError as exc:
         raise SimulationError(f"cannot write report {path}: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -43,7 +43,7 @@ def _add_simulate_parser(subparsers: Any) -> None:
     sim.add_argument("--policy", action="append", metavar="NAME_OR_YAML",
                      help="built-in policy name, module:Class, or a YAML file with a 'policy:' key; repeat to "
                           "compare (default: the gateway's default policy, which is also added as its own row "
-                          "unless --no-default-policy)")
+                          "unless --no-default-policy or --prefill-workers)")
     sim.add_argument("--no-default-policy", action="store_true",
                      help="run only the --policy values, without the gateway's default policy beside them")
     sim.add_argument("--profile", default=None, metavar="FILE_OR_NAME",
@@ -198,11 +198,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _policies(args: argparse.Namespace) -> tuple[list[tuple[str, Any]], str | None]:
     """((label, spec) per run's policy, the label of the gateway's default among them): the
     ``--policy`` values, then the gateway's default as its own row (named as the gateway names
-    it) unless one of them is it or ``--no-default-policy``."""
+    it) unless one of them is it, ``--no-default-policy``, or a prefill/decode cluster
+    (``--prefill-workers``: the default has no prefill/decode profiles, its row would be a mixed
+    cluster's)."""
     default = default_policy()
     given = [_load_policy_arg(p) for p in (args.policy or [])]
     specs = [spec for _, spec in given]
-    with_default = not given or (not args.no_default_policy and default not in specs)
+    with_default = not given or (not args.no_default_policy and not args.prefill_workers and default not in specs)
     if with_default:
         given.append((default, default))
     labels = _unique([label for label, _ in given])

@@ -109,3 +109,22 @@ def test_an_interrupted_run_keeps_the_runs_that_finished(tmp_path: Path) -> None
     assert "interrupted; the runs finished are in" in rest and "Traceback" not in rest
     report = json.loads(out.read_text())
     assert report["complete"] is False and list(report["policies"]) == ["round_robin"]
+
+
+def test_reports_through_a_link_or_a_pipe_are_written_where_they_point(tmp_path: Path) -> None:
+    """Renaming a temporary file over the report must not replace a link (``/dev/stdout`` is one)
+    or a FIFO: a link's target gets the report, a pipe gets it once, whole, at the end."""
+    real, link, fifo = tmp_path / "real.json", tmp_path / "link.json", tmp_path / "pipe.json"
+    link.symlink_to(real)
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    trace = str(ROOT / "examples" / "traces" / "agent_sessions.jsonl")
+    proc = _popen(trace, "--profile", "unit", "--policy", "round_robin", "--quiet", "--json", str(link))
+    assert proc.communicate(timeout=60)[0] == "" and proc.returncode == 0
+    assert link.is_symlink() and json.loads(real.read_text())["complete"] is True
+    proc = _popen(trace, "--profile", "unit", "--policy", "round_robin", "--quiet", "--json", str(fifo))
+    assert proc.communicate(timeout=60)[0] == "" and proc.returncode == 0
+    reader.join(timeout=10)
+    assert fifo.is_fifo() and json.loads(got[0])["runs"] == {"done": 2, "total": 2, "pending": []}
