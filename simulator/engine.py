@@ -46,6 +46,8 @@ from simulator.worker_model import (
     OP_OFFLOAD,
     OP_RELOAD,
     OP_REMOVE,
+    OP_STATE_REMOVE,
+    OP_STATE_STORE,
     OP_STORE,
     CapacityError,
     SimRequest,
@@ -190,6 +192,8 @@ class Simulator:
             state = TargetState(id=f"w{i}", worker=f"w{i}", role=role, block_size=self.bs,
                                 models=frozenset({config.model}))
             self.targets[state.id] = state
+            if config.hybrid_checkpoints:  # as the gateway's workers[].hybrid
+                self.index.mark_hybrid(state.id)
             self.workers.append(WorkerModel(i, state, self.profile, self.bs, self,
                                             devices[i // per] if devices else None))
 
@@ -457,5 +461,9 @@ def apply_event(index: PrefixIndex, op: int, target: str, keys: list[int], paren
         index.remove(target, keys, Tier.CPU)
     elif op == OP_DROP_CPU:
         index.remove(target, keys, Tier.CPU)
+    elif op == OP_STATE_STORE:
+        index.store_states(target, keys)
+    elif op == OP_STATE_REMOVE:
+        index.remove_states(target, keys)
 
 

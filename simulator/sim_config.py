@@ -30,6 +30,11 @@ class SimConfig:
     spill_hint: bool = True
     retention_fill: float = 0.9
     retention_active_s: float = 30.0
+    # hybrid models (recurrent layers beside attention): each worker keeps this many recurrent-state
+    # checkpoints (0: not hybrid), one every ``hybrid_interval_blocks`` prompt blocks (0: none)
+    # and one at each request's end; hits and the router's matches end at checkpoints
+    hybrid_checkpoints: int = 0
+    hybrid_interval_blocks: int = 0
 
 
 class SimulationError(RuntimeError):
@@ -55,6 +60,8 @@ def check_config(config: SimConfig) -> None:
         raise SimulationError(f"--speculative-ttl must be a finite number >= 0, got {config.speculative_ttl_s}")
     if config.workers_per_device < 1:
         raise SimulationError(f"--workers-per-device must be >= 1, got {config.workers_per_device}")
+    if config.hybrid_checkpoints < 0 or config.hybrid_interval_blocks < 0:
+        raise SimulationError("hybrid checkpoints and their interval must be >= 0")
     if config.concurrency < 0:
         raise SimulationError(f"--concurrency must be >= 0 (0: no limit), got {config.concurrency}")
     if config.horizon_s is not None and not (math.isfinite(config.horizon_s) and config.horizon_s > 0):

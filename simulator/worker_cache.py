@@ -33,10 +33,11 @@ _NOT_POSITIVE = (0).__ge__  # v <= 0: a free block
 
 # KV events, as (time, op, target, keys, parent key of keys[0] for chain stores)
 Emit = Callable[[float, int, str, list[int], "int | None"], None]
-OP_STORE, OP_REMOVE, OP_OFFLOAD, OP_RELOAD, OP_DROP_CPU = range(5)
+OP_STORE, OP_REMOVE, OP_OFFLOAD, OP_RELOAD, OP_DROP_CPU, OP_STATE_STORE, OP_STATE_REMOVE = range(7)
 # OP_STORE: a computed chain on the GPU; OP_REMOVE: evicted from the GPU (no CPU tier);
 # OP_OFFLOAD: evicted from the GPU into the CPU tier; OP_RELOAD: a chain restored from the CPU
-# tier to the GPU; OP_DROP_CPU: evicted from the CPU tier.
+# tier to the GPU; OP_DROP_CPU: evicted from the CPU tier; OP_STATE_STORE / OP_STATE_REMOVE: a
+# hybrid model's recurrent-state checkpoint after ``keys[0]`` stored / evicted.
 
 
 class WorkerCache:
@@ -50,8 +51,16 @@ class WorkerCache:
     growth reserved for the current segment).
     """
 
-    def __init__(self, target_id: str, block_size: int, capacity: int, cpu_capacity: int, emit: Emit) -> None:
+    def __init__(self, target_id: str, block_size: int, capacity: int, cpu_capacity: int, emit: Emit,
+                 state_capacity: int = 0, state_interval: int = 0) -> None:
         self.id = target_id
+        # A hybrid model (``state_capacity`` > 0), as the bundled engine's StateCheckpoints: an LRU
+        # of recurrent-state checkpoints by block key, taken every ``state_interval`` prompt blocks
+        # (0: none) and at each request's end (its last cached prompt block: the simulator keys
+        # prompts only); a hit is cut back to the deepest checkpoint, and no CPU tier is used.
+        self.states: OrderedDict[int, None] | None = OrderedDict() if state_capacity else None
+        self.state_capacity = state_capacity
+        self.state_interval = state_interval
         self.bs = block_size
         self.capacity = capacity
         self.cpu: OrderedDict[int, None] | None = OrderedDict() if cpu_capacity else None
@@ -122,6 +131,30 @@ class WorkerCache:
             gone.reverse()
             self.emit(t, OP_DROP_CPU, self.id, gone, None)
 
+    def _checkpoint(self, key: int, t: float) -> None:
+        """A recurrent-state checkpoint after block ``key`` (refreshed when held already)."""
+        states = self.states
+        if states is None:
+            return
+        if key in states:
+            states.move_to_end(key)
+            return
+        if len(states) >= self.state_capacity:
+            self.emit(t, OP_STATE_REMOVE, self.id, [states.popitem(False)[0]], None)
+        states[key] = None
+        self.emit(t, OP_STATE_STORE, self.id, [key], None)
+
+    def _resumable(self, keys: list[int], h: int) -> int:
+        """The deepest ``j <= h`` whose block ``keys[j - 1]`` holds a checkpoint (touched)."""
+        states = self.states
+        if states is None:
+            return h
+        for j in range(h, 0, -1):
+            if keys[j - 1] in states:
+                states.move_to_end(keys[j - 1])
+                return j
+        return 0
+
     def _free(self) -> int:
         return self.capacity - len(self.cache) - self.private
 
@@ -179,11 +212,13 @@ class WorkerCache:
             self.segments.append((tag, keys))
         self.n_free += len(keys)
 
-    def _release(self, req: SimRequest) -> None:
+    def _release(self, req: SimRequest, t: float = 0.0) -> None:
         """Give back a request's blocks: private ones freed, cached ones unreferenced."""
         self.private -= req.own
         req.own = 0
         self.releases += 1
+        if self.states is not None and req.registered:  # the end-of-turn checkpoint
+            self._checkpoint(req.keys[req.registered - 1], t)
         if self.capacity:
             lease = req.lease
             self._unpin(req.keys, req.registered, lease is not None and lease.spill)
@@ -218,6 +253,10 @@ class WorkerCache:
         req.registered = upto
         self.releases += 1
         self.emit(t, OP_STORE, self.id, new, req.keys[reg - 1] if reg else None)
+        if self.states is not None and self.state_interval:  # after the blocks they follow
+            step = self.state_interval
+            for b in range(-(-(reg + 1) // step) * step, upto + 1, step):
+                self._checkpoint(req.keys[b - 1], t)
 
     @property
     def used_blocks(self) -> int:

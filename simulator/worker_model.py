@@ -35,11 +35,21 @@ from policies.base import TargetState
 from simulator.device import Device
 from simulator.profile import Profile
 from simulator.step_timing import StepTiming
-from simulator.worker_cache import OP_DROP_CPU, OP_OFFLOAD, OP_RELOAD, OP_REMOVE, OP_STORE, Emit, WorkerCache
+from simulator.worker_cache import (
+    OP_DROP_CPU,
+    OP_OFFLOAD,
+    OP_RELOAD,
+    OP_REMOVE,
+    OP_STATE_REMOVE,
+    OP_STATE_STORE,
+    OP_STORE,
+    Emit,
+    WorkerCache,
+)
 
 # What other modules and tests import from here (the cache and its events live in worker_cache).
-__all__ = ["OP_DROP_CPU", "OP_OFFLOAD", "OP_RELOAD", "OP_REMOVE", "OP_STORE", "CapacityError", "Emit", "SimRequest",
-           "WorkerModel"]
+__all__ = ["OP_DROP_CPU", "OP_OFFLOAD", "OP_RELOAD", "OP_REMOVE", "OP_STATE_REMOVE", "OP_STATE_STORE", "OP_STORE",
+           "CapacityError", "Emit", "SimRequest", "WorkerModel"]
 
 
 class CapacityError(RuntimeError):
@@ -100,8 +110,9 @@ class WorkerModel(WorkerCache):
         sim: Any,
         device: Device | None = None,
     ) -> None:
+        config = getattr(sim, "config", None)
         super().__init__(state.id, block_size, profile.blocks_at(block_size), profile.cpu_blocks_at(block_size),
-                         sim.emit)
+                         sim.emit, getattr(config, "hybrid_checkpoints", 0), getattr(config, "hybrid_interval_blocks", 0))
         self.index = index
         self.state = state
         self.profile = profile
@@ -192,9 +203,12 @@ class WorkerModel(WorkerCache):
         keys = req.keys
         limit = min(req.nfull, (req.target - 1) // bs)  # the last token is always computed
         hp, h = self._hits(keys, limit)
+        if self.states is not None and not req.importing:  # hybrid: resumable only at a checkpoint
+            h = self._resumable(keys, h)
+            hp = min(hp, h)
         c = 0
         cpu = self.cpu
-        if cpu is not None and h < limit and not req.importing:
+        if cpu is not None and h < limit and not req.importing and self.states is None:
             c = next(compress(count(), map(not_, map(cpu.__contains__, keys[h:limit]))), limit - h)
         # room for the prompt (or everything to recompute); the generated tokens' blocks come
         # with the decode steps that compute them (as the engine's allocate and append_slots)
@@ -289,7 +303,7 @@ class WorkerModel(WorkerCache):
             victim.target = victim.n + victim.g
         else:
             self.prefilling.remove(victim)
-        self._release(victim)
+        self._release(victim, t)
         victim.registered = 0
         victim.computed = 0
         victim.importing = False  # recomputed here (its imported blocks may still be cached hits)
@@ -458,7 +472,7 @@ class WorkerModel(WorkerCache):
                 if r.decode_to >= 0 and not r.on_decode:
                     # PD prefill done: its one sampled token is discarded (as by the relay and
                     # vLLM); the client's first token comes from the decode worker
-                    self._release(r)
+                    self._release(r, t)
                     self.sim.handoff(r, t)
                     continue
                 r.g += 1  # the prefill (or a recompute) ends by sampling the next token
@@ -470,14 +484,14 @@ class WorkerModel(WorkerCache):
         for r in [r for r in decoding if r.g >= r.out]:
             decoding.remove(r)
             self.ctx_tokens -= r.n + r.g
-            self._release(r)
+            self._release(r, t)
             r.finish_t = t
             self.sim.finished(r, t)
         self.plan(t)
 
     def _join_decode(self, r: SimRequest, t: float) -> None:
         if r.g >= r.out:
-            self._release(r)
+            self._release(r, t)
             r.finish_t = t
             self.sim.finished(r, t)
             return

@@ -451,6 +451,14 @@ class PrefixIndex:
         keys = chain_keys(token_ids, block_size, parent_key)
         return self._states.store(target, engine_hashes, keys[len(keys) - n :])
 
+    def store_states(self, target: str, keys: Sequence[int]) -> None:
+        """Record checkpoints of ``target`` after the blocks ``keys`` (router keys; the simulator's
+        key-level twin of ``apply_state_stored``). Marks ``target`` hybrid."""
+        self._states.store(target, keys, keys)
+
+    def remove_states(self, target: str, keys: Sequence[int]) -> None:
+        self._states.remove(target, keys)
+
     def apply_state_removed(self, target: str, engine_hashes: Sequence[int]) -> int:
         """Apply a BlockRemoved of a recurrent KV cache group (checkpoints evicted)."""
         return self._states.remove(target, engine_hashes)
