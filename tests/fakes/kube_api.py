@@ -15,7 +15,10 @@ The test drives it through ``/control``:
 - ``POST /control/compact {resource, delete: [names]}``: delete those objects with no event,
   move the floor past every resourceVersion handed out and break the watches: a client can
   only catch up by listing again;
+- ``POST /control/token {token}``: accept only this bearer token from now on (a rotation);
 - ``GET /control/log``: every list and watch request (verb, resource, resourceVersion).
+
+With ``--certfile``/``--keyfile`` it serves https, as an in-cluster API server does.
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ def matches(obj: dict[str, Any], selector: str) -> bool:
 def build_app(token: str | None) -> FastAPI:
     app = FastAPI()
     store = Store()
+    tokens = {"accepted": token}
 
     def authorized(request: Request) -> bool:
-        return token is None or request.headers.get("authorization") == f"Bearer {token}"
+        return tokens["accepted"] is None or request.headers.get("authorization") == f"Bearer {tokens['accepted']}"
 
     async def serve(resource: str, request: Request) -> Response:
         if not authorized(request):
@@ -151,6 +155,11 @@ def build_app(token: str | None) -> FastAPI:
         store.drop()
         return {"resourceVersion": store.rv, "floor": store.floor}
 
+    @app.post("/control/token")
+    async def rotate(body: dict[str, Any]) -> dict[str, Any]:
+        tokens["accepted"] = body["token"]
+        return {"rotated": True}
+
     @app.get("/control/log")
     async def log() -> list[dict[str, Any]]:
         return store.log
@@ -166,8 +175,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fake Kubernetes API server (list/watch)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token")
+    parser.add_argument("--certfile")
+    parser.add_argument("--keyfile")
     args = parser.parse_args()
-    uvicorn.run(build_app(args.token), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build_app(args.token), host="127.0.0.1", port=args.port, log_level="warning",
+                ssl_certfile=args.certfile, ssl_keyfile=args.keyfile)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ check counters run on); an address the connect policy refuses never becomes a wo
 from __future__ import annotations
 
 import re
+import shutil
+import ssl
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -40,34 +43,47 @@ def endpoint_slice(name: str, port: int, pods: list[tuple[str, str]], *, ready: 
 class Cluster:
     """The fake API server, echo workers and a gateway discovering them."""
 
-    def __init__(self, procs: ProcessGroup, resource: str = "endpointslices", **discovery: Any) -> None:
+    def __init__(self, procs: ProcessGroup, resource: str = "endpointslices", tls: tuple[Path, Path] | None = None,
+                 **discovery: Any) -> None:
         port = free_port()
-        self.api: Proc = procs.start_http([PYTHON, "-m", "tests.fakes.kube_api", "--port", str(port), "--token", TOKEN],
-                                          name="kube-api", port=port)
+        cmd = [PYTHON, "-m", "tests.fakes.kube_api", "--port", str(port), "--token", TOKEN]
+        if tls is None:
+            self.api: Proc = procs.start_http(cmd, name="kube-api", port=port)
+            self.http = httpx.Client(timeout=10)
+        else:  # an https API server with its own CA, as in a cluster
+            self.api = procs.start([*cmd, "--certfile", str(tls[0]), "--keyfile", str(tls[1])], name="kube-api", port=port)
+            self.http = httpx.Client(timeout=10, verify=ssl.create_default_context(cafile=str(tls[0])))
+            wait_until(lambda: _answers(self.http, f"https://127.0.0.1:{port}/health"), timeout_s=30, what="https fake up")
+        self.api_url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         self.procs, self.resource, self.discovery = procs, resource, discovery
-        self.http = httpx.Client(timeout=10)
 
     def put(self, obj: dict[str, Any]) -> None:
         self.control("put", resource=self.resource, object=obj)
 
     def control(self, op: str, **body: Any) -> Any:
-        resp = self.http.post(f"{self.api.url}/control/{op}", json=body)
+        resp = self.http.post(f"{self.api_url}/control/{op}", json=body)
         assert resp.status_code == 200, resp.text
         return resp.json()
 
     def log(self) -> list[dict[str, Any]]:
-        return self.http.get(f"{self.api.url}/control/log").json()
+        return self.http.get(f"{self.api_url}/control/log").json()
 
-    def gateway(self, **server: Any) -> Proc:
-        token = Path(self.procs.log_dir) / "token"
-        token.write_text(TOKEN + "\n")
-        kube = {"api_server": self.api.url, "namespace": "ml", "selector": {"app": "echo"}, "port": "http",
-                "resource": self.resource, "token_file": str(token), "backoff_max_s": 0.5, **self.discovery}
+    @property
+    def token_file(self) -> Path:
+        return Path(self.procs.log_dir) / "token"
+
+    def gateway(self, env: dict[str, str] | None = None, **server: Any) -> Proc:
+        self.token_file.write_text(TOKEN + "\n")
+        kube = {"namespace": "ml", "selector": {"app": "echo"}, "port": "http", "resource": self.resource,
+                "token_file": str(self.token_file), "backoff_max_s": 0.5, **self.discovery}
+        kube.setdefault("api_server", self.api_url)
         config = {"server": {"admin_key": "adm", **server}, "health": {"interval_s": 0.3, "timeout_s": 2},
-                  "discovery": {"kubernetes": kube}}
+                  "discovery": {"kubernetes": {k: v for k, v in kube.items() if v is not None}}}
         path = Path(self.procs.log_dir) / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.gw = self.procs.gateway(path, port=free_port())
+        port = free_port()
+        cmd = [PYTHON, "-m", "mesh.commands.serve", "--config", str(path), "--port", str(port), "--log-level", "warning"]
+        self.gw = self.procs.start_http(cmd, name="gateway", port=port, env=env)
         return self.gw
 
     def view(self) -> dict[str, Any]:
@@ -98,6 +114,13 @@ class Cluster:
         text = self.http.get(f"{self.gw.url}/metrics").text
         m = re.search(r'^mesh_health_checks_total\{result="ok",worker="%s"\} (\S+)$' % worker, text, re.M)
         return float(m.group(1)) if m else 0.0
+
+
+def _answers(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +170,13 @@ def test_endpoints_become_workers_and_leave_with_their_readiness(cluster: Cluste
     cluster.control("delete", resource="endpointslices", name="echo-b")
     cluster.wait_names({"echo-0"}, "deleted slice's worker removed")
     assert [e["verb"] for e in cluster.log()].count("list") == 1  # all of it over one list and its watch
+
+    # The service account token rotates: the reconnect reads the new one from its file.
+    cluster.token_file.write_text("sa-token-2\n")
+    cluster.control("token", token="sa-token-2")
+    cluster.control("drop")
+    cluster.put(endpoint_slice("echo-b", w1.port, [("echo-1", "127.0.0.1")]))
+    wait_until(lambda: cluster.healthy() == {"echo-0", "echo-1"}, timeout_s=15, what="seen with the rotated token")
 
 
 def test_dropped_watch_resumes_and_gone_relists_keeping_workers(cluster: Cluster, echoes: tuple[Proc, Proc]) -> None:
@@ -217,10 +247,26 @@ def test_serve_flags_turn_discovery_on_over_the_file(procs: ProcessGroup, cluste
     token.write_text(TOKEN)
     path = Path(procs.log_dir) / "api.yaml"
     path.write_text(yaml.safe_dump({"server": {"admin_key": "adm"}, "discovery": {"kubernetes": {
-        "api_server": cluster.api.url, "selector": {"app": "nothing"}, "token_file": str(token)}}}))
+        "api_server": cluster.api_url, "selector": {"app": "nothing"}, "token_file": str(token)}}}))
     port = free_port()
     cluster.gw = procs.start_http([PYTHON, "-m", "mesh.commands.serve", "--config", str(path), "--port", str(port),
                                    "--service-discovery", "--selector", "app=other", "--service-discovery-namespace", "ml",
                                    "--service-discovery-port", "http"], name="gateway", port=port)
     wait_until(lambda: cluster.healthy() == {"other-0"}, timeout_s=15, what="the flags' selector watched")
     assert cluster.served_by(2) == {"other-0"}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_in_cluster_https_api_server_from_the_service_environment(procs: ProcessGroup, echoes: tuple[Proc, Proc]) -> None:
+    """No api_server: the address comes from KUBERNETES_SERVICE_HOST/PORT, https verified
+    against ca_file (the cluster's CA), the bearer token from token_file."""
+    cert, key = Path(procs.log_dir) / "ca.crt", Path(procs.log_dir) / "ca.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kube-api",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    cluster = Cluster(procs, tls=(cert, key), api_server=None, ca_file=str(cert))
+    cluster.put(endpoint_slice("echo-a", echoes[0].port, [("echo-0", "127.0.0.1")]))
+    port = cluster.api_url.rpartition(":")[2]
+    cluster.gateway(env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port})
+    wait_until(lambda: cluster.healthy() == {"echo-0"}, timeout_s=15, what="discovered over https")
+    assert cluster.view()["discovery"]["kubernetes"]["watching"].startswith(f"https://127.0.0.1:{port}/apis/")
