@@ -178,6 +178,17 @@ def test_endpoints_become_workers_and_leave_with_their_readiness(cluster: Cluste
     cluster.put(endpoint_slice("echo-b", w1.port, [("echo-1", "127.0.0.1")]))
     wait_until(lambda: cluster.healthy() == {"echo-0", "echo-1"}, timeout_s=15, what="seen with the rotated token")
 
+    # A reload keeps the discovered workers; a changed discovery section needs a restart.
+    resp = cluster.http.post(f"{cluster.gw.url}/admin/reload", headers=ADMIN)
+    assert resp.status_code == 200 and resp.json()["workers"] == ["echo-0", "echo-1"], resp.text
+    config_path = Path(cluster.procs.log_dir) / "gateway.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["discovery"]["kubernetes"]["selector"] = {"app": "other"}
+    config_path.write_text(yaml.safe_dump(config))
+    resp = cluster.http.post(f"{cluster.gw.url}/admin/reload", headers=ADMIN)
+    assert resp.status_code == 400 and "discovery.kubernetes" in resp.json()["error"]["message"], resp.text
+    assert cluster.healthy() == {"echo-0", "echo-1"}
+
 
 def test_dropped_watch_resumes_and_gone_relists_keeping_workers(cluster: Cluster, echoes: tuple[Proc, Proc]) -> None:
     w0, w1 = echoes
