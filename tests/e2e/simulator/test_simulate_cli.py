@@ -156,10 +156,12 @@ def test_calibrate_writes_a_loadable_profile(tmp_path: Path) -> None:
         # the worker's capacity (its /metrics), not the base profile's 52,000 blocks
         assert profile.estimate is False and profile.kv_blocks == 16384 and profile.block_size == 16
         assert "KV capacity: 16,384 blocks of 16 tokens (the worker's /metrics" in proc.stderr
-        assert profile.prefill.per_token_ms > 0  # its TTFT grows with the prompt
-        assert profile.name == "calibrated-fake-model"
         import yaml
 
+        unfitted = yaml.safe_load(out.read_text())["calibration"]["unfitted"]
+        # its TTFT grows by ~1 ms over the sweep, within a loaded machine's noise: fitted or said why not
+        assert profile.prefill.per_token_ms > 0 or "non-positive slope" in unfitted["prefill.per_token"]
+        assert profile.name == "calibrated-fake-model"
         points = yaml.safe_load(out.read_text())["calibration"]["points"]
         assert len(points["prefill"]) >= 3 and len(points["decode"]) >= 2
         # the profile drives a simulation
