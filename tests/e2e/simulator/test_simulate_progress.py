@@ -34,7 +34,7 @@ def test_piped_output_gets_progress_lines_and_each_runs_result_as_it_finishes(tm
     out = tmp_path / "r.json"
     started = time.monotonic()
     proc = _popen(str(MOONCAKE), "--max-requests", "3000", "--profile", "unit", "--kv-blocks", "100000",
-                  "--policy", "round_robin", "--policy", "kv_aware", "--no-default-policy", "--progress-s", "0.5",
+                  "--policy", "round_robin", "--policy", "kv_aware", "--no-default-policy", "--progress-s", "0.2",
                   "--json", str(out))
     lines: list[tuple[float, str]] = []  # (seconds since start, line), as they arrive through the pipe
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - started, ln) for ln in proc.stdout or []))
