@@ -109,15 +109,16 @@ class SimProgress:
                f"{duration(elapsed)}"
         eta = self.eta(done, elapsed)
         if eta is None:
-            return text + "; ETA: after the first requests finish"
+            return text + "; ETA: once more requests finish"
         run_left, all_left = eta
         more = f" (all runs: {duration(all_left)})" if self._run < self.runs else ""
         return text + f"; ETA {duration(run_left)}{more}"
 
     def eta(self, done: int, elapsed: float) -> tuple[float, float] | None:
         """(seconds left in this run, seconds left in all runs), at this run's pace; the runs not
-        started are taken to last as long as this one will (None: nothing to extrapolate yet)."""
-        if done <= 0 or not self._total:
+        started are taken to last as long as this one will (None: too few requests finished to
+        extrapolate from, under 0.5% of them or 10)."""
+        if not self._total or done < min(self._total, max(10, self._total // 200)):
             return None
         run_total = elapsed * self._total / done
         run_left = max(0.0, run_total - elapsed)
