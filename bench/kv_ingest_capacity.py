@@ -38,7 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench._table import print_table  # noqa: E402
-from bench.gateway_overhead import MODEL, fake_worker_main, free_ports, open_loop, start, stop, wait_ok  # noqa: E402
+from bench.gateway_overhead import (  # noqa: E402
+    MODEL,
+    PhaseResult,
+    _connect,
+    _request_bytes,
+    fake_worker_main,
+    free_ports,
+    start,
+    stop,
+    wait_ok,
+)
 
 BLOCK = 16
 RATES = [2_000, 10_000, 30_000]
@@ -100,6 +110,46 @@ def publish_main(ports: list[int], rate: float, seconds: float, sent_out: Any) -
     for s in socks:
         s.close(linger=0)
     ctx.term()
+
+
+# -- the request load ---------------------------------------------------------------------------
+
+
+async def open_loop(ports: list[int], stream: bool, rate: float, duration: float, timeout_s: float = 10.0) -> PhaseResult:
+    """``bench.gateway_overhead.open_loop`` with a deadline per request: a request whose answer
+    never comes (a pooled connection closed under it) is an error, not a hung benchmark."""
+    port = ports[0]
+    idle = [await _connect(port) for _ in range(8)]
+    result = PhaseResult()
+    start_t = time.perf_counter()
+
+    async def one(i: int, at: float) -> None:
+        conn = idle.pop() if idle else await _connect(port)
+        try:
+            status, _, _ = await asyncio.wait_for(conn.request(_request_bytes(port, stream, i)), timeout_s)
+        except Exception:  # noqa: BLE001  (a timeout or a lost connection: an error)
+            result.errors += 1
+            conn.transport.close()
+            return
+        result.latencies_ms.append((time.perf_counter() - at) * 1e3)
+        if status == 200:
+            result.requests += 1
+        else:
+            result.errors += 1
+        if not conn.closed:
+            idle.append(conn)
+
+    tasks = []
+    for i in range(int(rate * duration)):
+        delay = start_t + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i, time.perf_counter())))
+    await asyncio.gather(*tasks)
+    result.seconds = time.perf_counter() - start_t
+    for c in idle:
+        c.transport.close()
+    return result
 
 
 # -- the gateway -------------------------------------------------------------------------------
