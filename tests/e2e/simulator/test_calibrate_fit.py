@@ -45,3 +45,26 @@ def test_calibrate_fits_the_per_token_prefill_and_names_what_it_could_not_fit(pr
     # an echo worker reports no KV capacity: said loudly, and the profile says whose it kept
     assert "the worker reported no KV capacity" in proc.stderr
     assert data["calibration"]["kv_capacity_source"].startswith("base profile h200-8b's")
+
+
+def test_calibrate_against_a_bundled_worker_takes_its_kv_capacity_and_a_positive_prefill_cost(
+        procs: ProcessGroup, tmp_path: Path) -> None:
+    """A real bundled worker (tiny model on CPU) with 16,384 KV blocks: the profile records its
+    capacity from its /metrics, not the base profile's 52,000 blocks, and its TTFT, which rises
+    with the prompt, gets a positive per-token cost (the joint fit once put it all on the
+    quadratic term and printed 'prefill 0.00 us/token')."""
+    from tests.e2e_bundled import start_workers
+
+    worker = start_workers(procs, ["cal"], num_kv_blocks=16384)["cal"]
+    out = tmp_path / "bundled.yaml"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "mesh", "calibrate", "--url", worker.proc.url, "--out", str(out),
+                           "--quick"], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(out.read_text())
+    assert data["profile"]["kv_blocks"] == 16384 and data["profile"]["block_size"] == 16
+    assert data["calibration"]["kv_capacity_source"].startswith("the worker's /metrics")
+    assert "KV capacity: 16,384 blocks of 16 tokens" in proc.stderr
+    cold = data["calibration"]["points"]["prefill"]
+    assert cold[-1][1] > cold[0][1]  # TTFT rose over the sweep ...
+    assert data["profile"]["prefill"]["per_token_ms"] > 0  # ... and the fit says so
