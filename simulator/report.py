@@ -142,8 +142,9 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
     console.print(table)
 
 
-def _reference_row(reference: dict[str, float | None], cols: tuple[str, ...]) -> tuple[str, ...]:
-    """The trace's ideal hit rate in the hit-rate column, the other cells empty."""
+def _reference_row(reference: dict[str, Any], cols: tuple[str, ...]) -> tuple[str, ...]:
+    """The trace's ideal hit rate in the hit-rate column, the other cells empty (all empty but
+    the label when ``reference`` has none)."""
     session, glob = reference.get("ideal_hit_rate"), reference.get("ideal_hit_rate_global")
     hit = " ".join(x for x in (f"{session:.1%}" if session is not None else "",
                                 f"({glob:.1%} any)" if glob is not None else "") if x)
@@ -313,13 +314,23 @@ def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, Run
                 f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
             )) + "</tr>"
         )
+    ref = _reference_row(payload.get("trace", {}), ("policy", "requests", "hit rate", *("",) * 11))
+    if any(ref[1:]):
+        rows.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in ref) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in (
         "policy", "requests", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "ITL mean ms", "E2E mean ms",
         "out tok/s", "in tok/s", "load spread", "session moves", "wall s"))
     settings = html.escape(json.dumps({k: v for k, v in payload.items() if k != "policies"}, indent=2,
                                       default=_jsonable))
-    warnings = payload.get("trace", {}).get("warnings") or []
-    write_page(path, "mesh simulate", head, rows, "Trace warnings", warnings, figs, settings)
+    warnings = list(payload.get("trace", {}).get("warnings") or [])
+    runs = payload.get("runs")
+    if runs and runs["pending"]:  # rewritten as each run ends: say which are still to come
+        warnings.insert(0, f"partial report: {runs['done']} of {runs['total']} runs finished; still running or "
+                           f"not run: {', '.join(runs['pending'])}")
+    default = payload.get("gateway_default_policy")
+    if default:
+        warnings.append(f"{default}: the gateway's default policy (mesh serve without a policy)")
+    write_page(path, "mesh simulate", head, rows, "Notes", warnings, figs, settings)
 
 
 def write_page(path: str | Path, title: str, head: str, rows: list[str], warnings_title: str, warnings: list[str],

@@ -69,7 +69,8 @@ def test_piped_output_gets_progress_lines_and_each_runs_result_as_it_finishes(tm
 def test_a_worker_sweep_names_the_smallest_count_that_meets_the_ttft_target(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     proc = _popen(str(ROOT / "examples" / "traces" / "agent_sessions.jsonl"), "--workers", "1,2,4", "--profile", "unit",
-                  "--policy", "round_robin", "--ttft-p99-target", "100", "--json", str(out))
+                  "--policy", "round_robin", "--ttft-p99-target", "100", "--json", str(out), "--html",
+                  str(tmp_path / "sweep.html"))
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout
     report = json.loads(out.read_text())
@@ -85,6 +86,8 @@ def test_a_worker_sweep_names_the_smallest_count_that_meets_the_ttft_target(tmp_
     # the trace's ideal hit rate: a reference row, and in the report
     ideal = report["trace"]["ideal_hit_rate"]
     assert 0 < ideal <= 1 and "ideal (trace)" in stdout and f"{ideal:.1%}" in stdout
+    page = (tmp_path / "sweep.html").read_text()
+    assert f"<td>ideal (trace)</td><td></td><td>{ideal:.1%}" in page and "the gateway&#x27;s default policy" in page
     ideal_any = report["trace"]["ideal_hit_rate_global"]  # no cache reuses more than every prefix seen
     assert all(s["hit_rate"] <= ideal_any + 1e-9 for s in report["policies"].values())
     bad = _popen(str(ROOT / "examples" / "traces" / "agent_sessions.jsonl"), "--workers", "2,0", "--quiet")
