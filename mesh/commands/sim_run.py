@@ -118,8 +118,7 @@ def run_all(args: argparse.Namespace, p: Plan, progress: SimProgress, started: f
         progress.start(run.label, len(p.trace.requests), _done_of(sim))
         result = sim.run()
         results[run.label] = result
-        summaries[run.label] = {**summarize(result), "workers": run.workers,
-                                "gateway_default": run.policy == p.default_label}
+        summaries[run.label] = summarize(result)  # the shape mesh replay's summaries share
         progress.close()  # the run's display ends with it, before the reports are written
         payload = build_payload(args, p, summaries, started)
         written = write_reports(args, payload, results, final=run is p.runs[-1])
@@ -180,7 +179,8 @@ def build_payload(args: argparse.Namespace, p: Plan, summaries: dict[str, dict[s
     payload: dict[str, Any] = {
         "mesh_simulate": 1,
         "complete": not pending,
-        "runs": {"done": len(summaries), "total": len(p.runs), "pending": pending},
+        "runs": {"done": len(summaries), "total": len(p.runs), "pending": pending,
+                 "workers": {r.label: r.workers for r in p.runs}, "policy": {r.label: r.policy for r in p.runs}},
         "trace": {
             "files": trace.files, "formats": trace.formats, "requests": len(trace.requests),
             "sessions": trace.sessions, "block_size": trace.block_size, "warnings": trace.warnings,

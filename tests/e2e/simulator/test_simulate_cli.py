@@ -41,7 +41,7 @@ def test_simulate_compares_policies_and_writes_reports(tmp_path: Path) -> None:
     # the gateway's default policy is its own row beside the ones asked for, named as the gateway names it
     assert set(report["policies"]) == {"round_robin", "sticky", "session_sticky"}
     assert report["gateway_default_policy"] == "session_sticky" and report["complete"] is True
-    assert report["policies"]["session_sticky"]["gateway_default"] is True
+    assert report["runs"]["policy"]["session_sticky"] == "session_sticky"
     for s in report["policies"].values():
         assert s["requests"] == 400
         assert 0.0 < s["hit_rate"] < 1.0
