@@ -70,7 +70,9 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
     base = SimConfig(workers=1, profile=profile, seed=args.seed, prefill_workers=args.prefill_workers,
                      session_ttl_s=args.session_ttl, speculative_ttl_s=args.speculative_ttl,
                      concurrency=args.concurrency or 0, horizon_s=args.run_s,
-                     workers_per_device=args.workers_per_device, spill_hint=not args.no_spill_hint)
+                     workers_per_device=args.workers_per_device, spill_hint=not args.no_spill_hint,
+                     hybrid_checkpoints=args.hybrid_checkpoints,
+                     hybrid_interval_blocks=args.hybrid_interval_blocks if args.hybrid_checkpoints else 0)
     counts = sorted(set(args.workers))
     configs = {n: replace(base, workers=n) for n in counts}
     for config in configs.values():
@@ -191,6 +193,8 @@ def build_payload(args: argparse.Namespace, p: Plan, summaries: dict[str, dict[s
                         "session_ids": not args.no_session_ids},
         "workers_per_device": args.workers_per_device,
         "spill_hint": not args.no_spill_hint,
+        "hybrid_checkpoints": args.hybrid_checkpoints,
+        "hybrid_interval_blocks": args.hybrid_interval_blocks if args.hybrid_checkpoints else 0,
         "workers": p.counts[0] if len(p.counts) == 1 else p.counts,
         "prefill_workers": args.prefill_workers,
         "profile": p.profile.to_dict(),

@@ -71,6 +71,12 @@ def _add_simulate_parser(subparsers: Any) -> None:
     sim.add_argument("--speculative-ttl", type=float, default=2.0, metavar="S",
                      help="router's speculative index entries live S seconds (0 = off; default 2, as the gateway)")
     sim.add_argument("--session-ttl", type=float, default=600.0, metavar="S", help="idle expiry of session bindings")
+    sim.add_argument("--hybrid-checkpoints", type=int, default=0, metavar="N",
+                     help="hybrid workers (recurrent layers beside attention, docs/hybrid.md): N recurrent-state "
+                          "checkpoints each (LRU); hits and the router's matches end at a checkpoint (0: not hybrid)")
+    sim.add_argument("--hybrid-interval-blocks", type=int, default=32, metavar="B",
+                     help="with --hybrid-checkpoints: a checkpoint every B prompt blocks besides each request's end "
+                          "(0: request ends only; default 32: the engine's 512 tokens at block size 16)")
     sim.add_argument("--quiet", action="store_true",
                      help="no progress and no table (a terminal gets a bar; a log or pipe a line every --progress-s)")
     sim.add_argument("--progress-s", type=_positive_seconds, default=5.0, metavar="S",
