@@ -762,6 +762,10 @@ def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[s
 
     config = transfer_config(args)
     base, tokenizer, name, info = build(args)
+    if base.engine.model_config.is_hybrid and config.role != "mixed":
+        # the KV transfer moves attention K/V only: a decode worker would resume without the state
+        raise ValueError(f"--role {config.role}: a hybrid model (recurrent layers) runs as a mixed worker only; "
+                         "the KV transfer does not move recurrent state")
     engine = TransferEngine(base.engine)  # base was never started: only its LLMEngine is kept
     info = {**info, "role": config.role, "kv_transfer": {"transport": config.transport, "layout": engine.layout.to_dict()}}
     app = create_app(engine, tokenizer, name, info, content_format=info["chat_template_content_format"])

@@ -183,3 +183,14 @@ def test_checkpoint_events_and_lru_eviction(model: torch.nn.Module) -> None:
     attn_keys = {h for e in attn for h in e.block_hashes}
     assert all(e.block_hashes[0] in attn_keys for e in stored)
     assert eng.stats()["state_checkpoints_evicted"] == 1
+
+
+def test_a_hybrid_worker_refuses_a_disaggregated_role() -> None:
+    """The KV transfer moves attention K/V only: a hybrid prefill or decode worker is refused at start."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "workers.server.cli", "--preset", "tiny-hybrid", "--role", "decode",
+                           "--device", "cpu", "--num-kv-blocks", "16", "--cpu-threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "runs as a mixed worker only" in done.stderr, done.stderr[-500:]
