@@ -55,23 +55,6 @@ def naive_scan(
     return torch.stack(outs) if outs else v.new_zeros(v.shape, dtype=torch.float32), s
 
 
-def _segment(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, s0: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One segment in closed form (float32 in): outputs [L, H, dv] and the state after it."""
-    b = g.cumsum(0)  # [L, H]: log decay from the segment start through token t
-    o_inter = torch.einsum("thk,hkv->thv", q, s0) * b.exp()[:, :, None]
-    n = q.shape[0]
-    diff = b[:, None, :] - b[None, :, :]  # [t, s, H]: decay from token s to token t
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-    w = torch.einsum("thk,shk->tsh", q, k) * decay
-    o = o_inter + torch.einsum("tsh,shv->thv", w, v)
-    tail = (b[-1][None, :] - b).exp()  # [s, H]: decay from token s to the segment's end
-    s1 = s0 * b[-1].exp()[:, None, None] + torch.einsum("sh,shk,shv->hkv", tail, k, v)
-    return o, s1
-
-
 def chunk_scan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,24 +67,49 @@ def chunk_scan(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The recurrence over T tokens at absolute positions ``[start, start + T)``; outputs
     [T, H, dv] (float32), the final state and the states after each offset of ``snap_at``
-    (0 < offset <= T, ascending)."""
+    (0 < offset <= T, ascending).
+
+    Every segment is computed at once (padded to ``chunk`` tokens: a pad has k = v = 0 and no
+    decay, so it changes nothing): its intra-segment attention with decay weights and its own
+    state from zero; then one pass over the segments carries the state (``S_i = A_i S_{i-1} +
+    local_i``), and each segment's tokens read the state it started from."""
     t_len = q.shape[0]
     cuts = {o for o in snap_at if 0 < o < t_len}
     first = (-start) % chunk or chunk
     cuts.update(range(first, t_len, chunk))
     bounds = [0, *sorted(cuts), t_len]
-    qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
-    s = state.float()
-    outs: list[torch.Tensor] = []
-    snaps: dict[int, torch.Tensor] = {}
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        if hi <= lo:
-            continue
-        o, s = _segment(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], s)
-        outs.append(o)
-        snaps[hi] = s
-    out = torch.cat(outs) if outs else vf.new_zeros(vf.shape)
-    return out, s, [snaps[o] if o in snaps else state.float() for o in snap_at]
+    s0 = state.float()
+    if t_len == 0:
+        return v.new_zeros(v.shape, dtype=torch.float32), s0, [s0 for _ in snap_at]
+    dev = q.device
+    lo = torch.tensor(bounds[:-1], device=dev)
+    n = torch.tensor(bounds[1:], device=dev) - lo
+    width = int(max(b - a for a, b in zip(bounds, bounds[1:], strict=False)))
+    pos = torch.arange(width, device=dev)
+    valid = pos[None, :] < n[:, None]  # [S, L]
+    idx = (lo[:, None] + pos[None, :]).clamp_max(t_len - 1)
+    keep = valid[..., None, None].float()
+    qs, ks, vs = q.float()[idx], k.float()[idx] * keep, v.float()[idx] * keep  # [S, L, H, d]
+    gs = g.float()[idx] * valid[..., None]  # [S, L, H]
+    b = gs.cumsum(1)
+    diff = b[:, :, None, :] - b[:, None, :, :]  # [S, t, s, H]: decay from token s to token t
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+    decay = diff.masked_fill(~causal[None, :, :, None], float("-inf")).exp()
+    w = torch.einsum("sthk,suhk->stuh", qs, ks) * decay
+    o = torch.einsum("stuh,suhv->sthv", w, vs)
+    tail = (b[:, -1:, :] - b).exp()  # [S, L, H]: decay from token s to its segment's end
+    local = torch.einsum("slh,slhk,slhv->shkv", tail, ks, vs)
+    total = b[:, -1, :].exp()[:, :, None, None]  # [S, H, 1, 1]
+    before, cur = [], s0
+    for i in range(len(bounds) - 1):  # the state each segment starts from, and after it
+        before.append(cur)
+        cur = cur * total[i] + local[i]
+        before.append(cur)
+    starts = torch.stack(before[0::2])
+    o = o + torch.einsum("sthk,shkv->sthv", qs, starts) * b.exp()[..., None]
+    out = o[valid]  # segments in order, pads dropped: [T, H, dv]
+    after = dict(zip(bounds[1:], before[1::2], strict=True))
+    return out, cur, [after[o] if o in after else s0 for o in snap_at]
 
 
 def decode_step(
