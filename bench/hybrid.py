@@ -55,9 +55,10 @@ def _run_all(engine: LLMEngine, prompts: list[list[int]], out: int) -> float:
     return time.perf_counter() - t0
 
 
-def zero_reuse(model: Any, n: int, prompt: int, out: int, reps: int) -> dict[str, Any]:
+def zero_reuse(model: Any, n: int, prompt: int, out: int, reps: int, only: set[str] | None = None) -> dict[str, Any]:
     modes = {"off": dict(num_state_checkpoints=0), "interval_512": dict(state_checkpoint_interval=512),
              "every_block": dict(state_checkpoint_interval=16)}
+    modes = {m: kw for m, kw in modes.items() if only is None or m in only}
     engines = {m: _engine(model, **kw) for m, kw in modes.items()}
     rng = random.Random(0)
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests and repetitions, 8k context only")
     ap.add_argument("--parts", default="kernel,zero,resume", help="which measurements (kernel, zero, resume)")
     ap.add_argument("--reps", type=int, default=3, help="alternating repetitions of the zero-reuse runs")
+    ap.add_argument("--modes", default="off,interval_512,every_block", help="zero-reuse modes to run")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build_model(get_preset(PRESET), torch.device("cuda"), seed=0)
@@ -151,7 +153,8 @@ def main() -> None:
         res["decode_kernel"] = decode_kernel()
         print(json.dumps(res["decode_kernel"]), flush=True)
     if "zero" in parts:
-        res["zero_reuse"] = zero_reuse(model, 16 if args.quick else 32, 1024, 128, 2 if args.quick else args.reps)
+        res["zero_reuse"] = zero_reuse(model, 16 if args.quick else 32, 1024, 128, 2 if args.quick else args.reps,
+                                       set(args.modes.split(",")))
         print(json.dumps(res["zero_reuse"]), flush=True)
     if "resume" in parts:
         res["resumed_turn"] = [resumed_turn(model, c) for c in ((8192,) if args.quick else (8192, 32768))]
