@@ -16,7 +16,12 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # types only: the proxy imports this module
+    from mesh.gateway.client_io import Exchange
+    from mesh.request.prompt import ParsedRequest
 
 log = logging.getLogger("mesh.gateway.access_log")
 ACCESS_LOGGER = "mesh.access"
@@ -96,3 +101,14 @@ class AccessLog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def access_entry(scope: MutableMapping[str, Any], state: Exchange, parsed: ParsedRequest | None, took: float) -> Entry:
+    """The access log's entry of one request (``server.access_log: json``)."""
+    target = state.served_by
+    usage = state.usage or (None, None, None)
+    client = scope.get("client")
+    return (time.time(), state.request_id, scope.get("method", ""), scope.get("path", ""), state.status,
+            parsed.info.model if parsed is not None else None, target.worker if target is not None else None,
+            target.id if target is not None else None, parsed.info.session_id if parsed is not None else None,
+            usage[0], usage[1], usage[2], state.ttft_s, took, f"{client[0]}:{client[1]}" if client else None)

@@ -40,9 +40,10 @@ from mesh.gateway.disagg_relay import (
     relay_disaggregated,
 )
 from mesh.gateway.headers import forwarded
-from mesh.gateway.proxy import Proxy, count_usage
+from mesh.gateway.proxy import Proxy
 from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
 from mesh.gateway.verdicts import shutdown_error
+from mesh.gateway.worker_answer import count_usage
 from mesh.request.prompt import ParsedRequest
 from mesh.request_metrics import Series
 from policies.base import Decision, NoCandidate, Role
@@ -180,7 +181,7 @@ class DisaggProxy(Proxy):
             self.registry.record_success(resp.decode)
             return end
         worker = self.registry.worker_of(resp.decode)
-        await self._end_broken_stream(state, resp.decode, worker.name if worker is not None else resp.decode, end)
+        await self.delivery.end_broken_stream(state, resp.decode, worker.name if worker is not None else resp.decode, end)
         return b""
 
 
