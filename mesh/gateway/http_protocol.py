@@ -16,14 +16,17 @@ cannot be told from a close, and a closed client's request must free its worker.
 not start a request whose client left (``mesh.gateway.client_io.client_left``).
 
 Invariant: ``_head_bytes`` counts the bytes fed to the parser since the current head began
-(``_in_head``); a head ends at the parser's ``on_headers_complete`` and the next one begins after
-``on_message_complete``. Ownership: one instance per connection, on the server's loop.
+(``_in_head``, at ``_head_since``); a head ends at the parser's ``on_headers_complete`` and the
+next one begins after ``on_message_complete``. One timer per connection, not per request: it fires
+at most every ``head_timeout_s`` and judges the head then in progress (a keep-alive connection's
+requests arm nothing). Ownership: one instance per connection, on the server's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -52,12 +55,14 @@ class MeshHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # a connection starts by sending a head
         self._head_bytes = 0
+        self._head_since = 0.0  # loop time the current head (or the connection) began
         self._head_timer: asyncio.TimerHandle | None = None
 
     # -- connection --
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()
+        self._head_since = self.loop.time()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._check_head)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -68,7 +73,7 @@ class MeshHttpProtocol(HttpToolsProtocol):
             super().data_received(data)
             return
         if self._head_bytes == 0 and data:
-            self._arm_head_timer()  # the head's first byte: the clock restarts for this head
+            self._head_since = self.loop.time()  # the head's first byte: its clock starts
         room = self.max_head_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -88,7 +93,6 @@ class MeshHttpProtocol(HttpToolsProtocol):
     # -- parser callbacks --
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._cancel_head_timer()
         if self.parser.should_upgrade():
             self._reject(400, "protocol upgrades are not supported (Mesh serves HTTP/1.1 only)", "upgrade_not_supported")
             return
@@ -103,6 +107,7 @@ class MeshHttpProtocol(HttpToolsProtocol):
             super().on_message_complete()
         self._in_head = True
         self._head_bytes = 0
+        self._head_since = math.inf  # idle between requests: uvicorn's keep-alive timeout governs
 
     def send_400_response(self, msg: str) -> None:
         self._reject(400, msg, "invalid_http")
@@ -123,20 +128,24 @@ class MeshHttpProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(content))
         self.transport.close()
 
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_timed_out(self) -> None:
+    def _check_head(self) -> None:
+        """The connection's head timer: a head in progress past ``head_timeout_s`` ends the
+        connection (a 408 when some of it came); else the timer comes back when the current head
+        (or the next one, at the earliest) could be late."""
         self._head_timer = None
-        if not self._in_head or self.transport.is_closing():
+        if self.transport.is_closing():
             return
-        if self._head_bytes:
-            self._reject(408, f"request head not complete within {self.head_timeout_s:g} s", "head_timeout")
-        else:
-            self.transport.close()  # opened and silent: nothing to answer
+        late = self.loop.time() - self._head_since
+        if self._in_head and late >= self.head_timeout_s:
+            if self._head_bytes:
+                self._reject(408, f"request head not complete within {self.head_timeout_s:g} s", "head_timeout")
+            else:
+                self.transport.close()  # opened (or idle after an answer) and silent: nothing to answer
+            return
+        wait = self.head_timeout_s - late if self._in_head and late > 0 else self.head_timeout_s
+        self._head_timer = self.loop.call_later(wait, self._check_head)

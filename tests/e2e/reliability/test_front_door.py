@@ -150,6 +150,29 @@ def test_slow_heads_are_closed_and_the_gateway_keeps_serving(gateway: Gateway) -
         s.close()
 
 
+def test_an_idle_keep_alive_connection_outlives_the_head_timeout(gateway: Gateway) -> None:
+    """The head timeout bounds a head in progress, not the quiet between a connection's requests."""
+    body = json.dumps(BODY).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+    sock = gateway.connect()
+    for pause in (0.0, 2.5):  # head_timeout_s is 1 s here
+        time.sleep(pause)
+        sock.sendall(request)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(65536)
+            assert chunk, f"the connection was closed after {pause} s idle"
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200"), head[:100]
+        size = int(next(v for k, v in (line.split(b": ", 1) for line in head.split(b"\r\n\r\n")[0].split(b"\r\n")[1:])
+                        if k.lower() == b"content-length"))
+        rest = head.split(b"\r\n\r\n", 1)[1]
+        while len(rest) < size:
+            rest += sock.recv(65536)
+    sock.close()
+
+
 def test_deep_json_is_a_400_without_a_traceback(gateway: Gateway) -> None:
     headers = {**AUTH, "content-type": "application/json"}
     for depth in (200, 900, 5000):
