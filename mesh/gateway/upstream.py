@@ -15,7 +15,8 @@ Invariants:
   client cannot make the gateway buffer a fast worker's whole stream.
 - A worker's silence is bounded by one timer at a time per request (``Connection.watch``), never
   one per chunk: ``first_byte_s`` from the request's write to the first body byte, then ``idle_s``
-  between received bytes (from the head on when there is no first-byte bound). The timer is set
+  between received bytes (from when the reader first waits for more of the answer, when there is no
+  first-byte bound). The timer is set
   anew at the first body byte and then re-arms itself from the last byte's time when it fires;
   silence while the reader is behind (paused, or bytes not read yet) is the reader's, not the worker's. Past a bound the exchange fails with ``UpstreamStalled``.
 - An exchange marked ``abortable`` (nothing of it has reached a client yet) can be failed from

@@ -160,8 +160,6 @@ class Connection(asyncio.Protocol):
                 break
         self.until_close = not delimited
         self.headers_done = True
-        if self.watch is None and self.idle_s is not None:  # no first-byte bound: silence counts from the head
-            self._arm(self.idle_s)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -243,6 +241,10 @@ class Connection(asyncio.Protocol):
                 self.on_stall(time.monotonic())
 
     async def wait(self) -> None:
+        if self.watch is None and self.idle_s is not None and self.headers_done:
+            # the reader waits for more of an answer whose head is in: silence counts from here
+            # (armed only now, so an answer that came whole in one read arms no timer at all)
+            self._arm(self.idle_s)
         self.waiter = asyncio.get_running_loop().create_future()
         try:
             await self.waiter

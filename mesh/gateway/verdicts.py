@@ -15,13 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from mesh.errors import MeshError
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer (held whole before it is relayed) larger than this is a 502
-_JSON = msgspec.json.Decoder(msgspec.Raw)  # validates without building objects (~0.6 us per KiB)
 SHUTDOWN_MESSAGE = "the gateway is shutting down: the request was ended at its shutdown timeout"
 
 
@@ -97,10 +94,7 @@ def answer_problem(headers: Iterable[tuple[bytes, bytes]], body: bytes, stream: 
     if ctype != b"application/json" and not ctype.endswith(b"+json"):
         shown = ctype[:64].decode("latin-1") or "no content-type"
         return f"{shown}{' to a stream request' if stream else ''}, not JSON"
-    if body.lstrip()[:1] != b"{":
+    # Its ends, not a parse: an answer can be megabytes, and an HTML page or a cut answer fails here.
+    if body.lstrip()[:1] != b"{" or body.rstrip()[-1:] != b"}":
         return "a body that is not a JSON object"
-    try:
-        _JSON.decode(body)
-    except msgspec.DecodeError:
-        return "a body that is not valid JSON"
     return None

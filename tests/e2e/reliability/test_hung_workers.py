@@ -46,6 +46,7 @@ def test_a_sigstopped_worker_under_load_holds_no_request_past_the_first_byte_tim
     stop = threading.Event()
 
     def load(i: int) -> None:
+        time.sleep(i * 0.05)  # staggered over a request's 0.4 s: some are in flight at any moment
         with httpx.Client(base_url=gateway.url, timeout=60) as client:
             n = 0
             while not stop.is_set():
