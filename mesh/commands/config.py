@@ -86,16 +86,14 @@ def show(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from mesh.commands.serve_flags import from_args
+    from mesh.commands.serve_flags import from_environment
     from mesh.config import ConfigError
 
     config = load_or_report(args.config)
     if config is None:
         return 1
-    flags = argparse.Namespace(host=None, port=None, worker_urls=None, policy=None, api_key=None,
-                               api_key_file=None, admin_key=None, admin_key_file=None)
     try:
-        config = from_args(flags, os.environ).apply(config)
+        config = from_environment(os.environ).apply(config)
     except ConfigError as exc:
         print(f"the environment: {len(exc.errors)} error(s)", file=sys.stderr)
         for line in exc.errors:

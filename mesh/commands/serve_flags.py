@@ -105,6 +105,13 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Overrides
     return Overrides(server, workers, policy, _kubernetes(args))
 
 
+def from_environment(environ: Mapping[str, str]) -> Overrides:
+    """The overrides ``environ`` alone gives (no flags), as ``mesh config show`` applies them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return from_args(parser.parse_args([], argparse.Namespace(host=None, port=None)), environ)
+
+
 def _kubernetes(args: argparse.Namespace) -> dict[str, Any] | None:
     """discovery.kubernetes as --service-discovery and its flags set it (raises ``ConfigError``)."""
     from mesh.config import ConfigError

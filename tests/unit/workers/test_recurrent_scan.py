@@ -3,11 +3,6 @@ token-by-token reference (float32), for several chunk sizes, start offsets and s
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -53,31 +48,3 @@ def test_split_prefill_then_decode_matches_naive() -> None:
         outs.append(o[1:])
     torch.testing.assert_close(torch.cat(outs), ref_o, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s, ref_s, rtol=1e-4, atol=1e-4)
-
-
-_INTERPRETED = '''
-import torch
-from workers.model import recurrent_triton as rt
-from workers.model.recurrent import decode_step
-assert rt.available()
-g = torch.Generator().manual_seed(0)
-B, H, dk, dv, S = 3, 2, 32, 24, 7
-q = torch.nn.functional.normalize(torch.randn(B, H, dk, generator=g), dim=-1)
-k = torch.nn.functional.normalize(torch.randn(B, H, dk, generator=g), dim=-1)
-v, gg = torch.randn(B, H, dv, generator=g), -torch.rand(B, H, generator=g)
-states, slots = torch.randn(S, H, dk, dv, generator=g), torch.tensor([5, 0, 3])
-ref_o, ref_s = decode_step(q, k, v, gg, states[slots])
-st = states.clone()
-o = rt.decode_step(q, k, v, gg, st, slots)
-torch.testing.assert_close(o, ref_o)
-torch.testing.assert_close(st[slots], ref_s)
-assert torch.equal(st[[1, 2, 4, 6]], states[[1, 2, 4, 6]])
-'''
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU build)")
-def test_triton_decode_kernel_interpreted() -> None:
-    """The Triton decode kernel under Triton's CPU interpreter against the torch reference."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
