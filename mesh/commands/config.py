@@ -1,10 +1,10 @@
 """``mesh config validate FILE`` | ``mesh config show [--config FILE]`` | ``mesh config reference``.
 
 - ``validate``: OK (its worker count and policy) and the warnings of a config that will not do
-  what it seems to (``mesh.config_checks``), or every error with its YAML path (exit 1).
+  what it seems to (``mesh.config.checks``), or every error with its YAML path (exit 1).
 - ``show``: the effective config as ``mesh serve`` would run it (the file, the ``MESH_*``
   environment variables over it, every default filled in) as YAML, secrets redacted.
-- ``reference``: the config reference page (``mesh.config_reference``; docs/config.md).
+- ``reference``: the config reference page (``mesh.config.reference``; docs/config.md).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def load_or_report(path: str | None) -> Any:
 
 
 def validate(args: argparse.Namespace) -> int:
-    from mesh.config_checks import config_warnings, print_warnings
+    from mesh.config.checks import config_warnings, print_warnings
 
     config = load_or_report(args.file)
     if config is None:
@@ -120,7 +120,7 @@ def redacted(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_reference(args: argparse.Namespace) -> int:
-    from mesh.config_reference import reference
+    from mesh.config.reference import reference
 
     sys.stdout.write(reference())
     return 0

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from mesh.commands.config import load_or_report
     from mesh.commands.serve_flags import from_args
     from mesh.config import ConfigError
-    from mesh.config_checks import config_warnings, print_warnings
+    from mesh.config.checks import config_warnings, print_warnings
     from mesh.gateway.app import create_app
     from policies.registry import PluginError
 

@@ -2,7 +2,7 @@
 
 ``reference()`` lists every key of ``MeshConfig`` by its YAML path with its type (and bounds), its
 default and its text. A key's text is its ``Field(description=...)``, else the comment lines
-right above its line in ``mesh/config.py`` and the comment on the line itself; a section's intro
+right above its line in its module (``mesh/config/``) and the comment on the line itself; a section's intro
 is its model's docstring. ``python -m mesh.commands.config reference > docs/config.md`` writes the
 page; a test keeps the checked-in page equal to the output, so the page follows the models.
 """
@@ -26,7 +26,7 @@ from mesh.yaml_document import model_in as _model_in
 
 HEADER = """# Config reference
 
-Generated from the models in `mesh/config.py` by `python -m mesh.commands.config reference`
+Generated from the models in `mesh/config/` by `python -m mesh.commands.config reference`
 (do not edit by hand: a test compares this page with that output). One YAML file configures a
 gateway; every key is optional. `mesh config validate FILE` checks a file (every error with its
 path), `mesh config show --config FILE` prints the effective config with the defaults filled in.
