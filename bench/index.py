@@ -62,7 +62,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from mesh.core.index import PrefixIndex, chain_keys
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys as chain_keys
 from mesh.core.keys import namespace_seed
 from policies.base import ClusterView, RequestInfo, TargetState, Tier
 from policies.kv_aware import KvAware

@@ -360,12 +360,12 @@ def write_profile(calibration_json: Path, out: Path) -> None:
     """The twin's profile from an ``e2e_routing.py --calibrate`` run: worker 0 alone, plus the
     mean of every worker measured at once (``simulator.profile.with_shared``); each profile's
     prefill terms fitted again from its recorded points, in the engine's steps
-    (``simulator.calibrate.refit_prefill``: the profiles of that run predate the step-wise fit)."""
+    (``simulator.calibrate_fit.refit_prefill``: the profiles of that run predate the step-wise fit)."""
     from dataclasses import replace
 
     import yaml
 
-    from simulator.calibrate import refit_prefill
+    from simulator.calibrate_fit import refit_prefill
     from simulator.profile import Profile, dump_profile, from_dict, with_shared
 
     def load(text: str, what: str) -> Profile:

@@ -27,7 +27,7 @@ from operator import add, not_, sub
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from simulator.worker_model import SimRequest
+    from simulator.sim_request import SimRequest
 
 _NOT_POSITIVE = (0).__ge__  # v <= 0: a free block
 

@@ -14,11 +14,11 @@
   being matched stays); a store of a hash whose node was evicted is never a copy (an under-claim,
   never an over-claim); engine hashes of evicted nodes are swept from the engine maps (``_sweep``),
   so memory is bounded by ``max_keys`` whatever the events.
-- Hybrid targets (recurrent layers beside attention, ``mesh.core.index_states``): a match is cut
-  back to the deepest block that also holds a recurrent-state checkpoint (``apply_state_stored``),
-  since only there can the engine resume.
-Parts: nodes and masks ``index_nodes``, chain writes ``index_chain``, match's search ``index_depths``.
-Ownership: a ``PrefixIndex`` owns its parts and the slot table; it runs on one thread (no lock).
+- Hybrid targets (``mesh.core.index_states``): a match is cut back to the deepest block holding a
+  recurrent-state checkpoint (``apply_state_stored``), since only there can the engine resume.
+Parts: nodes and masks ``index_nodes``, chain writes ``index_chain``, match's search
+``index_depths``, slots ``index_slots``. Ownership: a ``PrefixIndex`` owns its parts; it runs on
+one thread (no lock).
 """
 
 from __future__ import annotations
@@ -27,15 +27,23 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heappush
-from itertools import repeat
 from typing import cast
 
-import numpy as np
-
-from mesh.core.index_chain import add_holder, drop_tail, join_run, new_chain, remove_chain, remove_hashes
+from mesh.core.index_chain import (
+    add_holder,
+    drop_tail,
+    join_run,
+    new_chain,
+    remove_chain,
+    remove_hashes,
+    remove_repeated,
+    sweep_engine_map,
+    tier_update,
+)
 from mesh.core.index_copies import CopyCounts
-from mesh.core.index_depths import Position, TargetNames, bits_of, depths, live_groups, split_groups
+from mesh.core.index_depths import match_prefix
 from mesh.core.index_nodes import EMPTY, ROOT, Nodes
+from mesh.core.index_slots import Slots
 from mesh.core.index_spec import Speculation
 from mesh.core.index_states import Checkpoints
 from mesh.core.keys import block_keys
@@ -45,21 +53,12 @@ _SWEEP_MIN = 1 << 16  # engine hashes a target's map may hold before its first s
 _BULK_MIN = 16  # blocks from which one event's C-speed bulk passes beat the per-block loop
 
 
-def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int) -> list[int]:
-    """Keys of the full blocks of ``tokens`` chained from ``parent`` (``mesh.core.keys.block_keys``)."""
-    return block_keys(tokens, block_size, parent)
-
-
 class PrefixIndex:
-    """Call ``expire(now)`` periodically: it ends speculation and scrubs removed targets' slots.
-    ``match`` results are plain dicts, valid as a snapshot.
-
-    Targets get bit slots; removing a target retires its slot in O(1) (its bit leaves the live
-    mask, which every query applies, and is scrubbed from nodes by ``expire``/``compact``); the
-    slot is reused only after a full scrub pass. The per-target maps from engine hash to key are
-    bounded by each engine's own cache: entries leave with the engine's removals or the target's
-    reset, and an entry whose node the budget evicted still resolves its children's parent key
-    until the map's next sweep (with a budget: about ``2 x max_keys`` entries a target at most).
+    """Call ``expire(now)`` periodically: it ends speculation and scrubs removed targets' slots
+    (``mesh.core.index_slots``). ``match`` results are plain dicts, valid as a snapshot. The
+    per-target maps from engine hash to key are bounded by each engine's own cache: entries leave
+    with the engine's removals or the target's reset; one whose node the budget evicted resolves
+    its children's parent key until the map's next sweep (about ``2 x max_keys`` a target at most).
     """
 
     def __init__(self, max_keys: int = 0, scrub_budget: int = 4096) -> None:
@@ -69,10 +68,8 @@ class PrefixIndex:
         self.scrub_budget = scrub_budget  # nodes scrubbed per expire() call
         self._nodes = Nodes(max_keys)
         # targets
-        self._slot: dict[str, int] = {}  # live target -> slot (bit)
-        self._tids: list[str | None] = []  # slot -> target (None: free or dying)
-        self._gen: list[int] = []  # slot -> incarnation, bumped on retirement
-        self._slots_free: list[int] = []  # scrubbed slots, reusable
+        self._slots = Slots()
+        self._slot = self._slots.of  # live target -> slot: the hot paths' lookup (never rebound)
         # engine layer and speculation
         self._emap: dict[str, dict[int, int]] = {}  # target -> engine hash -> key
         self._copies = CopyCounts()
@@ -81,7 +78,6 @@ class PrefixIndex:
         # forget the hash (children stored below the CPU copy need it as their parent).
         self._offloaded: dict[str, set[int]] = {}
         self._spec = Speculation()
-        self._names = TargetNames(self._tids)  # shares ``_tids`` (mutated in place, never rebound)
         self._sweep_at: dict[str, int] = {}  # with a budget: target -> engine map size of its next sweep
         self._sweep_floor = max(2 * max_keys, _SWEEP_MIN)
         self._hints_ca: dict[int, int] = {}  # match's search hints (verified before use)
@@ -95,19 +91,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ slots
     def _slot_of(self, target: str) -> int:
-        slot = self._slot.get(target)
-        if slot is None:
-            if self._slots_free:
-                slot = self._slots_free.pop()
-                self._tids[slot] = target
-            else:
-                slot = len(self._tids)
-                self._tids.append(target)
-                self._gen.append(0)
-            self._slot[target] = slot
-            self._nodes.live |= 1 << slot
-            self._names.clear()
-        return slot
+        return self._slots.assign(target, self._nodes)
 
     def targets(self) -> list[str]:
         return list(self._slot)
@@ -149,14 +133,10 @@ class PrefixIndex:
         self._copies.drop_target(target)
         self._offloaded.pop(target, None)
         self._sweep_at.pop(target, None)
-        slot = self._slot.pop(target, None)
-        if slot is None:
-            return
-        self._spec.forget(slot)
-        self._nodes.retire(1 << slot)
-        self._tids[slot] = None
-        self._gen[slot] += 1
-        self._names.clear()
+        slot = self._slots.release(target)
+        if slot is not None:
+            self._spec.forget(slot)
+            self._nodes.retire(1 << slot)
 
     def store_speculative(self, target: str, keys: Sequence[int], expires_at: float) -> None:
         """Count ``keys`` (a chain from a prompt's first block) as held on the GPU by ``target``
@@ -176,13 +156,13 @@ class PrefixIndex:
         tail = keys[depth:]
         parent = nodes.id[keys[depth - 1]] if depth else ROOT
         self._store_chain(slot, tail, Tier.GPU, parent, spec_deadline=expires_at)
-        self._spec.schedule(expires_at, slot, self._gen[slot], tail)
+        self._spec.schedule(expires_at, slot, self._slots.gen[slot], tail)
         nodes.trim()
 
     def expire(self, now: float) -> int:
         """End speculative entries whose deadline is <= ``now``; scrub a slice of retired slots.
         Returns the number of speculative entries ended."""
-        ended = self._spec.expire(now, self._gen, self._nodes)
+        ended = self._spec.expire(now, self._slots.gen, self._nodes)
         if self._nodes.dying or self._nodes.scrub is not None:
             self._scrub_step(self.scrub_budget)
         return ended
@@ -202,7 +182,7 @@ class PrefixIndex:
     def _scrub_step(self, budget: int) -> None:
         done = self._nodes.scrub_step(budget)
         if done:  # a full pass is done: these slots hold no stale bit anywhere, reuse them
-            self._slots_free.extend(bits_of(done))
+            self._slots.reuse(done)
 
     # ----------------------------------------------------------- engine layer
     def apply_stored(
@@ -228,7 +208,7 @@ class PrefixIndex:
         or hold a bad token id.
 
         ``keys``: the blocks' router keys when the caller already has them (they must equal
-        ``chain_keys(token_ids, block_size, <the parent's key or seed>)``; not rechecked), so
+        ``block_keys(token_ids, block_size, <the parent's key or seed>)``; not rechecked), so
         hashing can run elsewhere (benchmarks measure the index alone with it).
         """
         n = len(engine_hashes)
@@ -239,15 +219,11 @@ class PrefixIndex:
             return self._tier_update(target, emap, engine_hashes, tier)
         if len(token_ids) != n * block_size:
             raise ValueError(f"BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}")
-        if parent_engine_hash is None:
-            parent_key = seed
-        else:
-            found = emap.get(parent_engine_hash) if emap else None
-            if found is None:
-                return 0
-            parent_key = found
+        parent_key = self._parent_key(emap, parent_engine_hash, seed)
+        if parent_key is None:
+            return 0
         if keys is None:
-            keys = chain_keys(token_ids, block_size, parent_key)
+            keys = block_keys(token_ids, block_size, parent_key)
         elif len(keys) != n:
             raise ValueError(f"BlockStored has {n} blocks but {len(keys)} keys were given")
         slot = self._slot_of(target)
@@ -267,19 +243,16 @@ class PrefixIndex:
             self._sweep(target, emap)
         return n
 
+    @staticmethod
+    def _parent_key(emap: dict[int, int] | None, parent_engine_hash: int | None, seed: int) -> int | None:
+        """The router key a store's chain extends: the seed at a prompt's start, else the parent's
+        key (None: the parent is unknown, so the store cannot be keyed)."""
+        if parent_engine_hash is None:
+            return seed
+        return emap.get(parent_engine_hash) if emap else None
+
     def _sweep(self, target: str, emap: dict[int, int]) -> None:
-        """Forget ``target``'s engine hashes whose node the budget evicted (they claim nothing;
-        they only resolved later stores' parents, which are now skipped: an under-claim), but for
-        those the engine holds on its CPU tier (bounded by that tier's removals). Run when
-        the map passes ``max(2 x max_keys, 65,536, 2 x its size after the last sweep)``: amortized
-        O(1) a store, and a target's map stays within that however long an engine stores without
-        removing (a flood, or an engine whose removals never arrive)."""
-        ids = self._nodes.id
-        kept = self._offloaded.get(target, ())  # held on the engine's CPU: a later store's parent
-        gone = [h for h, key in emap.items() if key not in ids and h not in kept]
-        deque(map(emap.__delitem__, gone), 0)
-        if target in self._copies:
-            self._copies.prune(target, emap, gone)
+        sweep_engine_map(self._nodes.id, self._copies, target, emap, self._offloaded.get(target, ()))
         self._sweep_at[target] = max(self._sweep_floor, 2 * len(emap))
 
     def _store_mapped(
@@ -309,7 +282,7 @@ class PrefixIndex:
                     keys = list(map(key_a.__getitem__, map(ids.__getitem__, keys)))
         emap.update(zip(engine_hashes, keys))
         if len(emap) - size != len(keys):  # some hash was known, or named two blocks of this event
-            self._forget_repeated(slot, engine_hashes, keys)
+            remove_repeated(self._nodes, slot, self._spec.of(slot), engine_hashes, keys)
 
     def _forget_renamed(
         self, target: str, emap: dict[int, int], engine_hashes: Sequence[int], keys: Sequence[int]
@@ -323,53 +296,13 @@ class PrefixIndex:
         if renamed:
             self.apply_removed(target, renamed, None)
 
-    def _forget_repeated(self, slot: int, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
-        """A hash that names two blocks of one event names the later one (the map kept it), as a
-        hash stored again for other content does: the earlier block is gone from that engine and
-        is removed for the target on every tier (else it stayed claimed for good)."""
-        last = dict(zip(engine_hashes, keys))
-        if len(last) == len(keys):
-            return
-        specs = self._spec.of(slot)
-        for h, key in zip(reversed(engine_hashes), reversed(keys)):  # leaf first
-            if last[h] != key:
-                self._nodes.remove_key(slot, key, None, specs)
-
-    def _tier_update(
-        self, target: str, emap: dict[int, int] | None, hashes: Sequence[int], tier: Tier
-    ) -> int:
-        """A store without tokens: blocks known by engine hash move to (or gain a copy on) ``tier``."""
+    def _tier_update(self, target: str, emap: dict[int, int] | None, hashes: Sequence[int], tier: Tier) -> int:
         slot = self._slot.get(target)
         if not emap or slot is None:
             return 0
-        bit = 1 << slot
-        nodes = self._nodes
-        field = nodes.g if tier is Tier.GPU else nodes.c
         if tier is Tier.CPU and self.max_keys:
             self._offloaded.setdefault(target, set()).update(h for h in hashes if h in emap)
-        done = 0
-        extra = None
-        copied = target in self._copies  # constant until ``extra`` is looked up
-        for h in hashes:
-            key = emap.get(h)
-            n = nodes.id.get(key) if key is not None else None
-            if n is None:
-                continue
-            done += 1
-            if field[n] & bit:  # held on this tier already: one more copy
-                if extra is None:
-                    extra = self._copies.tier(target, tier)
-                extra[h] = extra.get(h, 0) + 1
-                continue
-            if extra is None and copied:
-                extra = self._copies.tier(target, tier)
-            if extra:
-                extra.pop(h, None)  # the first copy again
-            field[n] |= bit
-            nodes.refresh(n, bit)
-        if extra is not None:
-            self._copies.prune(target)
-        return done
+        return tier_update(self._nodes, self._copies, target, 1 << slot, emap, hashes, tier)
 
     def apply_removed(
         self,
@@ -434,22 +367,13 @@ class PrefixIndex:
         router key, as attention stores are; ``token_ids`` cover whole blocks ending at the last
         hash, possibly more blocks than hashes (vLLM skips a Mamba group's null blocks, whose
         state was not kept): the hashes name the last blocks of the span. Returns the checkpoints
-        applied (0: the parent is unknown, or no tokens to key them by)."""
+        applied (0: the parent is unknown, or no tokens to key them by); ValueError when the
+        tokens are not whole blocks covering the hashes."""
         self._states.hybrid.add(target)
-        n = len(engine_hashes)
-        if not n or not token_ids or block_size <= 0:
+        parent_key = self._parent_key(self._emap.get(target), parent_engine_hash, seed)
+        if parent_key is None or not engine_hashes or not token_ids or block_size <= 0:
             return 0
-        if len(token_ids) % block_size or len(token_ids) < n * block_size:
-            raise ValueError(f"a state BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}")
-        if parent_engine_hash is None:
-            parent_key = seed
-        else:
-            found = self._emap.get(target, {}).get(parent_engine_hash)
-            if found is None:
-                return 0
-            parent_key = found
-        keys = chain_keys(token_ids, block_size, parent_key)
-        return self._states.store(target, engine_hashes, keys[len(keys) - n :])
+        return self._states.store_span(target, engine_hashes, token_ids, block_size, parent_key)
 
     def store_states(self, target: str, keys: Sequence[int]) -> None:
         """Record checkpoints of ``target`` after the blocks ``keys`` (router keys; the simulator's
@@ -467,19 +391,6 @@ class PrefixIndex:
         """Router keys where ``target`` holds a checkpoint (tests, debugging)."""
         return self._states.keys_of(target)
 
-    def _resumable(self, keys: Sequence[int], out: dict[str, Overlap]) -> dict[str, Overlap]:
-        """Cut hybrid targets' overlaps to their deepest checkpoint; drop those with none."""
-        states = self._states
-        for target in states.hybrid.intersection(out):
-            ov = out[target]
-            d = states.resumable(target, keys, ov.blocks)
-            if d == 0:
-                del out[target]
-            elif d < ov.blocks:
-                gpu = min(ov.gpu_blocks, d)
-                out[target] = Overlap(gpu, d - gpu)
-        return out
-
     def apply_cleared(self, target: str) -> None:
         """Apply an engine's AllBlocksCleared."""
         self.clear_target(target)
@@ -488,46 +399,9 @@ class PrefixIndex:
     def match(self, keys: Sequence[int]) -> Mapping[str, Overlap]:
         """Per target, its longest consecutive cached prefix of ``keys``; for a hybrid target the
         deepest part of it that ends at a recurrent-state checkpoint (its resumable prefix)."""
-        out = self._match(keys)
+        out = match_prefix(self._nodes, self._slots.names.of, keys, self._hints_ca, self._hints_cg)
         if self._states.hybrid and out:
-            return self._resumable(keys, dict(out))
-        return out
-
-    def _match(self, keys: Sequence[int]) -> Mapping[str, Overlap]:
-        n = len(keys)
-        if not n:
-            return {}
-        nodes = self._nodes
-        get = nodes.id.get
-        first = get(keys[0], EMPTY)
-        live = nodes.live
-        if nodes.scrub is None:
-            ca, cg = nodes.ca, nodes.cg
-        else:  # a scrub pass clears parents before children: compare live bits only
-            ca = [v & live for v in map(nodes.ca.__getitem__, map(get, keys, repeat(EMPTY)))]
-            cg = [v & live for v in map(nodes.cg.__getitem__, map(get, keys, repeat(EMPTY)))]
-            get = Position(keys).get
-            first = 0
-        if not (ca[first] & live):
-            return {}
-        total = live_groups(depths(keys, n, get, ca[first], ca, self._hints_ca), live)
-        if not total:
-            return {}
-        if nodes.budget:
-            nodes.touch(nodes.id.get(keys[total[-1][0] - 1], EMPTY))
-        # a target whose whole prefix is on the GPU is in CG at its last block; only when some
-        # target is not (a CPU-tier block in its prefix) does the GPU depth need its own search
-        names = self._names.of
-        for depth, mask in total:
-            if cg[get(keys[depth - 1], EMPTY)] & mask != mask:
-                gpu = live_groups(depths(keys, n, get, cg[first], cg, self._hints_cg), live) if cg[first] & live else []
-                return split_groups(total, gpu, names)
-        # the usual case, every target's prefix on the GPU: all holders of the first block (the
-        # same set for every prompt that starts alike, so its names are cached) at the shallowest
-        # depth, then the deeper groups on top
-        out = dict.fromkeys(names(ca[first] & live), Overlap(total[0][0], 0))
-        for depth, mask in total[1:]:
-            out.update(dict.fromkeys(names(mask), Overlap(depth, 0)))
+            return self._states.cut(keys, dict(out))
         return out
 
     def holds(self, target: str, key: int) -> Tier | None:

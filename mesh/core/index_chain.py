@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from heapq import heappush
 from itertools import chain, repeat
 from operator import eq
 from typing import cast
 
+from mesh.core.index_copies import CopyCounts
 from mesh.core.index_nodes import EMPTY, MANY, ROOT, Nodes
 from policies.base import Tier
 
@@ -367,3 +368,63 @@ def drop_tail(nodes: Nodes, bit: int, keys: Sequence[int]) -> bool:
         elif p == EMPTY:
             nodes.orphans.discard(top)
     return True
+
+
+def tier_update(
+    nodes: Nodes, copies: CopyCounts, target: str, bit: int, emap: dict[int, int], hashes: Sequence[int], tier: Tier
+) -> int:
+    """A store without tokens: blocks known by engine hash move to (or gain a copy on) ``tier``;
+    returns how many resolved to an indexed block."""
+    field = nodes.g if tier is Tier.GPU else nodes.c
+    done = 0
+    extra = None
+    copied = target in copies  # constant until ``extra`` is looked up
+    for h in hashes:
+        key = emap.get(h)
+        n = nodes.id.get(key) if key is not None else None
+        if n is None:
+            continue
+        done += 1
+        if field[n] & bit:  # held on this tier already: one more copy
+            if extra is None:
+                extra = copies.tier(target, tier)
+            extra[h] = extra.get(h, 0) + 1
+            continue
+        if extra is None and copied:
+            extra = copies.tier(target, tier)
+        if extra:
+            extra.pop(h, None)  # the first copy again
+        field[n] |= bit
+        nodes.refresh(n, bit)
+    if extra is not None:
+        copies.prune(target)
+    return done
+
+
+def remove_repeated(
+    nodes: Nodes, slot: int, specs: dict[int, float] | None, engine_hashes: Sequence[int], keys: Sequence[int]
+) -> None:
+    """A hash that names two blocks of one event names the later one (the engine map kept it), as
+    a hash stored again for other content does: the earlier block is gone from that engine and is
+    removed for the target on every tier (else it stayed claimed for good)."""
+    last = dict(zip(engine_hashes, keys))
+    if len(last) == len(keys):
+        return
+    for h, key in zip(reversed(engine_hashes), reversed(keys)):  # leaf first
+        if last[h] != key:
+            nodes.remove_key(slot, key, None, specs)
+
+
+def sweep_engine_map(
+    ids: dict[int, int], copies: CopyCounts, target: str, emap: dict[int, int], kept: Collection[int]
+) -> None:
+    """Forget ``target``'s engine hashes whose node the budget evicted (they claim nothing; they
+    only resolved later stores' parents, which are now skipped: an under-claim), but for ``kept``,
+    those the engine holds on its CPU tier (a later store's parent, bounded by that tier's
+    removals). The index runs it when the map passes ``max(2 x max_keys, 65,536, 2 x its size
+    after the last sweep)``: amortized O(1) a store, and a target's map stays within that however
+    long an engine stores without removing (a flood, or an engine whose removals never arrive)."""
+    gone = [h for h, key in emap.items() if key not in ids and h not in kept]
+    deque(map(emap.__delitem__, gone), 0)
+    if target in copies:
+        copies.prune(target, emap, gone)

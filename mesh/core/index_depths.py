@@ -20,7 +20,7 @@ from operator import neg
 
 import numpy as np
 
-from mesh.core.index_nodes import EMPTY
+from mesh.core.index_nodes import EMPTY, Nodes
 from policies.base import Overlap
 
 Lookup = Callable[[int, int], int]  # key, default -> nid (``dict.get`` of the key -> nid map)
@@ -186,4 +186,45 @@ def bits_of(mask: int) -> list[int]:
         ]
     raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
     out: list[int] = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    return out
+
+
+def match_prefix(
+    nodes: Nodes, names: Callable[[int], tuple[str, ...]], keys: Sequence[int], hints_ca: dict[int, int],
+    hints_cg: dict[int, int],
+) -> dict[str, Overlap]:
+    """Per target (named by ``names``), its longest consecutive cached prefix of ``keys``:
+    ``PrefixIndex.match`` before any hybrid cut. The hints are the index's, kept across calls."""
+    n = len(keys)
+    if not n:
+        return {}
+    get = nodes.id.get
+    first = get(keys[0], EMPTY)
+    live = nodes.live
+    if nodes.scrub is None:
+        ca, cg = nodes.ca, nodes.cg
+    else:  # a scrub pass clears parents before children: compare live bits only
+        ca = [v & live for v in map(nodes.ca.__getitem__, map(get, keys, repeat(EMPTY)))]
+        cg = [v & live for v in map(nodes.cg.__getitem__, map(get, keys, repeat(EMPTY)))]
+        get = Position(keys).get
+        first = 0
+    if not (ca[first] & live):
+        return {}
+    total = live_groups(depths(keys, n, get, ca[first], ca, hints_ca), live)
+    if not total:
+        return {}
+    if nodes.budget:
+        nodes.touch(nodes.id.get(keys[total[-1][0] - 1], EMPTY))
+    # a target whose whole prefix is on the GPU is in CG at its last block; only when some
+    # target is not (a CPU-tier block in its prefix) does the GPU depth need its own search
+    for depth, mask in total:
+        if cg[get(keys[depth - 1], EMPTY)] & mask != mask:
+            gpu = live_groups(depths(keys, n, get, cg[first], cg, hints_cg), live) if cg[first] & live else []
+            return split_groups(total, gpu, names)
+    # the usual case, every target's prefix on the GPU: all holders of the first block (the
+    # same set for every prompt that starts alike, so its names are cached) at the shallowest
+    # depth, then the deeper groups on top
+    out = dict.fromkeys(names(ca[first] & live), Overlap(total[0][0], 0))
+    for depth, mask in total[1:]:
+        out.update(dict.fromkeys(names(mask), Overlap(depth, 0)))
     return out

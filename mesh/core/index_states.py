@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from mesh.core.keys import block_keys
+from policies.base import Overlap
+
 MAX_PER_TARGET = 1 << 20
 
 
@@ -43,6 +46,17 @@ class Checkpoints:
         while len(hashes) > MAX_PER_TARGET:
             self._drop(held, hashes.pop(next(iter(hashes))))
         return len(engine_hashes)
+
+    def store_span(
+        self, target: str, engine_hashes: Sequence[int], token_ids: Sequence[int], block_size: int, parent_key: int
+    ) -> int:
+        """Checkpoints after the last ``len(engine_hashes)`` blocks of ``token_ids``, keyed as a
+        chain from ``parent_key`` (``PrefixIndex.apply_state_stored``)."""
+        n = len(engine_hashes)
+        if block_size <= 0 or len(token_ids) % block_size or len(token_ids) < n * block_size:
+            raise ValueError(f"a state BlockStored carries {len(token_ids)} tokens for {n} blocks of {block_size}")
+        keys = block_keys(token_ids, block_size, parent_key)
+        return self.store(target, engine_hashes, keys[len(keys) - n :])
 
     def remove(self, target: str, engine_hashes: Iterable[int]) -> int:
         hashes, held = self._hashes.get(target), self._keys.get(target)
@@ -85,6 +99,19 @@ class Checkpoints:
             if keys[d - 1] in held:
                 return d
         return 0
+
+    def cut(self, keys: Sequence[int], out: dict[str, Overlap]) -> dict[str, Overlap]:
+        """``out`` (a match of ``keys``) with hybrid targets' overlaps cut to their deepest
+        checkpoint, and those with none dropped."""
+        for target in self.hybrid.intersection(out):
+            ov = out[target]
+            d = self.resumable(target, keys, ov.blocks)
+            if d == 0:
+                del out[target]
+            elif d < ov.blocks:
+                gpu = min(ov.gpu_blocks, d)
+                out[target] = Overlap(gpu, d - gpu)
+        return out
 
     def count(self) -> int:
         return sum(map(len, self._hashes.values()))

@@ -31,7 +31,8 @@ from typing import Any
 
 import msgspec
 
-U64 = (1 << 64) - 1
+from mesh.events import wire_fields
+
 # Kinds whose blocks form a reusable prefix (Dynamo's ``is_main_attention``).
 MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 # Kinds whose blocks are recurrent-state checkpoints of a hybrid model (vLLM's KVCacheSpecKind.MAMBA,
@@ -51,10 +52,10 @@ class BlockStored:
     token_ids: list[int] | None  # None or empty: a tier update of blocks known by hash
     block_size: int
     medium: str  # "GPU", "CPU", or another tier name (upper case)
-    lora_name: str | None = None  # the LoRA namespace (``_lora``: the name, else an id-only one)
+    lora_name: str | None = None  # the LoRA namespace (``wire_fields.lora``: the name, else an id-only one)
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
-    cache_salt: str | None = None  # the namespace of a chain that starts here (see ``_salt``)
+    cache_salt: str | None = None  # the namespace of a chain that starts here (see ``wire_fields.salt``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +93,6 @@ class DecodeError:
     reason: str
 
 
-class _Bad(Exception):
-    """A malformed event (internal: becomes a count, never escapes)."""
-
-
 def decode_batch(payload: bytes | memoryview) -> Batch | DecodeError:
     """Decode one payload frame. Never raises."""
     try:
@@ -104,7 +101,7 @@ def decode_batch(payload: bytes | memoryview) -> Batch | DecodeError:
         return DecodeError(f"not msgpack: {exc}")
     try:
         return _batch(raw)
-    except _Bad as exc:
+    except wire_fields.BadField as exc:
         return DecodeError(str(exc))
     except Exception as exc:  # defensive: a decoder bug must not take the subscriber down
         return DecodeError(f"unexpected {type(exc).__name__}: {exc}")
@@ -139,26 +136,26 @@ def decode_lazy(payload: bytes | memoryview) -> LazyBatch | DecodeError:
     try:
         if isinstance(env, list):
             if len(env) < 2:
-                raise _Bad(f"batch array of {len(env)} elements")
+                raise wire_fields.BadField(f"batch array of {len(env)} elements")
             ts_raw, ev_raw, rank_raw = env[0], env[1], env[2] if len(env) > 2 else None
         else:
             if "events" not in env:
-                raise _Bad("batch map without 'events'")
+                raise wire_fields.BadField("batch map without 'events'")
             ts_raw, ev_raw = env.get("ts"), env["events"]
             rank_raw = env.get("data_parallel_rank", env.get("dp_rank"))
         try:
             events = _raw_list.decode(ev_raw)
         except msgspec.ValidationError:
-            raise _Bad("batch events is not an array") from None
+            raise wire_fields.BadField("batch events is not an array") from None
         ts = _decoder.decode(ts_raw) if ts_raw is not None else 0.0
         rank = _decoder.decode(rank_raw) if rank_raw is not None else None
-    except _Bad as exc:
+    except wire_fields.BadField as exc:
         return DecodeError(str(exc))
     except Exception as exc:  # defensive: a decoder bug must not take the subscriber down
         return DecodeError(f"unexpected {type(exc).__name__}: {exc}")
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         ts = 0.0
-    return LazyBatch(float(ts), events, rank if _is_int(rank) else None)
+    return LazyBatch(float(ts), events, rank if wire_fields.is_int(rank) else None)
 
 
 def _raw_events(payload: bytes | memoryview) -> list[Any]:
@@ -193,7 +190,7 @@ def decode_events(raws: Sequence[msgspec.Raw], into: Batch) -> None:
 def _add_event(batch: Batch, ev: Any) -> None:
     try:
         decoded = _event(ev)
-    except _Bad:
+    except wire_fields.BadField:
         batch.malformed += 1
         return
     if isinstance(decoded, str):
@@ -207,21 +204,21 @@ def _add_event(batch: Batch, ev: Any) -> None:
 def _batch(raw: Any) -> Batch:
     if isinstance(raw, (list, tuple)):
         if len(raw) < 2:
-            raise _Bad(f"batch array of {len(raw)} elements")
+            raise wire_fields.BadField(f"batch array of {len(raw)} elements")
         ts, events = raw[0], raw[1]
         rank = raw[2] if len(raw) > 2 else None
     elif isinstance(raw, dict):
         if "events" not in raw:
-            raise _Bad("batch map without 'events'")
+            raise wire_fields.BadField("batch map without 'events'")
         ts, events = raw.get("ts", 0.0), raw["events"]
         rank = raw.get("data_parallel_rank", raw.get("dp_rank"))
     else:
-        raise _Bad(f"batch is a {type(raw).__name__}")
+        raise wire_fields.BadField(f"batch is a {type(raw).__name__}")
     if not isinstance(events, (list, tuple)):
-        raise _Bad("batch events is not an array")
+        raise wire_fields.BadField("batch events is not an array")
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         ts = 0.0
-    if not _is_int(rank):
+    if not wire_fields.is_int(rank):
         rank = None
     batch = Batch(float(ts), [], rank)
     for ev in events:
@@ -234,19 +231,19 @@ def _event(ev: Any) -> Event | str:
     if isinstance(ev, dict):
         tag = ev.get("type")
         if not isinstance(tag, str):
-            raise _Bad("event map without a string 'type'")
+            raise wire_fields.BadField("event map without a string 'type'")
         if tag == "BlockStored":
             return _stored_map(ev)
         if tag == "BlockRemoved":
-            hashes = _hashes(ev.get("block_hashes"))
-            counts = _copy_counts(ev.get("remaining_copy_counts"), len(hashes))
+            hashes = wire_fields.hashes(ev.get("block_hashes"))
+            counts = wire_fields.copy_counts(ev.get("remaining_copy_counts"), len(hashes))
             return BlockRemoved(
                 hashes,
-                _medium(ev.get("medium")),
-                _opt_int(ev.get("group_idx")),
-                _opt_str(ev.get("kv_cache_spec_kind")),
-                None if counts is _BAD_FIELD else counts,
-                counts is _BAD_FIELD,
+                wire_fields.medium(ev.get("medium")),
+                wire_fields.opt_int(ev.get("group_idx")),
+                wire_fields.opt_str(ev.get("kv_cache_spec_kind")),
+                None if counts is wire_fields.BAD_FIELD else counts,
+                counts is wire_fields.BAD_FIELD,
             )
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
@@ -260,22 +257,22 @@ def _event(ev: Any) -> Event | str:
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
         return tag
-    raise _Bad("event is neither a tagged map nor a tagged array")
+    raise wire_fields.BadField("event is neither a tagged map nor a tagged array")
 
 
 def _stored_map(ev: dict[str, Any]) -> BlockStored:
     if "block_hashes" not in ev:
-        raise _Bad("BlockStored without block_hashes")
+        raise wire_fields.BadField("BlockStored without block_hashes")
     return BlockStored(
-        _hashes(ev["block_hashes"]),
-        _opt_hash(ev.get("parent_block_hash")),
-        _tokens(ev.get("token_ids")),
-        _block_size(ev.get("block_size")),
-        _medium(ev.get("medium")),
-        _lora(ev.get("lora_name"), ev.get("lora_id")),
-        _opt_int(ev.get("group_idx")),
-        _opt_str(ev.get("kv_cache_spec_kind")),
-        _salt(ev.get("cache_salt"), ev.get("extra_keys"), ev.get("lora_name")),
+        wire_fields.hashes(ev["block_hashes"]),
+        wire_fields.opt_hash(ev.get("parent_block_hash")),
+        wire_fields.tokens(ev.get("token_ids")),
+        wire_fields.block_size(ev.get("block_size")),
+        wire_fields.medium(ev.get("medium")),
+        wire_fields.lora(ev.get("lora_name"), ev.get("lora_id")),
+        wire_fields.opt_int(ev.get("group_idx")),
+        wire_fields.opt_str(ev.get("kv_cache_spec_kind")),
+        wire_fields.salt(ev.get("cache_salt"), ev.get("extra_keys"), ev.get("lora_name")),
     )
 
 
@@ -284,21 +281,21 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
     # extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
     n = len(ev)
     if n < 2:
-        raise _Bad("BlockStored array without block_hashes")
+        raise wire_fields.BadField("BlockStored array without block_hashes")
     medium: Any = ev[6] if n > 6 else None
     if n > 5 and isinstance(ev[5], str) and n <= 6:  # an SGLang-style tuple: medium in slot 5
         medium = ev[5]
     group_idx, kind = _tail(ev[9:])
     return BlockStored(
-        _hashes(ev[1]),
-        _opt_hash(ev[2] if n > 2 else None),
-        _tokens(ev[3] if n > 3 else None),
-        _block_size(ev[4] if n > 4 else None),
-        _medium(medium),
-        _lora(ev[7] if n > 7 else None, ev[5] if n > 5 else None),
+        wire_fields.hashes(ev[1]),
+        wire_fields.opt_hash(ev[2] if n > 2 else None),
+        wire_fields.tokens(ev[3] if n > 3 else None),
+        wire_fields.block_size(ev[4] if n > 4 else None),
+        wire_fields.medium(medium),
+        wire_fields.lora(ev[7] if n > 7 else None, ev[5] if n > 5 else None),
         group_idx,
         kind,
-        _salt(None, ev[8] if n > 8 else None, ev[7] if n > 7 else None),
+        wire_fields.salt(None, ev[8] if n > 8 else None, ev[7] if n > 7 else None),
     )
 
 
@@ -308,17 +305,17 @@ def _removed_array(ev: Sequence[Any]) -> BlockRemoved:
     # slot 4 is the counts (no older tail puts one there); anything else there is an older tail.
     n = len(ev)
     if n < 2:
-        raise _Bad("BlockRemoved array without block_hashes")
-    hashes = _hashes(ev[1])
+        raise wire_fields.BadField("BlockRemoved array without block_hashes")
+    hashes = wire_fields.hashes(ev[1])
     if n > 4 and isinstance(ev[4], (list, tuple)):
-        counts = _copy_counts(ev[4], len(hashes))
+        counts = wire_fields.copy_counts(ev[4], len(hashes))
         group_idx, kind = _tail(ev[3:4])
     else:
         counts = None
         group_idx, kind = _tail(ev[3:])
-    if counts is _BAD_FIELD:
-        return BlockRemoved(hashes, _medium(ev[2] if n > 2 else None), group_idx, kind, None, True)
-    return BlockRemoved(hashes, _medium(ev[2] if n > 2 else None), group_idx, kind, counts)
+    if counts is wire_fields.BAD_FIELD:
+        return BlockRemoved(hashes, wire_fields.medium(ev[2] if n > 2 else None), group_idx, kind, None, True)
+    return BlockRemoved(hashes, wire_fields.medium(ev[2] if n > 2 else None), group_idx, kind, counts)
 
 
 def _tail(tail: Sequence[Any]) -> tuple[int | None, str | None]:
@@ -331,139 +328,11 @@ def _tail(tail: Sequence[Any]) -> tuple[int | None, str | None]:
     if not tail:
         return None, None
     g, k = tail[0], tail[1] if len(tail) > 1 else None
-    if (g is None or _is_int(g)) and (k is None or isinstance(k, str)):
+    if (g is None or wire_fields.is_int(g)) and (k is None or isinstance(k, str)):
         return g, k
-    ints = [x for x in tail if _is_int(x)]
+    ints = [x for x in tail if wire_fields.is_int(x)]
     strs = [x for x in tail if isinstance(x, str)]
     return (ints[0] if ints else None), (strs[0] if strs else None)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _norm_hash(h: Any) -> int:
-    if type(h) is int:
-        return h & U64
-    if isinstance(h, (bytes, bytearray, memoryview)):
-        if not len(h):
-            raise _Bad("empty bytes block hash")
-        return int.from_bytes(h, "big") & U64
-    raise _Bad(f"block hash of type {type(h).__name__}")
-
-
-def _hashes(raw: Any) -> list[int]:
-    if not isinstance(raw, (list, tuple)):
-        raise _Bad("block_hashes is not an array")
-    if all(type(h) is int for h in raw):
-        return [h & U64 for h in raw]
-    return [_norm_hash(h) for h in raw]
-
-
-_BAD_FIELD: Any = object()  # an optional field present but malformed (the event still applies)
-
-
-def _copy_counts(raw: Any, n: int) -> tuple[int, ...] | None:
-    """``remaining_copy_counts``: None when absent or nil, else a tuple of ``n`` non-negative ints
-    (one per block hash); ``_BAD_FIELD`` for anything else. A bad field never drops the removal:
-    the caller applies it as if the field were absent and counts it."""
-    if raw is None:
-        return None
-    if not isinstance(raw, (list, tuple)) or len(raw) != n:
-        return _BAD_FIELD
-    for c in raw:
-        if type(c) is not int or c < 0:
-            return _BAD_FIELD
-    return tuple(raw)
-
-
-def _opt_hash(raw: Any) -> int | None:
-    return None if raw is None else _norm_hash(raw)
-
-
-def _tokens(raw: Any) -> list[int] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, (list, tuple)):
-        raise _Bad("token_ids is not an array")
-    if raw and isinstance(raw[0], (list, tuple)):
-        return _bigram_tokens(raw)
-    return raw if isinstance(raw, list) else list(raw)  # ids are checked when keyed
-
-
-def _bigram_tokens(raw: Sequence[Any]) -> list[int]:
-    """SGLang under EAGLE keys its radix tree (and fills a BlockStored's token_ids) with bigrams
-    ``[t_i, t_i+1]``, one per position: position i holds token i's KV, so the tokens are the first
-    of each pair. (SGLang reuses a page only when the token after it matches too; the index may
-    credit one page more than that at the end of a prefix.)"""
-    out = []
-    for pair in raw:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise _Bad("token_ids mixes ids and pairs")
-        out.append(pair[0])
-    return out
-
-
-def _block_size(raw: Any) -> int:
-    """0 when absent, or 0 as vLLM's offloading connector sends it in a placeholder store (the
-    chunk's last block hash, no tokens: a tier update of a block known by hash)."""
-    if raw is None:
-        return 0
-    if not _is_int(raw) or raw < 0:
-        raise _Bad(f"bad block_size {raw!r}")
-    return raw
-
-
-def _medium(raw: Any) -> str:
-    if raw is None:
-        return "GPU"
-    if not isinstance(raw, str):
-        raise _Bad("medium is not a string")
-    return raw.upper()
-
-
-def _opt_int(raw: Any) -> int | None:
-    return raw if _is_int(raw) else None
-
-
-def _opt_str(raw: Any) -> str | None:
-    return raw if isinstance(raw, str) else None
-
-
-def _lora(name: Any, lora_id: Any) -> str | None:
-    """The LoRA namespace of a store: ``lora_name``; else, when only ``lora_id`` names the adapter
-    (vLLM before ``lora_name``, 0.9/0.10), a namespace of that id that no request is keyed in (the
-    gateway knows adapters by name only), so an adapter's blocks never count for the base model.
-    vLLM's adapter ids start at 1; 0 or nil is the base model."""
-    if isinstance(name, str):
-        return name
-    if _is_int(lora_id) and lora_id > 0:
-        return f"\0lora_id\0{lora_id}"
-    return None
-
-
-def _salt(field: Any, extra_keys: Any, lora_name: Any) -> str | None:
-    """The key namespace of a stored chain's first block beyond (model, LoRA): an explicit
-    ``cache_salt`` field (Dynamo's and SGLang's wire), else vLLM's ``extra_keys`` of that block,
-    which list the LoRA name, multimodal identifiers, the cache salt and prompt-embedding digests
-    as they apply. The LoRA name (first, when present) is the LoRA namespace already; a single
-    remaining string is the salt (the bundled engine's and vLLM's text-only case); anything else
-    becomes an opaque namespace that no router query uses, so such blocks never give false hits."""
-    if isinstance(field, str) and field:
-        return field
-    if not isinstance(extra_keys, (list, tuple)) or not extra_keys:
-        return None
-    first = extra_keys[0]
-    if not isinstance(first, (list, tuple)):
-        return None
-    entries = list(first)
-    if entries and isinstance(lora_name, str) and entries[0] == lora_name:
-        entries = entries[1:]
-    if not entries:
-        return None
-    if len(entries) == 1 and isinstance(entries[0], str) and entries[0]:
-        return entries[0]
-    return "\0opaque\0" + "\0".join(e.hex() if isinstance(e, bytes) else str(e) for e in entries)
 
 
 class GroupFilter:

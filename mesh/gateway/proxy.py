@@ -367,13 +367,7 @@ class Proxy:
                                                abortable=True)
                 first = await first_bytes(resp, parsed.stream, target)
             except UpstreamTimeout:  # the request's deadline: the worker is too slow, not broken
-                if self.shutting_down:  # the pool closed under it: not the worker's doing
-                    raise shutdown_error() from None
-                self.registry.record_failure(target.id, time.monotonic(), "timeout")
-                self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
-                raise MeshError(504, f"worker {target.worker} did not answer within what was left of the request's "
-                                     f"{server.request_timeout_s:g} s (server.request_timeout_s)",
-                                code="upstream_timeout") from None
+                raise self._timed_out(target) from None
             except UpstreamError as exc:  # connect errors, resets, stalls, bad responses: retryable
                 if self.shutting_down:  # the pool closed under it (or refuses): no retry, no worker charged
                     raise shutdown_error() from None
@@ -396,6 +390,17 @@ class Proxy:
         finally:
             if resp is not None:
                 resp.close()  # back to the pool if complete; else the socket closes and the worker sees it
+
+    def _timed_out(self, target: TargetState) -> MeshError:
+        """The error of an attempt cut by the request's deadline, charged to ``target`` (a slow
+        worker, not a broken one); the shutdown's error when the pool closed under it."""
+        if self.shutting_down:  # not the worker's doing
+            return shutdown_error()
+        self.registry.record_failure(target.id, time.monotonic(), "timeout")
+        self.metrics.upstream_errors_total.labels(target.worker, "timeout").inc()
+        timeout_s = self.registry.config.server.request_timeout_s
+        return MeshError(504, f"worker {target.worker} did not answer within what was left of the request's "
+                              f"{timeout_s:g} s (server.request_timeout_s)", code="upstream_timeout")
 
     def _failure(self, exc: UpstreamFailed, target: TargetState, request_id: bytes) -> Failure:
         """A failed attempt, counted and charged to its worker (unless only suspect)."""

@@ -694,7 +694,7 @@ def test_engine_events_over_more_than_1024_slots_match_the_model(bulk_min: int) 
     """Cleared targets leave their slots dying until a scrub pass: fresh ones come from the top,
     then the scrubbed ones are reused."""
     w = run_exact(5, [f"w{i}" for i in range(1500)], 9000, every=50)
-    assert len(w.index._tids) > 1024  # slots handed out: masks of several 64-bit words
+    assert len(w.index._slots.tids) > 1024  # slots handed out: masks of several 64-bit words
 
 
 @pytest.mark.parametrize("seed", range(8))

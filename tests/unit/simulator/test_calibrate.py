@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.calibrate import fit_prefill, fit_prefill_terms, prefill_features, refit_prefill
+from simulator.calibrate_fit import fit_prefill, fit_prefill_terms, prefill_features, refit_prefill
 from simulator.fit import fit_terms, nnls
 from simulator.profile import Profile
 from simulator.step_timing import StepTiming
