@@ -55,7 +55,9 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed form). ValueError outside [0, 2**32)."""
     if isinstance(tokens, np.ndarray) or not _ARRAY_IS_U32:
         arr = np.asarray(tokens)
-        if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        # an unsigned dtype of at most 32 bits holds only valid ids (the byte tokenizer's uint8)
+        narrow = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4
+        if arr.size and not narrow and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
             raise ValueError("token ids must lie in [0, 2**32)")
         return arr.astype("<u4", copy=False).tobytes()
     try:
