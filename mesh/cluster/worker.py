@@ -20,7 +20,7 @@ from typing import Any, Literal
 from mesh.cluster.health import CircuitBreaker
 from mesh.cluster.worker_metrics import RankLoad
 from mesh.config import WorkerConfig
-from mesh.gateway.client_io import RateLimitedWarning
+from mesh.log_limit import RateLimitedWarning
 from policies.base import TargetState
 
 

@@ -16,7 +16,7 @@ import logging
 
 from mesh.cluster.worker import Worker
 from mesh.cluster.worker_metrics import RankLoad, Scrape
-from mesh.gateway.client_io import RateLimitedWarning
+from mesh.log_limit import RateLimitedWarning
 
 log = logging.getLogger("mesh.cluster.registry")  # the registry's log channel
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from mesh.errors import MeshError, sse_error_event
 from mesh.gateway.headers import header
+from mesh.log_limit import RateLimitedWarning
 
 if TYPE_CHECKING:
     from policies.base import TargetState
@@ -28,7 +28,6 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 WATCH_AFTER_S = 0.02  # disconnect watching starts this long into a request
 WRITE_CHECK_S = 0.25  # how often blocked client writes are checked: a timeout fires up to this late
-LOG_EVERY_S = 10.0  # client write timeouts are logged at most once per this (the rest summed up)
 
 
 class ClientWriteTimeout(Exception):
@@ -120,53 +119,6 @@ class WriteWatch:
                 client = transport.get_extra_info("peername")
                 self.log.warning("client write timeout: %s took none of the %d response bytes still buffered for "
                                  "%g s; connection dropped", client_label(client), size, entry[2])
-
-
-class RateLimitedWarning:
-    """Warnings of one kind, at most one line per ``every_s``: the first in full; the ones within
-    ``every_s`` of the last line are held and counted, and one line says how many when that time
-    is up (a timer on the running loop; else the next call writes it). Loop-thread only."""
-
-    __slots__ = ("_log", "_what", "_every_s", "_clock", "_last_line", "_held", "_timer")
-
-    def __init__(self, logger: logging.Logger, what: str, every_s: float = LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._log = logger
-        self._what = what  # plural noun, e.g. "client write timeouts"
-        self._every_s = every_s
-        self._clock = clock
-        self._last_line = float("-inf")  # clock time of the last line written
-        self._held = 0  # warnings since then, not written
-        self._timer: asyncio.TimerHandle | None = None  # writes the summary when the period ends
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = self._clock()
-        if self._held and now - self._last_line >= self._every_s:  # the timer did not run (no loop, or a late one)
-            self.flush()
-        if now - self._last_line >= self._every_s:
-            self._log.warning(msg, *args)
-            self._last_line = now
-            return
-        self._held += 1
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no loop: the next call writes the summary
-            self._timer = loop.call_later(self._last_line + self._every_s - now, self.flush)
-
-    def flush(self) -> None:
-        """Write the summary of the held warnings, if any (a new period starts with it)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._held:
-            return
-        now = self._clock()
-        self._log.warning("%s: %d more in the last %.3g s (logged at most once per %g s)",
-                          self._what, self._held, now - self._last_line, self._every_s)
-        self._held = 0
-        self._last_line = now
 
 
 class Exchange:

@@ -45,7 +45,6 @@ from mesh.gateway.client_io import (
     BodyBuffer,
     ClientWriteTimeout,
     Exchange,
-    RateLimitedWarning,
     Receive,
     Send,
     WriteWatch,
@@ -81,7 +80,7 @@ from mesh.gateway.verdicts import (
     shutdown_error,
 )
 from mesh.gateway.worker_answer import first_bytes
-from mesh.log_limit import LogLimiter
+from mesh.log_limit import LogLimiter, RateLimitedWarning
 from mesh.metrics import Metrics
 from mesh.request.prompt import ParsedRequest, PromptProcessor
 from mesh.request_metrics import RequestSeries

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mesh.gateway.client_io import LOG_EVERY_S, RateLimitedWarning
+from mesh.log_limit import LOG_EVERY_S, RateLimitedWarning
 from tests.e2e.gateway.test_client_write_timeout import WORD, Gateway, _dropped, _gateway
 from tests.procs import ProcessGroup, stalled_client, wait_until
 
