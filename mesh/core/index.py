@@ -149,6 +149,8 @@ class PrefixIndex:
         nodes = self._nodes
         get = nodes.id.get
         cg = nodes.cg
+        if cg[get(keys[-1], EMPTY)] & bit:  # the whole chain consecutive on the GPU (a repeated prompt)
+            return
         # blocks already consecutive on the GPU need nothing: skip them with one binary search
         depth = bisect_right(range(n), 0, key=lambda i: 0 if cg[get(keys[i], EMPTY)] & bit else 1)
         if depth >= n:
