@@ -3,7 +3,9 @@
 It parses the body as the proxy does, mirrors the session's shared binding in, and asks the
 router under the proxy's admission rule (targets at their limit skipped), but forwards and
 commits nothing: the policy's state is restored afterwards (``mesh.core.preview.unchanged``), so
-the next live request decides as shown. Behind ``server.api_keys``, as the completion routes.
+the next live request decides as shown. Workers whose index is blind (``mesh.events.blindness``) are
+named under ``index_problems``: their overlaps read 0 for want of events. Behind ``server.api_keys``,
+as the completion routes.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ async def _explain(gateway: Gateway, request: Request, raw: bytes) -> dict[str, 
     inner = _inner_decision(gateway, parsed.info, decision, now)
     if inner is not None:
         out["inner_decision"] = inner
+    blind = {w.name: w.index_problem for w in gateway.registry.workers.values() if w.index_problem}
+    if blind:  # their overlaps above read 0 because the index cannot see them, not because they hold nothing
+        out["index_problems"] = blind
     return out
 
 

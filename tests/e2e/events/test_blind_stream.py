@@ -1,6 +1,6 @@
 """A worker that serves requests while its configured KV event stream delivers nothing is loud and
 visible: a WARNING naming the worker, its endpoint and the fix (the worker must bind
-``tcp://*:PORT``), ``kv_events`` in ``GET /workers`` and ``index_problems`` in ``GET /ready``. A
+``tcp://*:PORT``), ``kv_events`` in ``GET /workers`` and ``index_problems`` in ``GET /ready`` and ``POST /debug/route``. A
 bundled worker whose publisher binds is "live" and raises nothing; one without events is "none".
 
 The blind worker is an echo worker (it publishes nothing, as a vLLM worker given a concrete
@@ -56,6 +56,8 @@ def test_a_worker_serving_with_a_silent_event_stream_is_reported_blind(procs: Pr
         assert states()["live"] == "live"  # a stream that delivers raises nothing
         ready = client.get("/ready").json()
         assert ready["ready"] is True and set(ready["index_problems"]) == {"quiet"}
+        route = client.post("/debug/route", json={"model": "tiny", "prompt": "where would this go?"}, headers=ADMIN)
+        assert route.status_code == 200 and route.json()["index_problems"]["quiet"].startswith("index blind")
     log = gateway.log_tail(20_000)
     assert "WARNING" in log and "kv events of worker quiet" in log and "tcp://*:PORT" in log
     assert "kv events of worker live (target" not in log
