@@ -31,7 +31,7 @@ from mesh.core.router import Lease, Router
 from mesh.state.redis_state import RedisStateBackend
 from mesh.state.shared_load import ZERO, SharedLoad, sum_loads
 from policies.base import RequestInfo, TargetState
-from policies.basic import LeastLoad
+from policies.least_load import LeastLoad
 from tests.e2e.sessions.test_state_redis import RedisServer, server, wait_until  # noqa: F401 (server: the redis-server fixture)
 from tests.procs import ProcessGroup, free_port
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mesh.core.router import RECENT_DECISIONS, Router
 from mesh.core.sessions import SessionTable
 from policies.base import Decision, Overlap, RequestInfo, TargetState
-from policies.basic import RoundRobin
+from policies.round_robin import RoundRobin
 
 
 def test_every_commit_is_recorded_with_its_cheap_fields_and_the_ring_stays_bounded() -> None:
