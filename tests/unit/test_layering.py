@@ -4,6 +4,8 @@
   foundations (config, file helpers, errors, metrics-free helpers listed in ``FOUNDATIONS``).
 - ``mesh.core`` imports nothing of the gateway, request, cluster, events or state packages.
 - The gateway, the simulator and the CLI load without torch (only ``workers/`` needs it).
+- No module imports a test module (``tests/**/test_*.py``): what tests share lives in
+  ``tests/fakes/`` (fake workers and publishers), ``tests/support/`` and the other support modules.
 
 Every import statement counts, also one inside a function or under ``if TYPE_CHECKING``.
 """
@@ -66,6 +68,20 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import, by a module under ``root/tests``, of a test module there, as ``file:line: module``."""
+    tests = root / "tests"
+    names = {".".join(p.relative_to(root).with_suffix("").parts) for p in tests.rglob("test_*.py")}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        reported: set[int] = set()
+        for line, module in imported_modules(root, path):
+            if module in names and line not in reported:  # one report per import statement
+                reported.add(line)
+                found.append(f"{path.relative_to(root)}:{line}: {module}")
+    return found
+
+
 def _copy_tree(dest: Path) -> Path:
     for name in ("mesh", "policies", "simulator"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -103,3 +119,27 @@ def test_the_gateway_the_simulator_and_the_cli_load_without_torch() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_module_imports_a_test_module() -> None:
+    assert imports_of_test_modules(ROOT) == []
+
+
+def _copy_tests(dest: Path) -> Path:
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_a_planted_import_of_one_test_module_by_another_is_reported(tmp_path: Path) -> None:
+    root = _copy_tests(tmp_path)
+    health = root / "tests" / "e2e" / "disagg" / "test_disagg_health.py"
+    health.write_text(health.read_text() + "\n\ndef _planted():\n    from tests.e2e.disagg.test_disagg_5xx import BODY\n")
+    assert imports_of_test_modules(root) == [
+        f"tests/e2e/disagg/test_disagg_health.py:{len(health.read_text().splitlines())}: tests.e2e.disagg.test_disagg_5xx"]
+
+
+def test_a_relative_import_of_a_test_module_by_a_support_module_is_reported(tmp_path: Path) -> None:
+    root = _copy_tests(tmp_path)
+    engine = root / "tests" / "unit" / "events" / "toy_engine.py"
+    engine.write_text("from . import test_subscriber\n")
+    assert imports_of_test_modules(root) == ["tests/unit/events/toy_engine.py:1: tests.unit.events.test_subscriber"]

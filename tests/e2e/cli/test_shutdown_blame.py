@@ -13,8 +13,8 @@ import os
 import signal
 from pathlib import Path
 
-from tests.e2e.cli.test_shutdown_signals import LONG, StreamReader, refused
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_until
+from tests.support.shutdown import LONG, StreamReader, refused
 
 
 def test_a_stream_ended_by_the_shutdown_timeout_blames_the_gateway_not_the_worker(

@@ -12,11 +12,11 @@ from pathlib import Path
 import yaml
 
 from tests.procs import REPO
-from tests.unit.policies.test_pipeline_validation import _validate
+from tests.support.config_cli import validate_policy
 
 
 def test_an_unimportable_plugin_module_hints_at_the_import_path(tmp_path: Path) -> None:
-    proc = _validate(tmp_path, {"name": "pipeline", "params": {"scorers": ["my_missing_plugins:Scorer"]}})
+    proc = validate_policy(tmp_path, {"name": "pipeline", "params": {"scorers": ["my_missing_plugins:Scorer"]}})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in out, out
     assert "No module named 'my_missing_plugins'" in out and "PYTHONPATH" in out, out

@@ -29,13 +29,11 @@ from mesh.core.router import Router
 from mesh.gateway.disagg_relay import Releases, relay_disaggregated
 from policies import create_policy
 from policies.base import Decision, RequestInfo, Role, TargetState
-from tests.e2e.cli.test_shutdown_signals import refused
-from tests.e2e.disagg.test_disagg_shutdown import PlainRequest, error_of, kill_now, pd_gateway, served
-from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.fakes.http_worker import start_fake
 from tests.procs import Proc, ProcessGroup, wait_until
+from tests.support.pd_gateway import PD_POLICY, circuits, error_of, fake_state, kill_now, pd_gateway, served
+from tests.support.shutdown import PlainRequest, refused
 
-ADMIN = {"authorization": "Bearer adm"}
 BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 
 # A worker answering one status to every POST (argv: name, mode, port). Modes: "status:NNN"
@@ -77,15 +75,6 @@ serve(on_request)
 
 def fake_worker(procs: ProcessGroup, name: str, mode: str) -> Proc:
     return start_fake(procs, "fake_5xx_worker", FAKE_WORKER, name, mode, "/state")
-
-
-def fake_state(worker: Proc) -> dict[str, int]:
-    return dict(httpx.get(worker.url + "/state", timeout=10).json())
-
-
-def circuits(gateway: Proc) -> dict[str, str]:
-    workers = httpx.get(gateway.url + "/workers", headers=ADMIN, timeout=10).json()["workers"]
-    return {w["name"]: w["circuit"] for w in workers}
 
 
 def pair_workers(procs: ProcessGroup, role: str, bad: dict[str, str]) -> dict[str, tuple[Proc, str]]:

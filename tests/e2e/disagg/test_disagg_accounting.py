@@ -28,12 +28,11 @@ import pytest
 
 from mesh.gateway.disagg_relay import RelayConfig, RelayError, relay_disaggregated
 from policies.base import Decision
-from tests.e2e.disagg.test_disagg_5xx import circuits, fake_state
-from tests.e2e.disagg.test_disagg_shutdown import error_of, pd_gateway
 from tests.fakes.http_worker import start_fake
 from tests.procs import Proc, ProcessGroup
-from tests.unit.gateway.test_disagg_relay import BODY as RELAY_BODY
-from tests.unit.gateway.test_disagg_relay import INFO, VLLM_PARAMS, Workers, _error, _router, decode_ok, vllm_prefill
+from tests.support.pd_gateway import circuits, error_of, fake_state, pd_gateway
+from tests.support.relay_mock import BODY as RELAY_BODY
+from tests.support.relay_mock import INFO, VLLM_PARAMS, Workers, decode_ok, error_response, relay_router, vllm_prefill
 
 BODY = {"model": "echo", "prompt": "a b c d", "max_tokens": 4}
 
@@ -164,7 +163,7 @@ class Health:
 
 
 async def _relay(w: Workers, names: tuple[str, ...], decode: str = "d0", body: dict[str, Any] | None = None) -> tuple[Any, Health]:
-    router, health = _router(*names), Health()
+    router, health = relay_router(*names), Health()
     async with w.client() as client:
         try:
             resp = await relay_disaggregated(client, router, INFO, body or {**RELAY_BODY, "stream": False},
@@ -188,7 +187,7 @@ async def test_which_transfer_failures_are_the_prefill_workers(code: str, status
     w = Workers()
     w.on("p0", vllm_prefill())
     w.on("p1", vllm_prefill())
-    w.on("d0", lambda *_: _error(status, code), decode_ok())
+    w.on("d0", lambda *_: error_response(status, code), decode_ok())
     out, health = await _relay(w, ("p0", "p1", "d0"))
     assert out[2:] == ("p1", "d0"), out
     assert health.log == ([("F", "p0")] if charged else []) + [("S", "p1"), ("S", "d0")]
@@ -200,11 +199,11 @@ async def test_a_failed_pull_is_not_charged_when_another_decode_worker_serves() 
     w = Workers()
     w.on("p0", vllm_prefill())
     w.on("p1", vllm_prefill())
-    router, health = _router("p0", "p1", "d0", "d1"), Health()
+    router, health = relay_router("p0", "p1", "d0", "d1"), Health()
 
     def failed_pull(*_: Any) -> httpx.Response:
         router.targets["d0"].draining = True  # the new pair must take d1
-        return _error(502, "kv_transfer_failed")
+        return error_response(502, "kv_transfer_failed")
 
     w.on("d0", failed_pull)
     w.on("d1", decode_ok())
@@ -221,7 +220,7 @@ async def test_every_transfer_failing_charges_no_prefill_and_credits_none() -> N
     w = Workers()
     for p in ("p0", "p1", "p2"):
         w.on(p, vllm_prefill())
-    w.on("d0", lambda *_: _error(502, "kv_transfer_failed"))
+    w.on("d0", lambda *_: error_response(502, "kv_transfer_failed"))
     out, health = await _relay(w, ("p0", "p1", "p2", "d0"))
     assert isinstance(out, RelayError) and out.status == 502 and out.code == "kv_transfer_failed"
     assert health.log == []
@@ -234,7 +233,7 @@ async def test_a_prefill_is_credited_only_once_its_transfer_is_taken() -> None:
     request's outcome for the prefill worker is unknown, so nothing is recorded for it."""
     w = Workers()
     w.on("p0", vllm_prefill({**VLLM_PARAMS, "transfer_id": "t1"}))
-    w.on("d0", lambda *_: _error(503, "boom"))
+    w.on("d0", lambda *_: error_response(503, "boom"))
     out, health = await _relay(w, ("p0", "d0"))
     assert isinstance(out, RelayError) and out.status == 503
     assert health.log == [("F", "d0")]

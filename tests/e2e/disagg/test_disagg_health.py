@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.procs import ProcessGroup, free_port, kill_process, wait_until
+from tests.support.pd_gateway import PD_POLICY
 
 ADMIN = {"authorization": "Bearer adm"}
 

@@ -20,8 +20,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.routing.test_load_accounting import PD_POLICY, PD_WORKER
+from tests.fakes import pd_worker
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
+from tests.support.pd_gateway import PD_POLICY
 
 ADMIN = {"authorization": "Bearer adm"}
 TIMEOUT_S = 1.0  # the gateway's request timeout
@@ -57,7 +58,7 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     for name in DECODERS:  # a prompt with DFAIL is a decode 500
         workers[name] = module_procs.echo_worker(name, "--model", "m", "--fail-on", "DFAIL", "--token-delay-s", "0.01")
     script = module_procs.log_dir / "pd_worker.py"
-    script.write_text(PD_WORKER)
+    script.write_text(pd_worker.SCRIPT)
     port = free_port()
     workers["dfull"] = module_procs.start([PYTHON, str(script), "dfull", "full", str(port)], name="dfull", port=port)
     wait_http(workers["dfull"].url + "/count", proc=workers["dfull"])

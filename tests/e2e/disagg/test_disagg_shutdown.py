@@ -11,72 +11,22 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.e2e.cli.test_shutdown_signals import LONG, StreamReader, refused
-from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.fakes.http_worker import start_fake
-from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_until
+from tests.procs import Proc, ProcessGroup, wait_until
+from tests.support.pd_gateway import error_of, kill_now, pd_gateway, served
+from tests.support.shutdown import LONG, PlainRequest, StreamReader, refused
 
 SHUTDOWN = "gateway is shutting down"
 
 
-class PlainRequest:
-    """One non-streamed request in a thread: its status and JSON body, or what ended it."""
-
-    def __init__(self, url: str, body: dict[str, Any]) -> None:
-        self.status = 0
-        self.body: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _run(self, url: str, body: dict[str, Any]) -> None:
-        try:
-            resp = httpx.post(url, json=body, timeout=60)
-            self.status, self.body = resp.status_code, resp.json()
-        except Exception as exc:  # noqa: BLE001  (what the client saw is the result)
-            self.error = exc
-
-    def join(self) -> None:
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the request never ended"
-
-
-def served(worker: Proc) -> int:
-    return int(httpx.post(worker.url + "/admin/faults", json={}, timeout=10).json()["served"])
-
-
 def set_faults(worker: Proc, **faults: Any) -> None:
     httpx.post(worker.url + "/admin/faults", json=faults, timeout=10).raise_for_status()
-
-
-def pd_gateway(procs: ProcessGroup, tmp_path: Path, workers: dict[str, tuple[Proc, str]], *extra: str,
-               server: dict[str, Any] | None = None, threshold: int = 1) -> tuple[Proc, int]:
-    """``mesh serve`` over ``workers`` (name -> (process, role)); by default every failure opens
-    a circuit (for the whole test: no half-open probe)."""
-    port = free_port()
-    config = {"server": {"port": port, "admin_key": "adm", **(server or {})}, "health": {"interval_s": 60},
-              "circuit_breaker": {"failure_threshold": threshold, "open_s": 3600}, "policy": PD_POLICY,
-              "workers": [{"name": n, "url": p.url, "role": r} for n, (p, r) in workers.items()]}
-    path = tmp_path / "pd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cmd = [PYTHON, "-m", "mesh", "serve", "--config", str(path), "--log-level", "warning", *extra]
-    return procs.start_http(cmd, name="gateway", port=port, ready_path="/ready"), port
-
-
-def error_of(body: Any) -> dict[str, Any]:
-    """The OpenAI error object of an answer (asserts its shape)."""
-    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
-    err = body["error"]
-    assert isinstance(err.get("message"), str) and "type" in err and "code" in err, err
-    return dict(err)
 
 
 def test_a_relay_cut_by_the_shutdown_timeout_blames_the_gateway_not_its_workers(
@@ -117,12 +67,6 @@ def test_a_relay_cut_by_the_shutdown_timeout_blames_the_gateway_not_its_workers(
     assert "Traceback" not in log, log
     kill_now(p0, d0)
 
-
-def kill_now(*workers: Proc) -> None:
-    """Echo workers sleep through a request their client left (a SIGTERM would wait for it)."""
-    for w in workers:
-        w.popen.kill()
-        w.popen.wait(10)
 
 
 # A worker misbehaving on purpose (raw sockets: the echo worker cannot): argv name, mode, port.

@@ -5,7 +5,7 @@ apply; the subscriber applies one frame in slices (``mesh.events.subscriber.KvEv
 so HTTP requests are answered between slices instead of stalling behind the whole frame.
 
 Shown against a real ``mesh serve`` process, a real echo worker and the vLLM-format publisher of
-``tests/unit/events/test_subscriber.py`` (real ZMQ): a ``/health`` request is answered between two
+``tests/fakes/kv_publisher.py`` (real ZMQ): a ``/health`` request is answered between two
 ``/metrics`` scrapes that both show the frame partly applied (an ordering, never a timing); the
 frame published right after it (removing some of its blocks) is applied after it, never before;
 the index then holds exactly what the events say (``/debug/route`` overlaps). A frame over
@@ -30,8 +30,8 @@ from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.events.wire import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
+from tests.fakes.kv_publisher import BATCH_LAYOUTS, EVENT_LAYOUTS, HASH_MODES, Publisher, encode_events
 from tests.procs import ProcessGroup, free_port, wait_until
-from tests.unit.events.test_subscriber import BATCH_LAYOUTS, EVENT_LAYOUTS, HASH_MODES, Publisher, encode_events
 
 MODEL = "toy"
 BS = 4

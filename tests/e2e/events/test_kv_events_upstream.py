@@ -1,6 +1,7 @@
 """KV events exactly as current vLLM and SGLang put them on the wire, into a real gateway process.
 
-The publisher here is written from the upstream sources, sharing no code with ``mesh``:
+The event structs here and the publisher (``tests/fakes/upstream_publisher.py``) are written from
+the upstream sources, sharing no code with ``mesh``:
 
 - vLLM ``vllm/distributed/kv_events.py``: ``KVCacheEvent`` is a msgspec struct with ``tag=True,
   omit_defaults=True`` (a map with ``"type"``; required fields present even when nil, defaulted ones
@@ -29,9 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,13 +38,12 @@ import httpx
 import msgspec
 import pytest
 import yaml
-import zmq
 
+from tests.fakes.upstream_publisher import UpstreamPublisher
 from tests.procs import ProcessGroup, free_port, wait_until
 
 BS = 4
 BASE = "base-model"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 U64 = (1 << 64) - 1
 
 
@@ -136,69 +134,6 @@ class SBlockStored(SEvent, tag="BlockStored"):
 class SBlockRemoved(SEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None = None
-
-
-_enc = msgspec.msgpack.Encoder()
-
-
-# ------------------------------------------------------------------ the publisher (upstream's ZmqEventPublisher)
-class UpstreamPublisher:
-    def __init__(self, topic: str = "") -> None:
-        self.ctx = zmq.Context()
-        self.topic = topic.encode()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:*")
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
-        self.seq = 0
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._replay, daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _port(sock: zmq.Socket) -> int:
-        return int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self._port(self.pub)}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self._port(self.router)}"
-
-    def publish(self, batch: Any) -> None:
-        payload = _enc.encode(batch)
-        with self.lock:
-            seq, self.seq = self.seq, self.seq + 1
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            self.buffer.append((seq, payload))
-
-    def _replay(self) -> None:
-        while not self.stop.is_set():
-            if not self.router.poll(20):
-                continue
-            frame = self.router.recv_multipart()
-            if len(frame) != 3:
-                continue
-            client_id, _, start_bytes = frame
-            start = int.from_bytes(start_bytes, "big")
-            with self.lock:
-                kept = [item for item in self.buffer if item[0] >= start]
-            for seq, buf in kept:
-                self.router.send_multipart((client_id, b"", seq.to_bytes(8, "big"), buf))
-            self.router.send_multipart((client_id, b"", END_SEQ, b""))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(2)
-        self.router.close(linger=0)
-        self.pub.close(linger=0)
-        self.ctx.term()
 
 
 # ------------------------------------------------------------------ hashes and prompts

@@ -17,64 +17,19 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.e2e.gateway.test_streaming import FAKE_WORKER
-from tests.e2e.routing.test_load_accounting import PD_POLICY
+from tests.fakes import streaming_worker
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
-
-ADMIN = {"authorization": "Bearer adm"}
-WRITE_TIMEOUT_S = 1.0  # the request timeout is a minute: only the write timeout can end these requests
-WORD = "w" * 1024
-
-
-@dataclass
-class Gateway:
-    proc: Proc
-    http: httpx.Client
-
-    def workers(self) -> dict[str, dict[str, Any]]:
-        return {w["name"]: w for w in self.http.get("/workers", headers=ADMIN).json()["workers"]}
-
-    def load(self) -> dict[str, tuple[int, int, int]]:
-        return {t["id"]: (t["in_flight"], t["prefill_tokens"], t["decode_tokens"])
-                for w in self.workers().values() for t in w["targets"]}
-
-    def idle(self) -> bool:
-        return all(v == (0, 0, 0) for v in self.load().values())
-
-    def write_timeouts(self) -> float:
-        for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith("mesh_client_write_timeouts_total "):
-                return float(line.split()[-1])
-        raise AssertionError("mesh_client_write_timeouts_total is not exported")
-
-    def healthy(self, name: str) -> None:
-        worker = self.workers()[name]
-        assert worker["healthy"] and worker["circuit"] == "closed" and worker["last_error"] is None, worker
-
-
-def _gateway(procs: ProcessGroup, name: str, workers: list[dict[str, Any]], **extra: Any) -> Iterator[Gateway]:
-    path = procs.log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "server": {"admin_key": "adm", "request_timeout_s": 60, "client_write_timeout_s": WRITE_TIMEOUT_S},
-        # one failure would open a circuit: a client's stall counted against its worker shows at once
-        "circuit_breaker": {"failure_threshold": 1, "open_s": 60},
-        "health": {"interval_s": 60},
-        "workers": workers, **extra,
-    }))
-    proc = procs.gateway(path, port=free_port(), name=name, ready_path="/ready")
-    with httpx.Client(base_url=proc.url, timeout=30) as http:
-        yield Gateway(proc, http)
+from tests.support.pd_gateway import PD_POLICY
+from tests.support.write_timeout import WORD, Gateway, dropped, write_timeout_gateway
 
 
 @dataclass
 class Workers:
-    fake: Proc  # FAKE_WORKER: "flood" streams without end; /count says how many floods were closed
+    fake: Proc  # tests/fakes/streaming_worker.py: "flood" streams without end; /count says how many floods were closed
     echo: Proc  # echoes each word of the prompt 400 times: a 1 KiB word makes a ~0.5 MB stream
     prefill: Proc
     decode: Proc  # the same echo, as a decode worker
@@ -83,7 +38,7 @@ class Workers:
 @pytest.fixture(scope="module")
 def workers(module_procs: ProcessGroup) -> Workers:
     script = module_procs.log_dir / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
+    script.write_text(streaming_worker.SCRIPT)
     port = free_port()
     fake = module_procs.start([PYTHON, str(script), str(port)], name="fake", port=port)
     echo = module_procs.echo_worker("echo", "--model", "m", "--repeat", "400")
@@ -95,13 +50,13 @@ def workers(module_procs: ProcessGroup) -> Workers:
 
 @pytest.fixture(scope="module")
 def mixed(workers: Workers, module_procs: ProcessGroup) -> Iterator[Gateway]:
-    yield from _gateway(module_procs, "gateway", [{"name": "fake", "url": workers.fake.url, "models": ["f"]},
+    yield from write_timeout_gateway(module_procs, "gateway", [{"name": "fake", "url": workers.fake.url, "models": ["f"]},
                                                   {"name": "echo", "url": workers.echo.url, "models": ["m"]}])
 
 
 @pytest.fixture(scope="module")
 def disagg(workers: Workers, module_procs: ProcessGroup) -> Iterator[Gateway]:
-    yield from _gateway(module_procs, "gateway-pd", [
+    yield from write_timeout_gateway(module_procs, "gateway-pd", [
         {"name": "p0", "url": workers.prefill.url, "models": ["m"], "role": "prefill"},
         {"name": "d0", "url": workers.decode.url, "models": ["m"], "role": "decode"},
     ], policy=PD_POLICY)
@@ -109,17 +64,6 @@ def disagg(workers: Workers, module_procs: ProcessGroup) -> Iterator[Gateway]:
 
 def _flood_closed(workers: Workers) -> int:
     return int(httpx.get(workers.fake.url + "/count", timeout=10).json()["flood_closed"])
-
-
-def _dropped(sock: socket.socket) -> bool:
-    """The gateway closed the client's connection: what is buffered reads out, then EOF or a reset."""
-    sock.settimeout(10)
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except ConnectionResetError:
-        pass
-    return True
 
 
 def _read_slowly(sock: socket.socket) -> bytes:
@@ -156,7 +100,7 @@ def test_a_stalled_client_frees_its_worker_within_the_write_timeout(mixed: Gatew
         wait_until(lambda: _flood_closed(workers) > closed, timeout_s=20, what="the worker's stream closed")
         wait_until(mixed.idle, timeout_s=10, what=f"load back to zero: {mixed.load()}")
         assert mixed.write_timeouts() == before + 1
-        assert _dropped(sock)
+        assert dropped(sock)
     mixed.healthy("fake")  # the client's fault: the worker's circuit stays closed
     assert mixed.http.post("/v1/completions", json={"model": "f", "prompt": "ok"}).status_code == 200
     log = mixed.proc.log_tail()
@@ -192,7 +136,7 @@ def test_a_stalled_client_frees_the_prefill_and_decode_workers_of_a_disaggregate
         wait_until(lambda: after() > served, what="the decode worker streaming")
         wait_until(lambda: disagg.write_timeouts() == before + 1, timeout_s=20, what="the write timeout")
         wait_until(disagg.idle, timeout_s=10, what=f"prefill and decode load back to zero: {disagg.load()}")
-        assert _dropped(sock)
+        assert dropped(sock)
     disagg.healthy("d0")
     disagg.healthy("p0")
     log = disagg.proc.log_tail()

@@ -22,9 +22,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.gateway.test_streaming import sse_data
-from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+from tests.support.pd_gateway import PD_POLICY
+from tests.support.sse import sse_data
 
 ADMIN = {"authorization": "Bearer adm"}
 

@@ -20,100 +20,11 @@ import httpx
 import pytest
 import yaml
 
+from tests.fakes import streaming_worker
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+from tests.support.sse import sse_data
 
 ADMIN = {"authorization": "Bearer adm"}
-
-FAKE_WORKER = r'''
-import asyncio, json, sys
-
-EV = b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
-SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-posts = 0
-flood_closed = 0
-
-
-def chunk(data):
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def answer(status, body, extra=b""):
-    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (status, len(body), extra, body)
-
-
-async def handle(reader, writer):
-    global posts, flood_closed
-    try:
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, path = head[0].split(" ")[:2]
-            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
-            body = await reader.readexactly(size) if size else b""
-            if method == "GET":
-                if path == "/v1/models":
-                    out = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}, {"id": "f", "object": "model"}]})
-                else:
-                    out = json.dumps({"posts": posts, "flood_closed": flood_closed})
-                writer.write(answer(b"200 OK", out.encode()))
-                await writer.drain()
-                continue
-            posts += 1
-            mode = json.loads(body)["prompt"].split()[0]
-            if mode == "partial":  # one event, the first bytes of the next, then the socket dies
-                writer.write(SSE_HEAD + chunk(EV) + chunk(EV[:30]))
-                await writer.drain()
-                await asyncio.sleep(0.3)
-                writer.transport.abort()
-                return
-            if mode == "flood":  # an endless stream, as fast as it is read
-                writer.write(SSE_HEAD)
-                try:
-                    while True:
-                        writer.write(chunk(EV * 64))
-                        await writer.drain()
-                except ConnectionError:
-                    flood_closed += 1
-                    return
-            if mode == "donenofinal":  # a whole stream with [DONE], then a FIN without the last chunk
-                writer.write(SSE_HEAD + chunk(EV) + chunk(b"data: [DONE]\n\n"))
-                await writer.drain()
-                await asyncio.sleep(0.3)
-                writer.close()
-                return
-            if mode == "double":  # a second, unrequested response right behind the answer
-                writer.write(answer(b"200 OK", b'{"id":"one","object":"text_completion","choices":[]}') +
-                             answer(b"200 OK", b'{"id":"two","object":"text_completion","choices":[]}'))
-            elif mode == "early103":  # an informational response before the answer
-                writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
-                await writer.drain()
-                await asyncio.sleep(0.2)
-                writer.write(answer(b"200 OK", b'{"id":"hinted","object":"text_completion","choices":[]}'))
-            elif mode == "empty200":
-                writer.write(answer(b"200 OK", b""))
-            elif mode == "close200":  # a 200 head with no length, then the connection closes
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
-                await writer.drain()
-                writer.close()
-                return
-            elif mode == "err500":
-                writer.write(answer(b"500 Internal Server Error", b'{"error":{"message":"boom","type":"server_error","param":null,"code":null}}'))
-            else:
-                writer.write(answer(b"200 OK", b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":"fake"}]}'))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
-
-async def main(port):
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main(int(sys.argv[1])))
-'''
 
 
 @dataclass
@@ -144,7 +55,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     script = module_procs.log_dir / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
+    script.write_text(streaming_worker.SCRIPT)
     fport, eport, bport, tport, gport = free_port(), free_port(), free_port(), free_port(), free_port()
     # a bundled engine worker (started first: it takes longest)
     tiny = module_procs.start([PYTHON, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(tport),
@@ -174,18 +85,6 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         c = Cluster(client, gateway, fake, echo, big, tiny)
         wait_until(lambda: all(w["healthy"] for w in c.workers().values()), what="both workers healthy")
         yield c
-
-
-def sse_data(raw: bytes) -> list[str]:
-    """The data of each SSE event (events end with a blank line; a line that is not a field is garbage)."""
-    out = []
-    for event in raw.decode().split("\n\n"):
-        if not event:
-            continue
-        lines = event.split("\n")
-        assert all(line.startswith("data: ") for line in lines), f"malformed event {event!r}"
-        out.append("\n".join(line[6:] for line in lines))
-    return out
 
 
 def test_a_stream_broken_mid_event_ends_with_a_clean_error_event(cluster: Cluster) -> None:

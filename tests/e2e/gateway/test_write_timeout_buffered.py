@@ -15,14 +15,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.gateway.test_client_write_timeout import WORD, Gateway, _dropped, _gateway
 from tests.procs import ProcessGroup, stalled_client, wait_until
+from tests.support.write_timeout import WORD, Gateway, dropped, write_timeout_gateway
 
 
 @pytest.fixture(scope="module")
 def gateway(module_procs: ProcessGroup) -> Iterator[Gateway]:
     echo = module_procs.echo_worker("echo", "--model", "m", "--repeat", "400")
-    yield from _gateway(module_procs, "gateway", [{"name": "echo", "url": echo.url, "models": ["m"]}])
+    yield from write_timeout_gateway(module_procs, "gateway", [{"name": "echo", "url": echo.url, "models": ["m"]}])
 
 
 def test_a_stalled_client_of_a_large_non_streamed_answer_is_dropped(gateway: Gateway) -> None:
@@ -34,7 +34,7 @@ def test_a_stalled_client_of_a_large_non_streamed_answer_is_dropped(gateway: Gat
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         wait_until(lambda: gateway.write_timeouts() == before + 1, timeout_s=20,
                    what="the stalled connection dropped (its answer was held in the gateway)")
-        assert _dropped(sock)
+        assert dropped(sock)
     assert gateway.idle()
     gateway.healthy("echo")
     log = gateway.proc.log_tail()

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from mesh.log_limit import LOG_EVERY_S, RateLimitedWarning
-from tests.e2e.gateway.test_client_write_timeout import WORD, Gateway, _dropped, _gateway
 from tests.procs import ProcessGroup, stalled_client, wait_until
+from tests.support.write_timeout import WORD, Gateway, dropped, write_timeout_gateway
 
 STALLED = 4
 
@@ -23,7 +23,7 @@ STALLED = 4
 @pytest.fixture(scope="module")
 def gateway(module_procs: ProcessGroup) -> Iterator[Gateway]:
     echo = module_procs.echo_worker("echo", "--model", "m", "--repeat", "400")
-    yield from _gateway(module_procs, "gateway", [{"name": "echo", "url": echo.url, "models": ["m"]}])
+    yield from write_timeout_gateway(module_procs, "gateway", [{"name": "echo", "url": echo.url, "models": ["m"]}])
 
 
 def test_many_stalled_clients_are_each_counted_and_logged_once(gateway: Gateway) -> None:
@@ -35,7 +35,7 @@ def test_many_stalled_clients_are_each_counted_and_logged_once(gateway: Gateway)
         # all within ~1.25 s (write timeout 1 s), far inside one LOG_EVERY_S
         wait_until(lambda: gateway.write_timeouts() == before + STALLED, timeout_s=20, what="every write timeout")
         for sock in socks:
-            assert _dropped(sock)
+            assert dropped(sock)
     finally:
         for sock in socks:
             sock.close()

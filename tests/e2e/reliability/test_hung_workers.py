@@ -21,9 +21,9 @@ import time
 import httpx
 
 from tests.e2e.reliability.gateway_helpers import Outcome, request, start_gateway, worker_view
-from tests.e2e.routing.test_load_accounting import PD_POLICY
 from tests.fakes.misbehaving_worker import misbehaving
 from tests.procs import ProcessGroup, wait_until
+from tests.support.pd_gateway import PD_POLICY
 
 FIRST_BYTE_S = 1.0
 IDLE_S = 1.0

@@ -27,8 +27,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.sessions.test_state_redis import RedisServer
 from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.redis_server import RedisServer
 
 SESSIONS = 24
 PREFIX = "outage17:"

@@ -6,77 +6,39 @@ A template looping over ``message['content']`` (Llama 3.x vision, Mistral, Gemma
 shapes) given strings would iterate characters and render no text at all: the gateway's prompt,
 hence every block key, would not be the engine's. Oracle: ``transformers``'
 ``apply_chat_template`` (what vLLM calls) given the conversation in the form vLLM's
-``_parse_chat_message_content`` builds (rebuilt here from vLLM's code, not through mesh), and a
+``_parse_chat_message_content`` builds (rebuilt from vLLM's code, not through mesh, in
+``tests/support/chat_templates.py``), and a
 bundled worker serving a real checkpoint with a content-looping template, over real processes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
 
 from mesh.request.chat import ChatOptions, ChatRenderer, detect_content_format
-from tests.e2e.request.test_prompt_path import CHATML, build_tokenizer
 from tests.procs import PYTHON, ProcessGroup, free_port, wait_http
+from tests.support.chat_templates import CHATML, GENERATION_TAIL, MESSAGES, PARTS, build_tokenizer, hf_render, vllm_conversation
 
-_TAIL = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-# loops over message['content'] and reads each part's type: vLLM detects "openai"
-PARTS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for p in m['content'] %}[{{ p['type'] }}]{{ p['text'] }}"
-         "{% endfor %}<|im_end|>\n{% endfor %}" + _TAIL)
 # Llama-3.2-vision-like: a string test, then a filtered loop over an alias of messages: "openai"
 # (so the string branch never runs: vLLM wraps a string content into one part)
 MIXED = ("{% set loop_messages = messages[0:] %}{% for message in loop_messages %}<|im_start|>{{ message['role'] }}\n"
          "{% if message['content'] is string %}S:{{ message['content'] }}{% else %}"
          "{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}{{ c['text'] }}{% if not loop.last %}"
-         " | {% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}" + _TAIL)
+         " | {% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}" + GENERATION_TAIL)
 # Qwen3.5-like: content handed to a macro that loops over a variable named content: "openai" (vLLM #42660)
 MACRO = ("{% macro text(content) %}{% if content is string %}{{ content }}{% else %}{% for item in content %}"
          "{{ item.text }};{% endfor %}{% endif %}{% endmacro %}"
-         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ text(m.content) }}<|im_end|>\n{% endfor %}" + _TAIL)
+         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ text(m.content) }}<|im_end|>\n{% endfor %}" + GENERATION_TAIL)
 # the same loop through an alias not named content: vLLM's name-based scan misses it, "string"
 # (the template then takes its string branch, on the "\n"-joined text)
 ALIASED = ("{% for m in messages %}{% set c = m.content %}<|im_start|>{{ m.role }}\n{% if c is string %}{{ c }}"
-           "{% else %}{% for p in c %}{{ p.text }};{% endfor %}{% endif %}<|im_end|>\n{% endfor %}" + _TAIL)
+           "{% else %}{% for p in c %}{{ p.text }};{% endfor %}{% endif %}<|im_end|>\n{% endfor %}" + GENERATION_TAIL)
 TEMPLATES = {"parts": (PARTS, "openai"), "mixed": (MIXED, "openai"), "macro": (MACRO, "openai"),
              "chatml": (CHATML, "string"), "aliased": (ALIASED, "string")}
-
-MESSAGES: list[dict[str, Any]] = [
-    {"role": "system", "content": "hello world"},
-    {"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox", "x": 1}]},
-    {"role": "assistant", "content": None},
-    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "warm"}]},
-    {"role": "user", "content": ""},
-    {"role": "assistant", "content": "jumps over"},
-]
-
-
-def vllm_conversation(messages: list[dict[str, Any]], content_format: str) -> list[dict[str, Any]]:
-    """The messages vLLM hands to ``apply_chat_template`` (chat_utils ``_parse_chat_message_content``):
-    a string becomes one text part and null no part; parts are rebuilt as {type, text}; "string"
-    joins the texts with "\\n"; a tool message whose parts are all text is joined in either format."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
-        texts = [p["text"] for p in parts]
-        if content_format == "string" or m["role"] == "tool":
-            built: Any = "\n".join(texts)
-        else:
-            built = [{"type": "text", "text": t} for t in texts]
-        out.append({**m, "content": built})
-    return out
-
-
-def hf_render(template: str, conversation: list[dict[str, Any]], tok_dir: Path, **kwargs: Any) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    hf.chat_template = template
-    return str(hf.apply_chat_template(conversation, tokenize=False, **kwargs))
 
 
 @pytest.fixture(scope="module")

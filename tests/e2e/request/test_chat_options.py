@@ -24,9 +24,9 @@ from mesh.config import WorkerConfig, parse_config
 from mesh.request.chat import ChatOptions, ChatRenderer, ChatTemplateError
 from mesh.request.prompt import PromptProcessor
 from mesh.request.tokenizer import HFTokenizer
-from tests.e2e.request.test_prompt_path import build_tokenizer
 from tests.e2e_bundled import start_workers, write_config
 from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.chat_templates import build_tokenizer
 
 # Qwen2.5/Qwen3-shaped: tools as JSON lines in the system turn, documents, a thinking switch.
 TOOLS_TEMPLATE = (

@@ -22,9 +22,8 @@ import yaml
 
 from mesh.config import ConfigError, parse_config
 from mesh.request.chat import DEFAULT_CHAT_TEMPLATE
-from tests.e2e.request.test_chat_content_format import MESSAGES, PARTS, hf_render, vllm_conversation
-from tests.e2e.request.test_prompt_path import build_tokenizer
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
+from tests.support.chat_templates import MESSAGES, PARTS, build_tokenizer, hf_render, vllm_conversation
 
 # model -> (tokenizer: PARTS' directory or None for the byte tokenizer, whose template is ChatML; format)
 POOLS = {"parts-auto": ("parts", "auto"), "parts-string": ("parts", "string"), "parts-openai": ("parts", "openai"),

@@ -32,36 +32,11 @@ from mesh.request.prompt import TOKENIZER_RETRY_S, PromptProcessor
 from mesh.request.tokenizer import GIL_FREE_CHARS, HFTokenizer, load_tokenizer
 from tests.e2e_bundled import start_workers
 from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.chat_templates import CHATML, build_tokenizer
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function | tojson }}</tool_call>{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # a Llama-3.1-like line: string concatenation with a client field ("tool_call_id": null is a TypeError)
 CONCAT = ("{% for m in messages %}{{ '<' + m.role + (('|' + m.tool_call_id) if 'tool_call_id' in m else '') + '>'"
           " + m.content }}{% endfor %}")
-
-
-def build_tokenizer(directory: Path, template: str = CHATML, saved_limits: bool = False) -> Path:
-    """A small byte-level BPE ``tokenizer.json`` (merges cross word and turn boundaries) + config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    corpus = ["hello world the quick brown fox jumps over the lazy dog user assistant system tool\n\n  "] * 20
-    tok.train_from_iterator(corpus, trainer)
-    if saved_limits:  # as some exported tokenizers are saved: transformers ignores both unless asked
-        tok.enable_truncation(8)
-        tok.enable_padding(length=12, pad_id=2, pad_token="<|endoftext|>")
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"chat_template": template, "eos_token": "<|endoftext|>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 @pytest.fixture(scope="module")

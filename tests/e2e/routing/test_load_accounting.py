@@ -23,8 +23,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.gateway.test_streaming import FAKE_WORKER
+from tests.fakes import pd_worker, streaming_worker
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, stalled_client, wait_http, wait_until
+from tests.support.pd_gateway import PD_POLICY
 
 ADMIN = {"authorization": "Bearer adm"}
 TIMEOUT_S = 1.5  # the gateway's request timeout
@@ -65,7 +66,7 @@ def _echo(procs: ProcessGroup, name: str, *extra: str) -> Proc:
 @pytest.fixture(scope="module")
 def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
     script = module_procs.log_dir / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
+    script.write_text(streaming_worker.SCRIPT)
     fport = free_port()
     workers = {
         "fake": module_procs.start([PYTHON, str(script), str(fport)], name="fake", port=fport),
@@ -193,76 +194,11 @@ def test_a_session_is_not_idle_while_its_request_runs(short_ttl: httpx.Client, s
     assert _bound(short_ttl, session) == worker == "slow"
 
 
-PD_WORKER = r'''
-import asyncio, json, sys
-
-name, role, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-release = asyncio.Event()
-posts = 0
-
-
-def answer(body):
-    data = json.dumps(body).encode()
-    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
-
-
-async def handle(reader, writer):
-    global posts
-    try:
-        while True:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, path = head[0].split(" ")[:2]
-            size = next((int(l.split(":")[1]) for l in head if l.lower().startswith("content-length:")), 0)
-            if size:
-                await reader.readexactly(size)
-            if method == "GET":
-                if path == "/v1/models":
-                    out = {"object": "list", "data": [{"id": "m", "object": "model"}]}
-                elif path == "/release":
-                    release.set()
-                    out = {}
-                else:
-                    out = {"posts": posts}
-            else:
-                posts += 1
-                out = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "from " + name}]}
-                if role == "prefill":  # held until the test says so
-                    await release.wait()
-                if role in ("prefill", "prefill-now"):
-                    out["kv_transfer_params"] = {"remote_block_ids": []}
-                if role == "full":  # a decode worker refusing admission
-                    data = json.dumps({"error": {"message": "full", "type": "x", "param": None, "code": "kv_admission_full"}}).encode()
-                    writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-                                 b"retry-after: 0\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data))
-                    await writer.drain()
-                    continue
-            writer.write(answer(out))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
-
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main())
-'''
-PD_POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {
-    "prefill": {"scorers": [{"name": "prefill_load", "weight": 1}]},
-    "decode": {"filters": ["healthy", "model_match"], "scorers": [{"name": "load", "weight": 1}]},
-}}}
-
-
 def test_a_decode_worker_removed_during_the_prefill_hands_the_decode_to_another(procs: ProcessGroup) -> None:
     # The pair is chosen before the prefill; the decode worker is removed while the prefill runs:
     # the decode goes to another decode worker, not a KeyError at commit and a 500 to the client.
     script = procs.log_dir / "pd_worker.py"
-    script.write_text(PD_WORKER)
+    script.write_text(pd_worker.SCRIPT)
     fakes = {}
     for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
         port = free_port()
@@ -390,7 +326,7 @@ def test_a_decode_worker_refusing_admission_does_not_move_the_session(procs: Pro
     # Each decode attempt committed the request's session: one refused (429) by its decode worker
     # bound the session there, then the next attempt moved it, counting a move per refusal.
     script = procs.log_dir / "pd_worker.py"
-    script.write_text(PD_WORKER)
+    script.write_text(pd_worker.SCRIPT)
     roles = {"p0": "prefill-now", "d0": "full", "d1": "decode"}
     fakes = {}
     for name, role in roles.items():

@@ -5,7 +5,7 @@ base model, and announces its blocks with ``lora_name``; the subscriber keys tho
 ``namespace_seed(base, adapter)``, and so must the gateway key a request for the adapter.
 
 The end-to-end test runs real echo worker processes (one listing an adapter), a real gateway
-process, and the independent vLLM-format ZMQ publisher of ``tests/unit/events/test_subscriber.py`` with
+process, and the independent vLLM-format ZMQ publisher of ``tests/fakes/kv_publisher.py`` with
 BlockStored payloads encoded here (vLLM's current map layout, ``lora_name`` and ``extra_keys``).
 """
 
@@ -25,8 +25,8 @@ import yaml
 from mesh.cluster.registry import WorkerRegistry, split_models
 from mesh.config import ConfigError, WorkerConfig, parse_config
 from mesh.gateway.upstream import UpstreamPool
+from tests.fakes.kv_publisher import Publisher
 from tests.procs import ProcessGroup, free_port, wait_until
-from tests.unit.events.test_subscriber import Publisher
 
 BS = 4
 BASE, LORA = "base-model", "my-lora"

@@ -15,8 +15,8 @@ import pytest
 import xxhash
 import yaml
 
-from tests.e2e.sessions.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.redis_server import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
 PREFIX = "hx:"
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello hostile redis"}], "max_tokens": 2}

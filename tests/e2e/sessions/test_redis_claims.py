@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from mesh.state.redis_state import Claim, RedisStateBackend, SharedSessionTable
-from tests.e2e.sessions.test_state_redis import RedisServer
 from tests.procs import ProcessGroup
+from tests.support.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import time
 import httpx
 import yaml
 
-from tests.e2e.sessions.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.redis_server import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
 IDLE_TTL_S = 1.0
 TOKENS = 20

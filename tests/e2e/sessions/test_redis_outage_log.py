@@ -11,8 +11,8 @@ import logging
 import pytest
 
 from mesh.state.redis_state import RedisStateBackend
-from tests.e2e.sessions.test_state_redis import RedisServer
 from tests.procs import ProcessGroup
+from tests.support.redis_server import RedisServer
 
 
 def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(

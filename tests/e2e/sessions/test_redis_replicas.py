@@ -26,8 +26,8 @@ import yaml
 from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
 from mesh.state.shared_load import SharedLoad
 from policies.base import TargetState
-from tests.e2e.sessions.test_state_redis import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 from tests.procs import PYTHON, ProcessGroup, free_port, kill_process, wait_until
+from tests.support.redis_server import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello review six"}], "max_tokens": 2}
 SKEW_S = 120  # replica B's wall clock is two minutes behind A's (and Redis's)

@@ -22,8 +22,8 @@ import msgspec
 import pytest
 import yaml
 
+from tests.fakes.kv_publisher import Publisher
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_http, wait_until
-from tests.unit.events.test_subscriber import Publisher
 
 ADMIN = {"authorization": "Bearer adm"}
 MODEL = "m"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,55 +34,12 @@ import yaml
 from mesh.config import ConfigError, MeshConfig, parse_config
 from mesh.core.sessions import MemoryStateBackend, SessionTable
 from mesh.state.redis_state import RedisStateBackend, SharedSessionTable
-from tests.procs import Proc, ProcessGroup, free_port, kill_process, wait_until
-
-if shutil.which("redis-server") is None:  # .ci/run installs it; so does `apt-get install redis-server`
-    raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
+from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.redis_server import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
 IDLE_TTL_S = 3.0  # gateways' sessions.idle_ttl_s: long enough for a few turns on a busy machine
 WORKERS = ("e0", "e1", "e2")
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello shared sessions"}]}
-
-
-# -- processes --
-class RedisServer:
-    """A real redis-server on a fixed free port, without persistence; restartable on that port."""
-
-    def __init__(self, procs: ProcessGroup) -> None:
-        self.procs = procs
-        self.port = free_port()
-        self.proc: Proc | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = self.procs.start(cmd, name=f"redis-{self.port}-{time.monotonic_ns()}", port=self.port)
-        wait_until(self.pings, what="redis-server answering PING")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            kill_process(self.proc)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, decode_responses=True, socket_timeout=2)
-
-    def pings(self) -> bool:
-        try:
-            with self.client() as c:
-                return bool(c.ping())
-        except redis.RedisError:
-            return False
-
-
-@pytest.fixture(scope="module")
-def server(module_procs: ProcessGroup) -> Iterator[RedisServer]:
-    srv = RedisServer(module_procs)
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 def run(coro: Any) -> Any:

@@ -32,8 +32,8 @@ from mesh.state.redis_state import RedisStateBackend
 from mesh.state.shared_load import ZERO, SharedLoad, sum_loads
 from policies.base import RequestInfo, TargetState
 from policies.least_load import LeastLoad
-from tests.e2e.sessions.test_state_redis import RedisServer, server, wait_until  # noqa: F401 (server: the redis-server fixture)
-from tests.procs import ProcessGroup, free_port
+from tests.procs import ProcessGroup, free_port, wait_until
+from tests.support.redis_server import RedisServer, server  # noqa: F401 (server: the redis-server fixture)
 
 TARGETS = ("w0", "w1")
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello shared load"}], "max_tokens": 2}

@@ -262,7 +262,7 @@ def test_one_token_prefill_chunk_is_not_run_as_a_decode_on_the_graph_path(
     sequence's *last* position (and samples from it), so position 0 of a 5-token prompt would run
     as position 4 with no context, sample a bogus token, and the next step index past the block
     table."""
-    from tests.unit.workers.test_async_decode import _emulate_graphs
+    from tests.support.cuda_graphs import emulate_graphs
 
     prompt = [7, 3, 9, 1, 4]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -270,7 +270,7 @@ def test_one_token_prefill_chunk_is_not_run_as_a_decode_on_the_graph_path(
     eng = _engine(model, num_kv_blocks=32, attention_backend="torch", max_graph_batch_size=4,
                   max_num_batched_tokens=budget, chunked_prefill_size=chunk)
     with pytest.MonkeyPatch.context() as mp:
-        _emulate_graphs(eng.runner, mp)
+        emulate_graphs(eng.runner, mp)
         eng.async_decode = async_decode
         got = eng.generate([prompt], params)[0]
     assert got == want

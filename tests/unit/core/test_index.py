@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Overlap, Tier
+from tests.support.index_oracle import consistent_with_holdings
 
 TARGETS = ["a", "b", "c", "d@1"]
 
@@ -114,26 +115,6 @@ class Oracle:
         return out
 
 
-def consistent_with_holdings(
-    index: PrefixIndex, keys: list[int], targets: list[str] = TARGETS
-) -> dict[str, Overlap]:
-    """The match a brute force would give from the index's own ``holds`` (shared with
-    tests/unit/core/test_index_bulk.py)."""
-    out = {}
-    for t in targets:
-        total = gpu = 0
-        for k in keys:
-            tier = index.holds(t, k)
-            if tier is None:
-                break
-            if gpu == total and tier is Tier.GPU:
-                gpu += 1
-            total += 1
-        if total:
-            out[t] = Overlap(gpu, total - gpu)
-    return out
-
-
 # ------------------------------------------------------------------------ operations
 target_st = st.sampled_from(TARGETS)
 key_st = st.sampled_from(KEYS)
@@ -210,7 +191,7 @@ def test_budget_keeps_size_and_consistency(ops: list[tuple], budget: int) -> Non
         assert len(index) <= budget
         for k in KEYS:
             path = UNI.path(k)
-            assert dict(index.match(path)) == consistent_with_holdings(index, path)
+            assert dict(index.match(path)) == consistent_with_holdings(index, path, TARGETS)
 
 
 def test_partial_matches_split_gpu_and_cpu() -> None:

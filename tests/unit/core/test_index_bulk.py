@@ -13,7 +13,7 @@ import mesh.core.index
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Tier
-from tests.unit.core.test_index import consistent_with_holdings
+from tests.support.index_oracle import consistent_with_holdings
 
 TARGETS = ["a", "b", "c", "d"]
 

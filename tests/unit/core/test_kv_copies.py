@@ -32,7 +32,7 @@ from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.events.wire import BlockRemoved as MeshBlockRemoved
 from mesh.events.wire import decode_batch
 from policies.base import Overlap, Tier
-from tests.e2e.events.test_kv_events_upstream import UpstreamPublisher
+from tests.fakes.upstream_publisher import UpstreamPublisher
 
 MODEL = "dup-model"
 SEED = namespace_seed(MODEL)
@@ -110,7 +110,7 @@ def low64(h: bytes) -> int:
 
 
 class Publisher(UpstreamPublisher):
-    """vLLM's ZmqEventPublisher (``tests.e2e.events.test_kv_events_upstream``), one batch per ``publish``."""
+    """vLLM's ZmqEventPublisher (``tests.fakes.upstream_publisher``), one batch per ``publish``."""
 
     def publish(self, *events: Any) -> None:  # type: ignore[override]
         super().publish(VBatch(time.time(), list(events), 0))

@@ -1,5 +1,5 @@
 """KV event ingestion from a hostile or broken publisher, over real ZMQ sockets (the independent
-publisher of tests/unit/events/test_subscriber.py): the stream must keep running, memory must stay bounded,
+publisher of tests/fakes/kv_publisher.py): the stream must keep running, memory must stay bounded,
 and the index must hold exactly what the publisher's valid events say."""
 
 from __future__ import annotations
@@ -16,20 +16,8 @@ from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
 from mesh.events.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
 from policies.base import Overlap
-from tests.unit.events.test_subscriber import (
-    BS,
-    MODEL,
-    SEED,
-    Publisher,
-    ToyEngine,
-    caught_up,
-    check_index,
-    encode_events,
-    nudge_until,
-    sessions,
-    subscribed,
-    wait_until,
-)
+from tests.fakes.kv_publisher import BS, MODEL, SEED, Publisher, encode_events
+from tests.support.kv_events import ToyEngine, caught_up, check_index, nudge_until, sessions, subscribed, wait_until
 
 
 def _stored(h: int, tokens: list[int], lora: str | None = None) -> dict:

@@ -1,6 +1,6 @@
 """mesh.events.ingest in-process: the gateway's subscriber follows the registry (real ZMQ sockets).
 
-The vLLM-format publisher is the independent one of ``tests/unit/events/test_subscriber.py``. Workers have no
+The vLLM-format publisher is the independent one of ``tests/fakes/kv_publisher.py``. Workers have no
 HTTP server here (ingestion does not depend on health); the gateway runs its real lifespan.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from mesh.config import WorkerConfig, parse_config
 from mesh.core.keys import block_keys, namespace_seed
 from mesh.gateway.app import Gateway, create_app
-from tests.unit.events.test_subscriber import BS, MODEL, Publisher, encode_events
+from tests.fakes.kv_publisher import BS, MODEL, Publisher, encode_events
 
 RNG = random.Random(3)
 

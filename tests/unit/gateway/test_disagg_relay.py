@@ -1,13 +1,11 @@
 """``mesh.gateway.disagg_relay``: the relay's contract and its retry, queue and lease rules, against workers
-emulated by ``httpx.MockTransport`` (vLLM's P/D HTTP contract: a prefill with ``max_tokens: 1``
+emulated by ``httpx.MockTransport`` (``tests/support/relay_mock.py``; vLLM's P/D HTTP contract: a prefill with ``max_tokens: 1``
 and ``kv_transfer_params: {do_remote_decode: true}`` answers ``kv_transfer_params`` that the
 decode request carries back, both with one ``X-Request-Id``). Real processes: ``test_disagg.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable
 from dataclasses import replace
 from time import monotonic
 from typing import Any
@@ -19,69 +17,18 @@ from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
 from mesh.gateway.disagg_relay import DecodeQueue, RelayConfig, RelayError, RelayStats, relay_disaggregated
 from policies import create_policy
-from policies.base import Decision, RequestInfo, Role, TargetState
-
-POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {"prefill": {"scorers": ["prefill_load"]},
-                                                                  "decode": {"scorers": ["load"]}}}}
-INFO = RequestInfo(model="m", block_keys=[1, 2, 3], block_size=16, prompt_tokens=50, max_tokens=8)
-VLLM_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4, 5],
-               "remote_engine_id": "engine-p", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
-
-
-def _router(*names: str) -> Router:
-    targets = {n: TargetState(id=n, worker=n, url=f"http://{n}", role=Role.PREFILL if n.startswith("p") else Role.DECODE,
-                              models=frozenset({"m"})) for n in names}
-    return Router(create_policy(POLICY), targets)
-
-
-def _error(status: int, code: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"message": code, "type": "x", "param": None, "code": code}},
-                          headers=headers)
-
-
-class Workers:
-    """A scripted cluster: per host, a list of answers (callables of the request) used in turn."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict[str, Any], str | None]] = []
-        self.script: dict[str, list[Callable[[httpx.Request, dict[str, Any]], httpx.Response]]] = {}
-
-    def on(self, host: str, *answers: Callable[[httpx.Request, dict[str, Any]], httpx.Response]) -> None:
-        self.script.setdefault(host, []).extend(answers)
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content or b"{}")
-        host = request.url.host
-        self.calls.append((host, request.url.path, body, request.headers.get("x-request-id")))
-        answers = self.script.get(host) or []
-        if not answers:
-            raise httpx.ConnectError(f"{host} is down", request=request)
-        answer = answers.pop(0) if len(answers) > 1 else answers[0]
-        return answer(request, body)
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self.handler))
-
-
-def vllm_prefill(params: dict[str, Any] | None = VLLM_PARAMS) -> Callable[[httpx.Request, dict[str, Any]], httpx.Response]:
-    def answer(_: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-        out: dict[str, Any] = {"id": "cmpl-p", "object": "text_completion", "choices": [{"index": 0, "text": "x"}],
-                               "usage": {"prompt_tokens": 50, "completion_tokens": 1,
-                                         "prompt_tokens_details": {"cached_tokens": 32}}}
-        if params is not None:
-            out["kv_transfer_params"] = params
-        return httpx.Response(200, json=out)
-    return answer
-
-
-def decode_ok(text: str = "hello world") -> Callable[[httpx.Request, dict[str, Any]], httpx.Response]:
-    def answer(_: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-        if body.get("stream"):  # a streamed body, as a real worker's
-            sse = f'data: {{"choices":[{{"text":"{text}"}}]}}\n\ndata: [DONE]\n\n'.encode()
-            return httpx.Response(200, stream=httpx.ByteStream(sse), headers={"content-type": "text/event-stream"})
-        data = json.dumps({"choices": [{"index": 0, "text": text}], "usage": {"completion_tokens": 2}}).encode()
-        return httpx.Response(200, stream=httpx.ByteStream(data), headers={"content-type": "application/json"})
-    return answer
+from policies.base import Decision
+from tests.support.relay_mock import (
+    BODY,
+    INFO,
+    POLICY,
+    VLLM_PARAMS,
+    Workers,
+    decode_ok,
+    error_response,
+    relay_router,
+    vllm_prefill,
+)
 
 
 async def _run(workers: Workers, router: Router, body: dict[str, Any], decision: Decision | None = None,
@@ -98,15 +45,11 @@ async def _run(workers: Workers, router: Router, body: dict[str, Any], decision:
     return resp.status, raw, resp
 
 
-BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "max_completion_tokens": 8, "stream": True,
-        "stream_options": {"include_usage": True}, "min_tokens": 2, "temperature": 0}
-
-
 async def test_vllm_contract_prefill_then_decode_with_returned_params() -> None:
     w = Workers()
     w.on("p0", vllm_prefill())
     w.on("d0", decode_ok())
-    status, raw, resp = await _run(w, _router("p0", "d0"), BODY, request_id="req-1")
+    status, raw, resp = await _run(w, relay_router("p0", "d0"), BODY, request_id="req-1")
     assert status == 200 and raw == b'data: {"choices":[{"text":"hello world"}]}\n\ndata: [DONE]\n\n'
     (p_host, p_path, p_body, p_rid), (d_host, d_path, d_body, d_rid) = w.calls
     assert (p_host, p_path, d_host, d_path) == ("p0", "/v1/completions", "d0", "/v1/completions")
@@ -124,26 +67,26 @@ async def test_prefill_without_kv_params_falls_back_to_a_plain_decode() -> None:
     w.on("p0", vllm_prefill(None))
     w.on("d0", decode_ok())
     stats = RelayStats()
-    status, _, _ = await _run(w, _router("p0", "d0"), {**BODY, "stream": False}, stats=stats)
+    status, _, _ = await _run(w, relay_router("p0", "d0"), {**BODY, "stream": False}, stats=stats)
     assert status == 200 and stats.fallbacks == 1
     assert "kv_transfer_params" not in w.calls[1][2]
 
 
 async def test_failed_prefill_moves_to_another_pair() -> None:
     w = Workers()
-    w.on("p0", lambda *_: _error(503, "busy"))
+    w.on("p0", lambda *_: error_response(503, "busy"))
     w.on("p1", vllm_prefill())
     w.on("d0", decode_ok())
     stats = RelayStats()
-    status, _, resp = await _run(w, _router("p0", "p1", "d0"), BODY, stats=stats)
+    status, _, resp = await _run(w, relay_router("p0", "p1", "d0"), BODY, stats=stats)
     assert status == 200 and resp.prefill == "p1" and stats.prefill_failures == 1
 
 
 async def test_a_client_error_from_the_prefill_is_answered_as_is() -> None:
     w = Workers()
-    w.on("p0", lambda *_: _error(400, "context_length_exceeded"))
+    w.on("p0", lambda *_: error_response(400, "context_length_exceeded"))
     with pytest.raises(RelayError) as err:
-        await _run(w, _router("p0", "d0"), BODY)
+        await _run(w, relay_router("p0", "d0"), BODY)
     assert err.value.status == 400 and b"context_length_exceeded" in err.value.body
     assert [c[0] for c in w.calls] == ["p0"]
 
@@ -151,19 +94,19 @@ async def test_a_client_error_from_the_prefill_is_answered_as_is() -> None:
 async def test_admission_refusal_tries_another_decode_worker() -> None:
     w = Workers()
     w.on("p0", vllm_prefill())
-    w.on("d0", lambda *_: _error(429, "kv_admission_full", {"retry-after": "1"}))
+    w.on("d0", lambda *_: error_response(429, "kv_admission_full", {"retry-after": "1"}))
     w.on("d1", decode_ok())
     stats = RelayStats()
-    status, _, resp = await _run(w, _router("p0", "d0", "d1"), BODY, stats=stats)
+    status, _, resp = await _run(w, relay_router("p0", "d0", "d1"), BODY, stats=stats)
     assert status == 200 and resp.decode == "d1" and stats.decode_refusals == 1
 
 
 async def test_every_decode_full_waits_in_the_bounded_queue_then_succeeds() -> None:
     w = Workers()
     w.on("p0", vllm_prefill())
-    w.on("d0", lambda *_: _error(429, "kv_admission_full"), lambda *_: _error(429, "kv_admission_full"), decode_ok())
+    w.on("d0", lambda *_: error_response(429, "kv_admission_full"), lambda *_: error_response(429, "kv_admission_full"), decode_ok())
     queue, stats = DecodeQueue(max_waiting=4), RelayStats()
-    status, _, _ = await _run(w, _router("p0", "d0"), BODY, queue=queue, stats=stats,
+    status, _, _ = await _run(w, relay_router("p0", "d0"), BODY, queue=queue, stats=stats,
                               config=RelayConfig(retry_after_cap_s=0.01))
     assert status == 200 and queue.waits == 2 and stats.decode_refusals == 2 and queue.waiting == 0
 
@@ -171,9 +114,9 @@ async def test_every_decode_full_waits_in_the_bounded_queue_then_succeeds() -> N
 async def test_a_full_queue_answers_429_and_cancels_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     w = Workers()
     w.on("p0", vllm_prefill({**VLLM_PARAMS, "transfer_id": "t1"}))
-    w.on("d0", lambda *_: _error(429, "kv_admission_full"))
+    w.on("d0", lambda *_: error_response(429, "kv_admission_full"))
     queue = DecodeQueue(max_waiting=0)
-    router = _router("p0", "d0")
+    router = relay_router("p0", "d0")
     released: list[dict[str, Any]] = []
     real_post = httpx.AsyncClient.post
 
@@ -195,7 +138,7 @@ async def test_decode_worker_down_retries_the_same_transfer_elsewhere() -> None:
     w.on("p0", vllm_prefill())
     w.on("d1", decode_ok())  # d0 has no script: connection refused
     stats = RelayStats()
-    status, _, resp = await _run(w, _router("p0", "d0", "d1"), BODY, stats=stats)
+    status, _, resp = await _run(w, relay_router("p0", "d0", "d1"), BODY, stats=stats)
     assert status == 200 and resp.decode == "d1" and stats.decode_failures == 1
     assert [c[0] for c in w.calls] == ["p0", "d0", "d1"]  # one prefill: its blocks stay pinned
     assert w.calls[2][2]["kv_transfer_params"] == VLLM_PARAMS
@@ -205,9 +148,9 @@ async def test_a_transfer_failure_takes_a_new_pair() -> None:
     w = Workers()
     w.on("p0", vllm_prefill())
     w.on("p1", vllm_prefill({**VLLM_PARAMS, "remote_engine_id": "engine-p1"}))
-    w.on("d0", lambda *_: _error(502, "kv_transfer_corrupt"), decode_ok())
+    w.on("d0", lambda *_: error_response(502, "kv_transfer_corrupt"), decode_ok())
     stats = RelayStats()
-    status, _, resp = await _run(w, _router("p0", "p1", "d0"), BODY, stats=stats)
+    status, _, resp = await _run(w, relay_router("p0", "p1", "d0"), BODY, stats=stats)
     assert status == 200 and resp.prefill == "p1" and stats.transfer_failures == 1
     assert w.calls[-1][2]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
 
@@ -216,7 +159,7 @@ async def test_a_cancelled_request_settles_its_leases() -> None:
     w = Workers()
     gate = asyncio.Event()
     w.on("p0", vllm_prefill())
-    router = _router("p0", "d0")
+    router = relay_router("p0", "d0")
 
     async def slow_handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "d0":
@@ -241,7 +184,7 @@ async def test_a_session_is_bound_to_its_decode_worker_not_the_prefill() -> None
     w.on("p0", vllm_prefill())
     w.on("d0", decode_ok())
     sessions = SessionTable(idle_ttl_s=60)
-    router = Router(create_policy(POLICY), _router("p0", "d0").targets, sessions=sessions)
+    router = Router(create_policy(POLICY), relay_router("p0", "d0").targets, sessions=sessions)
     info = replace(INFO, session_id="s1")
     async with w.client() as client:
         for _ in range(2):

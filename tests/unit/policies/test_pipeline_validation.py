@@ -7,36 +7,25 @@ random choice.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
-
-from tests.procs import REPO
-
-
-def _validate(tmp_path: Path, policy: object) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "mesh.yaml"
-    path.write_text(yaml.safe_dump({"policy": policy}))
-    return subprocess.run([sys.executable, "-m", "mesh", "config", "validate", str(path)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+from tests.support.config_cli import validate_policy
 
 
 def test_a_pipeline_without_scorers_is_warned_about(tmp_path: Path) -> None:
-    proc = _validate(tmp_path, {"name": "pipeline", "params": {"filters": ["healthy"]}})
+    proc = validate_policy(tmp_path, {"name": "pipeline", "params": {"filters": ["healthy"]}})
     out = proc.stdout + proc.stderr
     assert "no scorers" in out and "random" in out, out
 
 
 def test_a_pd_profile_without_scorers_is_named_in_the_warning(tmp_path: Path) -> None:
-    proc = _validate(tmp_path, {"name": "pipeline", "params": {"profiles": {
+    proc = validate_policy(tmp_path, {"name": "pipeline", "params": {"profiles": {
         "prefill": {"scorers": ["load"]}, "decode": {"filters": ["healthy"]}}}})
     out = proc.stdout + proc.stderr
     assert "pipeline profile 'decode': no scorers" in out and "'prefill': no scorers" not in out, out
 
 
 def test_a_pipeline_with_scorers_is_not_warned_about(tmp_path: Path) -> None:
-    proc = _validate(tmp_path, {"name": "pipeline", "params": {"scorers": ["load"]}})
+    proc = validate_policy(tmp_path, {"name": "pipeline", "params": {"scorers": ["load"]}})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no scorers" not in proc.stdout + proc.stderr

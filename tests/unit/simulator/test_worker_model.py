@@ -15,16 +15,11 @@ import numpy as np
 from simulator.engine import SimConfig, Simulator
 from simulator.profile import DecodeTiming, PrefillTiming, Profile
 from simulator.traces import DONE, Trace, TraceRequest
+from tests.support.worker_model import BS, SEED, Req, sessions
 from workers.config import EngineConfig
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import SamplingParams, Sequence
-
-BS = 4
-SEED = 7
-
-# (arrival s or None, (predecessor, think s) or None, prompt tokens); one output token each
-Req = tuple[float | None, tuple[int, float] | None, list[int]]
 
 
 def engine_hits(reqs: list[Req], blocks: int, budget: int) -> tuple[list[int], bool]:
@@ -84,20 +79,6 @@ def test_a_request_that_does_not_fit_evicts_nothing_and_a_returning_session_hits
     hits, _ = engine_hits(reqs, blocks=20, budget=64)
     assert hits[-1] == 20  # the engine kept its 5 blocks (the big request evicted the older chain)
     assert simulated_hits(reqs, blocks=20, budget=64) == hits
-
-
-def sessions(rng: random.Random) -> list[Req]:
-    """Four independent sessions of eight turns, each turn extending the last, closed loop."""
-    reqs: list[Req] = []
-    for _ in range(4):
-        ctx = [rng.randrange(1000) for _ in range(rng.randrange(8, 30))]
-        for turn in range(8):
-            ctx = ctx + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
-            if turn == 0:
-                reqs.append((rng.randrange(0, 6) + rng.random(), None, list(ctx)))
-            else:
-                reqs.append((None, (len(reqs) - 1, rng.randrange(0, 4) + rng.random()), list(ctx)))
-    return reqs
 
 
 def test_under_pressure_every_request_hits_what_the_engine_hits() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 from simulator.engine import SimConfig, Simulator
 from simulator.profile import DecodeTiming, PrefillTiming, Profile
 from simulator.traces import DONE, Trace, TraceRequest
-from tests.unit.simulator.test_worker_model import BS, SEED, Req, sessions
+from tests.support.worker_model import BS, SEED, Req, sessions
 from workers.config import EngineConfig
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler

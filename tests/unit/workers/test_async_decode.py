@@ -14,71 +14,19 @@ import asyncio
 import contextlib
 import random
 import threading
-import types
 
 import pytest
 import torch
 
+from tests.support.cuda_graphs import emulate_graphs
 from workers.config import EngineConfig, get_preset
 from workers.engine.block_manager import MEDIUM_GPU, AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
 from workers.engine.llm_engine import AsyncLLMEngine, LLMEngine, RequestOutput
-from workers.engine.model_runner import ModelRunner
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from workers.model.decoder import build_model
-from workers.model.layers import AttentionMetadata
 
 TINY = get_preset("tiny")
-
-
-class _Event:  # CPU work is synchronous: recorded means done
-    def record(self) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-
-class _Replay:
-    """A "graph" of batch size ``b``: an eager forward over the runner's static inputs."""
-
-    def __init__(self, runner: ModelRunner, b: int) -> None:
-        self.runner, self.b = runner, b
-
-    def replay(self) -> None:
-        r, b = self.runner, self.b
-        meta = AttentionMetadata(r._g_slots[:b], 0, decode_block_tables=r._g_tables[:b],
-                                 decode_context_lens=r._g_ctx[:b])
-        with torch.inference_mode():
-            r._g_logits[b].copy_(r.model.lm_head(r.model(r._g_ids[:b], r._g_pos[:b], r.kv_caches, meta, r.backend)))
-
-
-def _emulate_graphs(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    zeros, ones = torch.zeros, torch.ones
-    with monkeypatch.context() as m:  # only while the buffers are made: no pinned memory on CPU
-        m.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
-        m.setattr(torch, "ones", lambda *a, pin_memory=False, **k: ones(*a, **k))
-        m.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-        m.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(pool=lambda: None))
-        m.setattr(torch.cuda, "graph", lambda *a, **k: _NoCapture())
-        m.setattr(torch.cuda, "Stream", lambda *a, **k: None)
-        runner._capture_graphs()
-    assert runner.graphs, "the stand-in capture failed"
-    for b in runner.graphs:
-        runner.graphs[b] = _Replay(runner, b)  # type: ignore[assignment]
-
-    def launch(seqs, prev=None):  # type: ignore[no-untyped-def]
-        with torch.inference_mode():
-            return runner._launch(seqs, prev)
-
-    monkeypatch.setattr(runner, "launch_decode", launch)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-
-
-class _NoCapture:
-    def __enter__(self) -> _NoCapture:
-        return self
-
-    def __exit__(self, *exc: object) -> bool:
-        return False
 
 
 def _make_engine(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, mode: str,
@@ -88,7 +36,7 @@ def _make_engine(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, mode: 
                        max_graph_batch_size=16, max_num_batched_tokens=128, max_model_len=512, cpu_threads=1)
     engine = LLMEngine(TINY, cfg, eos_token_id=257, model=model)
     if mode != "eager":
-        _emulate_graphs(engine.runner, monkeypatch)
+        emulate_graphs(engine.runner, monkeypatch)
         engine.async_decode = mode == "async"
     return engine
 
