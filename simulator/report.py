@@ -21,9 +21,7 @@ Definitions (all per policy):
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,19 @@ from typing import Any
 import numpy as np
 
 from simulator.engine import RunResult
+from simulator.report_page import (
+    HIT_RATE,
+    Column,
+    Page,
+    fmt_latency,
+    fmt_num,
+    int_column,
+    num_column,
+    requests_text,
+    traces_text,
+    write_page,
+)
+from simulator.report_plots import plots
 
 
 def dist(values: np.ndarray, scale: float = 1000.0) -> dict[str, float]:
@@ -120,7 +131,7 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
         rows.append((
             label, f"{s['requests']:,}", *((f"{s['rejected']:,}",) if rejects else ()),
             *((f"{s.get('pd_pairs', 0):,}",) if pairs else ()), f"{s['hit_rate']:.1%}",
-            _ms(t["mean"]), _ms(t["p50"]), _ms(t["p99"]), _ms(itl["p50"]), _ms(itl["p99"]), _ms(s["e2e_ms"]["mean"]),
+            *(fmt_latency(v) for v in (t["mean"], t["p50"], t["p99"], itl["p50"], itl["p99"], s["e2e_ms"]["mean"])),
             f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}",
             f"{s['load_spread']:.2f}", f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
         ))
@@ -158,10 +169,6 @@ TABLE_NOTE = ("ideal (trace): the hit rate of an unbounded cache reusing every p
               "than the session's previous turn.")
 
 
-def _ms(v: float) -> str:
-    return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.1f} ms"
-
-
 # ------------------------------------------------------------------------------ JSON
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -177,181 +184,72 @@ def _jsonable(obj: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ HTML
-def _png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _panels(plt: Any, n: int) -> tuple[Any, list[Any]]:
-    """A grid of ``n`` small panels sharing both axes (the unused ones hidden)."""
-    cols = min(n, 3)
-    rows = -(-n // cols)
-    fig, grid = plt.subplots(rows, cols, figsize=(3.4 * cols + 0.8, 2.4 * rows + 0.8), sharex=True, sharey=True,
-                             squeeze=False, constrained_layout=True)
-    flat = list(grid.ravel())
-    for ax in flat[n:]:
-        ax.set_visible(False)
-    return fig, flat[:n]
-
-
-def _bins(t: np.ndarray, lo: float, hi: float, n: int = 60) -> tuple[np.ndarray, np.ndarray]:
-    """(bin centres, bin index of each of ``t``) over ``n`` equal bins of [lo, hi]."""
-    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, n + 1)
-    idx = np.clip(np.digitize(t, edges) - 1, 0, n - 1)
-    return (edges[:-1] + edges[1:]) / 2, idx
-
-
-def _series(results: dict[str, RunResult]) -> dict[str, str]:
-    """The report's plots, as inline PNG data URLs by name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return {"ttft_cdf": _ttft_cdf(plt, results), "hit_rate": _hit_rate(plt, results),
-            "queue": _queue(plt, results), "load": _load(plt, results)}
-
-
-def _ttft_cdf(plt: Any, results: dict[str, RunResult]) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = ("-", "--", "-.", ":")  # with widths narrowing, equal curves stay visible on each other
-    for k, (label, r) in enumerate(results.items()):
-        served = r.worker >= 0
-        ttft = np.sort((r.first_token - r.arrival)[served])
-        if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label, linestyle=styles[k % len(styles)],
-                    linewidth=max(0.8, 3.0 - 0.5 * k))
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _close(plt, fig)
-
-
-def _hit_rate(plt: Any, results: dict[str, RunResult]) -> str:
-    """Hit rate over time: one small panel per policy (shared axes). Overlaid, several policies'
-    lines hide each other and the raw samples become a solid block of colour."""
-    fig, axes = _panels(plt, len(results))
-    for ax, (label, r) in zip(axes, results.items()):
-        served = r.worker >= 0
-        t, hit, prompt = r.arrival[served], r.hit[served], r.prompt[served]
-        ax.set_title(label, fontsize=9)
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        if t.size < 2:
-            continue
-        mid, idx = _bins(t, r.arrival.min(), r.arrival.max())
-        h = np.bincount(idx, weights=hit, minlength=mid.size)
-        p = np.bincount(idx, weights=prompt, minlength=mid.size)
-        ok = p > 0
-        ax.plot(mid[ok], h[ok] / p[ok], color="C0")
-    fig.supxlabel("simulated time (s)")
-    fig.supylabel("prefix hit rate (token-weighted)")
-    fig.suptitle("Hit rate over time")
-    return _close(plt, fig)
-
-
-def _queue(plt: Any, results: dict[str, RunResult]) -> str:
-    """Queue length over time, one panel per policy: mean and max per time bin."""
-    fig, axes = _panels(plt, len(results))
-    for ax, (label, r) in zip(axes, results.items()):
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        if r.queue_t.size < 2:
-            continue
-        mid, idx = _bins(r.queue_t, r.queue_t.min(), r.queue_t.max())
-        n = np.bincount(idx, minlength=mid.size)
-        mean = np.bincount(idx, weights=r.queue_len, minlength=mid.size)
-        peak = np.zeros(mid.size)
-        np.maximum.at(peak, idx, r.queue_len)
-        ok = n > 0
-        ax.fill_between(mid[ok], 0, peak[ok], color="C1", alpha=0.3, linewidth=0, label="max")
-        ax.plot(mid[ok], mean[ok] / n[ok], color="C1", label="mean")
-    axes[0].legend(fontsize=8, loc="upper right")
-    fig.supxlabel("simulated time (s)")
-    fig.supylabel("requests waiting for admission")
-    fig.suptitle("Queue length over time (sampled at arrivals; mean and max per time bin)")
-    return _close(plt, fig)
-
-
-def _load(plt: Any, results: dict[str, RunResult]) -> str:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / max(1, len(results))
-    for k, (label, r) in enumerate(results.items()):
-        served = r.worker >= 0
-        counts = np.bincount(r.worker[served], minlength=len(r.workers))
-        ax.bar(np.arange(len(r.workers)) + k * width, counts, width=width, label=label)
-    first = next(iter(results.values()))
-    ax.set_xticks(np.arange(len(first.workers)) + 0.4 - width / 2)
-    ax.set_xticklabels(first.workers, rotation=90 if len(first.workers) > 16 else 0)
-    ax.set_ylabel("requests prefilled")
-    ax.set_title("Per-worker load")
-    ax.legend()
-    return _close(plt, fig)
-
-
-def _close(plt: Any, fig: Any) -> str:
-    """The figure as a PNG data URL; the figure is closed."""
-    png = _png(fig)
-    plt.close(fig)
-    return png
+COLUMNS = (
+    int_column("requests", ("requests",)), int_column("rejected", ("rejected",)),
+    int_column("PD pairs", ("pd_pairs",)), HIT_RATE, num_column("TTFT mean (ms)", ("ttft_ms", "mean")),
+    num_column("TTFT p99 (ms)", ("ttft_ms", "p99")), num_column("ITL p99 (ms)", ("itl_ms", "p99")),
+    num_column("E2E mean (ms)", ("e2e_ms", "mean")),
+    num_column("out tok/s", ("throughput_tok_s",), "higher"),
+    Column("in tok/s", lambda s: fmt_num(s["input_throughput_tok_s"])),
+    Column("spread", lambda s: f"{s['load_spread']:.2f}"), int_column("moves", ("session_moves",)),
+    Column("wall s", lambda s: f"{s['wall_s']:,.2f}"),
+)
 
 
 def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, RunResult]) -> None:
-    """A self-contained report: summary table, run settings, and inline PNG plots."""
-    figs = _series(results)
-    rows = []
-    for label, s in payload["policies"].items():
-        t = s["ttft_ms"]
-        rows.append(
-            "<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (
-                label, f"{s['requests']:,}", f"{s['hit_rate']:.1%}", f"{t['mean']:.1f}", f"{t['p50']:.1f}",
-                f"{t['p90']:.1f}", f"{t['p99']:.1f}", f"{s['itl_ms']['mean']:.2f}", f"{s['e2e_ms']['mean']:.1f}",
-                f"{s['throughput_tok_s']:,.0f}", f"{s['input_throughput_tok_s']:,.0f}", f"{s['load_spread']:.2f}",
-                f"{s['session_moves']:,}", f"{s['wall_s']:.2f}",
-            )) + "</tr>"
-        )
-    ref = _reference_row(payload.get("trace", {}), ("policy", "requests", "hit rate", *("",) * 11))
-    if any(ref[1:]):
-        rows.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in ref) + "</tr>")
-    head = "".join(f"<th>{h}</th>" for h in (
-        "policy", "requests", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "ITL mean ms", "E2E mean ms",
-        "out tok/s", "in tok/s", "load spread", "session moves", "wall s"))
-    settings = html.escape(json.dumps({k: v for k, v in payload.items() if k != "policies"}, indent=2,
-                                      default=_jsonable))
-    warnings = list(payload.get("trace", {}).get("warnings") or [])
+    """The self-contained report (``simulator.report_page``): what was run, warnings, the tables
+    with the best run and the changes against the baseline, plots, settings."""
+    trace = payload.get("trace", {})
+    runs = payload["policies"].values()
+    shown = tuple(c for c in COLUMNS if c.title not in ("rejected", "PD pairs")
+                  or any(s.get("rejected" if c.title == "rejected" else "pd_pairs") for s in runs))
+    ref = _reference_row(trace, ("policy", *(c.title for c in shown)))
+    default = payload.get("gateway_default_policy")
+    notes = [TABLE_NOTE, "Times in ms; throughput in tokens per second of simulated time.",
+             *([f"{default}: the gateway's default policy (mesh serve without a policy)"] if default else [])]
+    page = Page(
+        title="mesh simulate", header=run_header(payload), summaries=payload["policies"], columns=shown, notes=notes,
+        warnings=html_warnings(payload), figs=plots(results), extra_rows=[ref] if any(ref[1:]) else [],
+        settings=html.escape(json.dumps({k: v for k, v in payload.items() if k != "policies"}, indent=2,
+                                        default=_jsonable)),
+        baseline=payload.get("baseline"))
+    write_page(path, page)
+
+
+def run_header(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, value) of what was run, for the report's header."""
+    trace, profile, runs = payload.get("trace", {}), payload.get("profile", {}), payload.get("runs", {})
+    workers = payload.get("workers")
+    counts = ", ".join(str(n) for n in workers) if isinstance(workers, list) else str(workers)
+    if payload.get("prefill_workers"):
+        counts += f" ({payload['prefill_workers']} of them prefill)"
+    if payload.get("workers_per_device", 1) > 1:
+        counts += f", {payload['workers_per_device']} per device"
+    policies = list(dict.fromkeys(runs.get("policy", {}).values())) or list(payload["policies"])
+    default = payload.get("gateway_default_policy")
+    return [
+        ("traces", traces_text(trace.get("files", []), trace.get("formats", []))),
+        ("requests", requests_text(trace, payload["policies"], "simulated")),
+        ("workers", counts),
+        ("profile", f"{profile.get('name', '?')}" + (" (an estimate, not calibrated)" if profile.get("estimate") else "")
+                    + (f", {profile['kv_blocks']:,} KV blocks of {profile.get('block_size')} tokens a worker"
+                       if profile.get("kv_blocks") else "")),
+        ("policies", ", ".join(f"{p} (the gateway's default)" if p == default else p for p in policies)),
+        ("command", str(payload.get("command", ""))),
+        ("status", "complete" if payload.get("complete", True) else
+                   f"partial: {runs.get('done')} of {runs.get('total')} runs finished"),
+    ]
+
+
+def html_warnings(payload: dict[str, Any]) -> list[str]:
+    """The terminal's warnings: a partial report, an estimated profile, the trace's and the runs'."""
+    warnings = []
     runs = payload.get("runs")
     if runs and runs["pending"]:  # rewritten as each run ends: say which are still to come
-        warnings.insert(0, f"partial report: {runs['done']} of {runs['total']} runs finished; still running or "
-                           f"not run: {', '.join(runs['pending'])}")
-    default = payload.get("gateway_default_policy")
-    if default:
-        warnings.append(f"{default}: the gateway's default policy (mesh serve without a policy)")
-    write_page(path, "mesh simulate", head, rows, "Notes", warnings, figs, settings)
-
-
-def write_page(path: str | Path, title: str, head: str, rows: list[str], warnings_title: str, warnings: list[str],
-               figs: dict[str, str], settings: str) -> None:
-    """The self-contained HTML report of ``mesh simulate`` and ``mesh replay``: the summary table
-    (``head``: its header cells; ``rows``: its ``<tr>`` rows), warnings, plots, settings."""
-    warn_html = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
-    imgs = "".join(f'<figure><img src="{src}" alt="{name}"></figure>' for name, src in figs.items())
-    doc = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{title} report</title>
-<style>
-body{{font-family:system-ui,sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}
-th{{background:#f3f3f3}} figure{{display:inline-block;margin:1em}} pre{{background:#f7f7f7;padding:1em}}
-</style></head><body>
-<h1>{title}</h1>
-<table><tr>{head}</tr>{''.join(rows)}</table>
-{f'<h2>{warnings_title}</h2><ul>{warn_html}</ul>' if warn_html else ''}
-<h2>Plots</h2>{imgs}
-<h2>Settings</h2><pre>{settings}</pre>
-</body></html>
-"""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(doc)
+        warnings.append(f"partial report: {runs['done']} of {runs['total']} runs finished; still running or "
+                        f"not run: {', '.join(runs['pending'])}")
+    profile = payload.get("profile", {})
+    if profile.get("estimate"):
+        warnings.append(f"profile {profile.get('name')} is an estimate (not calibrated): absolute times are "
+                        "estimates, compare policies by their ratios (mesh calibrate measures a profile)")
+    return [*warnings, *(payload.get("trace", {}).get("warnings") or []), *(payload.get("warnings") or [])]

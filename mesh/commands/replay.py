@@ -231,10 +231,12 @@ def _run_warnings(args: argparse.Namespace, prep: Prepared, summary: dict[str, A
 def _payload(args: argparse.Namespace, prep: Prepared, model: str, summary: dict[str, Any], result: PlayResult,
              warnings: list[str], started: float) -> dict[str, Any]:
     """The JSON report (``mesh simulate``'s shape: one run under ``policies``), every request included."""
+    from mesh.commands.command_line import command_line
     from mesh.replay.report import requests_table
 
     return {
         "mesh_replay": 1,
+        "command": command_line(args),
         "trace": prep.trace_info(),
         "target": {"url": args.url, "model": model, "session_header": _session_header(args),
                    "worker_header": args.worker_header, "concurrency": args.concurrency,

@@ -42,6 +42,7 @@ class Plan:
     counts: list[int]
     default_label: str | None  # the row of the gateway's default policy (None: not run)
     reference: dict[str, float | None] = field(default_factory=dict)
+    command: str = ""  # the command line, as the report's header shows it
 
 
 def run_label(policy: str, workers: int, sweep: bool) -> str:
@@ -52,6 +53,7 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
          progress: SimProgress) -> Plan:
     """Every flag checked and every policy built, then the trace loaded; raises the errors that
     ``run_simulate`` turns into messages."""
+    from mesh.commands.command_line import command_line
     from mesh.commands.sim_workload import load_workload, workload_problem
     from mesh.commands.simulate import check_report_path
     from policies import create_policy
@@ -84,6 +86,7 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
         create_policy(spec, seed=args.seed, strict=True)
     sweep = len(counts) > 1
     runs = [Run(run_label(label, n, sweep), label, spec, n, configs[n]) for label, spec in policies for n in counts]
+    check_baseline(args.baseline, runs)
     progress.phase(f"loading {', '.join(args.traces)}")
     loaded = time.perf_counter()
     try:
@@ -103,7 +106,15 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
                      "ideal_hit_rate_global": ideal.global_}
     progress.say(f"loaded {len(trace.requests):,} requests, {trace.sessions:,} sessions in "
                  f"{duration(time.perf_counter() - loaded)}; {len(runs)} run(s) to go")
-    return Plan(trace, profile, workload, runs, counts, default_label, reference)
+    return Plan(trace, profile, workload, runs, counts, default_label, reference, command_line(args))
+
+
+def check_baseline(name: str | None, runs: list[Run]) -> None:
+    """``--baseline`` names a run or a policy (its first run, ``simulator.report_page``)."""
+    from simulator.engine import SimulationError
+
+    if name is not None and not any(name in (r.label, r.policy) for r in runs):
+        raise SimulationError(f"--baseline {name!r} names no run (the runs: {', '.join(r.label for r in runs)})")
 
 
 def run_all(args: argparse.Namespace, p: Plan, progress: SimProgress, started: float
@@ -200,6 +211,8 @@ def build_payload(args: argparse.Namespace, p: Plan, summaries: dict[str, dict[s
         "profile": p.profile.to_dict(),
         "seed": args.seed,
         "gateway_default_policy": p.default_label,
+        "baseline": args.baseline,
+        "command": p.command,
         "policies": summaries,
         "warnings": warnings,
         "wall_s": time.perf_counter() - started,

@@ -44,6 +44,9 @@ def _add_simulate_parser(subparsers: Any) -> None:
                      help="built-in policy name, module:Class, or a YAML file with a 'policy:' key; repeat to "
                           "compare (default: the gateway's default policy, which is also added as its own row "
                           "unless --no-default-policy or --prefill-workers)")
+    sim.add_argument("--baseline", metavar="NAME",
+                     help="the run (or policy: its first run) the HTML report compares every other run against "
+                          "(default: the first)")
     sim.add_argument("--no-default-policy", action="store_true",
                      help="run only the --policy values, without the gateway's default policy beside them")
     sim.add_argument("--profile", default=None, metavar="FILE_OR_NAME",

@@ -19,9 +19,7 @@ run:
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 from collections import Counter
@@ -34,7 +32,21 @@ from mesh.replay.client import PlayResult
 from mesh.replay.prompts import IdealHitRate
 from mesh.replay.schedule import Plan
 from simulator.engine import RunResult
-from simulator.report import dist, summarize, write_json, write_page
+from simulator.report import dist, summarize, write_json
+from simulator.report_page import (
+    HIT_RATE,
+    Column,
+    Page,
+    fmt_latency,
+    fmt_pct,
+    get,
+    int_column,
+    num_column,
+    requests_text,
+    traces_text,
+    write_page,
+)
+from simulator.report_plots import plots
 
 UNKNOWN_WORKER = "unknown"
 __all__ = ["compare_rows", "render_compare", "render_table", "requests_table", "run_result", "summarize_replay",
@@ -145,16 +157,6 @@ def _r(x: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------ terminal
-def _ms(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v / 1000:.2f} s" if v >= 10_000 else f"{v:.1f} ms"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1%}"
-
-
 def _workers(s: dict[str, Any]) -> str:
     return " ".join(f"{w}:{n}" for w, n in s.get("requests_per_worker", {}).items()) or "-"
 
@@ -174,17 +176,17 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
         ("requests", lambda s: f"{s['requests']:,}"),
         ("errors", lambda s: f"{s.get('errors', 0):,}"),
         ("not sent", lambda s: f"{s.get('not_sent', 0):,}"),
-        ("hit rate", lambda s: _pct(s["hit_rate"]) + ("" if s.get("cached_reported", True) else " (n/a)")),
-        ("TTFT mean", lambda s: _ms(s["ttft_ms"]["mean"])),
-        ("TTFT p50", lambda s: _ms(s["ttft_ms"]["p50"])),
-        ("TTFT p90", lambda s: _ms(s["ttft_ms"]["p90"])),
-        ("TTFT p99", lambda s: _ms(s["ttft_ms"]["p99"])),
-        ("ITL mean", lambda s: _ms(s["itl_ms"]["mean"])),
-        ("ITL p50", lambda s: _ms(s["itl_ms"]["p50"])),
-        ("ITL p99", lambda s: _ms(s["itl_ms"]["p99"])),
-        ("E2E mean", lambda s: _ms(s["e2e_ms"]["mean"])),
-        ("E2E p50", lambda s: _ms(s["e2e_ms"]["p50"])),
-        ("E2E p99", lambda s: _ms(s["e2e_ms"]["p99"])),
+        ("hit rate", lambda s: fmt_pct(s["hit_rate"]) + ("" if s.get("cached_reported", True) else " (n/a)")),
+        ("TTFT mean", lambda s: fmt_latency(s["ttft_ms"]["mean"])),
+        ("TTFT p50", lambda s: fmt_latency(s["ttft_ms"]["p50"])),
+        ("TTFT p90", lambda s: fmt_latency(s["ttft_ms"]["p90"])),
+        ("TTFT p99", lambda s: fmt_latency(s["ttft_ms"]["p99"])),
+        ("ITL mean", lambda s: fmt_latency(s["itl_ms"]["mean"])),
+        ("ITL p50", lambda s: fmt_latency(s["itl_ms"]["p50"])),
+        ("ITL p99", lambda s: fmt_latency(s["itl_ms"]["p99"])),
+        ("E2E mean", lambda s: fmt_latency(s["e2e_ms"]["mean"])),
+        ("E2E p50", lambda s: fmt_latency(s["e2e_ms"]["p50"])),
+        ("E2E p99", lambda s: fmt_latency(s["e2e_ms"]["p99"])),
         ("req/s", lambda s: f"{s.get('throughput_req_s', 0.0):,.2f}"),
         ("out tok/s", lambda s: f"{s['throughput_tok_s']:,.0f}"),
         ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
@@ -194,7 +196,7 @@ def render_table(summaries: dict[str, dict[str, Any]], console: Any, title: str 
     for name, fmt in rows:
         ref = ""
         if reference is not None and name == "hit rate":
-            ref = f"{_pct(reference.get('ideal_hit_rate'))} (any session: {_pct(reference.get('ideal_hit_rate_global'))})"
+            ref = f"{fmt_pct(reference.get('ideal_hit_rate'))} (any session: {fmt_pct(reference.get('ideal_hit_rate_global'))})"
         table.add_row(name, *(fmt(s) for s in summaries.values()), *((ref,) if reference is not None else ()))
     console.print(table)
 
@@ -215,20 +217,11 @@ _COMPARE = (
 )
 
 
-def _get(s: dict[str, Any], path: tuple[str, ...]) -> float | None:
-    v: Any = s
-    for k in path:
-        if not isinstance(v, dict) or k not in v:
-            return None
-        v = v[k]
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 def compare_rows(mine: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]]:
     """Metric by metric: this run's value, the other's, and the ratio mine / other."""
     rows = []
     for label, path, kind in _COMPARE:
-        a, b = _get(mine, path), _get(other, path)
+        a, b = get(mine, path), get(other, path)
         ratio = a / b if a is not None and b not in (None, 0.0) else None
         rows.append({"metric": label, "kind": kind, "value": a, "other": b, "ratio": ratio})
     return rows
@@ -251,7 +244,7 @@ def pick_summary(payload: dict[str, Any], name: str | None = None) -> tuple[str,
 def _fmt(kind: str, v: float | None) -> str:
     if v is None:
         return "-"
-    return {"pct": lambda: f"{v:.1%}", "ms": lambda: _ms(v), "f": lambda: f"{v:.2f}"}.get(kind, lambda: f"{v:,.0f}")()
+    return {"pct": lambda: f"{v:.1%}", "ms": lambda: fmt_latency(v), "f": lambda: f"{v:.2f}"}.get(kind, lambda: f"{v:,.0f}")()
 
 
 def render_compare(rows: list[dict[str, Any]], mine: str, other: str, console: Any, title: str) -> None:
@@ -267,70 +260,33 @@ def render_compare(rows: list[dict[str, Any]], mine: str, other: str, console: A
 
 
 # ------------------------------------------------------------------------------ HTML
-def _png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _plots(results: dict[str, RunResult]) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figs: dict[str, str] = {}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
-        served = r.worker >= 0
-        ttft = np.sort((r.first_token - r.arrival)[served])
-        if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    figs["ttft_cdf"] = _png(fig)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, r in results.items():
-        served = r.worker >= 0
-        t, hit, prompt = r.arrival[served], r.hit[served], r.prompt[served]
-        if t.size > 1:
-            edges = np.linspace(t.min(), t.max() + 1e-9, 41)
-            idx = np.clip(np.digitize(t, edges) - 1, 0, 39)
-            h = np.bincount(idx, weights=hit, minlength=40)
-            p = np.bincount(idx, weights=prompt, minlength=40)
-            ok = p > 0
-            ax.plot(((edges[:-1] + edges[1:]) / 2)[ok], h[ok] / p[ok], label=label)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("replay time (s)")
-    ax.set_ylabel("reported hit rate (token-weighted)")
-    ax.set_title("Hit rate over time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    figs["hit_rate"] = _png(fig)
-    plt.close(fig)
-    return figs
+COLUMNS = (
+    int_column("requests", ("requests",)), int_column("errors", ("errors",), "lower", compared=True), HIT_RATE,
+    Column("ideal", lambda s: fmt_pct(s.get("ideal_hit_rate"))), num_column("TTFT mean (ms)", ("ttft_ms", "mean")),
+    num_column("TTFT p99 (ms)", ("ttft_ms", "p99")), num_column("ITL p99 (ms)", ("itl_ms", "p99")),
+    num_column("E2E mean (ms)", ("e2e_ms", "mean")),
+    Column("req/s", lambda s: f"{s.get('throughput_req_s', 0.0):,.2f}", ("throughput_req_s",), "higher"),
+    num_column("out tok/s", ("throughput_tok_s",), "higher"),
+    int_column("session moves", ("session_moves",)), Column("per worker", _workers),
+    Column("wall s", lambda s: f"{s['wall_s']:,.2f}"),
+)
 
 
 def write_html(path: str | Path, payload: dict[str, Any], results: dict[str, RunResult]) -> None:
-    """A self-contained report: the table of ``mesh simulate``'s HTML, settings, inline plots."""
-    figs = _plots(results)
-    head = "".join(f"<th>{h}</th>" for h in (
-        "run", "requests", "errors", "hit rate", "ideal", "TTFT mean ms", "p50", "p90", "p99", "ITL mean ms",
-        "E2E mean ms", "req/s", "out tok/s", "session moves", "per worker", "wall s"))
-    rows = []
-    for label, s in payload["policies"].items():
-        t = s["ttft_ms"]
-        cells = (label, f"{s['requests']:,}", f"{s.get('errors', 0):,}", f"{s['hit_rate']:.1%}",
-                 _pct(s.get("ideal_hit_rate")), f"{t['mean']:.1f}", f"{t['p50']:.1f}", f"{t['p90']:.1f}",
-                 f"{t['p99']:.1f}", f"{s['itl_ms']['mean']:.2f}", f"{s['e2e_ms']['mean']:.1f}",
-                 f"{s.get('throughput_req_s', 0):.2f}", f"{s['throughput_tok_s']:,.0f}",
-                 "-" if s.get("session_moves") is None else f"{s['session_moves']:,}", _workers(s), f"{s['wall_s']:.2f}")
-        rows.append("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in cells) + "</tr>")
-    settings = html.escape(json.dumps({k: v for k, v in payload.items() if k not in ("policies", "requests")},
-                                      indent=2, default=str))
-    write_page(path, "mesh replay", head, rows, "Warnings", list(payload.get("warnings") or []), figs, settings)
+    """The page of ``mesh simulate``'s HTML (``simulator.report_page``) for a replay."""
+    trace, target = payload.get("trace", {}), payload.get("target", {})
+    header = [
+        ("target", f"{target.get('url', '?')}" + (f", model {target['model']}" if target.get("model") else "")),
+        ("traces", traces_text(trace.get("files", []), trace.get("formats", []))),
+        ("requests", requests_text(trace, payload["policies"], "of replay")),
+        ("concurrency", "" if target.get("concurrency") is None else f"{target['concurrency']:,} sessions at once"),
+        ("runs", ", ".join(payload["policies"])),
+        ("command", str(payload.get("command", ""))),
+    ]
+    page = Page(
+        title="mesh replay", header=header, summaries=payload["policies"], columns=COLUMNS,
+        notes=[TABLE_NOTE, "Times in ms, as the client measured them; throughput per second of replay."],
+        warnings=list(payload.get("warnings") or []), figs=plots(results, clock="replay", queue=False),
+        settings=html.escape(json.dumps({k: v for k, v in payload.items() if k not in ("policies", "requests")},
+                                        indent=2, default=str)))
+    write_page(path, page)

@@ -32,7 +32,7 @@ def test_simulate_compares_policies_and_writes_reports(tmp_path: Path) -> None:
     out, page = tmp_path / "report.json", tmp_path / "report.html"
     proc = mesh("simulate", str(MOONCAKE), "--workers", "3", "--policy", "round_robin", "--policy",
                 str(policy_file), "--profile", "dynamo-mocker", "--max-requests", "400", "--seed", "5",
-                "--json", str(out), "--html", str(page))
+                "--json", str(out), "--html", str(page), "--baseline", "sticky")
     assert proc.returncode == 0, proc.stderr
     assert "round_robin" in proc.stdout and "sticky" in proc.stdout  # the table
     report = json.loads(out.read_text())
@@ -55,6 +55,17 @@ def test_simulate_compares_policies_and_writes_reports(tmp_path: Path) -> None:
     assert report["policies"]["sticky"]["spec"] == {"name": "session_sticky", "params": {"max_in_flight": 8}}
     html = page.read_text()
     assert html.startswith("<!doctype html>") and html.count("data:image/png;base64,") == 4
+    # the header says what was run, the baseline is the one asked for, the best run is marked
+    assert f"<dt>traces</dt><dd>{MOONCAKE} (mooncake)</dd>" in html and "<dd>400 requests, no sessions" in html
+    assert "<dd>dynamo-mocker" in html and "--baseline sticky" in html and "--max-requests 400" in html
+    def label_cell(run: str) -> str:
+        return html.split(f'<td class="run">{run} ')[1].split("</td>")[0]
+
+    assert report["baseline"] == "sticky" and '<span class="tag">baseline</span>' in label_cell("sticky")
+    best = min(report["policies"], key=lambda k: report["policies"][k]["ttft_ms"]["mean"])  # ties: the first
+    assert '<span class="tag">&#9733; best</span>' in label_cell(best) and html.count("&#9733; best</span>") == 1
+    bad = mesh("simulate", str(MOONCAKE), "--policy", "round_robin", "--baseline", "nope", "--max-requests", "10")
+    assert bad.returncode == 2 and "--baseline 'nope' names no run" in bad.stderr
 
 
 def test_simulate_session_trace_counts_session_moves(tmp_path: Path) -> None:
