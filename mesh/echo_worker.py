@@ -1,7 +1,8 @@
 """A small OpenAI-compatible echo worker: the stand-in engine of ``mesh up`` and of tests.
 
 It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not) by echoing the
-last user message (or the prompt) word by word, up to ``max_tokens`` words, ``n`` (1 to 128)
+last user message (or the prompt) word by word, up to ``max_tokens`` words and ending before the
+first ``stop`` string (or after it, with vLLM's ``include_stop_str_in_output``), ``n`` (1 to 128)
 choices of it (streamed, their chunks interleave word by word); ``/v1/models`` (``--lora
 NAME[=BASE]`` adds an adapter as vLLM lists one); ``/health``. Usage counts prompt tokens with the
 byte-level tokenizer (the gateway's default) and ``cached_tokens = 0`` (it has no cache; tests set
@@ -139,6 +140,7 @@ class _Echo:
             max_tokens = _max_tokens(body, settings.default_max_tokens)
             include_usage = _include_usage(body)
             n = _choices(body)
+            stops = _stops(body)
         except ValueError as exc:
             return _error(400, str(exc))
         if (settings.fail_rate and random.random() < settings.fail_rate) or (
@@ -147,9 +149,10 @@ class _Echo:
         self.served += 1
         if settings.repeat > 1:
             echo_text = " ".join([echo_text] * settings.repeat)
-        words = _WORDS.findall(echo_text) or ["echo"]
+        echo_text, stopped = _cut_at_stop(echo_text, stops, body.get("include_stop_str_in_output") is True)
+        words = _WORDS.findall(echo_text) or ([] if stopped else ["echo"])
         out = words[: int(max_tokens)]
-        finish = "length" if len(words) > len(out) else "stop"
+        finish = "length" if len(words) > len(out) else "stop"  # a stop string past max_tokens: length
         usage: dict[str, Any] = {
             "prompt_tokens": len(prompt_text.encode()),
             "completion_tokens": n * len(out),
@@ -255,6 +258,31 @@ def _choices(body: dict[str, Any]) -> int:
     if value > MAX_CHOICES:
         raise ValueError(f"'n' must be at most {MAX_CHOICES}, got {value}")
     return value
+
+
+MAX_STOPS = 1024  # as the bundled worker's (workers.server.app.MAX_STOPS)
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    """``stop``: null, a string, or a list of strings (empty ones never match)."""
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(v, str) for v in stops):
+        raise ValueError("'stop' must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences are supported, got {len(stops)}")
+    return [v for v in stops if v]
+
+
+def _cut_at_stop(text: str, stops: list[str], include: bool) -> tuple[str, bool]:
+    """``text`` up to the first stop string (exclusive, or inclusive with ``include``); whether one was found."""
+    hits = [(i, i + len(stop)) for stop in stops if (i := text.find(stop)) >= 0]
+    if not hits:
+        return text, False
+    start, end = min(hits)
+    return text[: end if include else start], True
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

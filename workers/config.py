@@ -3,6 +3,8 @@ limits (``EngineConfig``). Both are frozen: built once at startup, then only rea
 
 Presets carry deterministic random weights (seeded), so a demo, a load test or a benchmark needs
 no download. ``tiny`` runs on two CPU cores; the others have the shapes of common checkpoints.
+``demo`` is tiny with a scripted next token (``workers.engine.demo_sampler``): readable answers
+through the same engine, ``mesh up``'s default.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_chunk: int = 64  # tokens per closed-form segment of the prefill scan
+    # The demo preset: each next token is the next byte of a scripted answer
+    # (``workers.engine.demo_sampler``), not a sample of the logits; the forward pass still runs.
+    demo_script: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -111,6 +116,13 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", init_std=0.1,
+    ),
+    # tiny, answering readable text: the next token comes from a script (byte tokenizer, EOS 257).
+    "demo": ModelConfig(
+        name="demo", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", init_std=0.1,
+        eos_token_id=257, demo_script=True,
     ),
     # tiny's shape with every second layer recurrent (gated linear attention, state [4, 32, 32]).
     "tiny-hybrid": ModelConfig(
@@ -240,6 +252,7 @@ class EngineConfig:
     max_graph_batch_size: int = 256
     seed: int = 0
     served_model_name: str | None = None  # also the namespace of block keys (mesh.core.keys)
+    worker_name: str | None = None  # how this worker names itself (the demo preset's answers); None: the model's
     # KV events (vLLM wire format); None: no publisher.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

@@ -8,10 +8,16 @@ once) and then every worker. A worker that exits while the cluster runs stops th
 its name, exit status and log are printed and ``mesh up`` exits 1 (a cluster silently short of a
 worker is the worse surprise).
 
-- ``bundled`` (default): ``mesh worker --preset tiny`` (random weights, CPU, no download), the
-  bundled engine (needs the ``engine`` extra, i.e. torch), with its KV events published on local
-  ZMQ ports that the gateway config names per worker, so the default policy (session-sticky over
-  precise KV-aware routing) routes on the engines' real caches.
+- ``bundled`` (default): ``mesh worker --preset demo`` (``--preset`` picks another), the bundled
+  engine (needs the ``engine`` extra, i.e. torch) on CPU with no download, with its KV events
+  published on local ZMQ ports that the gateway config names per worker, so the default policy
+  (session-sticky over precise KV-aware routing) routes on the engines' real caches. The demo
+  preset is tiny's random-weight model whose next token comes from a script
+  (``workers.engine.demo_sampler``): readable answers saying which worker served the request and
+  how many prompt tokens its prefix cache held, through the real engine.
+
+While the workers start, each one's phase (starting, loading model, ready) and seconds are shown
+(``mesh.commands.up_progress``), as lines when the output is no terminal.
 - ``echo``: ``python -m mesh.echo_worker`` (no model, instant, no KV events).
 """
 
@@ -34,6 +40,7 @@ from typing import Any
 
 from mesh.commands.graceful import add_argument as add_shutdown_argument
 from mesh.commands.serve import add_access_log_argument
+from mesh.commands.up_progress import wait_healthy
 from workers.transfer.auth import SECRET_ENV  # no torch: a constant and hmac helpers
 
 READY_TIMEOUT_S = {"echo": 60.0, "bundled": 600.0}
@@ -48,7 +55,10 @@ def add_parser(subparsers: Any) -> None:
                    help="gateway listen address (the workers, their KV event publishers and KV transfers "
                         "listen on 127.0.0.1 whatever it is)")
     p.add_argument("--engine", choices=["echo", "bundled"], default="bundled",
-                   help="bundled: the tiny engine on CPU with KV events (default); echo: instant echo workers")
+                   help="bundled: the bundled engine on CPU with KV events (default); echo: instant echo workers")
+    p.add_argument("--preset", default="demo",
+                   help="the bundled workers' preset: demo (tiny's model, scripted readable answers; default), "
+                        "tiny (the raw random-weight model's bytes), or any mesh worker --preset")
     p.add_argument("--policy", default=None, metavar="NAME_OR_YAML",
                    help="routing policy: a built-in name, module:Class, or a YAML file with a 'policy:' key, "
                         "e.g. examples/pipeline.yaml (default: session_sticky over kv_aware)")
@@ -77,10 +87,12 @@ PD_POLICY: dict[str, Any] = {"name": "pipeline", "params": {"profiles": {
 }}}
 
 
-def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None, role: str = "mixed") -> list[str]:
+def worker_command(engine: str, port: int, name: str, kv_ports: tuple[int, int] | None = None, role: str = "mixed",
+                   preset: str = "demo") -> list[str]:
     if engine == "echo":
         return [sys.executable, "-m", "mesh.echo_worker", "--port", str(port), "--name", name]
-    cmd = [sys.executable, "-m", "workers.server.cli", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "workers.server.cli", "--preset", preset, "--worker-name", name,
+           "--host", "127.0.0.1", "--port", str(port)]
     if role != "mixed":
         cmd += ["--role", role]
     if kv_ports is not None:
@@ -129,7 +141,7 @@ def pinned_ports(engine: str, n: int, base_port: int) -> list[int]:
 
 
 def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = None,
-                  base_port: int | None = None) -> list[LocalWorker]:
+                  base_port: int | None = None, preset: str = "demo") -> list[LocalWorker]:
     # one secret per local cluster: its workers sign and check kv_transfer_params (workers.transfer.auth)
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(32)}
     out = []
@@ -138,39 +150,11 @@ def start_workers(engine: str, n: int, log_dir: Path, roles: list[str] | None = 
         name = f"worker-{i}" if role == "mixed" else f"{role}-{i}"
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen(
-            worker_command(engine, port, name, kv_ports, role), stdout=log, stderr=subprocess.STDOUT,
+            worker_command(engine, port, name, kv_ports, role, preset), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=env, preexec_fn=_die_with_parent(os.getpid()),
         )
         out.append(LocalWorker(name, port, proc, kv_ports, role))
     return out
-
-
-def wait_healthy(workers: list[LocalWorker], timeout_s: float, log_dir: Path) -> None:
-    from rich.progress import Progress
-
-    pending = {w.name: (w.port, w.proc) for w in workers}
-    deadline = time.monotonic() + timeout_s
-    with Progress(transient=True) as progress:
-        task = progress.add_task("starting workers", total=len(workers))
-        while pending:
-            for name, (port, proc) in list(pending.items()):
-                if proc.poll() is not None:
-                    tail = (log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
-                if _ok(f"http://127.0.0.1:{port}/health"):
-                    del pending[name]
-                    progress.advance(task)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers not healthy after {timeout_s:.0f} s: {sorted(pending)} (logs in {log_dir})")
-            time.sleep(0.1)
-
-
-def _ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return bool(resp.status == 200)
-    except Exception:  # noqa: BLE001  (not up yet)
-        return False
 
 
 def _die_with_parent(parent: int) -> Any:
@@ -259,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="mesh-up-"))
-    workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None, args.base_port)
+    workers = start_workers(args.engine, len(roles) or args.workers, log_dir, roles or None, args.base_port,
+                            args.preset)
     # SIGTERM behaves like Ctrl-C: unwind through the finally below, which stops the workers.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -292,6 +277,11 @@ def args_problem(args: argparse.Namespace, roles: list[str]) -> str | None:
     problem = preflight(args, roles) or base_port_problem(args, roles)  # before any worker starts (minutes)
     if problem is not None:
         return problem
+    if args.engine == "bundled":
+        from workers.config import PRESETS  # no torch: the model shapes only
+
+        if args.preset not in PRESETS:
+            return f"--preset {args.preset!r}: unknown (known: {', '.join(sorted(PRESETS))})"
     if args.engine == "bundled" and importlib.util.find_spec("torch") is None:
         return "the bundled engine needs torch: pip install -e '.[engine]' (or run `mesh up --engine echo`)"
     return None
@@ -408,13 +398,18 @@ def first_model(port: int) -> str:
 def _banner(args: argparse.Namespace, workers: list[LocalWorker], admin_key: str, log_dir: Path) -> None:
     url = f"http://{args.host}:{args.port}"
     model = first_model(workers[0].port)
+    preset = f", preset {args.preset}" if args.engine == "bundled" else ""
+    demo = ("The demo preset's answers are scripted (random weights): they say which worker served the request\n"
+            "and how many prompt tokens came from its prefix cache; send the curl twice.\n\n"
+            if args.engine == "bundled" and args.preset == "demo" else "")
     print(
-        f"\nMesh is up at {url} with {len(workers)} {args.engine} workers "
+        f"\nMesh is up at {url} with {len(workers)} {args.engine} workers{preset} "
         f"({', '.join(f'{w.name}:{w.port}' for w in workers)}); worker logs in {log_dir}\n"
         f"Admin key: {admin_key}\n\n"
         f"  curl {url}/v1/chat/completions -H 'content-type: application/json' -H 'x-session-id: demo' \\\n"
-        f"    -d '{{\"model\": \"{model}\", \"max_tokens\": 16, "
+        f"    -d '{{\"model\": \"{model}\", \"max_tokens\": 300, "
         f"\"messages\": [{{\"role\": \"user\", \"content\": \"hello mesh\"}}]}}'\n\n"
+        f"{demo}"
         f"Why that worker: the same body to {url}/debug/route (per-worker prefix overlap and cost)\n"
         f"Metrics: {url}/metrics   Workers: curl -H 'authorization: Bearer {admin_key}' {url}/workers\n"
         "Press Ctrl-C to stop.\n",

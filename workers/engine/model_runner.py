@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from workers.config import EngineConfig, ModelConfig
+from workers.engine.demo_sampler import DemoSampler
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
@@ -97,7 +98,7 @@ class ModelRunner:
             len(m.recurrent_layers), self._num_state_slots(), m.linear_num_heads, m.linear_key_dim,
             m.linear_value_dim, dtype=torch.float32, device=self.device,
         ) if m.is_hybrid else None
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = make_sampler(model_config, config, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._g_sizes: list[int] = []
         self.num_graph_replays = 0
@@ -257,9 +258,10 @@ class ModelRunner:
     # j - 2's event, so a launch may be enqueued while the previous one still runs.
 
     def _use_graphs(self) -> bool:
-        # Hybrid models run eagerly: their state slots are not graph inputs yet.
+        # Hybrid models run eagerly: their state slots are not graph inputs yet. The demo preset too:
+        # a graph step samples on the device (greedy argmax), and its script is chosen on the host.
         return (self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-                and not self.model_config.is_hybrid)
+                and not self.model_config.is_hybrid and not self.model_config.demo_script)
 
     def _graph_sizes(self) -> list[int]:
         top = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
@@ -438,6 +440,16 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         return self.config.max_model_len or self.model_config.max_position_embeddings
+
+
+def make_sampler(model_config: ModelConfig, config: EngineConfig, device: torch.device) -> Sampler | DemoSampler:
+    """The sampler of the logits, or the demo preset's script (which needs the EOS id)."""
+    if not model_config.demo_script:
+        return Sampler(device, config.seed)
+    if model_config.eos_token_id is None:
+        raise ValueError(f"{model_config.name}: a scripted (demo) model needs an eos_token_id")
+    worker = config.worker_name or config.served_model_name or model_config.name
+    return DemoSampler(worker, model_config.eos_token_id)
 
 
 def _tables(seqs: list[Sequence]) -> np.ndarray:

@@ -710,8 +710,9 @@ class Routes:
 
     def model_card(self) -> dict[str, Any]:
         api = self.api
-        return {"id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
+        card = {"id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "mesh",
                 "root": api.model_name, "max_model_len": api.max_model_len}
+        return {**card, "note": api.info["note"]} if "note" in api.info else card  # the demo preset says so
 
     async def models(self) -> Any:
         return {"object": "list", "data": [self.model_card()]}

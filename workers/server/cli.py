@@ -15,6 +15,10 @@ from mesh.commands.graceful import add_argument as add_shutdown_argument
 from workers.transfer.disagg_config import add_arguments as add_disagg_arguments
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # mesh.request.chat.CONTENT_FORMATS (not imported: jinja2 at --help)
+# The first line a worker prints once its imports are done (``mesh up`` reads it from the worker's
+# log to say "loading model"; the next line, "mesh worker (ROLE): ...", comes when the model is built).
+LOADING_LINE = "mesh worker: loading model"
+PRESET_NAMES = "demo, tiny, tiny-hybrid, hybrid-0.5b, qwen2-0.5b, llama3-1b, llama3-3b, llama3-8b"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,9 +34,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="random-weight preset (tiny, tiny-hybrid, hybrid-0.5b, qwen2-0.5b, llama3-1b, llama3-3b, llama3-8b); default tiny")
+    src.add_argument("--preset", default=None,
+                     help=f"random-weight preset ({PRESET_NAMES}); demo: tiny with scripted, readable answers; default tiny")
     src.add_argument("--model", default=None, metavar="DIR", help="local Hugging Face directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--served-model-name", default=None, help="model name in the API and in block keys (default: preset or directory name)")
+    p.add_argument("--worker-name", default=None,
+                   help="how this worker names itself (the demo preset's answers say who served them); default HOST:PORT")
     p.add_argument("--host", default="127.0.0.1",
                    help="listen address of the API (and of a wildcard --kv-events-endpoint, and KV transfers); "
                         "the API has no auth: give 0.0.0.0 only on a trusted network")
@@ -98,6 +105,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         num_state_checkpoints=args.state_checkpoints, state_checkpoint_interval=args.state_checkpoint_interval,
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
         cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
+        worker_name=args.worker_name or f"{args.host}:{args.port}",
         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic, kv_events_bind_host=concrete_host(args.host),
     )
@@ -117,6 +125,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         "kv_events_replay_endpoint": config.kv_events_replay_endpoint,
         "chat_template_content_format": args.chat_template_content_format,
     }
+    if model_config.demo_script:
+        from workers.engine.demo_sampler import DEMO_NOTE
+
+        info["note"] = DEMO_NOTE  # on /health and /v1/models
     return AsyncLLMEngine(engine), tokenizer, name, info
 
 
@@ -136,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         print(f"mesh worker: --shutdown-timeout must be >= 0, not {args.shutdown_timeout:g}", file=sys.stderr)
         return 2
+    what = f"from {args.model}" if args.model else f"preset {args.preset or 'tiny'}"
+    print(f"{LOADING_LINE} ({what})", file=sys.stderr, flush=True)
     try:
         app, service, name, info = build_app(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -143,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(
         f"mesh worker ({info['role']}): {name} on {info['device']} ({info['attention_backend']} attention), "
-        f"{info['num_kv_blocks']} KV blocks of {info['block_size']}, http://{args.host}:{args.port}",
+        f"{info['num_kv_blocks']} KV blocks of {info['block_size']}, http://{args.host}:{args.port}"
+        + (f"\nmesh worker: {info['note']}" if "note" in info else ""),
         file=sys.stderr, flush=True,
     )
     # SIGTERM: requests in flight finish (up to --shutdown-timeout, then end with a clean error);

@@ -50,7 +50,7 @@ def test_mesh_up_pins_worker_ports_and_keeps_everything_on_loopback(procs: Proce
         assert listening(pinned) == LOOPBACK, (pinned, listening(pinned))
     assert listening(port) == LOOPBACK
     assert f"worker-0:{base}" in up.log_tail(20_000)
-    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2},
                       timeout=60)
     assert resp.status_code == 200, resp.text  # the gateway reaches the worker on its pinned port
 

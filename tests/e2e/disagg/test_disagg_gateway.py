@@ -112,7 +112,8 @@ def test_mesh_up_with_prefill_and_decode_workers_serves_disaggregated(procs: Pro
     """``mesh up --prefill 1 --decode 1``: bundled workers with roles behind the gateway; a
     request is prefilled on one and decoded on the other, the decode side importing the prompt."""
     port = free_port()
-    up = procs.start([sys.executable, "-m", "mesh.commands.up", "--prefill", "1", "--decode", "1", "--port", str(port)],
+    up = procs.start([sys.executable, "-m", "mesh.commands.up", "--prefill", "1", "--decode", "1", "--preset", "tiny",
+                      "--port", str(port)],
                      name="up", port=port)
     wait_http(f"http://127.0.0.1:{port}/ready", proc=up, timeout_s=120)
     body = completion(prompt_tokens(200, seed=70), 8)

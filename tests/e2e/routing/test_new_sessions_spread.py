@@ -16,7 +16,7 @@ def _chat(client: httpx.Client, session: str, turns: list[str]) -> str:
     messages = [{"role": "system", "content": SYSTEM * 4}]
     for text in turns:
         messages.append({"role": "user", "content": text})
-    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}
+    body = {"model": "demo", "messages": messages, "max_tokens": 4, "temperature": 0}
     resp = client.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
     assert resp.status_code == 200, resp.text
     return resp.headers["x-mesh-worker"]
