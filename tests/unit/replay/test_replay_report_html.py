@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mesh.replay.report import write_html
 from simulator.report import summarize
-from tests.unit.simulator.test_report_html import result
+from tests.support.run_results import result
 
 
 def test_a_replay_page_has_the_header_warnings_latency_table_and_plots(tmp_path: Path) -> None:
