@@ -467,7 +467,17 @@ def progress_iter(items: list[Any], label: str):  # type: ignore[no-untyped-def]
     return track(items, description=label, transient=False)
 
 
-def main() -> int:
+@dataclass(frozen=True)
+class Budget:
+    """The run's wall-clock budget: a cell due after it is skipped and named in the report."""
+    t0: float
+    seconds: float
+
+    def over(self) -> bool:
+        return time.monotonic() - self.t0 > self.seconds
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="bench/results/attention.json")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this")
@@ -476,7 +486,11 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--graph-shapes", action="store_true",
                     help="only the engine's decode graph shapes (padded tables, ~600-token contexts), all configs")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -485,75 +499,102 @@ def main() -> int:
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} "
           f"TFLOP/s", flush=True)
-    rows: list[Row] = []
-    skipped: list[str] = []
-    bs = args.block_size
-    default_d = {"default": DecodeConfig()}
-    default_p = {"default": PrefillConfig()}
-
-    def over() -> bool:
-        return time.monotonic() - t0 > args.budget_s
-
     if args.graph_shapes:
-        rows = bench_graph_shapes(ceil)
-        print_tables(rows, ceil)
-        out = Path(os.environ.get("BENCH_JSON") or args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "ceilings": ceil,
-                                   "rows": [asdict(r) for r in rows]}, indent=2))
-        print(f"wrote {out}")
-        return 0
-    batches = [1, 64] if args.quick else DECODE_BATCHES
-    contexts = [4096, 32768] if args.quick else DECODE_CONTEXTS
-    cells = [(b, c) for b in batches for c in contexts if b * c <= MAX_DECODE_TOKENS]
-    for b, c in progress_iter(cells, "decode"):
-        if over():
-            skipped.append(f"decode B={b} ctx={c}")
-            continue
-        rows += bench_decode_cell(b, c, default_d, ceil, bs, with_peer=True)
-    pcases = PREFILL_CASES[:2] if args.quick else PREFILL_CASES
-    for name, seqs in progress_iter(pcases, "prefill"):
-        if over():
-            skipped.append(f"prefill {name}")
-            continue
-        rows += bench_prefill_cell(name, seqs, default_p, ceil, bs, with_peer=True)
+        return run_graph_shapes(args, ceil)
+    budget = Budget(t0, args.budget_s)
+    skipped: list[str] = []
+    rows = bench_defaults(args, ceil, budget, skipped)
     if not args.no_sweep:
-        for b, c in progress_iter(DECODE_SWEEP_CELLS, "decode sweep"):
-            if over():
-                skipped.append(f"decode sweep B={b} ctx={c}")
-                continue
-            rows += [r for r in bench_decode_cell(b, c, DECODE_SWEEP, ceil, bs, with_peer=False)]
-        for name, seqs in progress_iter(PREFILL_SWEEP_CELLS, "prefill sweep"):
-            if over():
-                skipped.append(f"prefill sweep {name}")
-                continue
-            rows += bench_prefill_cell(name, seqs, PREFILL_SWEEP, ceil, bs, with_peer=False)
+        rows += bench_sweeps(args, ceil, budget, skipped)
     for r in rows:
         if r.config != "default":
             r.kind += " sweep"
-    for k in kernel_resources():
-        print("kernel", {key: val for key, val in k.items() if key != "constants"})
-    print_tables([r for r in rows if r.config != "default"], ceil)
-    print_tables([r for r in rows if r.config == "default"], ceil)
-    if skipped:
-        print(f"skipped (budget {args.budget_s:.0f}s): {', '.join(skipped)}")
+    print_report(rows, ceil, skipped, args.budget_s)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "dtype": str(DTYPE), "block_size": bs},
+                  "dtype": str(DTYPE), "block_size": args.block_size},
         "ceilings": ceil,
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
         "kernels": kernel_resources(),
         "wall_s": time.monotonic() - t0,
     }
-    out = Path(os.environ.get("BENCH_JSON") or args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.json, result)
     print(f"wrote {out} in {result['wall_s']:.0f}s")
     return 0
+
+
+def run_graph_shapes(args: argparse.Namespace, ceil: dict[str, float]) -> int:
+    """``--graph-shapes``: only ``bench_graph_shapes``, its table and its JSON."""
+    rows = bench_graph_shapes(ceil)
+    print_tables(rows, ceil)
+    out = write_result(args.json, {"device": torch.cuda.get_device_name(), "ceilings": ceil,
+                                   "rows": [asdict(r) for r in rows]})
+    print(f"wrote {out}")
+    return 0
+
+
+def bench_defaults(args: argparse.Namespace, ceil: dict[str, float], budget: Budget,
+                   skipped: list[str]) -> list[Row]:
+    """The default decode and prefill configs over the grid, each against SDPA."""
+    rows: list[Row] = []
+    bs = args.block_size
+    default_d = {"default": DecodeConfig()}
+    default_p = {"default": PrefillConfig()}
+    batches = [1, 64] if args.quick else DECODE_BATCHES
+    contexts = [4096, 32768] if args.quick else DECODE_CONTEXTS
+    cells = [(b, c) for b in batches for c in contexts if b * c <= MAX_DECODE_TOKENS]
+    for b, c in progress_iter(cells, "decode"):
+        if budget.over():
+            skipped.append(f"decode B={b} ctx={c}")
+            continue
+        rows += bench_decode_cell(b, c, default_d, ceil, bs, with_peer=True)
+    pcases = PREFILL_CASES[:2] if args.quick else PREFILL_CASES
+    for name, seqs in progress_iter(pcases, "prefill"):
+        if budget.over():
+            skipped.append(f"prefill {name}")
+            continue
+        rows += bench_prefill_cell(name, seqs, default_p, ceil, bs, with_peer=True)
+    return rows
+
+
+def bench_sweeps(args: argparse.Namespace, ceil: dict[str, float], budget: Budget,
+                 skipped: list[str]) -> list[Row]:
+    """The launch-config sweeps at their representative cells, without the SDPA peer."""
+    rows: list[Row] = []
+    bs = args.block_size
+    for b, c in progress_iter(DECODE_SWEEP_CELLS, "decode sweep"):
+        if budget.over():
+            skipped.append(f"decode sweep B={b} ctx={c}")
+            continue
+        rows += bench_decode_cell(b, c, DECODE_SWEEP, ceil, bs, with_peer=False)
+    for name, seqs in progress_iter(PREFILL_SWEEP_CELLS, "prefill sweep"):
+        if budget.over():
+            skipped.append(f"prefill sweep {name}")
+            continue
+        rows += bench_prefill_cell(name, seqs, PREFILL_SWEEP, ceil, bs, with_peer=False)
+    return rows
+
+
+def print_report(rows: list[Row], ceil: dict[str, float], skipped: list[str], budget_s: float) -> None:
+    """The kernels' resources, the sweep table, the default table and what the budget skipped."""
+    for k in kernel_resources():
+        print("kernel", {key: val for key, val in k.items() if key != "constants"})
+    print_tables([r for r in rows if r.config != "default"], ceil)
+    print_tables([r for r in rows if r.config == "default"], ceil)
+    if skipped:
+        print(f"skipped (budget {budget_s:.0f}s): {', '.join(skipped)}")
+
+
+def write_result(json_arg: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` to ``$BENCH_JSON``, else to ``--json``; the path written."""
+    out = Path(os.environ.get("BENCH_JSON") or json_arg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return out
 
 
 def kernel_resources() -> list[dict[str, Any]]:

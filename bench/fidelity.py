@@ -339,104 +339,124 @@ async def replay(trace: Any, bodies: list[bytes], url: str, progress: Any = None
     fires (``START``: predecessor sent + delay; ``DONE``: predecessor finished + delay)."""
     import httpx
 
-    from simulator.traces import DONE, START
-
-    reqs = trace.requests
-    n = len(reqs)
-    run = RealRun(*(np.full(n, np.nan) for _ in range(3)), np.zeros(n, np.int64), np.zeros(n, np.int64),
-                  np.zeros(n, np.int64), [""] * n)
-    succ: list[list[tuple[int, int, float]]] = [[] for _ in range(n)]
-    remaining = [len(r.deps) for r in reqs]
-    release = [0.0] * n
-    for r in reqs:
-        for p, trig, delay in r.deps:
-            succ[p].append((r.idx, trig, delay))
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
-    done = asyncio.Event()
-    finished = 0
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits)
-    t0 = loop.time() + 0.2
+    flight = _Replay(trace, bodies, client, progress)
+    started = time.perf_counter()
+    try:
+        for r in trace.requests:
+            if not r.deps:
+                flight.spawn(r.idx, r.arrival or 0.0)
+        await flight.done.wait()
+    finally:
+        for t in list(flight.tasks):
+            t.cancel()
+        await client.aclose()
+    flight.run.wall_s = time.perf_counter() - started
+    return flight.run
 
-    def fire(j: int, when: float) -> None:
-        release[j] = max(release[j], when)
-        remaining[j] -= 1
-        if remaining[j] == 0:
-            spawn_req(j, release[j])
 
-    def spawn_req(i: int, at: float) -> None:
-        task = loop.create_task(one(i, at))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+class _Replay:
+    """One real replay in flight. Request ``i`` is released once each of its ``remaining[i]``
+    dependencies fired, at the latest of their fire times (``release[i]``, s from ``t0``); it
+    records its times, tokens and worker into ``run`` at index ``i``; ``done`` is set when the
+    last request finished. Every time is ``loop.time() - t0``, ``t0`` 0.2 s after construction."""
 
-    async def one(i: int, at: float) -> None:
-        nonlocal finished
-        delay = t0 + at - loop.time()
+    def __init__(self, trace: Any, bodies: list[bytes], client: Any, progress: Any) -> None:
+        self.reqs = trace.requests
+        n = len(self.reqs)
+        self.bodies = bodies
+        self.client = client
+        self.progress = progress
+        self.run = RealRun(*(np.full(n, np.nan) for _ in range(3)), np.zeros(n, np.int64),
+                           np.zeros(n, np.int64), np.zeros(n, np.int64), [""] * n)
+        self.succ: list[list[tuple[int, int, float]]] = [[] for _ in range(n)]  # (dependent, trigger, delay)
+        for r in self.reqs:
+            for p, trig, delay in r.deps:
+                self.succ[p].append((r.idx, trig, delay))
+        self.remaining = [len(r.deps) for r in self.reqs]
+        self.release = [0.0] * n
+        self.loop = asyncio.get_running_loop()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.done = asyncio.Event()
+        self.finished = 0
+        self.t0 = self.loop.time() + 0.2
+
+    def spawn(self, i: int, at: float) -> None:
+        task = self.loop.create_task(self._send(i, at))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _fire(self, j: int, when: float) -> None:
+        self.release[j] = max(self.release[j], when)
+        self.remaining[j] -= 1
+        if self.remaining[j] == 0:
+            self.spawn(j, self.release[j])
+
+    def _fire_dependents(self, i: int, trigger: int, at: float) -> None:
+        for j, trig, d in self.succ[i]:
+            if trig == trigger:
+                self._fire(j, at + d)
+
+    async def _send(self, i: int, at: float) -> None:
+        """Request ``i`` at ``at``: its ``START`` dependents fire when it is sent, its ``DONE``
+        dependents when it finished (also when it failed: the error is recorded)."""
+        from simulator.traces import DONE, START
+
+        run = self.run
+        delay = self.t0 + at - self.loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        start = loop.time() - t0
+        start = self.loop.time() - self.t0
         run.arrival[i] = start
-        for j, trig, d in succ[i]:
-            if trig == START:
-                fire(j, start + d)
+        self._fire_dependents(i, START, start)
         try:
-            await stream(i)
+            await self._stream(i)
         except Exception as exc:  # noqa: BLE001  (recorded; dependents still run)
-            run.errors.append(f"request {i} ({reqs[i].source}): {type(exc).__name__}: {exc}")
-        end = loop.time() - t0
+            run.errors.append(f"request {i} ({self.reqs[i].source}): {type(exc).__name__}: {exc}")
+        end = self.loop.time() - self.t0
         run.finish[i] = end
         if math.isnan(run.first[i]):
             run.first[i] = end
-        finished += 1
-        if progress is not None:
-            progress(finished)
-        for j, trig, d in succ[i]:
-            if trig == DONE:
-                fire(j, end + d)
-        if finished == n:
-            done.set()
+        self.finished += 1
+        if self.progress is not None:
+            self.progress(self.finished)
+        self._fire_dependents(i, DONE, end)
+        if self.finished == len(self.reqs):
+            self.done.set()
 
-    async def stream(i: int) -> None:
+    async def _stream(self, i: int) -> None:
         headers = {"content-type": "application/json"}
-        if reqs[i].session is not None:
-            headers["x-session-id"] = reqs[i].session
-        async with client.stream("POST", "/v1/completions", content=bodies[i], headers=headers) as resp:
+        if self.reqs[i].session is not None:
+            headers["x-session-id"] = self.reqs[i].session
+        async with self.client.stream("POST", "/v1/completions", content=self.bodies[i], headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
                 raise RuntimeError(f"HTTP {resp.status_code}: {text}")
-            run.worker[i] = resp.headers.get("x-mesh-worker", "")
+            self.run.worker[i] = resp.headers.get("x-mesh-worker", "")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                if math.isnan(run.first[i]) and '"choices":[{' in data:
-                    run.first[i] = loop.time() - t0
-                if '"usage":{' in data:
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise RuntimeError(f"stream error: {chunk['error']}")
-                    usage = chunk.get("usage") or {}
-                    run.prompt[i] = usage.get("prompt_tokens", 0)
-                    run.output[i] = usage.get("completion_tokens", 0)
-                    run.cached[i] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                elif data.startswith('{"error"'):
-                    raise RuntimeError(f"stream error: {data[:300]}")
+                self._record_event(i, data)
 
-    started = time.perf_counter()
-    try:
-        for r in reqs:
-            if not r.deps:
-                spawn_req(r.idx, r.arrival or 0.0)
-        await done.wait()
-    finally:
-        for t in list(tasks):
-            t.cancel()
-        await client.aclose()
-    run.wall_s = time.perf_counter() - started
-    return run
+    def _record_event(self, i: int, data: str) -> None:
+        """One SSE payload of request ``i``: the first choice's time, the usage, or an error."""
+        run = self.run
+        if math.isnan(run.first[i]) and '"choices":[{' in data:
+            run.first[i] = self.loop.time() - self.t0
+        if '"usage":{' in data:
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            usage = chunk.get("usage") or {}
+            run.prompt[i] = usage.get("prompt_tokens", 0)
+            run.output[i] = usage.get("completion_tokens", 0)
+            run.cached[i] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        elif data.startswith('{"error"'):
+            raise RuntimeError(f"stream error: {data[:300]}")
 
 
 def build_bodies(trace: Any, book: PromptBook, model: str, max_out: int) -> list[bytes]:
@@ -680,87 +700,22 @@ def load_trace(args: argparse.Namespace, tmp: Path) -> Any:
 
 
 def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Steps 1 to 5 of the module docstring; the exit code (1 on errors or a missed target,
+    except with ``--smoke``). Every process started is stopped before the simulation."""
     from mesh.config import DEFAULT_POLICY
-    from simulator.engine import SimConfig, Simulator
-    from simulator.profile import load_profile
-    from simulator.report import summarize
-    from workers.config import get_preset
 
     t_start = time.perf_counter()
-    trace = load_trace(args, tmp)
-    vocab = args.vocab = get_preset(args.preset).vocab_size
-    book = PromptBook(trace.files, vocab)
-    max_len = max(r.prompt_tokens + r.output_tokens for r in trace.requests)
-    if max_len > args.max_model_len:
-        raise SystemExit(f"a request needs {max_len} tokens > --max-model-len {args.max_model_len}")
-    console.log(f"trace: {len(trace.requests)} requests, {trace.sessions} sessions, "
-                f"{trace.prompt_tokens:,} prompt tokens, block {trace.block_size}, time scale {args.time_scale}")
+    trace, book = prepare_trace(args, tmp, console)
     devs = devices(args)
     procs: list[Proc] = []
     timings: dict[str, float] = {}
-    probe_rows: list[dict[str, Any]] = []
     try:
-        t0 = time.perf_counter()
-        workers = []
-        for i, dev in enumerate(devs):
-            port, kv = free_port(), (free_port(), free_port())
-            env = {"PYTHONUNBUFFERED": "1"}
-            p = spawn(f"worker-{i}", worker_cmd(args, dev, port, kv), out_dir / f"worker-{i}.log", port, env, kv)
-            workers.append(p)
-            procs.append(p)
-        infos = [wait_for(f"{w.name} /health", lambda w=w: get_json(f"http://127.0.0.1:{w.port}/health"), procs,
-                          args.startup_timeout) for w in workers]
-        model = get_json(f"http://127.0.0.1:{workers[0].port}/v1/models")["data"][0]["id"]
-        gw_port = free_port()
-        cfg_path = out_dir / "gateway.yaml"
-        import yaml
-
-        cfg_path.write_text(yaml.safe_dump(gateway_config(workers, gw_port, args.block_size), sort_keys=False))
-        gw = spawn("gateway", [sys.executable, "-m", "mesh", "serve", "--config", str(cfg_path), "--log-level", "warning"],
-                   out_dir / "gateway.log", gw_port, {"PYTHONUNBUFFERED": "1"})
-        procs.append(gw)
-        gw_url = f"http://127.0.0.1:{gw_port}"
-        wait_for("gateway sees every worker healthy",
-                 lambda: get_json(f"{gw_url}/health").get("healthy_workers") == len(workers)
-                 and model in [m["id"] for m in get_json(f"{gw_url}/v1/models")["data"]], procs, args.startup_timeout)
-        timings["startup_s"] = time.perf_counter() - t0
-        console.log(f"{len(workers)} workers ({', '.join(devs)}) and the gateway up in {timings['startup_s']:.1f} s; "
-                    f"{infos[0].get('num_kv_blocks')} KV blocks of {infos[0].get('block_size')} per worker, "
-                    f"{infos[0].get('attention_backend')} attention")
-
-        if args.profile:
-            profile_src = args.profile
-        else:
-            profile_src = str(out_dir / "profile.yaml")
-            with console.status("mesh calibrate through the gateway (one session: one worker)"):
-                timings["calibrate_s"] = run_calibrate(args, gw_url, Path(profile_src), out_dir / "calibrate.log")
-            console.log(f"calibrated in {timings['calibrate_s']:.1f} s -> {profile_src}")
-            for w in workers:  # calibration prompts share nothing with the trace; start clean anyway
-                try:
-                    post_json(f"http://127.0.0.1:{w.port}/reset_prefix_cache")
-                except Exception:  # noqa: BLE001  (refused while blocks are in use: harmless)
-                    pass
-
-        if args.probe:
-            sizes = [c for c in (1024, 16384) if c + 64 < args.max_model_len] or [256]
-            probe_rows = asyncio.run(probe(f"http://127.0.0.1:{workers[0].port}", gw_url, model, vocab, sizes, 5))
-            for row in probe_rows:
-                console.log(f"probe: {row['via']:>7} context {row['context']:>6}: cold {row['cold_ttft_ms']:.1f} ms, "
-                            f"cached+16 TTFT {row['warm_ttft_ms']:.1f} ms (max_tokens 1), "
-                            f"{row['warm_ttft_decoding_ms']:.1f} ms (max_tokens 32), cached {row['cached']}, "
-                            f"ITL {row['itl_ms'] or 0:.2f} ms")
-            for w in workers:
-                try:
-                    post_json(f"http://127.0.0.1:{w.port}/reset_prefix_cache")
-                except Exception:  # noqa: BLE001
-                    pass
-        bodies = build_bodies(trace, book, model, args.max_out)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task("real replay through Mesh", total=len(bodies))
-            real = asyncio.run(replay(trace, bodies, gw_url, lambda k: progress.update(task, completed=k)))
+        cluster = start_cluster(args, devs, out_dir, procs, console)
+        timings["startup_s"] = cluster.startup_s
+        profile_src = calibrated_profile(args, cluster, out_dir, console, timings)
+        probe_rows = probe_cached_context(args, cluster, console) if args.probe else []
+        bodies = build_bodies(trace, book, cluster.model, args.max_out)
+        real = replay_with_progress(trace, bodies, cluster.gw_url, console)
         timings["replay_s"] = real.wall_s
         console.log(f"real replay: {len(bodies)} requests in {real.wall_s:.1f} s, {len(real.errors)} errors")
     finally:
@@ -769,43 +724,184 @@ def run(args: argparse.Namespace, out_dir: Path, tmp: Path, console: Any) -> int
     for e in real.errors[:10]:
         console.print(f"[red]error:[/] {e}")
 
-    # the simulator replays the same trace with the real output lengths
-    for r, n_out in zip(trace.requests, real.output.tolist(), strict=True):
-        if n_out > 0:
-            r.output_tokens = int(n_out)
-    profile = load_profile(profile_src, kv_blocks=args.kv_blocks, block_size=args.block_size)
-    t0 = time.perf_counter()
-    sim_run = Simulator(trace, DEFAULT_POLICY, SimConfig(workers=len(workers), profile=profile, model=model)).run()
-    timings["simulate_s"] = time.perf_counter() - t0
-    worker_names = [w.name for w in workers]
-    real_summary = summarize(real_result(real, worker_names, args.block_size, DEFAULT_POLICY))
-    real_summary["session_moves"] = session_moves(trace, real.worker)
-    sim_summary = summarize(sim_run)
+    profile, sim_run, timings["simulate_s"] = simulate_replay(args, trace, real, profile_src, cluster)
+    real_summary, sim_summary = summaries(trace, real, sim_run, cluster, args.block_size)
     rows = compare(real_summary, sim_summary)
     ok = all(r["ok"] for r in rows if r["target"]) and not real.errors
-    render(rows, f"fidelity: {len(trace.requests)} requests, {trace.sessions} sessions, {len(workers)} x "
+    render(rows, f"fidelity: {len(trace.requests)} requests, {trace.sessions} sessions, {len(cluster.workers)} x "
                  f"{args.preset} on {', '.join(sorted(set(devs)))}, policy {DEFAULT_POLICY}")
     timings["total_s"] = time.perf_counter() - t_start
     payload = {
         "bench": "fidelity", "ok": ok, "target_rel_err": TARGET_REL_ERR,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "devices": devs, "model": model, "policy": DEFAULT_POLICY,
+        "devices": devs, "model": cluster.model, "policy": DEFAULT_POLICY,
         "trace": {"files": [Path(f).name for f in trace.files], "requests": len(trace.requests),
                   "sessions": trace.sessions, "prompt_tokens": trace.prompt_tokens, "block_size": trace.block_size},
-        "profile": profile.to_dict(), "worker_info": infos, "timings": timings,
+        "profile": profile.to_dict(), "worker_info": cluster.infos, "timings": timings,
         "comparison": rows, "probe": probe_rows, "real": real_summary, "sim": sim_summary, "errors": real.errors,
     }
+    write_outputs(args, out_dir, payload, trace, real, sim_run)
+    console.log(f"wrote {args.json_out}; logs, profile and requests.jsonl in {out_dir}; "
+                f"total {timings['total_s']:.1f} s")
+    if real.errors:
+        return 1
+    return 0 if ok or args.smoke else 1  # on CPU (--smoke) the targets are informational
+
+
+def prepare_trace(args: argparse.Namespace, tmp: Path, console: Any) -> tuple[Any, PromptBook]:
+    """The trace to replay and its token-id prompts; sets ``args.vocab`` (the preset's vocabulary,
+    which ``mesh calibrate`` samples its token ids from too)."""
+    from workers.config import get_preset
+
+    trace = load_trace(args, tmp)
+    vocab = args.vocab = get_preset(args.preset).vocab_size
+    book = PromptBook(trace.files, vocab)
+    max_len = max(r.prompt_tokens + r.output_tokens for r in trace.requests)
+    if max_len > args.max_model_len:
+        raise SystemExit(f"a request needs {max_len} tokens > --max-model-len {args.max_model_len}")
+    console.log(f"trace: {len(trace.requests)} requests, {trace.sessions} sessions, "
+                f"{trace.prompt_tokens:,} prompt tokens, block {trace.block_size}, time scale {args.time_scale}")
+    return trace, book
+
+
+@dataclass
+class Cluster:
+    """The workers and the gateway of one run, all healthy; ``infos`` are the workers' /health."""
+    workers: list[Proc]
+    infos: list[dict[str, Any]]
+    model: str
+    gw_url: str
+    startup_s: float
+
+
+def start_cluster(args: argparse.Namespace, devs: list[str], out_dir: Path, procs: list[Proc],
+                  console: Any) -> Cluster:
+    """Step 1: one worker per device, then the gateway; each process is appended to ``procs`` as
+    soon as it is started, so the caller stops it even when a later one fails."""
+    t0 = time.perf_counter()
+    workers = []
+    for i, dev in enumerate(devs):
+        port, kv = free_port(), (free_port(), free_port())
+        env = {"PYTHONUNBUFFERED": "1"}
+        p = spawn(f"worker-{i}", worker_cmd(args, dev, port, kv), out_dir / f"worker-{i}.log", port, env, kv)
+        workers.append(p)
+        procs.append(p)
+    infos = [wait_for(f"{w.name} /health", lambda w=w: get_json(f"http://127.0.0.1:{w.port}/health"), procs,
+                      args.startup_timeout) for w in workers]
+    model = get_json(f"http://127.0.0.1:{workers[0].port}/v1/models")["data"][0]["id"]
+    gw_url = start_gateway(args, workers, model, out_dir, procs)
+    cluster = Cluster(workers, infos, model, gw_url, time.perf_counter() - t0)
+    console.log(f"{len(workers)} workers ({', '.join(devs)}) and the gateway up in {cluster.startup_s:.1f} s; "
+                f"{infos[0].get('num_kv_blocks')} KV blocks of {infos[0].get('block_size')} per worker, "
+                f"{infos[0].get('attention_backend')} attention")
+    return cluster
+
+
+def start_gateway(args: argparse.Namespace, workers: list[Proc], model: str, out_dir: Path,
+                  procs: list[Proc]) -> str:
+    """``mesh serve`` in front of ``workers`` (appended to ``procs``); its URL once it sees every
+    worker healthy and serves ``model``."""
+    import yaml
+
+    gw_port = free_port()
+    cfg_path = out_dir / "gateway.yaml"
+    cfg_path.write_text(yaml.safe_dump(gateway_config(workers, gw_port, args.block_size), sort_keys=False))
+    gw = spawn("gateway", [sys.executable, "-m", "mesh", "serve", "--config", str(cfg_path), "--log-level", "warning"],
+               out_dir / "gateway.log", gw_port, {"PYTHONUNBUFFERED": "1"})
+    procs.append(gw)
+    gw_url = f"http://127.0.0.1:{gw_port}"
+    wait_for("gateway sees every worker healthy",
+             lambda: get_json(f"{gw_url}/health").get("healthy_workers") == len(workers)
+             and model in [m["id"] for m in get_json(f"{gw_url}/v1/models")["data"]], procs, args.startup_timeout)
+    return gw_url
+
+
+def reset_prefix_caches(workers: list[Proc]) -> None:
+    for w in workers:
+        try:
+            post_json(f"http://127.0.0.1:{w.port}/reset_prefix_cache")
+        except Exception:  # noqa: BLE001  (refused while blocks are in use: harmless)
+            pass
+
+
+def calibrated_profile(args: argparse.Namespace, cluster: Cluster, out_dir: Path, console: Any,
+                       timings: dict[str, float]) -> str:
+    """Step 2: the profile to simulate with, ``--profile`` or one calibrated now (its seconds in
+    ``timings["calibrate_s"]``)."""
+    if args.profile:
+        return args.profile
+    profile_src = str(out_dir / "profile.yaml")
+    with console.status("mesh calibrate through the gateway (one session: one worker)"):
+        timings["calibrate_s"] = run_calibrate(args, cluster.gw_url, Path(profile_src), out_dir / "calibrate.log")
+    console.log(f"calibrated in {timings['calibrate_s']:.1f} s -> {profile_src}")
+    reset_prefix_caches(cluster.workers)  # calibration prompts share nothing with the trace; start clean anyway
+    return profile_src
+
+
+def probe_cached_context(args: argparse.Namespace, cluster: Cluster, console: Any) -> list[dict[str, Any]]:
+    """``--probe``: the cached-context rows of ``probe`` (logged), then clean prefix caches."""
+    sizes = [c for c in (1024, 16384) if c + 64 < args.max_model_len] or [256]
+    worker_url = f"http://127.0.0.1:{cluster.workers[0].port}"
+    rows = asyncio.run(probe(worker_url, cluster.gw_url, cluster.model, args.vocab, sizes, 5))
+    for row in rows:
+        console.log(f"probe: {row['via']:>7} context {row['context']:>6}: cold {row['cold_ttft_ms']:.1f} ms, "
+                    f"cached+16 TTFT {row['warm_ttft_ms']:.1f} ms (max_tokens 1), "
+                    f"{row['warm_ttft_decoding_ms']:.1f} ms (max_tokens 32), cached {row['cached']}, "
+                    f"ITL {row['itl_ms'] or 0:.2f} ms")
+    reset_prefix_caches(cluster.workers)
+    return rows
+
+
+def replay_with_progress(trace: Any, bodies: list[bytes], gw_url: str, console: Any) -> RealRun:
+    """Step 3 under a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("real replay through Mesh", total=len(bodies))
+        real = asyncio.run(replay(trace, bodies, gw_url, lambda k: progress.update(task, completed=k)))
+    return real
+
+
+def simulate_replay(args: argparse.Namespace, trace: Any, real: RealRun, profile_src: str,
+                    cluster: Cluster) -> tuple[Any, Any, float]:
+    """Step 4: the simulator on the same trace with the real output lengths (written into
+    ``trace``); the profile, the run and its seconds."""
+    from mesh.config import DEFAULT_POLICY
+    from simulator.engine import SimConfig, Simulator
+    from simulator.profile import load_profile
+
+    for r, n_out in zip(trace.requests, real.output.tolist(), strict=True):
+        if n_out > 0:
+            r.output_tokens = int(n_out)
+    profile = load_profile(profile_src, kv_blocks=args.kv_blocks, block_size=args.block_size)
+    t0 = time.perf_counter()
+    sim_run = Simulator(trace, DEFAULT_POLICY, SimConfig(workers=len(cluster.workers), profile=profile,
+                                                         model=cluster.model)).run()
+    return profile, sim_run, time.perf_counter() - t0
+
+
+def summaries(trace: Any, real: RealRun, sim_run: Any, cluster: Cluster,
+              block_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The real and the simulated run summarized by one function, session moves included."""
+    from mesh.config import DEFAULT_POLICY
+    from simulator.report import summarize
+
+    worker_names = [w.name for w in cluster.workers]
+    real_summary = summarize(real_result(real, worker_names, block_size, DEFAULT_POLICY))
+    real_summary["session_moves"] = session_moves(trace, real.worker)
+    return real_summary, summarize(sim_run)
+
+
+def write_outputs(args: argparse.Namespace, out_dir: Path, payload: dict[str, Any], trace: Any, real: RealRun,
+                  sim_run: Any) -> None:
+    """Step 5's files: ``--json``, its copy in ``out_dir`` (unless ``--json`` is there) and requests.jsonl."""
     from simulator.report import write_json
 
     write_json(args.json_out, payload)
     if out_dir.resolve() != Path(args.json_out).resolve().parent:
         write_json(out_dir / "fidelity.json", payload)
     write_requests(out_dir / "requests.jsonl", trace, real, sim_run)
-    console.log(f"wrote {args.json_out}; logs, profile and requests.jsonl in {out_dir}; "
-                f"total {timings['total_s']:.1f} s")
-    if real.errors:
-        return 1
-    return 0 if ok or args.smoke else 1  # on CPU (--smoke) the targets are informational
 
 
 def write_requests(path: Path, trace: Any, real: RealRun, sim: Any) -> None:

@@ -276,7 +276,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="about a minute: short phases, fewer of them")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of requests per phase")
@@ -286,15 +286,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="{}", help="JSON merged into the gateway config (e.g. an index section)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "kv_ingest_capacity.json"))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     duration = 4.0 if args.quick else args.duration
     rounds = args.rounds or (1 if args.quick else 2)
+    rows = measure(args, duration, rounds, phase_plan(args))
+    base = rows[0]
+    cap = capacity(rows[1:-1])
+    report = {"label": args.label, "quick": args.quick, "duration_s": duration, "rounds": rounds,
+              "request_rate": args.rate, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+              "config": json.loads(args.config), "baseline_p99_ms": base["p99_ms"], "capacity_events_per_s": cap,
+              "phases": rows}
+    print_report(rows, cap)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+def phase_plan(args: argparse.Namespace) -> list[tuple[float, int]]:
+    """The flood phases as (events/s, streams), 0 events/s unpaced: every rate and unpaced on one
+    stream, then on ``--streams`` streams (only 30,000/s and unpaced with ``--quick``)."""
     phases: list[tuple[float, int]] = [(r, 1) for r in RATES] + [(0.0, 1)]
     phases += [(30_000, args.streams), (0.0, args.streams)] if args.quick else \
         [(r, args.streams) for r in RATES] + [(0.0, args.streams)]
+    return phases
+
+
+def measure(args: argparse.Namespace, duration: float, rounds: int, phases: list[tuple[float, int]]) -> list[dict[str, Any]]:
+    """Fake workers and a gateway for the run; the rows: the no-event baseline and every phase,
+    each combined over its rounds, then a no-event phase measured at the end."""
     n = max(args.streams, 1)
     worker_ports, kv_ports, (port,) = free_ports(n), free_ports(n), free_ports(1)
-    runs: dict[tuple[float, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[float, int], list[dict[str, Any]]] = {}  # (-1.0, 0): the round's baseline
     with tempfile.TemporaryDirectory(prefix="mesh-kv-bench-") as d:
         tmp = Path(d)
         fake = mp.get_context("spawn").Process(target=fake_worker_main, args=(worker_ports,), daemon=True)
@@ -303,31 +330,34 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(open_loop([port], False, args.rate, 1.0))  # warm up the pools
             for _ in range(rounds):
-                # each flood against a baseline measured just before it: the machine's other load
-                # drifts, and a baseline minutes old measures that drift too
-                base = run_phase(port, gw.pid, kv_ports, 0, 0, duration, args.rate, flood=False)
-                base["base_p99_ms"], base["delta_ms"] = base["p99_ms"], 0.0
-                runs.setdefault((-1.0, 0), []).append(base)
-                for rate, streams in phases:
-                    own = base if (rate, streams) == phases[0] else \
-                        run_phase(port, gw.pid, kv_ports, 0, 0, duration / 2, args.rate, flood=False)
-                    row = run_phase(port, gw.pid, kv_ports, rate, streams, duration, args.rate, flood=True)
-                    row["base_p99_ms"], row["delta_ms"] = own["p99_ms"], round(row["p99_ms"] - own["p99_ms"], 2)
-                    runs.setdefault((rate, streams), []).append(row)
-                    print(f"  {row['flood']:>8} x{streams}: p99 {row['p99_ms']} ms (baseline {own['p99_ms']})",
-                          file=sys.stderr)
+                run_round(port, gw.pid, kv_ports, args.rate, duration, phases, runs)
             end = run_phase(port, gw.pid, kv_ports, 0, 0, duration, args.rate, flood=False)
             end["base_p99_ms"], end["delta_ms"] = runs[(-1.0, 0)][0]["p99_ms"], 0.0
         finally:
             stop(gw)
             fake.terminate()
-    rows = [combine(v) for v in runs.values()] + [end]
-    base = rows[0]
-    cap = capacity(rows[1:-1])
-    report = {"label": args.label, "quick": args.quick, "duration_s": duration, "rounds": rounds,
-              "request_rate": args.rate, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-              "config": json.loads(args.config), "baseline_p99_ms": base["p99_ms"], "capacity_events_per_s": cap,
-              "phases": rows}
+    return [combine(v) for v in runs.values()] + [end]
+
+
+def run_round(port: int, pid: int, kv_ports: list[int], req_rate: float, duration: float,
+              phases: list[tuple[float, int]], runs: dict[tuple[float, int], list[dict[str, Any]]]) -> None:
+    """One round of every phase, its rows appended to ``runs`` by (rate, streams)."""
+    # each flood against a baseline measured just before it: the machine's other load
+    # drifts, and a baseline minutes old measures that drift too
+    base = run_phase(port, pid, kv_ports, 0, 0, duration, req_rate, flood=False)
+    base["base_p99_ms"], base["delta_ms"] = base["p99_ms"], 0.0
+    runs.setdefault((-1.0, 0), []).append(base)
+    for rate, streams in phases:
+        own = base if (rate, streams) == phases[0] else \
+            run_phase(port, pid, kv_ports, 0, 0, duration / 2, req_rate, flood=False)
+        row = run_phase(port, pid, kv_ports, rate, streams, duration, req_rate, flood=True)
+        row["base_p99_ms"], row["delta_ms"] = own["p99_ms"], round(row["p99_ms"] - own["p99_ms"], 2)
+        runs.setdefault((rate, streams), []).append(row)
+        print(f"  {row['flood']:>8} x{streams}: p99 {row['p99_ms']} ms (baseline {own['p99_ms']})",
+              file=sys.stderr)
+
+
+def print_report(rows: list[dict[str, Any]], cap: float | None) -> None:
     headers = ["flood", "streams", "sent", "applied", "gaps", "resets", "req", "err", "p50 ms", "p99 ms",
                "max ms", "its base p99", "p99 - base", "RSS MB", "index keys", "drain s"]
     print_table("KV event ingestion: request latency under a flood", headers, [
@@ -338,10 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     print("ingestion capacity (p99 +1 ms over its baseline, one stream, median of rounds): "
           + (f"{cap:,.0f} events/s" if cap is not None else f"above {max(RATES):,} events/s (never reached)"))
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":
