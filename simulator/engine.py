@@ -7,10 +7,11 @@ the policy: every arrival is decided once (``router.decide``) and that decision 
 (``router.commit``), never decided again, as the proxy does; the first token calls
 ``lease.first_token()`` and completion ``lease.finish(now)``, exactly as the proxy does.
 
-Prefill/decode pairs are served as ``mesh.gateway.disagg_relay``'s relay serves them (``_route``, ``handoff``):
-a prefill lease (without the session) on the prefill worker until its prefill ends, whose token is
-discarded; then a decode lease on the decode worker, which pulls the exported blocks it lacks,
-computes the last block and produces the client's first token, where the session is bound.
+Prefill/decode pairs are served as ``mesh.gateway.disagg_relay``'s relay serves them, through the
+router's pair protocol (``commit_prefill``, ``commit_decode``, ``decode_answered``): a prefill lease
+on the prefill worker until its prefill ends, whose token is discarded; then a decode lease on the
+decode worker, which pulls the exported blocks it lacks, computes the last block and produces the
+client's first token, where the session is bound.
 
 Time is simulated and only moves to the next event (heap ordered by time, then kind, then a
 sequence number, so runs are deterministic): a request's release, a worker's segment end (see
@@ -24,7 +25,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from mesh.core.retention import RetentionPlanner
 from mesh.core.router import Router
 from mesh.core.sessions import SessionTable
 from policies import create_policy
-from policies.base import Decision, NoCandidate, Overlap, RequestInfo, Role, TargetState, Tier
+from policies.base import Decision, NoCandidate, RequestInfo, Role, TargetState, Tier
 from simulator.block_text import BlockText
 from simulator.device import Device
 from simulator.profile import Profile
@@ -147,7 +148,6 @@ class Simulator:
         retention = RetentionPlanner(config.retention_fill, config.retention_active_s) if config.spill_hint else None
         self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
                              speculative_ttl_s=config.speculative_ttl_s, retention=retention)
-        self._expire = getattr(self.index, "expire", None)
         self.progress = progress
         self.recorder = recorder  # tests: sees every route call and KV event, in order
         # event loop state
@@ -163,7 +163,6 @@ class Simulator:
         self.pairs = 0
         self.transferred_blocks = 0
         self.pd_policy = getattr(self.policy, "pd", None) is not None  # as mesh.gateway.disagg_proxy tells
-        self._touch = getattr(self.sessions, "touch", None)
         self.session_moves = 0
         self.last_target: dict[str, str] = {}
         n = len(trace.requests)
@@ -222,21 +221,10 @@ class Simulator:
         """The client's first token (for a pair: the decode worker's, as the relay streams it)."""
         if req.lease is not None:
             req.lease.first_token()
-            if req.on_decode and req.session is not None:  # the relay binds the session here
-                self.router.bind_session(req.session, self.workers[req.decode_to].id, t)
-                if self._touch is not None:
-                    req.lease.on_end = self._pd_request_ended(req.session)
+            if req.on_decode:  # the decode worker answers: the session binds to it (the relay's hand_over)
+                self.router.decode_answered(req.lease, req.session, t)
             if self.recorder is not None:
                 self.recorder.first_token(t, req.idx)
-
-    def _pd_request_ended(self, session: str) -> Callable[[Any, float], None]:
-        touch = self._touch
-
-        def ended(lease: Any, now: float) -> None:  # mesh.gateway.disagg_relay's session_request_ended
-            if self.targets.get(lease.target.id) is lease.target:
-                touch(session, lease.target.id, now)  # type: ignore[misc]
-
-        return ended
 
     def finished(self, req: SimRequest, t: float) -> None:
         if req.lease is not None:
@@ -263,8 +251,7 @@ class Simulator:
         self.transferred_blocks += missing
         if req.lease is not None:
             req.lease.finish(t)
-            info = replace(req.info, session_id=None)  # bound at the first token, to the decode worker
-            req.lease = self.router.commit(info, Decision(dw.id, "decode", overlaps={dw.id: Overlap(exported)}), t)
+            req.lease = self.router.commit_decode(req.info, dw.id, exported, t)
         req.info = None
         pd = self.profile.pd
         dur = (pd.transfer_base_ms + self.profile.per_block_ms_at(pd.transfer_ms_per_block, self.bs) * missing) / 1e3
@@ -290,8 +277,6 @@ class Simulator:
         tr = self.trace.requests[i]
         if self.lag:
             self._drain(t)
-        if self._expire is not None:
-            self._expire(t)
         keys = tr.keys.tolist()
         info = RequestInfo(model=self.config.model, block_keys=keys, block_size=self.bs,
                            prompt_tokens=tr.prompt_tokens, max_tokens=tr.output_tokens,
@@ -345,8 +330,7 @@ class Simulator:
         decision = self.router.decide(info, t, explain=False)
         if (self.pd_policy and decision.decode_target is not None
                 and decision.decode_target in self.by_id and decision.decode_target != decision.target):
-            prefill = replace(info, session_id=None)
-            return decision, self.router.commit(prefill, Decision(decision.target, "prefill"), t), True
+            return decision, self.router.commit_prefill(info, decision.target, t), True
         decision = decision.served_whole()
         return decision, self.router.commit(info, decision, t), False
 

@@ -161,10 +161,15 @@ class PrefixIndex:
         self._spec.schedule(expires_at, slot, self._slots.gen[slot], tail)
         nodes.trim()
 
+    def expire_speculative(self, now: float) -> int:
+        """End speculative entries whose deadline is <= ``now`` (``Router.view``, before every
+        decision, live and simulated); returns the number ended. Costs only what expires."""
+        return self._spec.expire(now, self._slots.gen, self._nodes)
+
     def expire(self, now: float) -> int:
-        """End speculative entries whose deadline is <= ``now``; scrub a slice of retired slots.
-        Returns the number of speculative entries ended."""
-        ended = self._spec.expire(now, self._slots.gen, self._nodes)
+        """``expire_speculative``, then scrub a slice of retired slots (a caller without its own
+        paced scrubbing). Returns the number of speculative entries ended."""
+        ended = self.expire_speculative(now)
         if self._nodes.dying or self._nodes.scrub is not None:
             self._scrub_step(self.scrub_budget)
         return ended

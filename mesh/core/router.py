@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 from mesh.core.retention import RetentionPlanner
-from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo, TargetState
+from policies.base import ClusterView, Decision, NoCandidate, Overlap, Policy, RequestInfo, TargetState
 
 
 class SessionStore(Protocol):
@@ -54,7 +55,13 @@ class RoutedView(ClusterView):
 
 
 class SpeculativeIndex(Protocol):
+    """What the router writes to the prefix index (``mesh.core.index.PrefixIndex``): a routed
+    request's blocks, assumed on its target until ``expires_at`` unless an event confirms them,
+    and the expiry of those assumptions, run before every decision."""
+
     def store_speculative(self, target: str, keys: list[int] | tuple[int, ...], expires_at: float) -> None: ...
+
+    def expire_speculative(self, now: float) -> int: ...
 
 
 @dataclass(slots=True)
@@ -135,6 +142,9 @@ class Router:
         self.policy = policy  # swapped whole on config reload; bindings and load stay here
         self.targets = targets  # owned by the registry (gateway) or the simulator
         self.index = index
+        # Optional in an index (a test's stand-in may only be read): speculative entries.
+        self._store_speculative = getattr(index, "store_speculative", None)
+        self._expire_speculative = getattr(index, "expire_speculative", None)
         self.sessions = sessions
         self.speculative_ttl_s = speculative_ttl_s
         self.on_release = on_release  # told after every lease's release (the gateway's admission queue)
@@ -157,6 +167,8 @@ class Router:
         targets = list(self.targets.values())
         if self.sessions is not None:
             self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
+        if self._expire_speculative is not None:
+            self._expire_speculative(now)  # likewise for blocks assumed on a target, never confirmed
         if exclude:
             excluded = set(exclude)
             out = [t for t in targets if t.id in excluded]
@@ -193,10 +205,8 @@ class Router:
         cached_tokens = min(cached.blocks * request.block_size, request.prompt_tokens) if cached else 0
         self.recent.append((now, request.model, request.session_id, target.id, decision.reason,
                             cached.blocks if cached else 0, not bind))
-        if self.index is not None and request.block_keys and self.speculative_ttl_s > 0:
-            store = getattr(self.index, "store_speculative", None)
-            if store is not None:
-                store(target.id, request.block_keys, now + self.speculative_ttl_s)
+        if self._store_speculative is not None and request.block_keys and self.speculative_ttl_s > 0:
+            self._store_speculative(target.id, request.block_keys, now + self.speculative_ttl_s)
         target.in_flight += 1
         target.routed_blocks += len(request.block_keys)
         uncached = request.prompt_tokens - cached_tokens
@@ -216,14 +226,45 @@ class Router:
         if self.sessions is not None and self.sessions.bind(session_id, target, now):
             self.session_moves += 1
 
-    def _session_request_ended(self, lease: Lease, now: float) -> None:
-        """The session's request ended: it is idle from now (``end``), and its binding to the
-        lease's target is refreshed (``touch``) unless that target left the registry meanwhile
-        (its bindings were dropped with it: never bound again)."""
-        target, sid = lease.target, lease.request.session_id
-        if not sid:
+    # -- a prefill -> decode pair, served so by the relay (``mesh.gateway.disagg_relay``) and the simulator --
+
+    def commit_prefill(self, request: RequestInfo, target: str, now: float) -> Lease:
+        """The prefill leg's lease on ``target``, committed without the session: the session
+        binds to the worker whose answer the client gets (``decode_answered``)."""
+        return self.commit(_without_session(request), Decision(target, "prefill"), now)
+
+    def commit_decode(self, request: RequestInfo, target: str, transferred_blocks: int, now: float) -> Lease:
+        """The decode leg's lease on ``target``, the blocks handed over by the prefill counted as
+        its cached prefix; committed without the session (a decode worker that refuses or fails
+        must not take it: each refusal would move it)."""
+        decision = Decision(target, "decode", overlaps={target: Overlap(transferred_blocks)})
+        return self.commit(_without_session(request), decision, now)
+
+    def decode_answered(self, lease: Lease, session_id: str | None, now: float) -> None:
+        """The decode worker of ``lease`` answers the request: the session binds to it, and is in
+        use (never idle, never expired) until the lease ends."""
+        if not session_id:
             return
+        self.bind_session(session_id, lease.target.id, now)
+        if self._begin is not None:
+            self._begin(session_id, now)
+        if self._touch is not None or self._end is not None:
+            lease.on_end = partial(self._request_ended, session_id)
+
+    def _session_request_ended(self, lease: Lease, now: float) -> None:
+        if lease.request.session_id:
+            self._request_ended(lease.request.session_id, lease, now)
+
+    def _request_ended(self, sid: str, lease: Lease, now: float) -> None:
+        """A request of session ``sid`` ended: it is idle from now (``end``), and its binding to
+        the lease's target is refreshed (``touch``) unless that target left the registry
+        meanwhile (its bindings were dropped with it: never bound again)."""
+        target = lease.target
         if self._end is not None:
             self._end(sid, now)
         if self._touch is not None and self.targets.get(target.id) is target:
             self._touch(sid, target.id, now)
+
+
+def _without_session(request: RequestInfo) -> RequestInfo:
+    return replace(request, session_id=None) if request.session_id else request

@@ -15,9 +15,9 @@ and starts and stops it in the gateway's lifespan. Ownership:
 - Stream health is copied into ``TargetState.index_healthy`` (``on_health``); a worker with
   ``kv_events`` that is not subscribed yet (model unknown) is not index-healthy.
 - The same task warns about blind streams (``mesh.events.blindness``: a worker routed requests
-  while its stream delivers nothing) and ends speculative index entries on time (``PrefixIndex.expire`` every
-  ``TICK_S``), then scrubs the slots of removed and reset targets in ``SCRUB_STEP`` steps paced
-  with the event work (``mesh.events.pacer``).
+  while its stream delivers nothing) and scrubs the slots of removed and reset targets in
+  ``SCRUB_STEP`` steps paced with the event work (``mesh.events.pacer``), every ``TICK_S``.
+  Speculative index entries end where they are read: ``Router.view``, before every decision.
 
 Namespace (must equal what ``mesh.request.prompt`` seeds a request's keys with): the router keys a
 worker's blocks with ``mesh.core.keys.namespace_seed(model)``, ``model`` being the name the worker
@@ -47,7 +47,7 @@ from mesh.metrics import Metrics
 
 log = logging.getLogger("mesh.events.ingest")
 
-TICK_S = 0.25  # keeper period: speculative expiry, model discovery catch-up
+TICK_S = 0.25  # keeper period: blind-stream checks, scrubbing, model discovery catch-up
 SCRUB_STEP = 256  # nodes scrubbed at a time (~0.3 ms)
 
 
@@ -134,7 +134,6 @@ class KvIngest:
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
             try:
                 now = time.monotonic()
-                self.index.expire(now)
                 await self._scrub()
                 if self.subscriber is not None:
                     self.blind.check(now, self.subscriber.health(), self.registry.workers)

@@ -21,7 +21,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -64,7 +63,7 @@ from mesh.gateway.disagg_wire import (
 )
 from mesh.gateway.sse_relay import is_sse
 from mesh.gateway.verdicts import StatusVerdict, answer_problem, status_verdict
-from policies.base import Decision, NoCandidate, Overlap, RequestInfo
+from policies.base import Decision, NoCandidate, RequestInfo
 
 __all__ = [  # what callers import from here (the relay's parts live in disagg_bookkeeping and disagg_wire)
     "DecodeQueue", "PendingLegs", "RelayClosed", "RelayConfig", "RelayError", "RelayResponse", "RelayStats", "Releases",
@@ -172,7 +171,7 @@ class _Relay:
         """The prefill answer's ``kv_transfer_params`` (None: an engine without a KV connector,
         the decode side computes everything) and ``usage``."""
         self.check_open()
-        lease = self.router.commit(replace(self.info, session_id=None), Decision(target_id, "prefill"), self.now())
+        lease = self.router.commit_prefill(self.info, target_id, self.now())
         try:
             request = self.client.build_request("POST", self.url(target_id), json=prefill_body(self.body),
                                                 headers=self.headers, timeout=self.prefill_timeout)
@@ -271,11 +270,8 @@ class _Relay:
         (``Full``: it refused admission; ``NewPair``: the transfer failed on the prefill side)."""
         blocks = len(kv.get("remote_block_keys") or kv.get("remote_block_ids") or []) if kv else 0
         self.check_decode_target(decode_id)
-        # Committed without the session: a decode worker that refuses or fails must not take it
-        # (each refusal moved it); it is bound to the worker whose answer the client gets.
-        info = replace(self.info, session_id=None) if self.info.session_id else self.info
         self.check_open()
-        lease = self.router.commit(info, Decision(decode_id, "decode", overlaps={decode_id: Overlap(blocks)}), self.now())
+        lease = self.router.commit_decode(self.info, decode_id, blocks, self.now())
         deadline = asyncio.get_running_loop().time() + self.config.timeout_s
         resp: httpx.Response | None = None
         handed_over = False
@@ -354,9 +350,7 @@ class _Relay:
         if not self.stream:  # a stream is a success once it ended whole: its relayer says so
             self.health.record_success(decode_id)
         lease.first_token()
-        if self.info.session_id:
-            self.router.bind_session(self.info.session_id, decode_id, self.now())
-            lease.on_end = self.session_request_ended  # the lease itself was committed without it
+        self.router.decode_answered(lease, self.info.session_id, self.now())
         headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP]
         headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
         return RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
@@ -367,13 +361,6 @@ class _Relay:
         client raises RuntimeError on send), and when one broke (the close broke it)."""
         if self.client.is_closed:
             raise RelayClosed()
-
-    def session_request_ended(self, lease: Lease, now: float) -> None:
-        """Restart the session's idle time when the answer ends (a session is not idle while a
-        request of it runs), unless its decode worker left the registry meanwhile."""
-        sessions = self.router.sessions
-        if sessions is not None and self.info.session_id and self.router.targets.get(lease.target.id) is lease.target:
-            sessions.touch(self.info.session_id, lease.target.id, now)
 
     def classify(self, resp: httpx.Response, content: bytes, prefill_id: str, decode_id: str) -> None:
         """Raise what a non-200 decode answer means for the relay, charging the worker as the

@@ -63,7 +63,6 @@ def gateway_replay(log: list[tuple[Any, ...]], spec: Any, workers: int, block_si
             _, _, rid, keys, prompt, max_tokens, session, usage, _target, _ov = entry
             for tid, u in usage.items():  # the registry's last metrics scrape
                 targets[tid].kv_usage = u
-            index.expire(t)  # the gateway's housekeeping before a decision
             info = RequestInfo(model="sim-model", block_keys=keys, block_size=block_size, prompt_tokens=prompt,
                                max_tokens=max_tokens, session_id=session, request_id=rid)
             decision, lease = router.route(info, t)
