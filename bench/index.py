@@ -435,7 +435,7 @@ def decision_latency(index: PrefixIndex, tree: Any, stream: Stream, tokens_n: in
         return {}
     targets = [TargetState(f"w{w}", f"w{w}", in_flight=rng.randrange(4), prefill_tokens=rng.randrange(4096),
                            decode_tokens=rng.randrange(65536)) for w in range(stream.workers)]
-    policy = KvAware(seed=0)
+    policy = KvAware()
     ours, dyn, parts = [], [], []
     clock = time.perf_counter_ns
     prompts = []

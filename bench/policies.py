@@ -127,7 +127,7 @@ def warm_sessions(router: Router, requests: list[RequestInfo], n: int) -> None:
 def measure(policy: Policy, targets: dict[str, TargetState], index: Any, requests: list[RequestInfo],
             decisions: int) -> list[float]:
     sessions = SessionTable(idle_ttl_s=1e9, max_sessions=1_000_000)
-    router = Router(policy, targets, index=index, sessions=sessions, speculative_ttl_s=0)
+    router = Router(policy, targets, index=index, sessions=sessions, speculative_ttl_s=0, seed=1)
     warm_sessions(router, requests, 500)
     out: list[float] = []
     gc.collect()
@@ -166,7 +166,7 @@ def main() -> None:
             for name in chosen:
                 row: dict[str, Any] = {"policy": name, "targets": n, "decisions": decisions}
                 for label, idx in (("total", index), ("policy", memo)):
-                    lat = measure(create("policy", SPECS[name], seed=1), targets, idx, requests, decisions)
+                    lat = measure(create("policy", SPECS[name]), targets, idx, requests, decisions)
                     row[f"{label}_p50_us"] = round(pct(lat, 50), 2)
                     row[f"{label}_p99_us"] = round(pct(lat, 99), 2)
                     progress.advance(task)

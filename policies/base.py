@@ -4,13 +4,15 @@ Invariants (DESIGN.md, "One decision core"):
 - A policy never does I/O and never reads a clock: time arrives as ``ClusterView.now``.
 - A policy reads ``TargetState``s; the gateway registry (live) or the simulator owns and mutates
   them. The same policy object runs in both.
-- Randomness comes from the ``random.Random`` a policy is constructed with (``seed`` param), so a
-  simulation or a test is reproducible.
+- Randomness comes from ``ClusterView.rng`` (the router's, seeded by ``mesh simulate --seed``), so
+  a simulation or a test is reproducible, and deciding changes no state of the policy's: a
+  preview (``/debug/route``) decides on a copy of the RNG and leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -134,6 +136,8 @@ class ClusterView:
     # False on the request path (Router.route): only the pick's terms are needed, so policies may
     # skip building per-candidate explanations (the decision itself must not change).
     explain: bool = True
+    # Every random choice of this decision draws from it (the router's own; a copy for a preview).
+    rng: random.Random = field(default_factory=random.Random)
     _overlaps: Mapping[str, Overlap] | None = None
     _overlaps_for: Sequence[int] | None = None
 
@@ -193,8 +197,8 @@ class Policy:
     """Base of whole policies. Subclasses set ``name`` and implement ``decide``.
 
     ``on_routed`` and ``on_finished`` let a stateful policy (round robin's cursor, SGLang's
-    text tree) learn from what really happened; ``decide`` alone must not commit state that a
-    dry run (``/debug/route``) would corrupt, except cheap cursors.
+    text tree) learn from what really happened; ``decide`` changes no state (a dry run,
+    ``/debug/route``, calls it too) and draws randomness only from ``cluster.rng``.
     """
 
     name: str = "policy"

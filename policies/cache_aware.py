@@ -184,7 +184,7 @@ class TextTree:
 class CacheAware(Policy):
     """Params (SGLang's defaults): ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
     ``balance_rel_threshold`` 1.5, ``eviction_interval_s`` 120, ``max_tree_chars`` 2**26;
-    ``tie_break`` ``first`` (SGLang's) or ``random`` (from ``seed``)."""
+    ``tie_break`` ``first`` (SGLang's) or ``random`` (drawn from ``cluster.rng``)."""
 
     def __init__(
         self,
@@ -193,7 +193,6 @@ class CacheAware(Policy):
         balance_rel_threshold: float = 1.5,
         eviction_interval_s: float = 120.0,
         max_tree_chars: int = 1 << 26,
-        seed: int | None = None,
         tie_break: TieBreak = "first",
     ) -> None:
         # finite: NaN passes every comparison (never balance, never evict) and an infinite
@@ -216,7 +215,6 @@ class CacheAware(Policy):
         # 3/10 and rates just above it do not pass
         self._threshold32 = _f32(self.cache_threshold)
         self._rel32 = _f32(self.balance_rel_threshold)
-        self._rng = random.Random(seed)
         self._trees: dict[str, TextTree] = {}  # model -> tree
         self._next_eviction: float | None = None
 
@@ -228,11 +226,11 @@ class CacheAware(Policy):
         lo, hi = min(loads.values()), max(loads.values())
         scores: dict[str, dict[str, float]] = {tid: {"load": float(v)} for tid, v in loads.items()}
         if hi - lo > self.balance_abs_threshold and _f32(hi) > _f32(_f32(lo) * self._rel32):
-            return Decision(self._least_loaded(loads), f"cache_aware: load imbalanced ({lo}..{hi}), least loaded",
+            return Decision(self._least_loaded(loads, cluster.rng), f"cache_aware: load imbalanced ({lo}..{hi}), least loaded",
                             scores)
         text = request.routing_text if request.routing_text is not None else request.text
         tree = self._trees.get(request.model)
-        matched, tenant = self._match(tree, text, loads) if tree is not None and text else (0, None)
+        matched, tenant = self._match(tree, text, loads, cluster.rng) if tree is not None and text else (0, None)
         rate = _f32_rate(matched, len(text)) if text else 0.0
         for tid in self._holders(tree, text, loads) if cluster.explain and tree is not None and text else ():
             scores[tid]["match_rate"] = rate
@@ -244,15 +242,15 @@ class CacheAware(Policy):
                 return Decision(tenant, why, scores)
             # upstream: the matched worker is gone or unhealthy -> the first healthy worker
             return Decision(next(iter(loads)), f"{why}, holder {tenant} unavailable: first available", scores)
-        return Decision(self._least_loaded(loads), f"cache_aware: match rate {rate:.2f} <= "
+        return Decision(self._least_loaded(loads, cluster.rng), f"cache_aware: match rate {rate:.2f} <= "
                         f"{self.cache_threshold}, least loaded", scores)
 
-    def _match(self, tree: TextTree, text: str, loads: dict[str, int]) -> tuple[int, str | None]:
+    def _match(self, tree: TextTree, text: str, loads: dict[str, int], rng: random.Random) -> tuple[int, str | None]:
         if self.tie_break == "first":
             return tree.match_tenant(text)
         matched, tenants = tree.match(text)  # random: any available holder of the prefix
         holders = [tid for tid in loads if tid in tenants]
-        return matched, (self._rng.choice(holders) if holders else None)
+        return matched, (rng.choice(holders) if holders else None)
 
     @staticmethod
     def _holders(tree: TextTree, text: str, loads: dict[str, int]) -> list[str]:
@@ -260,11 +258,11 @@ class CacheAware(Policy):
         _, tenants = tree.match(text)
         return [tid for tid in loads if tid in tenants]
 
-    def _least_loaded(self, loads: dict[str, int]) -> str:
+    def _least_loaded(self, loads: dict[str, int], rng: random.Random) -> str:
         lo = min(loads.values())
         if self.tie_break == "first":
             return next(tid for tid, v in loads.items() if v == lo)  # Rust's min_by_key: the first
-        return self._rng.choice([tid for tid, v in loads.items() if v == lo])
+        return rng.choice([tid for tid, v in loads.items() if v == lo])
 
     def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
         tree = self._trees.get(request.model)

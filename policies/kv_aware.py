@@ -43,7 +43,7 @@ class KvAware(Policy):
     """Params: ``prefill_load_scale`` (1.0), ``decode_weight`` (0.05: a decoding context block
     against a block to prefill), ``cpu_weight`` (0.75, Dynamo's host-tier credit), ``temperature`` (0: argmin; > 0: softmax sampling), ``explain_top`` (32: the cheapest targets
     whose terms ``Decision.scores`` and ``Decision.overlaps`` list, the pick always among them),
-    ``seed``."""
+    ties and samples drawn from ``cluster.rng``."""
 
     def __init__(
         self,
@@ -52,7 +52,6 @@ class KvAware(Policy):
         cpu_weight: float = 0.75,
         temperature: float = 0.0,
         explain_top: int = 32,
-        seed: int | None = None,
     ) -> None:
         self.prefill_load_scale = number(OWNER, "prefill_load_scale", prefill_load_scale, 0.0)
         self.decode_weight = number(OWNER, "decode_weight", decode_weight, 0.0)
@@ -60,7 +59,6 @@ class KvAware(Policy):
         self.cpu_weight = number(OWNER, "cpu_weight", cpu_weight, 0.0, 1.0)
         self.temperature = number(OWNER, "temperature", temperature, 0.0)
         self.explain_top = int(number(OWNER, "explain_top", explain_top, 1))
-        self._rng = random.Random(seed)
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         if not cluster.explain and self.temperature <= 0:
@@ -93,7 +91,7 @@ class KvAware(Policy):
             for tid in full:
                 del costs[tid]
             found = [t for t in found if t.id in costs]
-        pick, how = self._pick(costs)
+        pick, how = self._pick(costs, cluster.rng)
         scores, used = self._explain(found, costs, pick, get, bs, cluster.explain)
         best = used.get(pick, NO_OVERLAP)
         reason = (
@@ -148,7 +146,7 @@ class KvAware(Policy):
             ties = fties
         if not ties:
             raise NoCandidate(f"no healthy worker serves model {model!r}")
-        best_t, cost = self._rng.choice(ties)  # always drawn, as the general path does
+        best_t, cost = cluster.rng.choice(ties)  # always drawn, as the general path does
         pick = best_t.id
         scores, used = self._explain([best_t], {pick: cost}, pick, get, bs, False)
         best = used.get(pick, NO_OVERLAP)
@@ -185,19 +183,19 @@ class KvAware(Policy):
                 used[t.id] = ov
         return scores, used
 
-    def _pick(self, costs: dict[str, float]) -> tuple[str, str]:
+    def _pick(self, costs: dict[str, float], rng: random.Random) -> tuple[str, str]:
         lo = min(costs.values())
         if self.temperature > 0:
             hi = max(costs.values())
             ids = list(costs)
             if hi - lo <= _TIE:
-                return self._rng.choice(ids), f"sampled (T={self.temperature}, all equal)"
+                return rng.choice(ids), f"sampled (T={self.temperature}, all equal)"
             span = hi - lo
             weights = [math.exp(-(costs[i] - lo) / span / self.temperature) for i in ids]
-            return self._rng.choices(ids, weights)[0], f"sampled (T={self.temperature})"
+            return rng.choices(ids, weights)[0], f"sampled (T={self.temperature})"
         cut = lo + _TIE * max(1.0, abs(lo))
         ties = [tid for tid, c in costs.items() if c <= cut]
-        return self._rng.choice(ties), "lowest"
+        return rng.choice(ties), "lowest"
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -8,7 +8,7 @@
 Profiles run the pipeline once for prefill and once for decode: with ``profiles: {prefill: ...,
 decode: ...}`` the decision names a prefill target and a ``decode_target``.
 
-Invariants: no I/O, no clock (``cluster.now``), randomness only from the picker's seeded RNG.
+Invariants: no I/O, no clock (``cluster.now``), randomness only from ``cluster.rng`` (handed to the picker).
 Every plugin is built through ``policies.registry.create`` so that built-in names, ``module:Class``
 paths and ``mesh.policies`` entry points all work, and every error is a ``PluginError``.
 """
@@ -67,17 +67,14 @@ class Picker(abc.ABC):
     """Chooses one candidate: returns its index.
 
     ``totals`` holds each candidate's weighted score; ``columns`` holds each scorer's raw scores
-    (in the configured scorer order) for pickers that rank by terms instead of the sum.
-    A picker owns its ``random.Random`` (seeded by the ``seed`` context param).
+    (in the configured scorer order) for pickers that rank by terms instead of the sum; ``rng``
+    is the decision's (``ClusterView.rng``), the only source of randomness a picker may use.
     """
 
     name: str = "picker"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self.rng = random.Random(seed)
-
     @abc.abstractmethod
-    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]]) -> int: ...
+    def pick(self, totals: Sequence[float], columns: Sequence[Sequence[float]], rng: random.Random) -> int: ...
 
     def summary(self, terms: Sequence[str]) -> str:
         """How the choice was made, for ``Decision.reason``; ``terms`` are the scorer names."""
@@ -129,8 +126,8 @@ def build_scorer(spec: Any, index: int) -> tuple[Scorer, float]:
     return obj, weight
 
 
-def build_picker(spec: Any, seed: int | None) -> Picker:
-    obj: Picker = create("picker", spec, seed=seed)
+def build_picker(spec: Any) -> Picker:
+    obj: Picker = create("picker", spec)
     _check_kind("picker", obj, Picker, "pick")
     return obj
 
@@ -187,7 +184,6 @@ class Profile:
         filters: list[Any] | None,
         scorers: list[Any] | None,
         picker: Any,
-        seed: int | None,
         roles: frozenset[Role] | None = None,
         explain_top: int = 16,
     ) -> None:
@@ -214,7 +210,7 @@ class Profile:
         fused = {"healthy", "model_match"}
         self._rest = [f for f in self.filters if not (f.name in fused and _builtin(f, f.name))]
         self._first_names = "/".join(f.name for f in self.filters if f not in self._rest)
-        self.picker = build_picker(picker if picker is not None else "max_score", seed)
+        self.picker = build_picker(picker if picker is not None else "max_score")
         self.reason = self.picker.summary(self.terms)
         self.roles = roles
 
@@ -232,7 +228,7 @@ class Profile:
         ]
         n = len(found)
         totals = self._totals(n, *columns)
-        pick = self.picker.pick(totals, columns) if n > 1 else 0
+        pick = self.picker.pick(totals, columns, cluster.rng) if n > 1 else 0
         if type(pick) is not int or not 0 <= pick < n:  # a plugin picker's bad index: name it, not IndexError
             pick = _checked_pick(self.picker, pick, n)
         ids = [t.id for t in found]
@@ -339,7 +335,6 @@ class Pipeline(Policy):
         picker: Any = None,
         profiles: Mapping[str, Any] | None = None,
         explain_top: int = 16,
-        seed: int | None = None,
         local_prefill_tokens: int = 0,
     ) -> None:
         if isinstance(local_prefill_tokens, bool) or not isinstance(local_prefill_tokens, int) or local_prefill_tokens < 0:
@@ -350,12 +345,12 @@ class Pipeline(Policy):
         self.profile: Profile | None = None
         self.pd: tuple[Profile, Profile, Profile] | None = None  # prefill, decode, mixed fallback
         if profiles is None:
-            self.profile = Profile("pipeline", filters, scorers, picker, seed, explain_top=explain_top)
+            self.profile = Profile("pipeline", filters, scorers, picker, explain_top=explain_top)
             _warn_unscored([self.profile])
             return
         if filters is not None or scorers is not None or picker is not None:
             raise PluginError("pipeline: give either profiles or filters/scorers/picker, not both")
-        self.pd = _build_profiles(profiles, seed, explain_top)
+        self.pd = _build_profiles(profiles, explain_top)
         _warn_unscored(self.pd[:2])  # the mixed fallback is the prefill profile again
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
@@ -407,7 +402,7 @@ def _uncached_tokens(request: RequestInfo, overlap: Overlap | None) -> int:
     return max(request.prompt_tokens - cached, 0)
 
 
-def _build_profiles(profiles: Any, seed: int | None, explain_top: int) -> tuple[Profile, Profile, Profile]:
+def _build_profiles(profiles: Any, explain_top: int) -> tuple[Profile, Profile, Profile]:
     """Prefill profile over prefill-role targets, decode over decode-role ones, and the prefill
     profile again over mixed-role targets for when no pair can be formed."""
     if not isinstance(profiles, Mapping) or set(profiles) != {"prefill", "decode"}:
@@ -422,11 +417,7 @@ def _build_profiles(profiles: Any, seed: int | None, explain_top: int) -> tuple[
             raise PluginError(f"pipeline: profile {label!r} has unknown keys {sorted(unknown)}")
     p, d = profiles["prefill"], profiles["decode"]
 
-    def seeded(k: int) -> int | None:
-        return None if seed is None else seed + k
+    def make(label: str, body: Mapping[str, Any], role: Role) -> Profile:
+        return Profile(label, body.get("filters"), body.get("scorers"), body.get("picker"), frozenset({role}), explain_top)
 
-    def make(label: str, body: Mapping[str, Any], k: int, role: Role) -> Profile:
-        return Profile(label, body.get("filters"), body.get("scorers"), body.get("picker"), seeded(k),
-                       frozenset({role}), explain_top)
-
-    return make("prefill", p, 0, Role.PREFILL), make("decode", d, 1, Role.DECODE), make("mixed", p, 2, Role.MIXED)
+    return make("prefill", p, Role.PREFILL), make("decode", d, Role.DECODE), make("mixed", p, Role.MIXED)

@@ -2,14 +2,12 @@
 
 What it does: the power of two choices (load by ``load_only.load_of``), which spreads load
 nearly as well as ``least_load`` while herding less when load reports lag. Ignores the cache.
-Parameters: ``seed`` (int, optional): the RNG's seed.
+Draws from ``cluster.rng``. Parameters: none.
 
-    policy: {name: power_of_two, params: {seed: 1}}
+    policy: power_of_two
 """
 
 from __future__ import annotations
-
-import random
 
 from policies.base import ClusterView, Decision, Policy, RequestInfo
 from policies.load_only import candidates, load_of
@@ -18,12 +16,9 @@ from policies.registry import register
 
 @register("policy", "power_of_two")
 class PowerOfTwo(Policy):
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
-
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         found = candidates(request, cluster)
-        pair = self._rng.sample(found, 2) if len(found) >= 2 else found
+        pair = cluster.rng.sample(found, 2) if len(found) >= 2 else found
         pick = min(pair, key=load_of)
         scores = {t.id: {"load": load_of(t)} for t in pair}
         return Decision(pick.id, "less loaded of two random candidates", scores)

@@ -62,7 +62,7 @@ def resolve(kind: str, name: str) -> type:
 
 
 def create(kind: str, spec: str | dict[str, Any], **context: Any) -> Any:
-    """Build a plugin from its spec; ``context`` (e.g. ``seed``) is passed where accepted."""
+    """Build a plugin from its spec; ``context`` (keyword arguments) is passed where accepted."""
     name, params = split_spec(kind, spec)
     cls = resolve(kind, name)
     if kind == "policy" and not callable(getattr(cls, "decide", None)):

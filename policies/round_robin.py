@@ -1,7 +1,8 @@
 """Policy ``round_robin``: each request to the next available target in turn.
 
 What it does: cycles through the targets that can take the request, ignoring load and cache
-(a baseline; sglang-router's and vLLM router's round robin). Parameters: none.
+(a baseline; sglang-router's and vLLM router's round robin); the turn passes when a request is
+committed (``on_routed``), so a preview does not move it. Parameters: none.
 
     policy: round_robin
 """
@@ -20,6 +21,7 @@ class RoundRobin(Policy):
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         found = candidates(request, cluster)
-        pick = found[self._cursor % len(found)]
+        return Decision(found[self._cursor % len(found)].id, "round robin")
+
+    def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
         self._cursor += 1
-        return Decision(pick.id, "round robin")

@@ -80,10 +80,9 @@ class SessionSticky(Policy):
         spread_new: bool = True,
         session_slack: int = 1,
         spread_by: str = "sessions",
-        seed: int | None = None,
     ) -> None:
         spec = default_inner() if inner is None else inner
-        self.inner: Policy = registry.create("policy", spec, seed=seed)
+        self.inner: Policy = registry.create("policy", spec)
         self.max_in_flight = int(number(OWNER, "max_in_flight", max_in_flight, 0))
         self.load_factor = number(OWNER, "load_factor", load_factor, 0)
         self.load_slack = number(OWNER, "load_slack", load_slack, 0)
@@ -120,7 +119,7 @@ class SessionSticky(Policy):
             raise NoCandidate(f"no healthy worker serves model {request.model!r}")
         if bound is None and self.spread_new:
             narrowed, why = self._spread(narrowed)
-        view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain)
+        view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain, cluster.rng)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
         d.reason = f"{why} ({d.reason})"

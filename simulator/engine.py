@@ -135,7 +135,7 @@ class Simulator:
         self.config = config
         self.profile = config.profile
         # strict: a plugin that raises or picks no candidate is an error, not least_load's numbers under its name
-        self.policy = create_policy(policy_spec, seed=config.seed, strict=True)
+        self.policy = create_policy(policy_spec, strict=True)
         self.policy_spec = policy_spec
         self.bs = trace.block_size
         self.index = PrefixIndex()
@@ -147,7 +147,7 @@ class Simulator:
         self.by_id = {w.id: w for w in self.workers}
         retention = RetentionPlanner(config.retention_fill, config.retention_active_s) if config.spill_hint else None
         self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
-                             speculative_ttl_s=config.speculative_ttl_s, retention=retention)
+                             speculative_ttl_s=config.speculative_ttl_s, retention=retention, seed=config.seed)
         self.progress = progress
         self.recorder = recorder  # tests: sees every route call and KV event, in order
         # event loop state

@@ -32,7 +32,6 @@ BS = 16
 PD_POLICY = {
     "name": "pipeline",
     "params": {
-        "seed": 0,
         "profiles": {
             "prefill": {"scorers": [{"name": "prefix", "weight": 2}, {"name": "prefill_load", "weight": 1}]},
             "decode": {"filters": ["healthy", "model_match", "admission_headroom"],

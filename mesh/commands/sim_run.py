@@ -83,7 +83,7 @@ def plan(args: argparse.Namespace, policies: list[tuple[str, Any]], default_labe
         if path:
             check_report_path(flag, path)
     for _, spec in policies:  # a plugin error now, not after hours of the runs before it
-        create_policy(spec, seed=args.seed, strict=True)
+        create_policy(spec, strict=True)
     sweep = len(counts) > 1
     runs = [Run(run_label(label, n, sweep), label, spec, n, configs[n]) for label, spec in policies for n in counts]
     check_baseline(args.baseline, runs)

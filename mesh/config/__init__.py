@@ -75,6 +75,9 @@ class MeshConfig(ConfigModel):
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
     policy: Any = Field(DEFAULT_POLICY, description="The routing policy: a name or {name, params} spec, passed "
                         "untouched to policies.create_policy (docs/policies.md); the default is session_sticky over kv_aware.")
+    seed: int | None = Field(None, description="Seed of the router's random choices (policies' tie-breaks and "
+                             "samples); unset: a fresh one at every start. With the seed `mesh simulate --seed` "
+                             "takes, a gateway and the simulator draw alike.")
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -11,6 +11,7 @@ Nothing here does I/O or reads a clock: ``now`` is passed in (simulated or wall 
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, replace
@@ -138,6 +139,7 @@ class Router:
         speculative_ttl_s: float = 2.0,
         on_release: Callable[[TargetState], None] | None = None,
         retention: RetentionPlanner | None = None,
+        seed: int | None = None,
     ) -> None:
         self.policy = policy  # swapped whole on config reload; bindings and load stay here
         self.targets = targets  # owned by the registry (gateway) or the simulator
@@ -150,6 +152,7 @@ class Router:
         self.on_release = on_release  # told after every lease's release (the gateway's admission queue)
         self.retention = retention  # marks the requests of sessions that do not fit their target
         self.session_moves = 0
+        self.rng = random.Random(seed)  # every decision's randomness (``ClusterView.rng``)
         # The last committed decisions, newest last (the gateway's /dashboard reads them); bounded.
         self.recent: deque[RecentDecision] = deque(maxlen=RECENT_DECISIONS)
         self._touch = getattr(sessions, "touch", None)  # optional in a SessionStore
@@ -163,7 +166,10 @@ class Router:
         if state is not None:
             state.live_sessions = count
 
-    def view(self, now: float, exclude: Iterable[str] = (), explain: bool = True) -> ClusterView:
+    def view(self, now: float, exclude: Iterable[str] = (), explain: bool = True,
+             rng: random.Random | None = None) -> ClusterView:
+        """The cluster as a policy sees it now; its RNG is the router's unless ``rng`` is given."""
+        rng = rng or self.rng
         targets = list(self.targets.values())
         if self.sessions is not None:
             self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
@@ -174,8 +180,8 @@ class Router:
             out = [t for t in targets if t.id in excluded]
             if out:
                 targets = [t for t in targets if t.id not in excluded]
-                return RoutedView(targets, now, self.index, self.sessions, explain, excluded=tuple(out))  # type: ignore[arg-type]
-        return ClusterView(targets=targets, now=now, index=self.index, sessions=self.sessions, explain=explain)  # type: ignore[arg-type]
+                return RoutedView(targets, now, self.index, self.sessions, explain, rng, excluded=tuple(out))  # type: ignore[arg-type]
+        return ClusterView(targets, now, self.index, self.sessions, explain, rng)  # type: ignore[arg-type]
 
     def decide(
         self, request: RequestInfo, now: float, exclude: Iterable[str] = (), explain: bool = True
@@ -184,7 +190,21 @@ class Router:
 
         ``explain=False`` (the request path) lets policies skip other candidates' explanations.
         """
-        decision = self.policy.decide(request, self.view(now, exclude, explain))
+        return self._checked(self.policy.decide(request, self.view(now, exclude, explain)))
+
+    def preview(self, request: RequestInfo, now: float, exclude: Iterable[str] = ()) -> Decision:
+        """The decision ``decide`` would make now, leaving no trace: the policy draws from a copy
+        of the router's RNG (and changes no state of its own while deciding), so the next live
+        request decides as this said. Raises ``NoCandidate``."""
+        return self._checked(self.policy.decide(request, self.view(now, exclude, True, self.preview_rng())))
+
+    def preview_rng(self) -> random.Random:
+        """A copy of the router's RNG in its current state (drawing from it moves the original not)."""
+        rng = random.Random()
+        rng.setstate(self.rng.getstate())
+        return rng
+
+    def _checked(self, decision: Decision) -> Decision:
         if decision.target is None or decision.target not in self.targets:
             raise NoCandidate(decision.reason or "policy chose no target")
         return decision

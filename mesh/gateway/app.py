@@ -215,6 +215,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         speculative_ttl_s=config.index.speculative_ttl_s,
         on_release=admission.released,
         retention=_retention(config),
+        seed=config.seed,
     )
     gateway = Gateway(
         config=config,

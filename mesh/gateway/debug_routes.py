@@ -2,8 +2,8 @@
 
 It parses the body as the proxy does, mirrors the session's shared binding in, and asks the
 router under the proxy's admission rule (targets at their limit skipped), but forwards and
-commits nothing: the policy's state is restored afterwards (``mesh.core.preview.unchanged``), so
-the next live request decides as shown. Workers whose index is blind (``mesh.events.blindness``) are
+commits nothing, and draws from a copy of the router's RNG (``Router.preview``), so the next live
+request decides as shown. Workers whose index is blind (``mesh.events.blindness``) are
 named under ``index_problems``: their overlaps read 0 for want of events. Behind ``server.api_keys``,
 as the completion routes.
 """
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from fastapi import Depends, FastAPI, Request
 
-from mesh.core.preview import unchanged
 from mesh.errors import MeshError
 from mesh.gateway.client_io import read_body
 from mesh.gateway.route_auth import data_auth
@@ -51,8 +50,7 @@ async def _explain(gateway: Gateway, request: Request, raw: bytes) -> dict[str, 
     now = time.monotonic()
     gateway.registry.tick(now)
     try:  # as the proxy routes: targets at their admission limit are skipped
-        with unchanged(gateway.router.policy):  # the next live request decides as shown
-            decision = gateway.router.decide(parsed.info, now, exclude=gateway.registry.full_targets())
+        decision = gateway.router.preview(parsed.info, now, exclude=gateway.registry.full_targets())
     except NoCandidate as exc:
         raise MeshError(503, f"no healthy worker: {exc}", code="no_healthy_worker") from exc
     out = {
@@ -107,7 +105,7 @@ def _inner_decision(gateway: Gateway, info: RequestInfo, decision: Decision, now
     if inner is None or not hasattr(inner, "decide") or not decision.scores or any(len(s) > 1 for s in decision.scores.values()):
         return None
     try:
-        return inner.decide(info, gateway.router.view(now)).explain()  # type: ignore[no-any-return]
+        return inner.decide(info, gateway.router.view(now, rng=gateway.router.preview_rng())).explain()  # type: ignore[no-any-return]
     except NoCandidate:
         return None
 

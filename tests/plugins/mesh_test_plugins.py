@@ -39,7 +39,7 @@ class LastOfBest(Picker):
 
     name = "last_of_best"
 
-    def pick(self, totals, columns):  # type: ignore[no-untyped-def]
+    def pick(self, totals, columns, rng):  # type: ignore[no-untyped-def]
         best = max(totals)
         return max(i for i, v in enumerate(totals) if v == best)
 

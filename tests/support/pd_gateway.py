@@ -13,7 +13,7 @@ import yaml
 from tests.procs import PYTHON, Proc, ProcessGroup, free_port
 
 ADMIN = {"authorization": "Bearer adm"}
-PD_POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {
+PD_POLICY = {"name": "pipeline", "params": {"profiles": {
     "prefill": {"scorers": [{"name": "prefill_load", "weight": 1}]},
     "decode": {"filters": ["healthy", "model_match"], "scorers": [{"name": "load", "weight": 1}]},
 }}}

@@ -16,8 +16,8 @@ from mesh.core.router import Router
 from policies import create_policy
 from policies.base import RequestInfo, Role, TargetState
 
-POLICY = {"name": "pipeline", "params": {"seed": 0, "profiles": {"prefill": {"scorers": ["prefill_load"]},
-                                                                  "decode": {"scorers": ["load"]}}}}
+POLICY = {"name": "pipeline", "params": {"profiles": {"prefill": {"scorers": ["prefill_load"]},
+                                                       "decode": {"scorers": ["load"]}}}}
 INFO = RequestInfo(model="m", block_keys=[1, 2, 3], block_size=16, prompt_tokens=50, max_tokens=8)
 VLLM_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4, 5],
                "remote_engine_id": "engine-p", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}

@@ -25,7 +25,8 @@ workers:
     block_size: 64
     kv_events: {endpoint: "tcp://gpu-1:5557", replay_endpoint: "tcp://gpu-1:5558"}
   - {name: b, url: "http://10.0.0.5:8001", models: [m1], max_in_flight: 8}
-policy: {name: power_of_two, params: {seed: 3}}
+policy: {name: kv_aware, params: {decode_weight: 0.1}}
+seed: 3
 sessions: {header: X-Session-ID, idle_ttl_s: 30}
 """
 
@@ -65,7 +66,7 @@ def test_full_file_is_parsed(tmp_path: Path) -> None:
     assert a.kv_events is not None and a.kv_events.replay_endpoint == "tcp://gpu-1:5558"
     assert b.models == ["m1"] and b.max_in_flight == 8
     assert config.sessions.header == "x-session-id"  # lower-cased
-    assert config.build_policy().name == "power_of_two"
+    assert config.build_policy().name == "kv_aware" and config.seed == 3
 
 
 @pytest.mark.parametrize(
@@ -111,12 +112,14 @@ def test_host_allowlist_applies_to_static_workers(tmp_path: Path) -> None:
 
 
 def test_policy_spec_passes_through_untouched() -> None:
-    spec = {"name": "random", "params": {"seed": 7}}
+    spec = {"name": "kv_aware", "params": {"decode_weight": 0.5}}
     config = parse_config({"policy": spec})
     assert config.policy == spec
-    assert config.build_policy().name == "random"
+    assert config.build_policy().name == "kv_aware"
     with pytest.raises(ConfigError, match="policy.params.nope: policy 'random' has no parameter 'nope'"):
         parse_config({"policy": {"name": "random", "params": {"nope": 1}}})
+    with pytest.raises(ConfigError, match="policy.params.seed: policy 'random' has no parameter 'seed'"):
+        parse_config({"policy": {"name": "random", "params": {"seed": 7}}})  # the router's: top-level seed
 
 
 def run_validate(path: Path) -> subprocess.CompletedProcess[str]:

@@ -54,7 +54,7 @@ from policies.pipeline import Picker, Scorer
 class OutOfRange(Picker):
     name = "out_of_range"
 
-    def pick(self, totals, columns):
+    def pick(self, totals, columns, rng):
         return 99
 
 

@@ -53,8 +53,8 @@ def gateway_replay(log: list[tuple[Any, ...]], spec: Any, workers: int, block_si
     targets = {f"w{i}": TargetState(id=f"w{i}", worker=f"w{i}", block_size=block_size,
                                     models=frozenset({"sim-model"})) for i in range(workers)}
     index = PrefixIndex()
-    router = Router(create_policy(spec, seed=seed), targets, index=index,
-                    sessions=SessionTable(600.0, 1_000_000), speculative_ttl_s=2.0)
+    router = Router(create_policy(spec), targets, index=index,
+                    sessions=SessionTable(600.0, 1_000_000), speculative_ttl_s=2.0, seed=seed)
     leases: dict[str, Any] = {}
     decisions = []
     for entry in log:

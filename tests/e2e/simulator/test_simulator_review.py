@@ -111,7 +111,9 @@ def test_a_slow_kv_transfer_moves_ttft_not_itl(tmp_path: Path) -> None:
     fast, slow = reports["fast"], reports["slow"]
     assert fast["rejected"] == slow["rejected"] == 0
     pairs = slow["pd_pairs"]
-    assert 0 < pairs < 300 and fast["pd_pairs"] == pairs  # local_prefill_tokens keeps short prompts off pairs
+    # local_prefill_tokens keeps short prompts off pairs: about as many pairs either way (the
+    # transfer's time moves load, and so a few tie-breaks and which decode worker holds a prefix)
+    assert 0 < pairs < 300 and abs(fast["pd_pairs"] - pairs) <= 0.05 * pairs
     moved = slow["ttft_ms"]["mean"] - fast["ttft_ms"]["mean"]
     assert moved == pytest.approx(2000.0 * pairs / 300, rel=0.1)
     assert slow["itl_ms"]["p99"] < 2 * fast["itl_ms"]["p99"] and slow["itl_ms"]["mean"] < fast["itl_ms"]["mean"] + 1

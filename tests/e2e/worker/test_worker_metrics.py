@@ -526,7 +526,7 @@ def _series(text: str, family: str) -> dict[str, float]:
 
 KV_POLICY = {"name": "pipeline", "params": {
     "filters": [{"name": "admission_headroom", "params": {"max_kv_usage": 0.5}}],
-    "scorers": [{"name": "kv_utilization", "weight": 1}], "picker": {"name": "max_score", "params": {"seed": 1}}}}
+    "scorers": [{"name": "kv_utilization", "weight": 1}], "picker": "max_score"}}
 
 
 def test_gateway_shows_fake_engines_per_target_and_routes_on_them(procs: ProcessGroup, tmp_path: Path) -> None:
@@ -604,7 +604,7 @@ def test_real_worker_usage_reaches_the_gateway_and_steers_admission(procs: Proce
     ws = start_workers(procs, ["w0", "w1"], num_kv_blocks=blocks)
     policy = {"name": "pipeline", "params": {
         "filters": [{"name": "admission_headroom", "params": {"max_kv_usage": 0.4}}],
-        "scorers": [{"name": "load", "weight": 1}], "picker": {"name": "max_score", "params": {"seed": 3}}}}
+        "scorers": [{"name": "load", "weight": 1}], "picker": "max_score"}}
     gateway, http = _gateway(procs, tmp_path, [w.config() for w in ws.values()], policy)
 
     def kv() -> tuple[dict[str, float], dict[str, float]]:

@@ -45,28 +45,29 @@ def test_lean_request_path_decides_like_the_general_path(seed: int) -> None:
     rng = random.Random(seed)
     targets, overlaps = random_cluster(rng)
     index = FixedIndex(overlaps)
-    general, lean = KvAware(seed=seed, cpu_weight=0.5), KvAware(seed=seed, cpu_weight=0.5)
+    policy = KvAware(cpu_weight=0.5)
+    general_rng, lean_rng = random.Random(seed), random.Random(seed)
     for blocks in (0, 3, 10, 10, 10):
         req = RequestInfo(model="m", block_keys=list(range(blocks)), block_size=16, prompt_tokens=blocks * 16 + 3)
         try:
-            want = general.decide(req, ClusterView(targets=targets, now=0.0, index=index, explain=True))
+            want = policy.decide(req, ClusterView(targets, 0.0, index, explain=True, rng=general_rng))
         except NoCandidate:
             with pytest.raises(NoCandidate):
-                lean.decide(req, ClusterView(targets=targets, now=0.0, index=index, explain=False))
+                policy.decide(req, ClusterView(targets, 0.0, index, explain=False, rng=lean_rng))
             continue
-        got = lean.decide(req, ClusterView(targets=targets, now=0.0, index=index, explain=False))
+        got = policy.decide(req, ClusterView(targets, 0.0, index, explain=False, rng=lean_rng))
         assert got.target == want.target
         assert got.scores == {want.target: want.scores[want.target]}
         assert got.overlaps == {k: v for k, v in want.overlaps.items() if k == want.target}
         assert got.reason == want.reason
-    assert general._rng.random() == lean._rng.random()  # the same number of draws
+    assert general_rng.random() == lean_rng.random()  # the same number of draws
 
 
 def test_lean_path_keeps_ties_random_and_skips_full_targets() -> None:
     targets = [TargetState(f"t{i}", f"t{i}") for i in range(4)] + [TargetState("full", "full", in_flight=1,
                                                                                   max_in_flight=1)]
     index = FixedIndex({"full": Overlap(10, 0)})
-    policy = KvAware(seed=1)
+    policy = KvAware()
     req = RequestInfo(model="m", block_keys=list(range(10)), block_size=16, prompt_tokens=160)
     picks = {policy.decide(req, ClusterView(targets=targets, now=0.0, index=index, explain=False)).target
              for _ in range(60)}

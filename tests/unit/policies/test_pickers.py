@@ -1,8 +1,9 @@
-"""Pickers: the best wins, ties spread fairly (never "always the first"), seeds reproduce."""
+"""Pickers: the best wins, ties spread fairly (never "always the first"), the decision's RNG reproduces."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -10,8 +11,19 @@ import pytest
 from policies.registry import PluginError, create
 
 
-def picker(spec: object, seed: int | None = 0):  # type: ignore[no-untyped-def]
-    return create("picker", spec, seed=seed)
+class Seeded:
+    """A picker with the RNG a decision would hand it (``ClusterView.rng``), seeded."""
+
+    def __init__(self, spec: object, seed: int | None) -> None:
+        self.picker = create("picker", spec)
+        self.rng = random.Random(seed)
+
+    def pick(self, totals: list[float], columns: list[list[float]]) -> int:
+        return int(self.picker.pick(totals, columns, self.rng))
+
+
+def picker(spec: object, seed: int | None = 0) -> Seeded:
+    return Seeded(spec, seed)
 
 
 def chi_square(counts: Counter[int], k: int, n: int) -> float:

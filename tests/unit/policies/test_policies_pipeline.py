@@ -27,8 +27,8 @@ def req(keys: Sequence[int] = (1, 2, 3, 4), **kw: object) -> RequestInfo:
     return RequestInfo(**base)  # type: ignore[arg-type]
 
 
-def pipeline(seed: int = 0, **params: object) -> Pipeline:
-    return create("policy", {"name": "pipeline", "params": params}, seed=seed)
+def pipeline(**params: object) -> Pipeline:
+    return create("policy", {"name": "pipeline", "params": params})
 
 
 def test_weighted_sum_picks_and_explains_every_term() -> None:
@@ -55,7 +55,7 @@ def test_load_outweighs_a_partial_prefix_when_weighted_so() -> None:
 
 def test_no_scorers_is_a_fair_random_choice() -> None:
     ts = [T(f"w{i}") for i in range(4)]
-    p = pipeline(seed=3)
+    p = pipeline()
     counts = Counter(p.decide(req(), ClusterView(ts, 0.0)).target for _ in range(2000))
     assert set(counts) == {"w0", "w1", "w2", "w3"} and min(counts.values()) > 400
 

@@ -31,8 +31,8 @@ def setup(
     targets = {tid: T(tid) for tid in ids}
     index = PrefixIndex()
     table = SessionTable(idle_ttl_s=TTL, max_sessions=10_000)
-    policy = create("policy", {"name": "session_sticky", "params": {"inner": inner, **params}}, seed=seed)
-    return Router(policy, targets, index=index, sessions=table), targets, index, table
+    policy = create("policy", {"name": "session_sticky", "params": {"inner": inner, **params}})
+    return Router(policy, targets, index=index, sessions=table, seed=seed), targets, index, table
 
 
 def go(router: Router, req: RequestInfo, now: float, finish: bool = True) -> tuple[str, str, Lease]:
