@@ -8,6 +8,10 @@ queue and background transfer releases, and ``aclose`` ends them at the lifespan
 streamed decode answer goes through the proxy's own relay (``sse_relay``) and counts as the
 proxy counts a stream; its TTFT, ITL, latency and tokens go to the decode target's series.
 
+The pairs speak the config's ``disagg.protocol``: vLLM's (``disagg_relay``: the prefill first,
+its ``kv_transfer_params`` to the decode worker) or SGLang's (``disagg_sglang``: one body with a
+bootstrap room to both at once).
+
 Cost for policies without prefill/decode profiles: one attribute check per request. With
 profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
 pipeline's mixed-role fallback) goes down the ordinary path with that decision.
@@ -39,6 +43,7 @@ from mesh.gateway.disagg_relay import (
     pd_profiles,
     relay_disaggregated,
 )
+from mesh.gateway.disagg_sglang import DEFAULT_BOOTSTRAP_PORT, relay_sglang
 from mesh.gateway.headers import forwarded
 from mesh.gateway.proxy import Proxy
 from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
@@ -124,12 +129,18 @@ class DisaggProxy(Proxy):
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Decision) -> None:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded(client_headers, self._forwarded_names())]
+        common: dict[str, Any] = {
+            "path": PATHS[parsed.kind], "headers": headers, "config": self.relay_config, "queue": self.decode_queue,
+            "stats": self.relay_stats, "health": self.registry, "legs": self.legs,
+            "request_id": state.request_id.decode("ascii"),
+        }
         try:
-            resp = await relay_disaggregated(
-                self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
-                config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
-                releases=self.releases, legs=self.legs, request_id=state.request_id.decode("ascii"),
-            )
+            if self.registry.config.disagg.protocol == "sglang":  # read per request: a reload switches it
+                resp = await relay_sglang(self.http, self.router, parsed.info, parsed.body, decision,
+                                          bootstrap_port=self._bootstrap_port, **common)
+            else:
+                resp = await relay_disaggregated(self.http, self.router, parsed.info, parsed.body, decision,
+                                                 releases=self.releases, **common)
         except RelayClosed:
             raise shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
         except RelayError as exc:
@@ -165,6 +176,12 @@ class DisaggProxy(Proxy):
             series.e2e(time.perf_counter() - start)
         finally:
             await resp.aclose()
+
+    def _bootstrap_port(self, target_id: str) -> int:
+        """An SGLang prefill target's bootstrap port: its worker's ``bootstrap_port``, else SGLang's default."""
+        worker = self.registry.worker_of(target_id)
+        port = worker.config.bootstrap_port if worker is not None else None
+        return port if port is not None else DEFAULT_BOOTSTRAP_PORT
 
     async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: Exchange,
                            series: Series) -> bytes:

@@ -2,7 +2,7 @@
 one ordinary OpenAI response (streaming or not) to the client (the messages: ``disagg_wire``).
 
 Invariants:
-- Every failure before the decode worker's first bytes is retried (``_Relay`` says where) and
+- Every failure before the decode worker's first bytes is retried (``Relay`` says where) and
   charged to a worker's passive health as the ordinary proxy charges (``verdicts``), so one
   request counts once for each worker; a streamed answer's success is its relayer's to tell.
 - Every lease is finished exactly once (``try/finally``, ``RelayResponse.aclose``).
@@ -71,7 +71,7 @@ __all__ = [  # what callers import from here (the relay's parts live in disagg_b
 ]
 
 
-class _Relay:
+class Relay:
     """One request's relay; all state of its attempts lives here.
 
     Retried while nothing has reached the client:
@@ -463,7 +463,7 @@ async def relay_disaggregated(
     releases: Releases | None = None,
     legs: PendingLegs | None = None,
 ) -> RelayResponse:
-    """Serve one request through a (prefill, decode) pair (the module docstring, ``_Relay``).
+    """Serve one request through a (prefill, decode) pair (the module docstring, ``Relay``).
 
     ``decision`` comes from ``router.decide`` (it commits nothing); the relay commits a lease per
     attempt. Returns once the decode worker's first bytes are in (every retry happens before):
@@ -482,6 +482,6 @@ async def relay_disaggregated(
     rid = request_id or f"mesh-{uuid.uuid4().hex}"
     stats = stats if stats is not None else RelayStats()
     stats.requests += 1
-    relay = _Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
+    relay = Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
                    queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases, legs)
     return await relay.run(decision)
