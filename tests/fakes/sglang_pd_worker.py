@@ -9,8 +9,9 @@ decode), mode, wait seconds.
 - The prefill side "computes" the prompt and holds its KV under the request's room, then waits
   (up to the wait seconds) for the decode side to take it through its bootstrap server (HTTP on
   the bootstrap port, ``GET /transfer/ROOM``); it answers one token after the transfer, or aborts
-  (500, SGLang's transfer failure) when nobody came. Mode ``fail:STATUS``: every POST is
-  answered STATUS at once (SGLang's error shape), the room never filled.
+  (500, SGLang's transfer failure) when nobody came; a client that leaves first aborts it. Mode ``fail:STATUS``: every POST is
+  answered STATUS at once (SGLang's error shape), the room never filled; mode ``hold``: every
+  request is held, its room never filled, until its client closes the connection (``aborted``).
 - The decode side bootstraps with ``bootstrap_host:bootstrap_port`` of its body and waits (up to
   the wait seconds) for the room's KV; it answers ``"decoded by NAME with kv from PREFILL"`` (a
   stream of events or a JSON completion) or, when the transfer failed, SGLang's abort: a 500
@@ -77,14 +78,25 @@ def aborted(body, message):
 
 async def prefill(body, reader):
     room = body["bootstrap_room"]
+    if mode == "hold":  # a prefill that never ends: held until its client leaves
+        await reader.read(1)
+        state["aborted"] += 1
+        return None, False
     entry = kv[room] = {"digest": sha(body.get("prompt") or body.get("messages")), "body_sha": sha(body), "taken": asyncio.Event()}
+    taken = asyncio.ensure_future(entry["taken"].wait())
+    gone = asyncio.ensure_future(reader.read(1))  # b"": the client closed its connection
     try:
-        await asyncio.wait_for(entry["taken"].wait(), wait_s)
-    except TimeoutError:
-        state["failed_transfers"] += 1
-        return aborted(body, "KV transfer failed for request rid=x bootstrap_room=%d: no decode peer" % room)
+        done, _ = await asyncio.wait({taken, gone}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         kv.pop(room, None)
+        taken.cancel()
+        gone.cancel()
+    if gone in done:
+        state["aborted"] += 1
+        return None, False
+    if taken not in done:
+        state["failed_transfers"] += 1
+        return aborted(body, "KV transfer failed for request rid=x bootstrap_room=%d: no decode peer" % room)
     state["served"] += 1
     return completion(body, "p")
 

@@ -5,8 +5,10 @@ no room, refused; each side waits for the other by room):
 - streamed and non-streamed requests, completions and chat, complete with the decode worker's
   answer, its KV from the prefill worker; both got the same body; every request its own room;
 - a prefill worker that fails: the client gets its status, the decode leg is aborted at once
-  (not left to its transfer timeout), no load leaks, and the failing worker is charged;
-- with another prefill worker, the request is served through it instead.
+  (not left to its transfer timeout), no load leaks, and the failing worker is charged; a failing
+  decode worker likewise ends the prefill leg;
+- with another prefill worker, the request is served through it instead;
+- a client that leaves while both legs wait ends both; a client cannot set the bootstrap fields.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.fakes.sglang_pd_worker import start_sglang_worker
 from tests.procs import Proc, ProcessGroup, wait_until
@@ -93,6 +96,21 @@ def test_a_failing_prefill_worker_ends_the_decode_leg_and_leaks_no_load(procs: P
     assert circuits(gateway)["d0"] == "closed"  # the decode worker is not charged
 
 
+def test_a_failing_decode_worker_ends_the_prefill_leg(procs: ProcessGroup, tmp_path: Path) -> None:
+    # The prefill stand-in would wait 60 s for the decode side's pull: its abort must come from the relay.
+    p0, bootstrap = start_sglang_worker(procs, "p0", "prefill", wait_s=60)
+    d0, _ = start_sglang_worker(procs, "d0", "decode", mode="fail:503")
+    gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, sections=SGLANG,
+                            worker_fields={"p0": {"bootstrap_port": bootstrap}})
+    resp = httpx.post(gateway.url + "/v1/completions", json={**PROMPT, "stream": True}, timeout=30)
+    assert resp.status_code == 503 and resp.headers["x-mesh-worker"] == "d0", resp.text
+    assert "failed by d0" in error_of(resp.json())["message"]
+    wait_until(lambda: fake_state(p0)["aborted"] == 1, timeout_s=10, what="the prefill leg aborted")
+    assert (fake_state(p0)["open"], fake_state(p0)["served"]) == (0, 0)
+    assert set(loads(gateway).values()) == {(0, 0, 0)}
+    assert circuits(gateway) == {"p0": "closed", "d0": "open"}  # the decode worker is charged, not the prefill
+
+
 def test_another_prefill_worker_serves_the_request_after_one_fails(procs: ProcessGroup, tmp_path: Path) -> None:
     bad, bad_port = start_sglang_worker(procs, "pbad", "prefill", mode="fail:502")
     good, good_port = start_sglang_worker(procs, "pgood", "prefill")
@@ -115,3 +133,27 @@ def test_another_prefill_worker_serves_the_request_after_one_fails(procs: Proces
     decode = fake_state(d0)
     assert decode["served"] == 6 and len(set(decode["rooms"])) == decode["posts"] == 6 + fake_state(bad)["posts"]
     assert set(loads(gateway).values()) == {(0, 0, 0)}
+
+
+def test_a_client_that_leaves_ends_both_legs(procs: ProcessGroup, tmp_path: Path) -> None:
+    p0, bootstrap = start_sglang_worker(procs, "p0", "prefill", mode="hold")
+    d0, _ = start_sglang_worker(procs, "d0", "decode", wait_s=60)
+    gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, sections=SGLANG,
+                            worker_fields={"p0": {"bootstrap_port": bootstrap}})
+    with pytest.raises(httpx.ReadTimeout):  # both legs wait on each other: the client gives up, closing
+        httpx.post(gateway.url + "/v1/completions", json={**PROMPT, "stream": True}, timeout=1.5)
+    wait_until(lambda: (fake_state(p0)["aborted"], fake_state(d0)["aborted"]) == (1, 1), timeout_s=10,
+               what="both legs aborted")
+    wait_until(lambda: set(loads(gateway).values()) == {(0, 0, 0)}, timeout_s=10, what="no load left")
+    assert circuits(gateway) == {"p0": "closed", "d0": "closed"}  # nobody's failure
+
+
+def test_a_client_cannot_set_the_bootstrap_fields(procs: ProcessGroup, tmp_path: Path) -> None:
+    p0, bootstrap = start_sglang_worker(procs, "p0", "prefill")
+    d0, _ = start_sglang_worker(procs, "d0", "decode")
+    gateway, _ = pd_gateway(procs, tmp_path, {"p0": (p0, "prefill"), "d0": (d0, "decode")}, sections=SGLANG,
+                            worker_fields={"p0": {"bootstrap_port": bootstrap}})
+    for key, value in (("bootstrap_room", 7), ("bootstrap_host", "10.9.9.9"), ("bootstrap_port", 1)):
+        resp = httpx.post(gateway.url + "/v1/completions", json={**PROMPT, key: value}, timeout=10)
+        assert resp.status_code == 400 and error_of(resp.json())["param"] == key
+    assert fake_state(p0)["posts"] == fake_state(d0)["posts"] == 0
