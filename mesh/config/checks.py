@@ -44,15 +44,16 @@ def _role_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
 
 
 def _disagg_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
-    """A bootstrap port is SGLang's: under the vllm protocol nothing reads it; under sglang only
-    a prefill worker's is (a decode or mixed worker's is never a pair's prefill side)."""
+    """A bootstrap port is SGLang's: under the vllm protocol (the worker's ``disagg_protocol``, else
+    ``disagg.protocol``) nothing reads it; under sglang only a prefill worker's is (a decode or
+    mixed worker's is never a pair's prefill side)."""
     out = []
     for i, w in enumerate(config.workers):
         if w.bootstrap_port is None:
             continue
-        if config.disagg.protocol != "sglang":
+        if (w.disagg_protocol or config.disagg.protocol) != "sglang":
             out.append(("warning", f"workers[{i}].bootstrap_port", f"{w.name}: a bootstrap port is used by "
-                                   "disagg.protocol sglang only (this config's is vllm): it is ignored"))
+                                   "the sglang protocol only (this worker's is vllm): it is ignored"))
         elif w.role != Role.PREFILL:
             out.append(("warning", f"workers[{i}].bootstrap_port", f"{w.name} has role {w.role.value}: only a "
                                    "prefill worker's bootstrap port is sent to a pair: it is ignored"))

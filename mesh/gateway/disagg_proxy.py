@@ -129,13 +129,17 @@ class DisaggProxy(Proxy):
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Decision) -> None:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded(client_headers, self._forwarded_names())]
+        protocol = self._protocol(decision.target)  # the prefill worker's: read per request, a reload switches it
+        foreign = [tid for tid in self.registry.targets if self._protocol(tid) != protocol]
         common: dict[str, Any] = {
             "path": PATHS[parsed.kind], "headers": headers, "config": self.relay_config, "queue": self.decode_queue,
-            "stats": self.relay_stats, "health": self.registry, "legs": self.legs,
+            "stats": self.relay_stats, "health": self.registry, "legs": self.legs, "foreign": foreign,
             "request_id": state.request_id.decode("ascii"),
         }
         try:
-            if self.registry.config.disagg.protocol == "sglang":  # read per request: a reload switches it
+            if decision.decode_target in foreign:  # a pair across protocols cannot work: another of this one's
+                decision = self._decide_within(parsed, decision, foreign)
+            if protocol == "sglang":
                 resp = await relay_sglang(self.http, self.router, parsed.info, parsed.body, decision,
                                           bootstrap_port=self._bootstrap_port, **common)
             else:
@@ -176,6 +180,25 @@ class DisaggProxy(Proxy):
             series.e2e(time.perf_counter() - start)
         finally:
             await resp.aclose()
+
+    def _protocol(self, target_id: str | None) -> str:
+        """A target's pair protocol: its worker's ``disagg_protocol``, else the config's ``disagg.protocol``."""
+        worker = self.registry.worker_of(target_id) if target_id is not None else None
+        own = worker.config.disagg_protocol if worker is not None else None
+        return own or self.registry.config.disagg.protocol
+
+    def _decide_within(self, parsed: ParsedRequest, decision: Decision, foreign: list[str]) -> Decision:
+        """The request's pair again, without the targets of another protocol than its prefill
+        worker's; raises ``RelayError`` (503) when no such pair can form."""
+        try:
+            again = self.router.decide(parsed.info, time.monotonic(), exclude=foreign + full_for_pairs(self.registry.targets))
+        except NoCandidate:
+            again = None
+        if again is None or again.decode_target is None:
+            protocol = self._protocol(decision.target)
+            raise RelayError(503, f"no decode worker speaks the {protocol} protocol of prefill worker {decision.target}",
+                             "no_decode_worker")
+        return again
 
     def _bootstrap_port(self, target_id: str) -> int:
         """An SGLang prefill target's bootstrap port: its worker's ``bootstrap_port``, else SGLang's default."""

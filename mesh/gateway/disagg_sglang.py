@@ -321,6 +321,7 @@ async def relay_sglang(
     request_id: str | None = None,
     health: WorkerHealth | None = None,
     legs: PendingLegs | None = None,
+    foreign: Iterable[str] = (),
 ) -> RelayResponse:
     """Serve one request through an SGLang (prefill, decode) pair: ``relay_disaggregated``'s
     contract (its arguments, ``RelayResponse``, ``RelayError``), over this module's protocol.
@@ -334,5 +335,5 @@ async def relay_sglang(
     stats.requests += 1
     relay = SglangRelay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
                         queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), None, legs,
-                        bootstrap_port=bootstrap_port)
+                        foreign, bootstrap_port=bootstrap_port)
     return await relay.run(decision)

@@ -8,7 +8,8 @@ no room, refused; each side waits for the other by room):
   (not left to its transfer timeout), no load leaks, and the failing worker is charged; a failing
   decode worker likewise ends the prefill leg;
 - with another prefill worker, the request is served through it instead;
-- a client that leaves while both legs wait ends both; a client cannot set the bootstrap fields.
+- a client that leaves while both legs wait ends both; a client cannot set the bootstrap fields;
+- an SGLang pool beside a vLLM one: each request pairs within its prefill worker's protocol.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fakes import pd_worker
 from tests.fakes.sglang_pd_worker import start_sglang_worker
-from tests.procs import Proc, ProcessGroup, wait_until
+from tests.procs import PYTHON, Proc, ProcessGroup, free_port, wait_until
 from tests.support.pd_gateway import ADMIN, circuits, error_of, fake_state, pd_gateway
 
 SGLANG = {"disagg": {"protocol": "sglang"}}
@@ -157,3 +159,34 @@ def test_a_client_cannot_set_the_bootstrap_fields(procs: ProcessGroup, tmp_path:
         resp = httpx.post(gateway.url + "/v1/completions", json={**PROMPT, key: value}, timeout=10)
         assert resp.status_code == 400 and error_of(resp.json())["param"] == key
     assert fake_state(p0)["posts"] == fake_state(d0)["posts"] == 0
+
+
+def test_an_sglang_pool_beside_a_vllm_pool_pairs_within_its_own_protocol(procs: ProcessGroup, tmp_path: Path) -> None:
+    """The config's protocol is vllm; two workers say sglang (``disagg_protocol``). Every decision
+    the policy makes across the pools is made again within the prefill worker's protocol."""
+    ps, bootstrap = start_sglang_worker(procs, "ps", "prefill")
+    ds, _ = start_sglang_worker(procs, "ds", "decode")
+    script = procs.log_dir / "pd_worker.py"
+    script.write_text(pd_worker.SCRIPT)
+    vllm = {name: procs.start_http([PYTHON, str(script), name, role, str(port)], name=name, port=port, ready_path="/")
+            for name, role, port in (("pv", "prefill-now", free_port()), ("dv", "decode", free_port()))}
+    sglang = {"disagg_protocol": "sglang"}
+    gateway, _ = pd_gateway(procs, tmp_path, {"ps": (ps, "prefill"), "ds": (ds, "decode"), "pv": (vllm["pv"], "prefill"),
+                                              "dv": (vllm["dv"], "decode")},
+                            worker_fields={"ps": {**sglang, "bootstrap_port": bootstrap}, "ds": sglang})
+
+    def post(i: int) -> httpx.Response:
+        return httpx.post(gateway.url + "/v1/completions", json={**PROMPT, "stream": bool(i % 2)}, timeout=30)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, range(16)))
+    pairs = []
+    for resp in answers:
+        assert resp.status_code == 200, resp.text
+        pair = (resp.headers["x-mesh-prefill-worker"], resp.headers["x-mesh-worker"])
+        assert pair in {("ps", "ds"), ("pv", "dv")}
+        assert text_of(resp) == ("decoded by ds with kv from ps" if pair == ("ps", "ds") else "from dv")
+        pairs.append(pair)
+    assert set(pairs) == {("ps", "ds"), ("pv", "dv")}  # both pools served
+    assert (fake_state(ds)["refused"], fake_state(ps)["refused"]) == (0, 0)  # an SGLang worker always got a room
+    assert set(loads(gateway).values()) == {(0, 0, 0)}

@@ -55,3 +55,5 @@ def test_a_bootstrap_port_nothing_reads_is_warned_about() -> None:
     assert {"workers[0].bootstrap_port", "workers[1].bootstrap_port"} <= vllm
     sglang = {path for _, path, _ in config_warnings(parse_config({"disagg": {"protocol": "sglang"}, "workers": workers}))}
     assert "workers[1].bootstrap_port" in sglang and "workers[0].bootstrap_port" not in sglang
+    own = [{**workers[0], "disagg_protocol": "sglang"}]  # this worker's protocol, not the config's
+    assert not [w for w in config_warnings(parse_config({"workers": own})) if w[1].endswith("bootstrap_port")]
