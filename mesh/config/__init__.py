@@ -23,6 +23,7 @@ from mesh.config.runtime import (
     DEFAULT_MAX_KEYS,
     AdmissionConfig,
     CircuitBreakerConfig,
+    DisaggConfig,
     HealthConfig,
     IndexConfig,
     RetentionConfig,
@@ -48,7 +49,7 @@ from mesh.yaml_document import document_problem, format_errors
 
 __all__ = [
     "DEFAULT_MAX_KEYS", "DEFAULT_POLICY", "MAX_FILE_BYTES", "MAX_KEY_FILE_BYTES", "MIB", "SERVICE_ACCOUNT_DIR",
-    "AdmissionConfig", "CircuitBreakerConfig", "ConfigError", "ConfigModel", "DiscoveryConfig", "HealthConfig",
+    "AdmissionConfig", "CircuitBreakerConfig", "ConfigError", "ConfigModel", "DisaggConfig", "DiscoveryConfig", "HealthConfig",
     "IndexConfig", "KVEventsConfig", "KubernetesDiscoveryConfig", "MeshConfig", "PositiveFloat", "RetentionConfig",
     "RetriesConfig", "ServerConfig", "SessionsConfig", "StateConfig", "WORKER_NAME", "WorkerConfig", "build_policy",
     "check_addresses", "check_event_streams", "check_worker_addresses", "check_worker_url", "cluster_seed",
@@ -84,6 +85,7 @@ class MeshConfig(ConfigModel):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    disagg: DisaggConfig = Field(default_factory=DisaggConfig)
 
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:

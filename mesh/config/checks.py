@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.config import MeshConfig
+from policies.base import Role
 
 NO_WORKER_FIX = ("list workers under `workers:`, or pass `mesh serve --worker-urls URL ...`, or set an admin key "
                  "(server.admin_key, --admin-key, $MESH_ADMIN_KEY) to add them with POST /workers")
 
 
 def config_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
-    return [*_pool_warnings(config), *_role_warnings(config)]
+    return [*_pool_warnings(config), *_role_warnings(config), *_disagg_warnings(config)]
 
 
 def _pool_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
@@ -39,6 +40,23 @@ def _role_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
             wanted = " or ".join(sorted(r.value for r in roles))
             out.append(("warning", path, f"no worker has role {wanted} (workers' roles: "
                                          f"{', '.join(sorted(r.value for r in have))}): {_fallback(path)}"))
+    return out
+
+
+def _disagg_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
+    """A bootstrap port is SGLang's: under the vllm protocol (the worker's ``disagg_protocol``, else
+    ``disagg.protocol``) nothing reads it; under sglang only a prefill worker's is (a decode or
+    mixed worker's is never a pair's prefill side)."""
+    out = []
+    for i, w in enumerate(config.workers):
+        if w.bootstrap_port is None:
+            continue
+        if (w.disagg_protocol or config.disagg.protocol) != "sglang":
+            out.append(("warning", f"workers[{i}].bootstrap_port", f"{w.name}: a bootstrap port is used by "
+                                   "the sglang protocol only (this worker's is vllm): it is ignored"))
+        elif w.role != Role.PREFILL:
+            out.append(("warning", f"workers[{i}].bootstrap_port", f"{w.name} has role {w.role.value}: only a "
+                                   "prefill worker's bootstrap port is sent to a pair: it is ignored"))
     return out
 
 

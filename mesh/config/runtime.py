@@ -1,9 +1,11 @@
 """The sections that tune the gateway at run time: health checks, the circuit breaker, retries,
-sessions, admission (late binding), session-aware retention and the prefix index."""
+sessions, admission (late binding), session-aware retention, the prefix index and the
+disaggregated relay's protocol."""
 
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -82,3 +84,9 @@ class IndexConfig(ConfigModel):
     ingest_share: float = Field(0.5, gt=0, le=1, description="The share of the gateway's loop KV event work may take while events pour in (a rest follows each slice); a flood past it piles up in the stream's backlog.")
     max_backlog_frames: int = Field(10_000, ge=1, description="A stream's backlog budget: past this many frames received and not applied, the stream is reset (its backlog dropped, its index entries rebuilt from replay; a WARNING and mesh_kv_events_resets_total{reason=\"backlog\"}).")
     max_backlog_bytes: int = Field(64 << 20, ge=1, description="The same budget in payload bytes (never below one frame of the largest size accepted, 16 MiB).")
+
+
+class DisaggConfig(ConfigModel):
+    """How the gateway drives its prefill/decode pairs (docs/disaggregation.md)."""
+
+    protocol: Literal["vllm", "sglang"] = Field("vllm", description="The engines' prefill/decode protocol: vllm (kv_transfer_params: the prefill worker first, its answer's parameters to the decode worker; vLLM and the bundled worker) or sglang (the same body with bootstrap_host, bootstrap_port and a random bootstrap_room to both workers at once; the prefill worker's bootstrap_port).")

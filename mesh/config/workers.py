@@ -50,6 +50,8 @@ class WorkerConfig(ConfigModel):
     kv_events: KVEventsConfig | None = Field(None, description="The engine's KV cache event stream (vLLM/SGLang ZMQ publisher): precise prefix-aware routing. None: the index learns only from the gateway's own routing.")
     hybrid: bool = Field(False, description="The worker serves a hybrid model (recurrent layers beside attention): a cached prefix counts only up to its deepest recurrent-state checkpoint (docs/hybrid.md). Learned anyway from the first checkpoint its KV events announce; set it so no attention-only prefix is claimed before that.")
     max_in_flight: int = Field(0, ge=0)  # 0 = no admission limit
+    disagg_protocol: Literal["vllm", "sglang"] | None = Field(None, description="This worker's prefill/decode protocol when it is not disagg.protocol (a pool of SGLang workers beside vLLM ones): pairs form only between workers of one protocol.")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="An SGLang prefill worker's --disaggregation-bootstrap-port (disagg.protocol sglang; None: SGLang's default, 8998). Its host is the url's.")
     api_key: str | None = None  # sent to the worker as a Bearer token
     # server.first_byte_timeout_s / server.idle_timeout_s for this worker alone (None: the server's)
     first_byte_timeout_s: PositiveFloat | None = None

@@ -8,6 +8,10 @@ queue and background transfer releases, and ``aclose`` ends them at the lifespan
 streamed decode answer goes through the proxy's own relay (``sse_relay``) and counts as the
 proxy counts a stream; its TTFT, ITL, latency and tokens go to the decode target's series.
 
+The pairs speak the config's ``disagg.protocol``: vLLM's (``disagg_relay``: the prefill first,
+its ``kv_transfer_params`` to the decode worker) or SGLang's (``disagg_sglang``: one body with a
+bootstrap room to both at once).
+
 Cost for policies without prefill/decode profiles: one attribute check per request. With
 profiles, ``Router.decide`` runs first (it commits nothing); a decision without a pair (the
 pipeline's mixed-role fallback) goes down the ordinary path with that decision.
@@ -39,6 +43,7 @@ from mesh.gateway.disagg_relay import (
     pd_profiles,
     relay_disaggregated,
 )
+from mesh.gateway.disagg_sglang import DEFAULT_BOOTSTRAP_PORT, relay_sglang
 from mesh.gateway.headers import forwarded
 from mesh.gateway.proxy import Proxy
 from mesh.gateway.sse_relay import StreamBreak, is_sse, relay_stream
@@ -124,12 +129,22 @@ class DisaggProxy(Proxy):
     async def _relay(self, parsed: ParsedRequest, client_headers: list[tuple[bytes, bytes]], state: Exchange,
                      route: str, start: float, decision: Decision) -> None:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in forwarded(client_headers, self._forwarded_names())]
+        protocol = self._protocol(decision.target)  # the prefill worker's: read per request, a reload switches it
+        foreign = [tid for tid in self.registry.targets if self._protocol(tid) != protocol]
+        common: dict[str, Any] = {
+            "path": PATHS[parsed.kind], "headers": headers, "config": self.relay_config, "queue": self.decode_queue,
+            "stats": self.relay_stats, "health": self.registry, "legs": self.legs, "foreign": foreign,
+            "request_id": state.request_id.decode("ascii"),
+        }
         try:
-            resp = await relay_disaggregated(
-                self.http, self.router, parsed.info, parsed.body, decision, path=PATHS[parsed.kind], headers=headers,
-                config=self.relay_config, queue=self.decode_queue, stats=self.relay_stats, health=self.registry,
-                releases=self.releases, legs=self.legs, request_id=state.request_id.decode("ascii"),
-            )
+            if decision.decode_target in foreign:  # a pair across protocols cannot work: another of this one's
+                decision = self._decide_within(parsed, decision, foreign)
+            if protocol == "sglang":
+                resp = await relay_sglang(self.http, self.router, parsed.info, parsed.body, decision,
+                                          bootstrap_port=self._bootstrap_port, **common)
+            else:
+                resp = await relay_disaggregated(self.http, self.router, parsed.info, parsed.body, decision,
+                                                 releases=self.releases, **common)
         except RelayClosed:
             raise shutdown_error() from None  # the proxy's answer: 503, "the gateway is shutting down"
         except RelayError as exc:
@@ -165,6 +180,31 @@ class DisaggProxy(Proxy):
             series.e2e(time.perf_counter() - start)
         finally:
             await resp.aclose()
+
+    def _protocol(self, target_id: str | None) -> str:
+        """A target's pair protocol: its worker's ``disagg_protocol``, else the config's ``disagg.protocol``."""
+        worker = self.registry.worker_of(target_id) if target_id is not None else None
+        own = worker.config.disagg_protocol if worker is not None else None
+        return own or self.registry.config.disagg.protocol
+
+    def _decide_within(self, parsed: ParsedRequest, decision: Decision, foreign: list[str]) -> Decision:
+        """The request's pair again, without the targets of another protocol than its prefill
+        worker's; raises ``RelayError`` (503) when no such pair can form."""
+        try:
+            again = self.router.decide(parsed.info, time.monotonic(), exclude=foreign + full_for_pairs(self.registry.targets))
+        except NoCandidate:
+            again = None
+        if again is None or again.decode_target is None:
+            protocol = self._protocol(decision.target)
+            raise RelayError(503, f"no decode worker speaks the {protocol} protocol of prefill worker {decision.target}",
+                             "no_decode_worker")
+        return again
+
+    def _bootstrap_port(self, target_id: str) -> int:
+        """An SGLang prefill target's bootstrap port: its worker's ``bootstrap_port``, else SGLang's default."""
+        worker = self.registry.worker_of(target_id)
+        port = worker.config.bootstrap_port if worker is not None else None
+        return port if port is not None else DEFAULT_BOOTSTRAP_PORT
 
     async def _send_answer(self, resp: RelayResponse, headers: list[tuple[bytes, bytes]], state: Exchange,
                            series: Series) -> bytes:

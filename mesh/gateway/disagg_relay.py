@@ -2,7 +2,7 @@
 one ordinary OpenAI response (streaming or not) to the client (the messages: ``disagg_wire``).
 
 Invariants:
-- Every failure before the decode worker's first bytes is retried (``_Relay`` says where) and
+- Every failure before the decode worker's first bytes is retried (``Relay`` says where) and
   charged to a worker's passive health as the ordinary proxy charges (``verdicts``), so one
   request counts once for each worker; a streamed answer's success is its relayer's to tell.
 - Every lease is finished exactly once (``try/finally``, ``RelayResponse.aclose``).
@@ -71,7 +71,7 @@ __all__ = [  # what callers import from here (the relay's parts live in disagg_b
 ]
 
 
-class _Relay:
+class Relay:
     """One request's relay; all state of its attempts lives here.
 
     Retried while nothing has reached the client:
@@ -92,8 +92,9 @@ class _Relay:
     def __init__(self, client: httpx.AsyncClient, router: Router, info: RequestInfo, body: dict[str, Any],
                  path: str, headers: dict[str, str], config: RelayConfig, queue: DecodeQueue,
                  stats: RelayStats, now: Callable[[], float], health: WorkerHealth,
-                 releases: Releases | None = None, legs: PendingLegs | None = None) -> None:
+                 releases: Releases | None = None, legs: PendingLegs | None = None, foreign: Iterable[str] = ()) -> None:
         self.client, self.router, self.info, self.body = client, router, info, body
+        self.foreign = list(foreign)  # targets of another pair protocol: never part of this request's pairs
         self.health, self.releases = health, releases
         self.legs = legs if legs is not None else PendingLegs()
         # Per role, the 500s met so far, (target id, message): charged once another worker of
@@ -121,7 +122,7 @@ class _Relay:
         return self.router.targets[target_id].url.rstrip("/") + self.path
 
     def decide(self, exclude: list[str]) -> Decision:
-        return self.router.decide(self.info, self.now(), exclude=exclude + full_for_pairs(self.router.targets))
+        return self.router.decide(self.info, self.now(), exclude=exclude + self.foreign + full_for_pairs(self.router.targets))
 
     async def run(self, decision: Decision) -> RelayResponse:
         last: Retry | None = None
@@ -254,7 +255,7 @@ class _Relay:
     def next_decode(self, prefill_id: str) -> str | None:
         """Another decode worker: the policy's decode profile alone when it has one (the prefill
         is done, so prefill availability must not matter), else a whole decision's decode side."""
-        exclude = self.bad_decode + self.full_decode
+        exclude = self.bad_decode + self.full_decode + self.foreign
         now = self.now()
         profiles = pd_profiles(self.router.policy)
         try:
@@ -462,8 +463,9 @@ async def relay_disaggregated(
     health: WorkerHealth | None = None,
     releases: Releases | None = None,
     legs: PendingLegs | None = None,
+    foreign: Iterable[str] = (),
 ) -> RelayResponse:
-    """Serve one request through a (prefill, decode) pair (the module docstring, ``_Relay``).
+    """Serve one request through a (prefill, decode) pair (the module docstring, ``Relay``).
 
     ``decision`` comes from ``router.decide`` (it commits nothing); the relay commits a lease per
     attempt. Returns once the decode worker's first bytes are in (every retry happens before):
@@ -475,6 +477,8 @@ async def relay_disaggregated(
     relay's client was closed (the caller closes it at its shutdown); None: they are awaited.
     ``legs``: where the legs waiting for an answer are kept, for the caller to abort those of a
     worker that turns unhealthy (``PendingLegs.abort``: retried elsewhere); None: not abortable.
+    ``foreign``: targets that speak another pair protocol (``disagg_protocol``): left out of every
+    retry's pair (``decision`` has none of them).
     """
     data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
     if not isinstance(data, dict):
@@ -482,6 +486,6 @@ async def relay_disaggregated(
     rid = request_id or f"mesh-{uuid.uuid4().hex}"
     stats = stats if stats is not None else RelayStats()
     stats.requests += 1
-    relay = _Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
-                   queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases, legs)
+    relay = Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
+                   queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases, legs, foreign)
     return await relay.run(decision)

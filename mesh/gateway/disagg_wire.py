@@ -10,6 +10,7 @@ for the relay is an exception here (``Retry``, ``NewPair``, ``Full``; ``RelayErr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -32,7 +33,7 @@ HOP_BY_HOP = frozenset(
 # Error codes of a decode worker's answer to a transfer (the bundled worker's and vLLM's).
 ADMISSION_CODES = frozenset({"kv_admission_full", "kv_no_space"})
 PREFILL_SIDE_CODES = frozenset({"kv_transfer_failed", "kv_transfer_corrupt", "kv_transfer_truncated", "kv_transfer_gone"})
-# Of those, what the prefill worker is charged for (``_Relay.transfer_failed``): bytes it sent that
+# Of those, what the prefill worker is charged for (``Relay.transfer_failed``): bytes it sent that
 # failed verification or ended early, at once; a pull that could not connect or broke (its transfer
 # server, or the network between), once the same decode worker took another prefill worker's
 # transfer for the request. ``kv_transfer_gone`` (released before the pull: its deadline, a cancel)
@@ -101,6 +102,9 @@ class RelayResponse:
     _now: Callable[[], float]
     deadline: float  # event-loop time at which the relay of this answer must have ended
     _client: httpx.AsyncClient | None = None  # the relay's: closed under the stream = shutdown
+    # The other leg still running when the answer is handed over (SGLang's prefill, sent beside
+    # the decode): it finishes its own lease; ``aclose`` ends it if it outlives the answer.
+    _companion: asyncio.Task[None] | None = None
     _closed: bool = field(default=False)
 
     async def body(self) -> AsyncIterator[bytes]:
@@ -139,6 +143,9 @@ class RelayResponse:
             await self._resp.aclose()
         finally:
             self._lease.finish(self._now())
+            if self._companion is not None and not self._companion.done():
+                self._companion.cancel()
+                await asyncio.gather(self._companion, return_exceptions=True)
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,8 @@ from policies.base import RequestInfo
 MAX_CACHED_SALT_CHARS = 256
 TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is not tried again for this long
 OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized and hashed in a thread
+# SGLang's prefill/decode pair fields: set by the relay (``disagg.protocol: sglang``), never by a client
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,10 @@ class PromptProcessor:
         if "kv_transfer_params" in body:  # the gateway's own relay sets these, never a client
             raise bad_request("kv_transfer_params are set by the gateway for disaggregated requests, "
                               "not by clients", "kv_transfer_params")
+        if self.registry.config.disagg.protocol == "sglang":  # likewise for SGLang's pairs (the relay's room)
+            for key in BOOTSTRAP_FIELDS:
+                if key in body:
+                    raise bad_request(f"{key} is set by the gateway for disaggregated requests, not by clients", key)
         model, stream, max_tokens = validate_common(body, self.registry.config.server.max_tokens_limit)
         choices = validate_choices(body)
         source = prompt_source(body, kind)

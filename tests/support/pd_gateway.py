@@ -20,13 +20,17 @@ PD_POLICY = {"name": "pipeline", "params": {"profiles": {
 
 
 def pd_gateway(procs: ProcessGroup, tmp_path: Path, workers: dict[str, tuple[Proc, str]], *extra: str,
-               server: dict[str, Any] | None = None, threshold: int = 1) -> tuple[Proc, int]:
+               server: dict[str, Any] | None = None, threshold: int = 1, sections: dict[str, Any] | None = None,
+               worker_fields: dict[str, dict[str, Any]] | None = None) -> tuple[Proc, int]:
     """``mesh serve`` over ``workers`` (name -> (process, role)); by default every failure opens
-    a circuit (for the whole test: no half-open probe)."""
+    a circuit (for the whole test: no half-open probe). ``sections``: more top-level config
+    sections; ``worker_fields``: more fields of a worker's entry, by name."""
     port = free_port()
+    fields = worker_fields or {}
     config = {"server": {"port": port, "admin_key": "adm", **(server or {})}, "health": {"interval_s": 60},
               "circuit_breaker": {"failure_threshold": threshold, "open_s": 3600}, "policy": PD_POLICY,
-              "workers": [{"name": n, "url": p.url, "role": r} for n, (p, r) in workers.items()]}
+              "workers": [{"name": n, "url": p.url, "role": r, **fields.get(n, {})} for n, (p, r) in workers.items()],
+              **(sections or {})}
     path = tmp_path / "pd.yaml"
     path.write_text(yaml.safe_dump(config))
     cmd = [PYTHON, "-m", "mesh", "serve", "--config", str(path), "--log-level", "warning", *extra]
