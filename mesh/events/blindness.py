@@ -69,6 +69,11 @@ class BlindWatch:
 
 def likely_fix(h: StreamHealth) -> str:
     """The likeliest reason a stream delivers nothing, from what the subscriber saw."""
+    if h.bound:
+        return (f"no frame of topic {h.topic} reached the gateway's bound endpoint {h.endpoint}. The worker's "
+                "publisher must connect to it: give the worker a concrete gateway address (vLLM --kv-events-config "
+                "endpoint tcp://GATEWAY_HOST:PORT; tcp://*:PORT makes it bind instead) and a topic naming it; "
+                "mesh_kv_events_unknown_topic_frames_total counts frames whose topic names no worker")
     if not h.connected:
         return (f"the gateway's SUB socket never connected to {h.endpoint}: nothing listens there. The worker's "
                 "publisher must bind it: give the worker a wildcard address (vLLM --kv-events-config endpoint "

@@ -1,4 +1,9 @@
-"""KV event subscriber: one ZMQ SUB stream per worker rank, feeding the prefix index.
+"""KV event subscriber: one stream per worker rank, feeding the prefix index.
+
+A stream reads either a SUB socket of its own, connected to the worker's bound PUB, or, for a
+worker whose publisher connects to the gateway (no ``endpoint``), the frames of its topic on the
+gateway's one bound SUB socket (``bind``; ``mesh.events.bound``); either way its seqs, gaps,
+replay and health are its own.
 
 Per stream (REFERENCE.md section 2): the next seq is applied; a gap is repaired by replay
 (``mesh.events.sockets``); a publisher restart (``mesh.events.stream`` tells it from duplicates
@@ -9,6 +14,11 @@ socket, before it is applied (a publisher that restarted while disconnected may 
 ``last + 1``). Whenever batches are lost for good (no replay socket, a buffer that no longer
 reaches back, a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's
 targets are reset: the index may then miss blocks the worker holds, never claim dropped ones.
+A stream is not trusted from the moment it needs a replay until one completed: a failed replay
+(``replay_timeout_s`` without a message, or ``max_replay_s`` in all) resets it and is retried,
+from the whole buffer, after ``replay_retry_s`` (doubling); after ``MAX_REPLAY_TRIES`` failures in
+a row the stream is trusted on its live frames alone (a WARNING: the index may miss blocks
+stored before, never claims dropped ones), as a stream without a replay socket is.
 Off the request loop: a receiver thread (``mesh.events.inbox``) receives every stream's frames
 into the stream's bounded inbox; a stream whose backlog exceeds its budget (``max_backlog_frames``
 or ``max_backlog_bytes``: ingestion cannot keep up) is reset (reason ``backlog``, a loud,
@@ -35,6 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
+from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
 from mesh.events.inbox import Inbox, Receiver
 from mesh.events.pacer import Pacer
@@ -48,6 +59,8 @@ __all__ = ["KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "o
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
+MAX_RETRY_S = 30.0  # the longest wait before a failed replay is tried again
+MAX_REPLAY_TRIES = 3  # failed replays in a row before a stream is trusted on live frames alone
 
 
 class KvEventSubscriber:
@@ -65,6 +78,9 @@ class KvEventSubscriber:
         registry: CollectorRegistry | None = None,
         max_frame_bytes: int = 16 << 20,
         replay_timeout_s: float = 2.0,
+        max_replay_s: float = 60.0,
+        replay_retry_s: float = 0.5,
+        bind: str | None = None,
         max_replay_batches: int = 200_000,
         max_replay_bytes: int = 1 << 30,
         unhealthy_after_bad_frames: int = 8,
@@ -84,7 +100,10 @@ class KvEventSubscriber:
         # A frame over it (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and
         # 2-3 s of work on one core, in slices) is counted, logged and treated as lost: a reset.
         self.max_frame_bytes = max_frame_bytes
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_s = replay_timeout_s  # a replay's longest wait for its next message
+        self.max_replay_s = max(max_replay_s, replay_timeout_s)
+        self.replay_retry_s = replay_retry_s
+        self.bind = bind
         self.max_replay_batches = max_replay_batches
         self.max_replay_bytes = max_replay_bytes
         # A replayed frame this large is refused by ZMQ itself (it drops the replay connection: the
@@ -118,11 +137,34 @@ class KvEventSubscriber:
         if registry is not None:
             registry.register(self._collector)
         self._closed = False
+        self._demux: Demux | None = None
+        self.bound_address: str | None = None  # where the bound socket listens (a port 0 resolved)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, workers: Iterable[WorkerEvents] = ()) -> None:
+        """Bind the gateway's endpoint when ``bind`` is set (raises ZMQError when it cannot: a
+        port in use), then subscribe ``workers``."""
+        if self.bind is not None and self._demux is None:
+            self._open_bound(self.bind)
         for w in workers:
             self.add_worker(w)
+
+    def _open_bound(self, bind: str) -> None:
+        sub = self._sync_ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: frames are told apart by ``Demux``
+            sub.bind(bind)
+            self.bound_address = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
+        self._demux = Demux(bind)
+        if self._registry is not None:
+            self._registry.register(self._demux)
+        self._receiver.add(sub, self._demux)  # the receiver thread's socket from here on
+        log.info("kv events: bound %s for the workers whose publishers connect to the gateway", self.bound_address)
 
     def add_worker(self, spec: WorkerEvents) -> list[str]:
         """Start one stream per data-parallel rank (needs a running loop). Returns the targets."""
@@ -130,6 +172,9 @@ class KvEventSubscriber:
             raise RuntimeError("subscriber is stopped")
         if spec.worker in self._by_worker:
             raise ValueError(f"worker {spec.worker!r} is already subscribed")
+        if spec.endpoint is None and self._demux is None:
+            raise ValueError(f"worker {spec.worker!r} has no kv_events endpoint and the gateway binds none "
+                             "(kv_events.bind): its events cannot be received")
         targets = []
         for rank in range(spec.dp_size):
             tid = target_id(spec.worker, rank, spec.dp_size)
@@ -137,8 +182,10 @@ class KvEventSubscriber:
                 spec.worker,
                 tid,
                 rank,
-                offset_endpoint(spec.endpoint, rank),
+                offset_endpoint(spec.endpoint, rank) if spec.endpoint else self.bound_address or "",
                 offset_endpoint(spec.replay_endpoint, rank) if spec.replay_endpoint else None,
+                bound=spec.endpoint is None,
+                topic=" | ".join(spec.bound_topics()) if spec.endpoint is None else spec.topic,
             )
             stream = Stream(spec, health)
             stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"kv-events-{tid}")
@@ -163,8 +210,9 @@ class KvEventSubscriber:
             await self.remove_worker(worker, clear_index=False)
         await asyncio.get_running_loop().run_in_executor(None, self._receiver.stop)
         if self._registry is not None:
-            with contextlib.suppress(KeyError):
-                self._registry.unregister(self._collector)
+            for collector in (self._collector, self._demux):
+                with contextlib.suppress(KeyError):
+                    self._registry.unregister(collector)  # type: ignore[arg-type]
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ queries
@@ -191,10 +239,16 @@ class KvEventSubscriber:
         stream = self._streams.get(target)
         return stream.inbox.backlog if stream is not None and stream.inbox is not None else 0
 
+    def unknown_topics(self) -> dict[str, int]:
+        """Frames at the bound endpoint whose topic names no worker, by topic."""
+        return dict(self._demux.unknown) if self._demux is not None else {}
+
     def _is_healthy(self, h: StreamHealth) -> bool:
         if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
             return False
         stream = self._streams.get(h.target)
+        if stream is not None and stream.replay_due:
+            return False  # a replay is needed and has not completed
         if stream is not None and stream.lost and h.last_seq is not None:
             return False  # reconnected, continuity unproven: the publisher may have restarted
         if self.stale_after_s is not None:
@@ -203,7 +257,35 @@ class KvEventSubscriber:
 
     # ------------------------------------------------------------------ stream task
     async def _run(self, stream: Stream) -> None:
+        if stream.spec.endpoint is None:
+            await self._run_bound(stream)
+        else:
+            await self._run_own(stream)
+
+    async def _run_bound(self, stream: Stream) -> None:
+        """A stream of the bound endpoint: its inbox receives the frames its topics name."""
+        demux = self._demux
+        assert demux is not None  # add_worker refuses a bound worker without one
+        inbox = stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+        demux.route(stream.spec.bound_topics(), inbox)
+        try:
+            self._set_running(stream, True)
+            if stream.health.replay_endpoint:
+                await self._recover(stream, "connect")
+            await self._receive(stream, inbox)
+        except zmq.ZMQError as exc:
+            if not self._closed:
+                log.error("kv events %s: socket error %s", stream.health.target, exc)
+        finally:
+            demux.unroute(inbox)
+            self._set_running(stream, False)
+            close_stream(stream, None)
+            stream.inbox = None
+
+    async def _run_own(self, stream: Stream) -> None:
+        """A stream of its own SUB socket, connected to the worker's PUB."""
         h = stream.health
+        assert h.endpoint
         sub = self._sync_ctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
         watcher: asyncio.Task[None] | None = None
@@ -238,12 +320,17 @@ class KvEventSubscriber:
 
     async def _receive(self, stream: Stream, inbox: Inbox) -> None:
         pacer = self.pacer
+        loop = asyncio.get_running_loop()
         n = 0
         while True:
+            if stream.replay_due and not stream.health.recovering and loop.time() >= stream.retry_at:
+                await self._retry(stream)
             frames = inbox.take()
             if frames is None:
                 pacer.idle()
-                frames = await inbox.get()
+                frames = await self._next(stream, inbox, loop)
+                if frames is None:
+                    continue  # a failed replay's retry is due
             if inbox.overflowed():
                 await self._overflow(stream, inbox)
                 continue
@@ -253,6 +340,31 @@ class KvEventSubscriber:
             if n >= self.yield_every:  # between slices too: other streams' turns interleave
                 n = 0
                 await asyncio.sleep(0)
+
+    @staticmethod
+    async def _next(stream: Stream, inbox: Inbox, loop: asyncio.AbstractEventLoop) -> list[bytes] | None:
+        """The next frame; None when a failed replay's retry comes due first."""
+        if not stream.replay_due:
+            return await inbox.get()
+        try:
+            return await asyncio.wait_for(inbox.get(), max(0.0, stream.retry_at - loop.time()))
+        except (TimeoutError, asyncio.TimeoutError):
+            return None
+
+    async def _retry(self, stream: Stream) -> None:
+        """Try a failed replay again: the whole buffer, once received, replaces the stream's
+        targets (the live batches applied since the failure are in it too)."""
+        self._set_recovering(stream, True)
+        try:
+            everything = await self._fetch_replay(stream, 0)
+            if everything is None:
+                self._replay_failed(stream)
+                return
+            self._reset(stream, "replay_retry", forget_seq=True)
+            await self._apply_replayed(stream, everything)
+            self._replay_done(stream)
+        finally:
+            self._set_recovering(stream, False)
 
     async def _overflow(self, stream: Stream, inbox: Inbox) -> None:
         """The backlog went over the budget: ingestion cannot keep up with this stream. Its
@@ -280,6 +392,8 @@ class KvEventSubscriber:
             self._bad(stream)
             return
         seq, payload = parsed
+        if h.bound and not h.connected:
+            self._heard(stream)
         if stream.lost:
             stream.lost = False  # cleared first: a disconnect during the check sets it again
             if h.last_seq is not None:
@@ -289,8 +403,8 @@ class KvEventSubscriber:
         if verdict is Verdict.OLD:
             return  # a duplicate, or a stale frame queued before a rebuild
         if verdict is Verdict.FIRST:
-            if seq > 0 and h.replay_endpoint:  # batches before this one went by unseen
-                await self._recover(stream, "late_join")
+            if seq > 0 and h.replay_endpoint and not stream.replay_due:  # batches before it went by unseen
+                await self._recover(stream, "late_join")  # (a failed replay's own retry is timed)
         elif verdict is Verdict.GAP:
             await self._recover(stream, "gap")
         elif verdict is Verdict.RESTART:
@@ -320,11 +434,34 @@ class KvEventSubscriber:
                 if reason == "gap":
                     self._reset(stream, "gap_no_replay")
                 return
+            stream.replay_due = True  # until the replay completed: not trusted
             frames = await self._replayed(stream, reason)
-            if frames is not None:
-                await self._apply_replayed(stream, frames)
+            if frames is None:
+                self._replay_failed(stream)
+                return
+            await self._apply_replayed(stream, frames)
+            self._replay_done(stream)
         finally:
             self._set_recovering(stream, False)
+
+    def _replay_done(self, stream: Stream) -> None:
+        stream.replay_due, stream.replay_failures = False, 0
+        if stream.health.bound and not stream.health.connected:
+            self._heard(stream)  # its replay socket answered: the publisher is up
+
+    def _replay_failed(self, stream: Stream) -> None:
+        """Schedule the retry of a failed replay (the stream stays untrusted until one completes)."""
+        stream.replay_failures += 1
+        if stream.replay_failures >= MAX_REPLAY_TRIES:
+            stream.replay_due = False
+            h = stream.health
+            self._logs.log(logging.WARNING, (h.target, "replay given up"),
+                           "kv events %s: %d replays from %s failed in a row: the stream is trusted on its live "
+                           "batches alone (the index misses what the worker stored before)", h.target,
+                           stream.replay_failures, h.replay_endpoint)
+            return
+        delay = min(MAX_RETRY_S, self.replay_retry_s * 2 ** (stream.replay_failures - 1))
+        stream.retry_at = asyncio.get_running_loop().time() + delay
 
     async def _replayed(self, stream: Stream, reason: str) -> list[tuple[int, bytes]] | None:
         """The batches a replay brings to apply (None: none). A replay that does not join the
@@ -352,8 +489,8 @@ class KvEventSubscriber:
                 await self._apply_frame(stream, seq, payload)
 
     async def _fetch_replay(self, stream: Stream, start: int) -> list[tuple[int, bytes]] | None:
-        limits = ReplayLimits(self.replay_timeout_s, self.max_replay_batches, self.max_replay_bytes,
-                              self.max_message_bytes)
+        limits = ReplayLimits(self.replay_timeout_s, self.max_replay_s, self.max_replay_batches,
+                              self.max_replay_bytes, self.max_message_bytes)
         return await fetch_replay(self._ctx, stream, start, limits, self._logs)
 
     # ------------------------------------------------------------------ applying
@@ -424,6 +561,11 @@ class KvEventSubscriber:
 
     def _set_running(self, stream: Stream, running: bool) -> None:
         stream.health.running = running
+        self._notify(stream)
+
+    def _heard(self, stream: Stream) -> None:
+        """A bound stream's publisher was heard from (its first frame or a replay answer)."""
+        stream.health.connected = True
         self._notify(stream)
 
     def _set_recovering(self, stream: Stream, recovering: bool) -> None:

@@ -227,7 +227,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         admission=admission,
         bodies=BodyBuffer(lambda: registry.config.server.max_buffered_body_bytes),
         prompts=PromptProcessor(registry),
-        ingest=KvIngest(index, registry, metrics, config.index),
+        ingest=KvIngest(index, registry, metrics, config.index, config.kv_events),
     )
     if isinstance(sessions, SharedSessionTable):
         gateway.shared = SharedState(sessions, registry.targets, metrics, config.state.load_sync_s)
