@@ -14,11 +14,8 @@ socket, before it is applied (a publisher that restarted while disconnected may 
 ``last + 1``). Whenever batches are lost for good (no replay socket, a buffer that no longer
 reaches back, a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's
 targets are reset: the index may then miss blocks the worker holds, never claim dropped ones.
-A stream is not trusted from the moment it needs a replay until one completed: a failed replay
-(``replay_timeout_s`` without a message, or ``max_replay_s`` in all) resets it and is retried,
-from the whole buffer, after ``replay_retry_s`` (doubling); after ``MAX_REPLAY_TRIES`` failures in
-a row the stream is trusted on its live frames alone (a WARNING: the index may miss blocks
-stored before, never claims dropped ones), as a stream without a replay socket is.
+A stream is not trusted from the moment it needs a replay until one completed; a failed one is
+retried (``mesh.events.recovery``).
 Off the request loop: a receiver thread (``mesh.events.inbox``) receives every stream's frames
 into the stream's bounded inbox; a stream whose backlog exceeds its budget (``max_backlog_frames``
 or ``max_backlog_bytes``: ingestion cannot keep up) is reset (reason ``backlog``, a loud,
@@ -49,21 +46,20 @@ from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
 from mesh.events.inbox import Inbox, Receiver
 from mesh.events.pacer import Pacer
-from mesh.events.sockets import ReplayLimits, cancel, close_stream, fetch_replay, monitor_sub, watch_connection
-from mesh.events.stream import Stream, Verdict, WorkerEvents, continues, digest, offset_endpoint, restarted, split_frame
+from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
+from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
+from mesh.events.stream import Stream, Verdict, WorkerEvents, digest, offset_endpoint, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
 from policies.base import target_id
 
-__all__ = ["KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "offset_endpoint"]
+__all__ = ["MAX_REPLAY_TRIES", "MAX_RETRY_S", "KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "offset_endpoint"]
 
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
-MAX_RETRY_S = 30.0  # the longest wait before a failed replay is tried again
-MAX_REPLAY_TRIES = 3  # failed replays in a row before a stream is trusted on live frames alone
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(Recovery):
     """Subscribes to every configured worker's KV events and keeps ``index`` in step.
 
     ``on_health(target, healthy)`` is called when a stream's health flips; ``on_reset(target,
@@ -188,6 +184,9 @@ class KvEventSubscriber:
                 topic=" | ".join(spec.bound_topics()) if spec.endpoint is None else spec.topic,
             )
             stream = Stream(spec, health)
+            if spec.endpoint is None and self._demux is not None:  # routed now: frames sent from here on are its
+                stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+                self._demux.route(spec.bound_topics(), stream.inbox)
             stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"kv-events-{tid}")
             self._streams[tid] = stream
             targets.append(tid)
@@ -197,6 +196,8 @@ class KvEventSubscriber:
     async def remove_worker(self, worker: str, *, clear_index: bool = True) -> None:
         for tid in self._by_worker.pop(worker, []):
             stream = self._streams.pop(tid)
+            if self._demux is not None and stream.inbox is not None:
+                self._demux.unroute(stream.inbox)  # (its task may be cancelled before it ever ran)
             await cancel(stream.task)
             if clear_index:
                 self.index.clear_target(tid)
@@ -264,10 +265,8 @@ class KvEventSubscriber:
 
     async def _run_bound(self, stream: Stream) -> None:
         """A stream of the bound endpoint: its inbox receives the frames its topics name."""
-        demux = self._demux
-        assert demux is not None  # add_worker refuses a bound worker without one
-        inbox = stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
-        demux.route(stream.spec.bound_topics(), inbox)
+        demux, inbox = self._demux, stream.inbox
+        assert demux is not None and inbox is not None  # routed by add_worker
         try:
             self._set_running(stream, True)
             if stream.health.replay_endpoint:
@@ -341,31 +340,6 @@ class KvEventSubscriber:
                 n = 0
                 await asyncio.sleep(0)
 
-    @staticmethod
-    async def _next(stream: Stream, inbox: Inbox, loop: asyncio.AbstractEventLoop) -> list[bytes] | None:
-        """The next frame; None when a failed replay's retry comes due first."""
-        if not stream.replay_due:
-            return await inbox.get()
-        try:
-            return await asyncio.wait_for(inbox.get(), max(0.0, stream.retry_at - loop.time()))
-        except (TimeoutError, asyncio.TimeoutError):
-            return None
-
-    async def _retry(self, stream: Stream) -> None:
-        """Try a failed replay again: the whole buffer, once received, replaces the stream's
-        targets (the live batches applied since the failure are in it too)."""
-        self._set_recovering(stream, True)
-        try:
-            everything = await self._fetch_replay(stream, 0)
-            if everything is None:
-                self._replay_failed(stream)
-                return
-            self._reset(stream, "replay_retry", forget_seq=True)
-            await self._apply_replayed(stream, everything)
-            self._replay_done(stream)
-        finally:
-            self._set_recovering(stream, False)
-
     async def _overflow(self, stream: Stream, inbox: Inbox) -> None:
         """The backlog went over the budget: ingestion cannot keep up with this stream. Its
         backlog is discarded and its targets reset, then rebuilt from replay (frames arriving
@@ -415,83 +389,6 @@ class KvEventSubscriber:
             await self._apply_frame(stream, seq, payload)
         elif stream.digests.get(seq) == digest(payload):
             h.duplicates += 1  # the replay already carried it
-
-    # ------------------------------------------------------------------ recovery
-    async def _after_reconnect(self, stream: Stream) -> None:
-        """The connection dropped since the last frame: verify, through the replay socket, that
-        the publisher is the same incarnation (else reset and rebuild); without one, reset."""
-        if stream.health.replay_endpoint:
-            await self._recover(stream, "reconnect")
-        else:
-            self._reset(stream, "stream_lost", forget_seq=True)
-
-    async def _recover(self, stream: Stream, reason: str) -> None:
-        """Catch up from the replay buffer; reset the stream's targets if batches are lost."""
-        h = stream.health
-        self._set_recovering(stream, True)
-        try:
-            if not h.replay_endpoint:
-                if reason == "gap":
-                    self._reset(stream, "gap_no_replay")
-                return
-            stream.replay_due = True  # until the replay completed: not trusted
-            frames = await self._replayed(stream, reason)
-            if frames is None:
-                self._replay_failed(stream)
-                return
-            await self._apply_replayed(stream, frames)
-            self._replay_done(stream)
-        finally:
-            self._set_recovering(stream, False)
-
-    def _replay_done(self, stream: Stream) -> None:
-        stream.replay_due, stream.replay_failures = False, 0
-        if stream.health.bound and not stream.health.connected:
-            self._heard(stream)  # its replay socket answered: the publisher is up
-
-    def _replay_failed(self, stream: Stream) -> None:
-        """Schedule the retry of a failed replay (the stream stays untrusted until one completes)."""
-        stream.replay_failures += 1
-        if stream.replay_failures >= MAX_REPLAY_TRIES:
-            stream.replay_due = False
-            h = stream.health
-            self._logs.log(logging.WARNING, (h.target, "replay given up"),
-                           "kv events %s: %d replays from %s failed in a row: the stream is trusted on its live "
-                           "batches alone (the index misses what the worker stored before)", h.target,
-                           stream.replay_failures, h.replay_endpoint)
-            return
-        delay = min(MAX_RETRY_S, self.replay_retry_s * 2 ** (stream.replay_failures - 1))
-        stream.retry_at = asyncio.get_running_loop().time() + delay
-
-    async def _replayed(self, stream: Stream, reason: str) -> list[tuple[int, bytes]] | None:
-        """The batches a replay brings to apply (None: none). A replay that does not join the
-        stream (the buffer no longer reaches back, or another publisher incarnation answered)
-        resets the stream's targets and rebuilds them from the whole buffer."""
-        last = stream.health.last_seq
-        start = stream.replay_start()
-        frames = await self._fetch_replay(stream, start)
-        if frames is None:
-            if last is not None:  # after a reconnect continuity is unproven: start over
-                self._reset(stream, "replay_failed", forget_seq=reason == "reconnect")
-            return None
-        if last is None or continues(frames, start, last, stream.digests):
-            return frames
-        everything = await self._fetch_replay(stream, 0)
-        lost = "restart" if restarted(frames, everything or [], last, stream.digests) else "gap_lost"
-        self._reset(stream, lost, forget_seq=True)
-        return everything
-
-    async def _apply_replayed(self, stream: Stream, frames: list[tuple[int, bytes]]) -> None:
-        h = stream.health
-        for seq, payload in frames:
-            await self.pacer.turn()
-            if h.last_seq is None or seq > h.last_seq:
-                await self._apply_frame(stream, seq, payload)
-
-    async def _fetch_replay(self, stream: Stream, start: int) -> list[tuple[int, bytes]] | None:
-        limits = ReplayLimits(self.replay_timeout_s, self.max_replay_s, self.max_replay_batches,
-                              self.max_replay_bytes, self.max_message_bytes)
-        return await fetch_replay(self._ctx, stream, start, limits, self._logs)
 
     # ------------------------------------------------------------------ applying
     async def _apply_frame(self, stream: Stream, seq: int, payload: bytes) -> None:
