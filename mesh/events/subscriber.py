@@ -178,7 +178,7 @@ class KvEventSubscriber(Recovery):
                 spec.worker,
                 tid,
                 rank,
-                offset_endpoint(spec.endpoint, rank) if spec.endpoint else self.bound_address or "",
+                offset_endpoint(spec.endpoint, rank) if spec.endpoint else self._bound_name(),
                 offset_endpoint(spec.replay_endpoint, rank) if spec.replay_endpoint else None,
                 bound=spec.endpoint is None,
                 topic=" | ".join(spec.bound_topics()) if spec.endpoint is None else spec.topic,
@@ -239,6 +239,11 @@ class KvEventSubscriber(Recovery):
         """Frames of ``target``'s stream received and not applied yet (0 while it is not running)."""
         stream = self._streams.get(target)
         return stream.inbox.backlog if stream is not None and stream.inbox is not None else 0
+
+    def _bound_name(self) -> str:
+        """The bound endpoint as configured (as ZMQ resolved it when its port was left to it)."""
+        bind = self.bind or ""
+        return self.bound_address or bind if bind.endswith(":*") else bind
 
     def unknown_topics(self) -> dict[str, int]:
         """Frames at the bound endpoint whose topic names no worker, by topic."""
