@@ -22,9 +22,9 @@ ZMQ_BIND = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5
 class EventsConfig(ConfigModel):
     """The gateway's KV event endpoint (workers that connect to it) and the replay timing of every stream."""
 
-    bind: str | None = Field(None, description="Bind one SUB socket here (e.g. tcp://*:5557) for the workers whose kv_events has no endpoint: their publishers connect to it (vLLM --kv-events-config endpoint tcp://GATEWAY:5557, a concrete host). A frame's topic names its worker: a worker's kv_events.topic exactly, else its name, either alone or as llm-d's kv@NAME@MODEL. Frames of any other topic are counted (mesh_kv_events_unknown_topic_frames_total) and warned about, never applied. Read at start. None: no bound endpoint.")
+    bind: str | None = Field(None, description="Bind one SUB socket here (e.g. tcp://*:5557) for the workers whose kv_events has no endpoint: their publishers connect to it (vLLM --kv-events-config endpoint tcp://GATEWAY:5557, a concrete host). A frame's topic names its worker: a worker's kv_events.topic exactly, else its name, either alone or as llm-d's kv@NAME@MODEL. Frames of any other topic are counted (mesh_kv_events_unknown_topic_frames_total) and warned about, never applied. Restart-only (a reload that changes this section is refused). None: no bound endpoint.")
     replay_idle_timeout_s: PositiveFloat = Field(2.0, description="A replay fails when the publisher's replay socket sends nothing for this long (no batch, no end marker): the timeout extends while replayed batches keep arriving, so a big buffer is rebuilt whole.")
-    max_replay_s: PositiveFloat = Field(60.0, description="A replay fails past this long in all, however steadily batches arrive. A stream whose replay failed is not trusted (routing to it falls back to load) until a retried replay completes.")
+    max_replay_s: PositiveFloat = Field(60.0, description="A replay fails past this long in all, however steadily batches arrive. A stream whose replay failed is not trusted (routing to it falls back to load) until a retried replay (from the whole buffer, after 0.5 s, doubling) completes; after 3 failures in a row it is trusted on its live batches alone, with a WARNING.")
 
     @field_validator("bind")
     @classmethod

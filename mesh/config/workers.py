@@ -21,6 +21,13 @@ WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}|(ipc|inproc)://[^\s\0]+")
 
 
+def bound_topics(worker: str, topic: str) -> list[str]:
+    """The topics that name ``worker`` on the gateway's bound endpoint (``mesh.events.bound``):
+    its configured topic exactly, else its name exactly or llm-d's ``kv@NAME@MODEL`` (the route
+    ``kv@NAME@`` stands for every model)."""
+    return [topic] if topic else [worker, f"kv@{worker}@"]
+
+
 class KVEventsConfig(ConfigModel):
     endpoint: str | None = Field(None, description="The worker's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557: the gateway connects to it (the engine binds it: vLLM endpoint tcp://*:5557). None: the worker's publisher connects to the gateway's kv_events.bind instead, and its frames are told apart by topic (data-parallel size 1).")
     replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
@@ -28,13 +35,6 @@ class KVEventsConfig(ConfigModel):
 
     def bound_topics(self, worker: str) -> list[str]:
         return bound_topics(worker, self.topic)
-
-
-def bound_topics(worker: str, topic: str) -> list[str]:
-    """The topics that name ``worker`` on the gateway's bound endpoint (``mesh.events.bound``):
-    its configured topic exactly, else its name exactly or llm-d's ``kv@NAME@MODEL`` (the route
-    ``kv@NAME@`` stands for every model)."""
-    return [topic] if topic else [worker, f"kv@{worker}@"]
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod

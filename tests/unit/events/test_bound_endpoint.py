@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from mesh.config import ConfigError, parse_config
+from mesh.cluster.registry import RegistryError, WorkerRegistry
+from mesh.config import ConfigError, MeshConfig, WorkerConfig, parse_config
 from mesh.core.index import PrefixIndex
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.gateway.app import Gateway, create_app
@@ -215,3 +216,11 @@ def test_a_bound_endpoint_config_that_cannot_work_is_refused(doc: dict[str, Any]
     with pytest.raises(ConfigError) as info:
         parse_config(doc)
     assert any(wanted in e for e in info.value.errors), info.value.errors
+
+
+def test_a_worker_added_for_a_bound_endpoint_the_gateway_lacks_is_a_400() -> None:
+    registry = WorkerRegistry(MeshConfig())
+    with pytest.raises(RegistryError) as info:
+        registry.add(WorkerConfig(name="a", url="http://10.0.0.5:8000", kv_events={}))  # type: ignore[arg-type]
+    assert info.value.status == 400 and "kv_events.bind is not set" in str(info.value)
+    assert "a" not in registry.workers
