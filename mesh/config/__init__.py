@@ -99,6 +99,10 @@ class MeshConfig(ConfigModel):
                 raise ValueError(f"workers[{i}] ({w.name}): {exc}") from exc
         check_event_streams(self.workers)
         check_bound_workers(self.workers, self.kv_events.bind)
+        kube = self.discovery.kubernetes
+        if kube is not None and kube.kv_events_connect and self.kv_events.bind is None:
+            raise ValueError("discovery.kubernetes.kv_events_connect: the discovered workers' publishers connect to "
+                             "the gateway, but kv_events.bind is not set (e.g. kv_events: {bind: \"tcp://*:5557\"})")
         return self
 
     def build_policy(self) -> Any:
