@@ -212,8 +212,9 @@ class KvEventSubscriber(Recovery):
         await asyncio.get_running_loop().run_in_executor(None, self._receiver.stop)
         if self._registry is not None:
             for collector in (self._collector, self._demux):
-                with contextlib.suppress(KeyError):
-                    self._registry.unregister(collector)  # type: ignore[arg-type]
+                if collector is not None:
+                    with contextlib.suppress(KeyError):
+                        self._registry.unregister(collector)
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ queries
