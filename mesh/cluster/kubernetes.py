@@ -60,6 +60,7 @@ class Endpoint:
     ready: bool
     draining: bool  # terminating, still serving
     meta: dict[str, str]  # labels, then annotations over them
+    kv_replay_port: int | None = None  # the KV event replay socket's port (None: the object names none)
 
 
 def object_key(obj: dict[str, Any]) -> str:
@@ -90,6 +91,7 @@ def slice_endpoints(obj: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> list
     ports = [p for p in obj.get("ports") or [] if isinstance(p, dict)]
     port = _named_port(ports, cfg.port, "name", "port")
     kv_port = _named_port(ports, cfg.kv_events_port, "name", "port")
+    replay_port = _named_port(ports, cfg.kv_events_replay_port, "name", "port")
     meta = _meta(obj)
     out = []
     for ep in obj.get("endpoints") or []:
@@ -102,7 +104,7 @@ def slice_endpoints(obj: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> list
         for address in ep.get("addresses") or []:
             name = ref.get("name") if ref.get("kind") == "Pod" else ep.get("hostname")
             out.append(Endpoint(str(name or address).replace(":", "-"), str(address), port, kv_port,
-                                ready, draining, meta))
+                                ready, draining, meta, replay_port))
     return out
 
 
@@ -118,7 +120,26 @@ def pod_endpoints(obj: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> list[E
     return [Endpoint(str((obj.get("metadata") or {}).get("name") or address), str(address),
                      _named_port(ports, cfg.port, "name", "containerPort"),
                      _named_port(ports, cfg.kv_events_port, "name", "containerPort"),
-                     ready and not terminating, ready and terminating, _meta(obj))]
+                     ready and not terminating, ready and terminating, _meta(obj),
+                     _named_port(ports, cfg.kv_events_replay_port, "name", "containerPort"))]
+
+
+def _kv_events(ep: Endpoint, cfg: KubernetesDiscoveryConfig, host: str) -> dict[str, str] | None:
+    """The discovered worker's ``kv_events``: the gateway connects to its publisher (``kv_events_port``),
+    or its publisher connects to the gateway's bound endpoint (``kv_events_connect``: named by its
+    pod name, llm-d's topic ``kv@POD@MODEL``); None: no events."""
+    kv: dict[str, str] = {}
+    if ep.kv_events_port is not None:
+        kv["endpoint"] = f"tcp://{host}:{ep.kv_events_port}"
+    elif cfg.kv_events_port is not None:
+        raise ValueError(f"no port {cfg.kv_events_port!r} (kv_events_port) on its object")
+    elif not cfg.kv_events_connect:
+        return None
+    if ep.kv_replay_port is not None:
+        kv["replay_endpoint"] = f"tcp://{host}:{ep.kv_replay_port}"
+    elif cfg.kv_events_replay_port is not None:
+        raise ValueError(f"no port {cfg.kv_events_replay_port!r} (kv_events_replay_port) on its object")
+    return kv
 
 
 def worker_config(ep: Endpoint, cfg: KubernetesDiscoveryConfig) -> WorkerConfig:
@@ -134,10 +155,9 @@ def worker_config(ep: Endpoint, cfg: KubernetesDiscoveryConfig) -> WorkerConfig:
         data["role"] = ep.meta[ROLE_KEY]
     if MODELS_KEY in ep.meta:
         data["models"] = [m.strip() for m in ep.meta[MODELS_KEY].split(",") if m.strip()]
-    if ep.kv_events_port is not None:
-        data["kv_events"] = {"endpoint": f"tcp://{host}:{ep.kv_events_port}"}
-    elif cfg.kv_events_port is not None:
-        raise ValueError(f"no port {cfg.kv_events_port!r} (kv_events_port) on its object")
+    kv = _kv_events(ep, cfg, host)
+    if kv is not None:
+        data["kv_events"] = kv
     try:
         return WorkerConfig.model_validate(data)
     except ValidationError as exc:

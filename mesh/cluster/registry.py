@@ -35,7 +35,7 @@ from mesh.cluster.health import CircuitBreaker, apply_probe, probe
 from mesh.cluster.worker import Worker, auth_headers
 from mesh.cluster.worker_load import apply_scrape, loads_for_targets, stale_after
 from mesh.cluster.worker_metrics import Scrape, scrape
-from mesh.config import MeshConfig, WorkerConfig, check_event_streams, check_worker_addresses
+from mesh.config import MeshConfig, WorkerConfig, check_bound_workers, check_event_streams, check_worker_addresses
 from mesh.gateway.upstream import UpstreamPool
 from mesh.metrics import Metrics
 from policies.base import TargetState, target_id
@@ -104,6 +104,7 @@ class WorkerRegistry:
         try:
             check_worker_addresses(cfg, self.config.server)  # url and kv_events: mesh.connect_policy
             check_event_streams([*(w.config for w in self.workers.values()), cfg])
+            check_bound_workers([cfg], self.config.kv_events.bind)
         except ValueError as exc:
             raise RegistryError(400, str(exc)) from exc
         targets = _new_targets(cfg)

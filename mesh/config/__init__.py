@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from mesh.config.base import MIB, ConfigError, ConfigModel, PositiveFloat, redact_url
 from mesh.config.discovery import SERVICE_ACCOUNT_DIR, DiscoveryConfig, KubernetesDiscoveryConfig
+from mesh.config.events import EventsConfig
 from mesh.config.runtime import (
     DEFAULT_MAX_KEYS,
     AdmissionConfig,
@@ -37,6 +38,7 @@ from mesh.config.workers import (
     KVEventsConfig,
     WorkerConfig,
     check_addresses,
+    check_bound_workers,
     check_event_streams,
     check_worker_addresses,
     check_worker_url,
@@ -49,10 +51,11 @@ from mesh.yaml_document import document_problem, format_errors
 
 __all__ = [
     "DEFAULT_MAX_KEYS", "DEFAULT_POLICY", "MAX_FILE_BYTES", "MAX_KEY_FILE_BYTES", "MIB", "SERVICE_ACCOUNT_DIR",
-    "AdmissionConfig", "CircuitBreakerConfig", "ConfigError", "ConfigModel", "DisaggConfig", "DiscoveryConfig", "HealthConfig",
+    "AdmissionConfig", "CircuitBreakerConfig", "ConfigError", "ConfigModel", "DisaggConfig", "DiscoveryConfig",
+    "EventsConfig", "HealthConfig",
     "IndexConfig", "KVEventsConfig", "KubernetesDiscoveryConfig", "MeshConfig", "PositiveFloat", "RetentionConfig",
     "RetriesConfig", "ServerConfig", "SessionsConfig", "StateConfig", "WORKER_NAME", "WorkerConfig", "build_policy",
-    "check_addresses", "check_event_streams", "check_worker_addresses", "check_worker_url", "cluster_seed",
+    "check_addresses", "check_bound_workers", "check_event_streams", "check_worker_addresses", "check_worker_url", "cluster_seed",
     "document_problem", "format_errors", "load_config", "normalize_url", "parse_config", "rank_endpoint",
     "read_key_file", "read_key_files", "redact_url",
 ]
@@ -81,6 +84,7 @@ class MeshConfig(ConfigModel):
                              "takes, a gateway and the simulator draw alike.")
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    kv_events: EventsConfig = Field(default_factory=EventsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     state: StateConfig = Field(default_factory=StateConfig)
@@ -100,6 +104,11 @@ class MeshConfig(ConfigModel):
             except ValueError as exc:
                 raise ValueError(f"workers[{i}] ({w.name}): {exc}") from exc
         check_event_streams(self.workers)
+        check_bound_workers(self.workers, self.kv_events.bind)
+        kube = self.discovery.kubernetes
+        if kube is not None and kube.kv_events_connect and self.kv_events.bind is None:
+            raise ValueError("discovery.kubernetes.kv_events_connect: the discovered workers' publishers connect to "
+                             "the gateway, but kv_events.bind is not set (e.g. kv_events: {bind: \"tcp://*:5557\"})")
         return self
 
     def build_policy(self) -> Any:

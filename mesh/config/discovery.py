@@ -6,7 +6,7 @@ import re
 import urllib.parse
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mesh.config.base import ConfigModel, PositiveFloat
 
@@ -32,6 +32,8 @@ class KubernetesDiscoveryConfig(ConfigModel):
     selector: dict[str, str] = Field(min_length=1, description="Label selector (all must match), e.g. {app: mesh-worker}; an EndpointSlice carries its Service's labels and kubernetes.io/service-name.")
     port: str | int = Field("http", description="The worker's HTTP port: a port name (the EndpointSlice's port, or the pod's containerPort) or a number.")
     kv_events_port: str | int | None = Field(None, description="The port of the worker's KV event publisher (name or number): each worker gets kv_events tcp://address:port; null: none.")
+    kv_events_connect: bool = Field(False, description="The discovered workers' publishers connect to the gateway's kv_events.bind (llm-d's layout) instead: each worker gets kv_events without an endpoint, named by its pod name as vLLM's topic (kv@POD@MODEL, or the pod name). Excludes kv_events_port.")
+    kv_events_replay_port: str | int | None = Field(None, description="The port of the worker's KV event replay socket (name or number): each worker gets kv_events replay_endpoint tcp://address:port; null: none (a lost batch then resets the worker's index entries).")
     scheme: Literal["http", "https"] = Field("http", description="Scheme of the discovered worker URLs.")
     block_size: int = Field(16, ge=1, le=65536, description="KV block size of discovered workers without a mesh.dev/block-size label or annotation.")
     api_server: str | None = Field(None, description="The API server's URL; null: in-cluster (https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).")
@@ -57,7 +59,7 @@ class KubernetesDiscoveryConfig(ConfigModel):
             raise ValueError(f"namespace {namespace!r} is not a Kubernetes namespace name")
         return namespace
 
-    @field_validator("port", "kv_events_port")
+    @field_validator("port", "kv_events_port", "kv_events_replay_port")
     @classmethod
     def _port(cls, port: str | int | None) -> str | int | None:
         if isinstance(port, int) and not 1 <= port <= 65535:
@@ -75,6 +77,13 @@ class KubernetesDiscoveryConfig(ConfigModel):
         if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.query or parsed.username:
             raise ValueError(f"api_server {url!r} must be http(s)://host[:port] without credentials or a query")
         return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _kv_events(self) -> KubernetesDiscoveryConfig:
+        if self.kv_events_connect and self.kv_events_port is not None:
+            raise ValueError("kv_events_connect (publishers connect to the gateway) and kv_events_port (the gateway "
+                             "connects to each worker's publisher) exclude each other")
+        return self
 
     def label_selector(self) -> str:
         """The selector as the API's ``labelSelector`` query value (``k=v,k2=v2``)."""

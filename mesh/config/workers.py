@@ -21,10 +21,20 @@ WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 ZMQ_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}|(ipc|inproc)://[^\s\0]+")
 
 
+def bound_topics(worker: str, topic: str) -> list[str]:
+    """The topics that name ``worker`` on the gateway's bound endpoint (``mesh.events.bound``):
+    its configured topic exactly, else its name exactly or llm-d's ``kv@NAME@MODEL`` (the route
+    ``kv@NAME@`` stands for every model)."""
+    return [topic] if topic else [worker, f"kv@{worker}@"]
+
+
 class KVEventsConfig(ConfigModel):
-    endpoint: str  # ZMQ SUB endpoint, e.g. tcp://host:5557
+    endpoint: str | None = Field(None, description="The worker's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557: the gateway connects to it (the engine binds it: vLLM endpoint tcp://*:5557). None: the worker's publisher connects to the gateway's kv_events.bind instead, and its frames are told apart by topic (data-parallel size 1).")
     replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
-    topic: str = Field("", description="ZMQ topic (prefix) of this worker's events on the endpoint; two workers on one endpoint need topics that are not prefixes of each other.")
+    topic: str = Field("", description="With an endpoint: the ZMQ topic (prefix) of this worker's events there; two workers on one endpoint need topics that are not prefixes of each other. Without one (the gateway's bound endpoint): the exact topic of this worker's frames (vLLM's topic); empty: the worker's name, alone or as llm-d's kv@NAME@MODEL.")
+
+    def bound_topics(self, worker: str) -> list[str]:
+        return bound_topics(worker, self.topic)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -143,8 +153,12 @@ def check_event_streams(workers: Iterable[WorkerConfig]) -> None:
     blocks; a replay endpoint answers every topic, so two workers may not share one either."""
     streams: dict[str, list[tuple[str, str]]] = {}  # PUB endpoint of a rank -> [(topic, worker)]
     replays: dict[str, str] = {}  # replay endpoint of a rank -> worker
+    bound: dict[str, str] = {}  # topic on the gateway's bound endpoint -> worker
     for w in workers:
         if w.kv_events is None:
+            continue
+        if w.kv_events.endpoint is None:
+            _check_bound(w, bound, replays)
             continue
         for rank in range(w.dp_size):
             endpoint, topic = rank_endpoint(w.kv_events.endpoint, rank), w.kv_events.topic
@@ -160,6 +174,35 @@ def check_event_streams(workers: Iterable[WorkerConfig]) -> None:
                                      f"{endpoint!r} (topics {other_topic!r} and {topic!r}, matched by prefix): "
                                      "give each worker its own endpoint or topic")
             streams[endpoint].append((topic, w.name))
+
+
+def _check_bound(w: WorkerConfig, bound: dict[str, str], replays: dict[str, str]) -> None:
+    """A worker read from the gateway's bound endpoint: one rank, a topic no other worker has."""
+    kv = w.kv_events
+    assert kv is not None and kv.endpoint is None
+    if w.dp_size != 1:
+        raise ValueError(f"worker {w.name!r}: kv_events without an endpoint (the gateway's bound endpoint) needs "
+                         f"dp_size 1, got {w.dp_size}: give each rank its own worker, or an endpoint per rank")
+    if kv.replay_endpoint is not None:
+        other = replays.setdefault(kv.replay_endpoint, w.name)
+        if other != w.name:
+            raise ValueError(f"workers {other!r} and {w.name!r} share the KV event replay endpoint {kv.replay_endpoint!r}")
+    for topic in kv.bound_topics(w.name):
+        other = bound.setdefault(topic, w.name)
+        if other != w.name:
+            raise ValueError(f"workers {other!r} and {w.name!r} are both named by topic {topic!r} on the gateway's "
+                             "bound KV event endpoint: give each its own kv_events.topic")
+
+
+def check_bound_workers(workers: Iterable[WorkerConfig], bind: str | None) -> None:
+    """Workers read from the gateway's bound endpoint need one: raises ValueError when ``bind`` is None."""
+    if bind is not None:
+        return
+    for w in workers:
+        if w.kv_events is not None and w.kv_events.endpoint is None:
+            raise ValueError(f"worker {w.name!r}: kv_events has no endpoint, so its publisher must connect to the "
+                             "gateway's, but kv_events.bind is not set (e.g. kv_events: {bind: \"tcp://*:5557\"}); "
+                             "or give the worker the endpoint its engine binds")
 
 
 def check_worker_url(url: str, server: ServerConfig) -> None:
@@ -178,6 +221,10 @@ def check_addresses(policy: ConnectPolicy, worker: WorkerConfig) -> None:
     policy.check_url(worker.url)
     kv = worker.kv_events
     if kv is None:
+        return
+    if kv.endpoint is None:  # the gateway's bound endpoint: only the replay socket is connected to
+        if kv.replay_endpoint is not None:
+            policy.check_zmq(kv.replay_endpoint, "kv_events replay_endpoint")
         return
     for rank in range(worker.dp_size):
         policy.check_zmq(rank_endpoint(kv.endpoint, rank), "kv_events endpoint")

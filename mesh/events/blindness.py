@@ -7,6 +7,10 @@ The commonest cause is vLLM's ZMQ rule: its publisher binds only a wildcard, ipc
 address (``tcp://*:P``) and connects to a concrete one (``tcp://127.0.0.1:P``), so a worker given
 the gateway's address connects, the gateway connects too, and the two never meet.
 
+A worker whose publisher connects to the gateway's bound endpoint (``kv_events.bind``) is blind
+the same way when no frame of its topic arrives (wrong gateway address, a wildcard that makes
+vLLM bind, or a topic naming no worker).
+
 A stream is blind once it has delivered no valid frame in ``BLIND_AFTER_S`` since it was first
 seen, while requests holding ``BLIND_AFTER_BLOCKS`` full KV blocks have been routed to its target
 (an engine stores, and announces, at least the first of them; prompts shorter than a block
@@ -54,7 +58,8 @@ class BlindWatch:
 
     @staticmethod
     def _mark(worker: Worker, h: StreamHealth, quiet_s: float, blocks: int) -> None:
-        worker.index_problem = (f"index blind: no KV event from {h.endpoint} in {quiet_s:.0f} s, though requests of "
+        source = f"of topic {h.topic} at {h.endpoint}" if h.bound else f"from {h.endpoint}"
+        worker.index_problem = (f"index blind: no KV event {source} in {quiet_s:.0f} s, though requests of "
                                 f"{blocks} KV blocks were routed here; {likely_fix(h)}")
         log.warning("kv events of worker %s (target %s): %s. Routing to it uses load only until events arrive.",
                     worker.name, h.target, worker.index_problem)
@@ -69,6 +74,11 @@ class BlindWatch:
 
 def likely_fix(h: StreamHealth) -> str:
     """The likeliest reason a stream delivers nothing, from what the subscriber saw."""
+    if h.bound:
+        return ("the worker's publisher must connect to the gateway's bound endpoint: give it a concrete gateway "
+                "address (vLLM --kv-events-config endpoint tcp://GATEWAY_HOST:PORT; tcp://*:PORT makes it bind "
+                "instead) and a topic naming the worker; "
+                "mesh_kv_events_unknown_topic_frames_total counts frames whose topic names no worker")
     if not h.connected:
         return (f"the gateway's SUB socket never connected to {h.endpoint}: nothing listens there. The worker's "
                 "publisher must bind it: give the worker a wildcard address (vLLM --kv-events-config endpoint "

@@ -52,6 +52,11 @@ class StreamHealth:
     disconnects: int = 0
     bad_streak: int = 0  # consecutive frames that could not be used
     running: bool = False
+    # Read from the gateway's bound endpoint (``mesh.events.bound``): ``endpoint`` is that address,
+    # ``topic`` the topics naming this stream, and ``connected`` means the publisher has been heard
+    # from (a frame of its topic, or an answer of its replay socket).
+    bound: bool = False
+    topic: str = ""
 
     def bump(self, table: dict[str, int], key: str, n: int = 1) -> None:
         table[key] = table.get(key, 0) + n

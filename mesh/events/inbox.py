@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 import zmq
 
@@ -133,6 +134,17 @@ class Inbox:
                 self._loop.call_soon_threadsafe(self._event.set)
 
 
+class Sink(Protocol):
+    """Where the receiver thread puts a socket's frames: a stream's ``Inbox``, or the gateway's
+    bound socket's ``mesh.events.bound.Demux`` (which puts each into the inbox its topic names)."""
+
+    def put(self, frames: list[bytes]) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def overflowed(self) -> bool: ...
+
+
 def _size(frames: list[bytes]) -> int:
     return len(frames[-1]) if frames else 0
 
@@ -142,11 +154,11 @@ class Receiver:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changes: list[tuple[zmq.Socket[bytes], Inbox | None]] = []  # None: remove and close
+        self._changes: list[tuple[zmq.Socket[bytes], Sink | None]] = []  # None: remove and close
         self._thread: threading.Thread | None = None
         self._stop = False
 
-    def add(self, sock: zmq.Socket[bytes], inbox: Inbox) -> None:
+    def add(self, sock: zmq.Socket[bytes], inbox: Sink) -> None:
         """Hand ``sock`` (connected, options set) to the thread; the caller never touches it again."""
         with self._lock:
             self._changes.append((sock, inbox))
@@ -172,7 +184,7 @@ class Receiver:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        inboxes: dict[zmq.Socket[bytes], Inbox] = {}
+        inboxes: dict[zmq.Socket[bytes], Sink] = {}
         try:
             while not self._stop:
                 self._hand_over(poller, inboxes, self._changed())
@@ -202,14 +214,14 @@ class Receiver:
                     _close(sock)
                 self._thread = None
 
-    def _changed(self) -> list[tuple[zmq.Socket[bytes], Inbox | None]]:
+    def _changed(self) -> list[tuple[zmq.Socket[bytes], Sink | None]]:
         with self._lock:
             changes, self._changes = self._changes, []
         return changes
 
     @staticmethod
-    def _hand_over(poller: zmq.Poller, inboxes: dict[zmq.Socket[bytes], Inbox],
-                   changes: list[tuple[zmq.Socket[bytes], Inbox | None]]) -> None:
+    def _hand_over(poller: zmq.Poller, inboxes: dict[zmq.Socket[bytes], Sink],
+                   changes: list[tuple[zmq.Socket[bytes], Sink | None]]) -> None:
         for sock, inbox in changes:
             if inbox is None:
                 if sock in inboxes:
@@ -221,7 +233,7 @@ class Receiver:
                 poller.register(sock, zmq.POLLIN)
 
     @staticmethod
-    def _drain(sock: zmq.Socket[bytes], inbox: Inbox, most: int) -> int:
+    def _drain(sock: zmq.Socket[bytes], inbox: Sink, most: int) -> int:
         n = 0
         try:
             while n < most:

@@ -39,7 +39,7 @@ import logging
 import time
 
 from mesh.cluster.registry import Worker, WorkerRegistry
-from mesh.config import IndexConfig
+from mesh.config import EventsConfig, IndexConfig
 from mesh.core.index import PrefixIndex
 from mesh.events.blindness import BlindWatch
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
@@ -85,9 +85,10 @@ class KvIngest:
     """Registry listener + lifespan hooks that keep one subscriber in step with the registry."""
 
     def __init__(self, index: PrefixIndex, registry: WorkerRegistry, metrics: Metrics,
-                 settings: IndexConfig | None = None) -> None:
+                 settings: IndexConfig | None = None, events: EventsConfig | None = None) -> None:
         self.index = index
         self.settings = settings or IndexConfig()
+        self.events = events or EventsConfig()  # the bound endpoint and replay timing, read at start
         self.registry = registry
         self.metrics = metrics
         self.subscriber: KvEventSubscriber | None = None
@@ -106,12 +107,14 @@ class KvIngest:
 
     # -- lifespan --
     async def start(self) -> None:
-        cfg = self.settings
+        cfg, ev = self.settings, self.events
         self.subscriber = KvEventSubscriber(
             self.index, registry=self.metrics.registry, on_health=self._on_health, on_reset=self._on_reset,
             max_backlog_frames=cfg.max_backlog_frames, max_backlog_bytes=cfg.max_backlog_bytes,
-            slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share,
+            slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share, bind=ev.bind,
+            replay_timeout_s=ev.replay_idle_timeout_s, max_replay_s=ev.max_replay_s,
         )
+        await self.subscriber.start()  # binds kv_events.bind (a port in use fails the start, loudly)
         await self.reconcile()  # static workers are subscribed before the first request
         self._task = asyncio.get_running_loop().create_task(self._keep(), name="mesh-kv-ingest")
 
@@ -185,7 +188,8 @@ class KvIngest:
             self._subscribed[name] = (worker, spec)
             for t in worker.targets:
                 t.index_healthy = sub.healthy(t.id)
-            log.info("kv events of worker %s: %s (model %r, block size %d)", name, spec.endpoint, spec.model,
+            where = spec.endpoint or f"topic {' | '.join(spec.bound_topics())} at {sub.bound_address}"
+            log.info("kv events of worker %s: %s (model %r, block size %d)", name, where, spec.model,
                      spec.block_size or 0)
 
     # -- subscriber callbacks (on the loop) --

@@ -5,8 +5,10 @@ The SUB socket receives live frames (in the receiver thread, ``mesh.events.inbox
 unhealthy and the next frame must prove continuity) and coming back. The replay socket (a
 DEALER, opened on a stream's first replay and kept) asks the publisher's ROUTER for every kept
 batch from a seq: ``[b"", start]`` -> ``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``
-per batch, then an end marker whose seq is -1. A replay is bounded in time, batches and bytes
-(ZMQ itself refuses a message over ``max_message_bytes``); a failed one closes the socket, so
+per batch, then an end marker whose seq is -1. A replay is bounded in batches and bytes (ZMQ
+itself refuses a message over ``max_message_bytes``) and in time: it fails when the publisher
+sends nothing for ``idle_s`` (the wait extends with every batch, so a big buffer is rebuilt
+whole, however long it takes) or past ``max_s`` in all; a failed one closes the socket, so
 late replies never mix into the next replay. Ownership: each stream task owns its monitor and replay
 sockets and closes them when it ends, and hands its SUB socket to the receiver thread, which
 closes it; the ``zmq.asyncio.Context`` is the subscriber's.
@@ -32,7 +34,8 @@ END_SEQ = -1
 
 @dataclass(frozen=True, slots=True)
 class ReplayLimits:
-    timeout_s: float  # from the request to the end marker
+    idle_s: float  # the longest wait for the next message (a batch or the end marker)
+    max_s: float  # from the request to the end marker
     max_batches: int
     max_bytes: int  # payload bytes in all
     max_message_bytes: int  # one message; ZMQ drops the connection over it
@@ -111,15 +114,18 @@ async def _request(
     """Send the replay request and receive batches up to the end marker, within ``limits``."""
     h = stream.health
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.timeout_s
+    deadline = loop.time() + limits.max_s
     out: list[tuple[int, bytes]] = []
     size = 0
-    # a DEALER without a connected peer blocks on send: bound it by the same deadline
-    await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), limits.timeout_s)
+    # a DEALER without a connected peer blocks on send: bound it by the idle wait
+    await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), limits.idle_s)
     while True:
         remaining = deadline - loop.time()
-        if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):  # POLLIN, the default
-            raise TimeoutError(f"no end marker within {limits.timeout_s}s")
+        if remaining <= 0:
+            raise TimeoutError(f"no end marker within max_replay_s {limits.max_s}s ({len(out)} batches received)")
+        wait = min(limits.idle_s, remaining)
+        if not await sock.poll(int(wait * 1000) + 1):  # POLLIN, the default
+            raise TimeoutError(f"nothing received for {wait:.1f}s ({len(out)} batches received, no end marker)")
         frames = await sock.recv_multipart()
         if frames and frames[0] == b"":
             frames = frames[1:]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import xxhash
 import zmq.asyncio
 
+from mesh.config.workers import bound_topics
 from mesh.events.health import StreamHealth
 from mesh.events.inbox import Inbox
 from mesh.events.wire import DecodeError, GroupFilter, decode_lazy
@@ -36,7 +37,7 @@ class WorkerEvents:
     """Where one worker publishes its KV events (data-parallel rank r uses port + r)."""
 
     worker: str
-    endpoint: str  # PUB address of rank 0, e.g. "tcp://10.0.0.5:5557"
+    endpoint: str | None  # PUB address of rank 0, e.g. "tcp://10.0.0.5:5557"; None: the gateway's bound endpoint
     replay_endpoint: str | None = None  # ROUTER address of rank 0, e.g. "tcp://10.0.0.5:5558"
     dp_size: int = 1
     model: str = ""  # namespace of the router keys (``mesh.core.keys.namespace_seed(model, lora)``)
@@ -48,6 +49,12 @@ class WorkerEvents:
             raise ValueError(f"worker {self.worker!r}: dp_size must be >= 1, got {self.dp_size}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"worker {self.worker!r}: block_size must be positive")
+        if self.endpoint is None and self.dp_size != 1:
+            raise ValueError(f"worker {self.worker!r}: events from the gateway's bound endpoint need dp_size 1")
+
+    def bound_topics(self) -> list[str]:
+        """On the gateway's bound endpoint: the topics that name this worker."""
+        return bound_topics(self.worker, self.topic)
 
 
 class Verdict(enum.Enum):
@@ -62,7 +69,7 @@ class Verdict(enum.Enum):
 
 class Stream:
     __slots__ = ("spec", "health", "task", "dealer", "inbox", "dropped_seen", "applying", "filter", "digests", "order", "last_ts",
-                 "reported_healthy", "lost")
+                 "reported_healthy", "lost", "replay_due", "replay_failures", "retry_at")
 
     def __init__(self, spec: WorkerEvents, health: StreamHealth) -> None:
         self.spec = spec
@@ -78,6 +85,11 @@ class Stream:
         self.last_ts = -math.inf  # publisher time of the newest batch applied
         self.reported_healthy: bool | None = None
         self.lost = False  # the connection dropped since the last frame (set by the socket monitor)
+        # A replay is needed and has not completed (running, or failed and waiting to be retried at
+        # ``retry_at``, loop time): the stream is not trusted meanwhile.
+        self.replay_due = False
+        self.replay_failures = 0
+        self.retry_at = 0.0
 
     def remember(self, seq: int, payload: bytes, window: int) -> None:
         if seq not in self.digests:

@@ -1,4 +1,9 @@
-"""KV event subscriber: one ZMQ SUB stream per worker rank, feeding the prefix index.
+"""KV event subscriber: one stream per worker rank, feeding the prefix index.
+
+A stream reads either a SUB socket of its own, connected to the worker's bound PUB, or, for a
+worker whose publisher connects to the gateway (no ``endpoint``), the frames of its topic on the
+gateway's one bound SUB socket (``bind``; ``mesh.events.bound``); either way its seqs, gaps,
+replay and health are its own.
 
 Per stream (REFERENCE.md section 2): the next seq is applied; a gap is repaired by replay
 (``mesh.events.sockets``); a publisher restart (``mesh.events.stream`` tells it from duplicates
@@ -9,6 +14,8 @@ socket, before it is applied (a publisher that restarted while disconnected may 
 ``last + 1``). Whenever batches are lost for good (no replay socket, a buffer that no longer
 reaches back, a payload that cannot be decoded or exceeds ``max_frame_bytes``), the stream's
 targets are reset: the index may then miss blocks the worker holds, never claim dropped ones.
+A stream is not trusted from the moment it needs a replay until one completed; a failed one is
+retried (``mesh.events.recovery``).
 Off the request loop: a receiver thread (``mesh.events.inbox``) receives every stream's frames
 into the stream's bounded inbox; a stream whose backlog exceeds its budget (``max_backlog_frames``
 or ``max_backlog_bytes``: ingestion cannot keep up) is reset (reason ``backlog``, a loud,
@@ -35,22 +42,24 @@ from prometheus_client import CollectorRegistry
 
 from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
+from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
 from mesh.events.inbox import Inbox, Receiver
 from mesh.events.pacer import Pacer
-from mesh.events.sockets import ReplayLimits, cancel, close_stream, fetch_replay, monitor_sub, watch_connection
-from mesh.events.stream import Stream, Verdict, WorkerEvents, continues, digest, offset_endpoint, restarted, split_frame
+from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
+from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
+from mesh.events.stream import Stream, Verdict, WorkerEvents, digest, offset_endpoint, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
 from policies.base import target_id
 
-__all__ = ["KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "offset_endpoint"]
+__all__ = ["MAX_REPLAY_TRIES", "MAX_RETRY_S", "KvEventSubscriber", "LogLimiter", "StreamHealth", "WorkerEvents", "offset_endpoint"]
 
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(Recovery):
     """Subscribes to every configured worker's KV events and keeps ``index`` in step.
 
     ``on_health(target, healthy)`` is called when a stream's health flips; ``on_reset(target,
@@ -65,6 +74,9 @@ class KvEventSubscriber:
         registry: CollectorRegistry | None = None,
         max_frame_bytes: int = 16 << 20,
         replay_timeout_s: float = 2.0,
+        max_replay_s: float = 60.0,
+        replay_retry_s: float = 0.5,
+        bind: str | None = None,
         max_replay_batches: int = 200_000,
         max_replay_bytes: int = 1 << 30,
         unhealthy_after_bad_frames: int = 8,
@@ -84,7 +96,10 @@ class KvEventSubscriber:
         # A frame over it (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and
         # 2-3 s of work on one core, in slices) is counted, logged and treated as lost: a reset.
         self.max_frame_bytes = max_frame_bytes
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_s = replay_timeout_s  # a replay's longest wait for its next message
+        self.max_replay_s = max(max_replay_s, replay_timeout_s)
+        self.replay_retry_s = replay_retry_s
+        self.bind = bind
         self.max_replay_batches = max_replay_batches
         self.max_replay_bytes = max_replay_bytes
         # A replayed frame this large is refused by ZMQ itself (it drops the replay connection: the
@@ -118,11 +133,34 @@ class KvEventSubscriber:
         if registry is not None:
             registry.register(self._collector)
         self._closed = False
+        self._demux: Demux | None = None
+        self.bound_address: str | None = None  # where the bound socket listens (a port 0 resolved)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, workers: Iterable[WorkerEvents] = ()) -> None:
+        """Bind the gateway's endpoint when ``bind`` is set (raises ZMQError when it cannot: a
+        port in use), then subscribe ``workers``."""
+        if self.bind is not None and self._demux is None:
+            self._open_bound(self.bind)
         for w in workers:
             self.add_worker(w)
+
+    def _open_bound(self, bind: str) -> None:
+        sub = self._sync_ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: frames are told apart by ``Demux``
+            sub.bind(bind)
+            self.bound_address = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
+        self._demux = Demux(bind)
+        if self._registry is not None:
+            self._registry.register(self._demux)
+        self._receiver.add(sub, self._demux)  # the receiver thread's socket from here on
+        log.info("kv events: bound %s for the workers whose publishers connect to the gateway", self.bound_address)
 
     def add_worker(self, spec: WorkerEvents) -> list[str]:
         """Start one stream per data-parallel rank (needs a running loop). Returns the targets."""
@@ -130,6 +168,9 @@ class KvEventSubscriber:
             raise RuntimeError("subscriber is stopped")
         if spec.worker in self._by_worker:
             raise ValueError(f"worker {spec.worker!r} is already subscribed")
+        if spec.endpoint is None and self._demux is None:
+            raise ValueError(f"worker {spec.worker!r} has no kv_events endpoint and the gateway binds none "
+                             "(kv_events.bind): its events cannot be received")
         targets = []
         for rank in range(spec.dp_size):
             tid = target_id(spec.worker, rank, spec.dp_size)
@@ -137,10 +178,15 @@ class KvEventSubscriber:
                 spec.worker,
                 tid,
                 rank,
-                offset_endpoint(spec.endpoint, rank),
+                offset_endpoint(spec.endpoint, rank) if spec.endpoint else self._bound_name(),
                 offset_endpoint(spec.replay_endpoint, rank) if spec.replay_endpoint else None,
+                bound=spec.endpoint is None,
+                topic=" | ".join(spec.bound_topics()) if spec.endpoint is None else spec.topic,
             )
             stream = Stream(spec, health)
+            if spec.endpoint is None and self._demux is not None:  # routed now: frames sent from here on are its
+                stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+                self._demux.route(spec.bound_topics(), stream.inbox)
             stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"kv-events-{tid}")
             self._streams[tid] = stream
             targets.append(tid)
@@ -150,6 +196,8 @@ class KvEventSubscriber:
     async def remove_worker(self, worker: str, *, clear_index: bool = True) -> None:
         for tid in self._by_worker.pop(worker, []):
             stream = self._streams.pop(tid)
+            if self._demux is not None and stream.inbox is not None:
+                self._demux.unroute(stream.inbox)  # (its task may be cancelled before it ever ran)
             await cancel(stream.task)
             if clear_index:
                 self.index.clear_target(tid)
@@ -163,8 +211,10 @@ class KvEventSubscriber:
             await self.remove_worker(worker, clear_index=False)
         await asyncio.get_running_loop().run_in_executor(None, self._receiver.stop)
         if self._registry is not None:
-            with contextlib.suppress(KeyError):
-                self._registry.unregister(self._collector)
+            for collector in (self._collector, self._demux):
+                if collector is not None:
+                    with contextlib.suppress(KeyError):
+                        self._registry.unregister(collector)
         self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ queries
@@ -191,10 +241,21 @@ class KvEventSubscriber:
         stream = self._streams.get(target)
         return stream.inbox.backlog if stream is not None and stream.inbox is not None else 0
 
+    def _bound_name(self) -> str:
+        """The bound endpoint as configured (as ZMQ resolved it when its port was left to it)."""
+        bind = self.bind or ""
+        return self.bound_address or bind if bind.endswith(":*") else bind
+
+    def unknown_topics(self) -> dict[str, int]:
+        """Frames at the bound endpoint whose topic names no worker, by topic."""
+        return dict(self._demux.unknown) if self._demux is not None else {}
+
     def _is_healthy(self, h: StreamHealth) -> bool:
         if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
             return False
         stream = self._streams.get(h.target)
+        if stream is not None and stream.replay_due:
+            return False  # a replay is needed and has not completed
         if stream is not None and stream.lost and h.last_seq is not None:
             return False  # reconnected, continuity unproven: the publisher may have restarted
         if self.stale_after_s is not None:
@@ -203,7 +264,33 @@ class KvEventSubscriber:
 
     # ------------------------------------------------------------------ stream task
     async def _run(self, stream: Stream) -> None:
+        if stream.spec.endpoint is None:
+            await self._run_bound(stream)
+        else:
+            await self._run_own(stream)
+
+    async def _run_bound(self, stream: Stream) -> None:
+        """A stream of the bound endpoint: its inbox receives the frames its topics name."""
+        demux, inbox = self._demux, stream.inbox
+        assert demux is not None and inbox is not None  # routed by add_worker
+        try:
+            self._set_running(stream, True)
+            if stream.health.replay_endpoint:
+                await self._recover(stream, "connect")
+            await self._receive(stream, inbox)
+        except zmq.ZMQError as exc:
+            if not self._closed:
+                log.error("kv events %s: socket error %s", stream.health.target, exc)
+        finally:
+            demux.unroute(inbox)
+            self._set_running(stream, False)
+            close_stream(stream, None)
+            stream.inbox = None
+
+    async def _run_own(self, stream: Stream) -> None:
+        """A stream of its own SUB socket, connected to the worker's PUB."""
         h = stream.health
+        assert h.endpoint
         sub = self._sync_ctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
         watcher: asyncio.Task[None] | None = None
@@ -238,12 +325,17 @@ class KvEventSubscriber:
 
     async def _receive(self, stream: Stream, inbox: Inbox) -> None:
         pacer = self.pacer
+        loop = asyncio.get_running_loop()
         n = 0
         while True:
+            if stream.replay_due and not stream.health.recovering and loop.time() >= stream.retry_at:
+                await self._retry(stream)
             frames = inbox.take()
             if frames is None:
                 pacer.idle()
-                frames = await inbox.get()
+                frames = await self._next(stream, inbox, loop)
+                if frames is None:
+                    continue  # a failed replay's retry is due
             if inbox.overflowed():
                 await self._overflow(stream, inbox)
                 continue
@@ -280,6 +372,8 @@ class KvEventSubscriber:
             self._bad(stream)
             return
         seq, payload = parsed
+        if h.bound and not h.connected:
+            self._heard(stream)
         if stream.lost:
             stream.lost = False  # cleared first: a disconnect during the check sets it again
             if h.last_seq is not None:
@@ -289,8 +383,8 @@ class KvEventSubscriber:
         if verdict is Verdict.OLD:
             return  # a duplicate, or a stale frame queued before a rebuild
         if verdict is Verdict.FIRST:
-            if seq > 0 and h.replay_endpoint:  # batches before this one went by unseen
-                await self._recover(stream, "late_join")
+            if seq > 0 and h.replay_endpoint and not stream.replay_due:  # batches before it went by unseen
+                await self._recover(stream, "late_join")  # (a failed replay's own retry is timed)
         elif verdict is Verdict.GAP:
             await self._recover(stream, "gap")
         elif verdict is Verdict.RESTART:
@@ -301,60 +395,6 @@ class KvEventSubscriber:
             await self._apply_frame(stream, seq, payload)
         elif stream.digests.get(seq) == digest(payload):
             h.duplicates += 1  # the replay already carried it
-
-    # ------------------------------------------------------------------ recovery
-    async def _after_reconnect(self, stream: Stream) -> None:
-        """The connection dropped since the last frame: verify, through the replay socket, that
-        the publisher is the same incarnation (else reset and rebuild); without one, reset."""
-        if stream.health.replay_endpoint:
-            await self._recover(stream, "reconnect")
-        else:
-            self._reset(stream, "stream_lost", forget_seq=True)
-
-    async def _recover(self, stream: Stream, reason: str) -> None:
-        """Catch up from the replay buffer; reset the stream's targets if batches are lost."""
-        h = stream.health
-        self._set_recovering(stream, True)
-        try:
-            if not h.replay_endpoint:
-                if reason == "gap":
-                    self._reset(stream, "gap_no_replay")
-                return
-            frames = await self._replayed(stream, reason)
-            if frames is not None:
-                await self._apply_replayed(stream, frames)
-        finally:
-            self._set_recovering(stream, False)
-
-    async def _replayed(self, stream: Stream, reason: str) -> list[tuple[int, bytes]] | None:
-        """The batches a replay brings to apply (None: none). A replay that does not join the
-        stream (the buffer no longer reaches back, or another publisher incarnation answered)
-        resets the stream's targets and rebuilds them from the whole buffer."""
-        last = stream.health.last_seq
-        start = stream.replay_start()
-        frames = await self._fetch_replay(stream, start)
-        if frames is None:
-            if last is not None:  # after a reconnect continuity is unproven: start over
-                self._reset(stream, "replay_failed", forget_seq=reason == "reconnect")
-            return None
-        if last is None or continues(frames, start, last, stream.digests):
-            return frames
-        everything = await self._fetch_replay(stream, 0)
-        lost = "restart" if restarted(frames, everything or [], last, stream.digests) else "gap_lost"
-        self._reset(stream, lost, forget_seq=True)
-        return everything
-
-    async def _apply_replayed(self, stream: Stream, frames: list[tuple[int, bytes]]) -> None:
-        h = stream.health
-        for seq, payload in frames:
-            await self.pacer.turn()
-            if h.last_seq is None or seq > h.last_seq:
-                await self._apply_frame(stream, seq, payload)
-
-    async def _fetch_replay(self, stream: Stream, start: int) -> list[tuple[int, bytes]] | None:
-        limits = ReplayLimits(self.replay_timeout_s, self.max_replay_batches, self.max_replay_bytes,
-                              self.max_message_bytes)
-        return await fetch_replay(self._ctx, stream, start, limits, self._logs)
 
     # ------------------------------------------------------------------ applying
     async def _apply_frame(self, stream: Stream, seq: int, payload: bytes) -> None:
@@ -424,6 +464,11 @@ class KvEventSubscriber:
 
     def _set_running(self, stream: Stream, running: bool) -> None:
         stream.health.running = running
+        self._notify(stream)
+
+    def _heard(self, stream: Stream) -> None:
+        """A bound stream's publisher was heard from (its first frame or a replay answer)."""
+        stream.health.connected = True
         self._notify(stream)
 
     def _set_recovering(self, stream: Stream, recovering: bool) -> None:

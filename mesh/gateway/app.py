@@ -131,7 +131,7 @@ class Gateway:
 # Settings read once at startup; a reload cannot apply them.
 RESTART_ONLY = ("server.host", "server.port", "server.connect_timeout_s", "server.max_head_bytes", "server.head_timeout_s",
                 "index.max_keys", "index.ingest_slice_ms", "index.ingest_share", "index.max_backlog_frames", "index.max_backlog_bytes",
-                "state", "discovery")
+                "state", "discovery", "kv_events")
 
 
 def restart_only_changes(old: MeshConfig, new: MeshConfig) -> list[str]:
@@ -228,7 +228,7 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         admission=admission,
         bodies=BodyBuffer(lambda: registry.config.server.max_buffered_body_bytes),
         prompts=PromptProcessor(registry),
-        ingest=KvIngest(index, registry, metrics, config.index),
+        ingest=KvIngest(index, registry, metrics, config.index, config.kv_events),
     )
     if isinstance(sessions, SharedSessionTable):
         gateway.shared = SharedState(sessions, registry.targets, metrics, config.state.load_sync_s)

@@ -3,6 +3,8 @@ alone (it shares no code with the bundled engine's publisher nor with ``mesh.eve
 frames ``[topic, seq, payload]``, a ROUTER replay socket answering ``[b"", start]`` in either
 reply layout (served by its own thread), and ``encode_events``, which writes abstract events in
 every event, batch and hash layout vLLM has used. Its blocks are ``BS`` tokens of model ``MODEL``.
+Its PUB binds, or connects to a gateway's bound endpoint (``connect``: vLLM given a concrete
+host, llm-d's layout); its replay socket may answer slowly (``replay_delay_s`` per batch).
 """
 
 from __future__ import annotations
@@ -80,14 +82,20 @@ class Publisher:
 
     def __init__(self, pub_port: int | None = None, replay_port: int | None = None, *,
                  topic: bytes = b"kv", keep: int = 10_000, reply_layout: str = "4frame",
-                 with_replay: bool = True, sndhwm: int = 1_000_000) -> None:
+                 with_replay: bool = True, sndhwm: int = 1_000_000, connect: str | None = None,
+                 replay_delay_s: float = 0.0) -> None:
         self.ctx = zmq.Context()
         self.topic = topic
         self.reply_layout = reply_layout
+        self.replay_delay_s = replay_delay_s  # the replay thread sleeps this long before each batch
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, sndhwm)
-        self.pub_port = _bind(self.pub, pub_port)
+        self.pub_port: int | None = None
+        if connect is not None:
+            self.pub.connect(connect)
+        else:
+            self.pub_port = _bind(self.pub, pub_port)
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=keep)
         self.lock = threading.Lock()
         self.seq = 0
@@ -135,6 +143,8 @@ class Publisher:
             with self.lock:
                 kept = [item for item in self.kept if item[0] >= first]
             for seq, payload in kept:
+                if self.replay_delay_s:
+                    time.sleep(self.replay_delay_s)
                 if self.reply_layout == "4frame":
                     router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
                 else:

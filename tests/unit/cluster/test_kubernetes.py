@@ -144,3 +144,19 @@ def test_a_relist_keeps_the_workers_still_there_as_they_are() -> None:
     discovery.objects = {"ns/s": eps(ep("10.0.0.9", "a"))}  # the pod came back at another address
     discovery.reconcile()
     assert registry.workers["a"] is not a and registry.workers["a"].url == "http://10.0.0.9:8000"
+
+
+def test_kv_events_connect_gives_workers_named_by_their_pod_on_the_bound_endpoint() -> None:
+    cfg = KubernetesDiscoveryConfig(selector={"app": "w"}, kv_events_connect=True, kv_events_replay_port="kv-replay")
+    objs = {"ns/s": eps(ep("10.0.0.7", "vllm-0"), ports=[{"name": "http", "port": 8000}, {"name": "kv-replay", "port": 5558}])}
+    wanted, refused = desired_workers(objs, cfg)
+    kv = wanted["vllm-0"][0].kv_events
+    assert kv is not None and kv.endpoint is None and kv.replay_endpoint == "tcp://10.0.0.7:5558" and not refused
+    assert kv.bound_topics("vllm-0") == ["vllm-0", "kv@vllm-0@"]  # llm-d's topic kv@POD@MODEL names it
+    wanted, refused = desired_workers({"ns/s": eps(ep("10.0.0.7", "vllm-0"))}, cfg)
+    assert not wanted and refused == {"vllm-0 (10.0.0.7)": "no port 'kv-replay' (kv_events_replay_port) on its object"}
+    with pytest.raises(ConfigError, match="kv_events.bind is not set"):
+        parse_config({"discovery": {"kubernetes": {"selector": {"app": "w"}, "kv_events_connect": True}}})
+    with pytest.raises(ConfigError, match="exclude each other"):
+        parse_config({"kv_events": {"bind": "tcp://*:5557"}, "discovery": {"kubernetes": {
+            "selector": {"app": "w"}, "kv_events_connect": True, "kv_events_port": 5557}}})
