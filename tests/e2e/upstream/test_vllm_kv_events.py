@@ -1,0 +1,192 @@
+"""vLLM's own prefix cache and KV event publisher into Mesh's subscriber and index.
+
+The engine side is vLLM's code from the pinned wheel (``tests/fakes/vllm_engine.py``, a process):
+its ``KVCacheManager``/``BlockPool`` decide hits, allocations and LRU evictions and emit the
+events, its ``ZmqEventPublisher`` puts them on real sockets (PUB, ROUTER replay, ports offset per
+data-parallel rank). Mesh's side is the real ``KvEventSubscriber`` and ``PrefixIndex``. After each
+step the index must hold exactly the router keys of the blocks vLLM's cache holds, and count the
+same duplicate copies (vLLM recomputes the last block of a block-aligned prompt into a second
+block of the same hash).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from mesh.core.index import PrefixIndex
+from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
+from tests.procs import free_port
+from tests.support.upstream import Upstream
+from tests.support.upstream_driver import Driver, caught_up, engine_keys
+
+MODEL = "upstream-vllm"
+BS = 4
+
+
+class Stack:
+    def __init__(self, driver: Driver, sub: KvEventSubscriber, index: PrefixIndex, targets: list[str]) -> None:
+        self.driver, self.sub, self.index, self.targets = driver, sub, index, targets
+
+    async def serve(self, tokens: list[int], rank: int = 0, **kw: Any) -> dict[str, Any]:
+        kw.setdefault("rid", f"r{random.getrandbits(48)}")
+        reply = self.driver.send("serve", rank=rank, tokens=tokens, **kw)
+        await self.synced(rank)
+        return reply
+
+    async def synced(self, rank: int = 0) -> None:
+        await caught_up(self.sub, self.targets[rank], self.driver.published.get(rank, 0))
+
+    def truth(self, rank: int = 0) -> list[dict[str, Any]]:
+        blocks: list[dict[str, Any]] = self.driver.send("truth", rank=rank)["blocks"]
+        return blocks
+
+    def check(self, rank: int = 0) -> list[dict[str, Any]]:
+        """The index holds exactly the rank's blocks, with its duplicate copies."""
+        blocks = self.truth(rank)
+        target = self.targets[rank]
+        assert self.index.keys_of(target) == engine_keys(blocks, BS, MODEL)
+        assert self.index.engine_copies(target) == {b["hash"]: b["copies"] for b in blocks if b["copies"] > 1}
+        return blocks
+
+
+def _ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (vLLM binds rank r at base + r)."""
+    while True:
+        ports = [free_port() for _ in range(n)]
+        if ports == list(range(ports[0], ports[0] + n)):
+            return ports[0]
+
+
+@asynccontextmanager
+async def stack(wheel: Upstream, ranks: int = 1, num_blocks: int = 24) -> AsyncIterator[Stack]:
+    port, replay = _ports(ranks), _ports(ranks)
+    driver = Driver("tests.fakes.vllm_engine", wheel.root,
+                    {"block_size": BS, "num_blocks": num_blocks, "ranks": ranks, "port": port, "replay_port": replay})
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    try:
+        targets = sub.add_worker(WorkerEvents("vllm", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
+                                              dp_size=ranks, model=MODEL, block_size=BS))
+        yield Stack(driver, sub, index, targets)
+    finally:
+        await sub.stop()
+        driver.close()
+
+
+def _sessions(rng: random.Random, n: int, turns: int) -> list[list[int]]:
+    """Agentic turns over a shared system prompt: each turn extends its session's last prompt; some
+    block-aligned (vLLM then recomputes their last block into a second copy)."""
+    system = [rng.randrange(1000) for _ in range(2 * BS)]
+    convos = [list(system) for _ in range(n)]
+    out = []
+    for _ in range(turns):
+        for c in convos:
+            c += [rng.randrange(1000) for _ in range(rng.choice([BS, 2 * BS, rng.randrange(1, 3 * BS)]))]
+            out.append(list(c))
+            if rng.random() < 0.3:
+                out.append(list(c))  # the same prompt again (a retry, a regenerate)
+    return out
+
+
+async def test_vllm_allocations_and_lru_evictions_leave_the_index_equal_to_the_engine(vllm_wheel: Upstream) -> None:
+    rng = random.Random(5)
+    async with stack(vllm_wheel, num_blocks=20) as s:
+        for tokens in _sessions(rng, 4, 5):
+            await s.serve(tokens)
+            s.check()
+        h = s.sub.health()[s.targets[0]]
+        assert h.events.get("removed", 0) > 10 and h.events.get("stored", 0) > 10  # evictions happened
+        assert not h.resets
+
+
+async def test_vllm_running_requests_pin_their_blocks_and_a_duplicate_copy_is_counted(vllm_wheel: Upstream) -> None:
+    prompt = list(range(100, 100 + 3 * BS))  # block-aligned: a second request recomputes block 3
+    async with stack(vllm_wheel, num_blocks=12) as s:
+        await s.serve(prompt, rid="a", keep=True)
+        await s.serve(prompt, rid="b", keep=True)
+        blocks = s.check()
+        assert sorted(b["copies"] for b in blocks) == [1, 1, 2]
+        s.driver.send("free", rid="a")
+        s.driver.send("free", rid="b")
+        for i in range(6):  # unrelated prompts evict every block of the first one, one copy at a time
+            await s.serve(list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BS + 1)))
+            s.check()
+        keys = block_keys(prompt, BS, namespace_seed(MODEL))
+        assert not s.index.keys_of(s.targets[0]) & set(keys)
+
+
+async def test_vllm_data_parallel_ranks_each_publish_their_own_stream(vllm_wheel: Upstream) -> None:
+    rng = random.Random(9)
+    async with stack(vllm_wheel, ranks=2, num_blocks=16) as s:
+        for i, tokens in enumerate(_sessions(rng, 3, 3)):
+            await s.serve(tokens, rank=i % 2)
+        port = int(s.sub.health()[s.targets[0]].endpoint.rsplit(":", 1)[1])
+        for rank in (0, 1):
+            assert s.check(rank)
+            assert s.sub.health()[s.targets[rank]].endpoint == f"tcp://127.0.0.1:{port + rank}"
+        assert s.index.keys_of(s.targets[0]) != s.index.keys_of(s.targets[1])
+
+
+async def test_vllm_lora_and_cache_salt_blocks_are_their_own_namespaces(vllm_wheel: Upstream) -> None:
+    tokens = list(range(7, 7 + 3 * BS + 2))
+    async with stack(vllm_wheel, num_blocks=32) as s:
+        await s.serve(tokens)
+        await s.serve(tokens, lora="adapter-a")
+        await s.serve(tokens, salt="tenant-1")
+        await s.serve(tokens, lora="adapter-a", salt="tenant-2")
+        await s.serve(tokens + [1, 2, 3, 4], lora="adapter-a")  # extends the LoRA chain below its hit
+        blocks = s.check()
+        assert {(b["lora"], b["salt"]) for b in blocks} == {(None, None), ("adapter-a", None), (None, "tenant-1"),
+                                                            ("adapter-a", "tenant-2")}
+        full = block_keys(tokens, BS, namespace_seed(MODEL, "adapter-a"))
+        assert s.index.match(full)[s.targets[0]].gpu_blocks == 3
+
+
+async def test_vllm_a_lost_frame_is_repaired_through_its_replay_socket(vllm_wheel: Upstream) -> None:
+    async with stack(vllm_wheel) as s:
+        await s.serve(list(range(2 * BS + 1)))
+        s.driver.send("lose_next")
+        s.driver.send("serve", tokens=list(range(50, 50 + 3 * BS)), rid="lost")  # never on the wire
+        await s.serve(list(range(80, 80 + 2 * BS)))  # the next frame shows the gap
+        s.check()
+        h = s.sub.health()[s.targets[0]]
+        assert h.gaps >= 1 and h.replays.get("ok", 0) >= 1 and not h.resets
+        assert s.index.match(block_keys(list(range(50, 50 + 3 * BS)), BS, namespace_seed(MODEL)))
+
+
+async def test_vllm_reset_prefix_cache_clears_the_target(vllm_wheel: Upstream) -> None:
+    async with stack(vllm_wheel) as s:
+        await s.serve(list(range(3 * BS)))
+        assert s.index.keys_of(s.targets[0])
+        s.driver.send("clear")
+        await s.synced()
+        assert s.truth() == [] and s.index.keys_of(s.targets[0]) == set()
+        assert s.sub.health()[s.targets[0]].events.get("cleared") == 1
+        await s.serve(list(range(5, 5 + 2 * BS)))
+        s.check()
+
+
+async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_wheel: Upstream) -> None:
+    """``vllm_xargs: {"kv_cache_report_mode": "full"}``: vLLM announces every prefix hit again as a
+    BlockStored from the root (parent None) of blocks it already holds; no block is copied and no
+    removal will follow for it. Counted as copies, the index kept claiming the prefix after vLLM
+    evicted it (5 blocks claimed, 0 held)."""
+    prompt = list(range(300, 300 + 5 * BS + 1))  # five full blocks and a partial one
+    full = {"kv_cache_report_mode": "full"}
+    async with stack(vllm_wheel, num_blocks=16) as s:
+        await s.serve(prompt)
+        for _ in range(3):
+            reply = await s.serve(prompt, xargs=full)
+            assert reply["hit_tokens"] == 5 * BS
+            s.check()
+        assert s.sub.health()[s.targets[0]].events.get("stored") == 4  # the three reports came in
+        for i in range(8):  # unrelated prompts evict the prompt's blocks
+            await s.serve(list(range(1000 * (i + 1), 1000 * (i + 1) + 3 * BS + 1)), xargs=full)
+            s.check()
+        keys = block_keys(prompt, BS, namespace_seed(MODEL))
+        assert not any(b["tokens"] == prompt[:BS] for b in s.truth())
+        assert not s.index.keys_of(s.targets[0]) & set(keys)
