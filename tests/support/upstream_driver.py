@@ -1,7 +1,8 @@
-"""A driver process running an upstream engine's own code (``tests/fakes/vllm_engine.py``), and the
-checks of what Mesh's index made of its KV events.
+"""A driver process running an upstream engine's own code (``tests/fakes/vllm_engine.py``,
+``tests/fakes/sglang_engine.py``), and the checks of what Mesh's index made of its KV events.
 
 ``Driver`` starts the process on an extracted wheel and sends it JSON commands, one reply each.
+``stack`` runs one with Mesh's real ``KvEventSubscriber`` and ``PrefixIndex`` subscribed to it.
 ``engine_keys`` turns the driver's truth (each held block's token prefix and namespace) into the
 router keys Mesh computes for them, so ``index.keys_of(target)`` can be compared with it exactly.
 """
@@ -11,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
-from mesh.events.subscriber import KvEventSubscriber
+from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
+from tests.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -83,3 +88,55 @@ async def caught_up(sub: KvEventSubscriber, target: str, published: int) -> None
         return (sub.health()[target].last_seq == published - 1 and sub.healthy(target)
                 and sub.settled(target))
     await wait_until(done, f"{target} applies seq {published - 1} (at {sub.health()[target].last_seq})")
+
+
+class Stack:
+    """One driver process, and Mesh's subscriber and index on its streams (one target per rank)."""
+
+    def __init__(self, driver: Driver, sub: KvEventSubscriber, index: PrefixIndex, targets: list[str],
+                 block_size: int, model: str) -> None:
+        self.driver, self.sub, self.index, self.targets = driver, sub, index, targets
+        self.block_size, self.model = block_size, model
+
+    async def serve(self, tokens: list[int], rank: int = 0, **kw: Any) -> dict[str, Any]:
+        kw.setdefault("rid", f"r{random.getrandbits(48)}")
+        reply = self.driver.send("serve", rank=rank, tokens=tokens, **kw)
+        await self.synced(rank)
+        return reply
+
+    async def synced(self, rank: int = 0) -> None:
+        await caught_up(self.sub, self.targets[rank], self.driver.published.get(rank, 0))
+
+    def truth(self, rank: int = 0) -> list[dict[str, Any]]:
+        blocks: list[dict[str, Any]] = self.driver.send("truth", rank=rank)["blocks"]
+        return blocks
+
+    def check_keys(self, rank: int = 0) -> list[dict[str, Any]]:
+        """The index holds exactly the router keys of the rank's blocks; returns the blocks."""
+        blocks = self.truth(rank)
+        assert self.index.keys_of(self.targets[rank]) == engine_keys(blocks, self.block_size, self.model)
+        return blocks
+
+
+def ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (engines bind rank r at base + r)."""
+    while True:
+        got = [free_port() for _ in range(n)]
+        if got == list(range(got[0], got[0] + n)):
+            return got[0]
+
+
+@asynccontextmanager
+async def stack(module: str, root: Path, config: dict[str, Any], *, block_size: int, model: str,
+                ranks: int = 1) -> AsyncIterator[Stack]:
+    port, replay = ports(ranks), ports(ranks)
+    driver = Driver(module, root, {**config, "ranks": ranks, "port": port, "replay_port": replay})
+    index = PrefixIndex()
+    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    try:
+        targets = sub.add_worker(WorkerEvents("engine", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
+                                              dp_size=ranks, model=model, block_size=block_size))
+        yield Stack(driver, sub, index, targets, block_size, model)
+    finally:
+        await sub.stop()
+        driver.close()

@@ -12,69 +12,28 @@ block of the same hash).
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
-from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
-from tests.procs import free_port
 from tests.support.upstream import Upstream
-from tests.support.upstream_driver import Driver, caught_up, engine_keys
+from tests.support.upstream_driver import Stack
+from tests.support.upstream_driver import stack as upstream_stack
 
 MODEL = "upstream-vllm"
 BS = 4
 
 
-class Stack:
-    def __init__(self, driver: Driver, sub: KvEventSubscriber, index: PrefixIndex, targets: list[str]) -> None:
-        self.driver, self.sub, self.index, self.targets = driver, sub, index, targets
-
-    async def serve(self, tokens: list[int], rank: int = 0, **kw: Any) -> dict[str, Any]:
-        kw.setdefault("rid", f"r{random.getrandbits(48)}")
-        reply = self.driver.send("serve", rank=rank, tokens=tokens, **kw)
-        await self.synced(rank)
-        return reply
-
-    async def synced(self, rank: int = 0) -> None:
-        await caught_up(self.sub, self.targets[rank], self.driver.published.get(rank, 0))
-
-    def truth(self, rank: int = 0) -> list[dict[str, Any]]:
-        blocks: list[dict[str, Any]] = self.driver.send("truth", rank=rank)["blocks"]
-        return blocks
-
-    def check(self, rank: int = 0) -> list[dict[str, Any]]:
-        """The index holds exactly the rank's blocks, with its duplicate copies."""
-        blocks = self.truth(rank)
-        target = self.targets[rank]
-        assert self.index.keys_of(target) == engine_keys(blocks, BS, MODEL)
-        assert self.index.engine_copies(target) == {b["hash"]: b["copies"] for b in blocks if b["copies"] > 1}
-        return blocks
+def check(s: Stack, rank: int = 0) -> list[dict[str, Any]]:
+    """The index holds exactly the rank's blocks, with its duplicate copies."""
+    blocks = s.check_keys(rank)
+    assert s.index.engine_copies(s.targets[rank]) == {b["hash"]: b["copies"] for b in blocks if b["copies"] > 1}
+    return blocks
 
 
-def _ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (vLLM binds rank r at base + r)."""
-    while True:
-        ports = [free_port() for _ in range(n)]
-        if ports == list(range(ports[0], ports[0] + n)):
-            return ports[0]
-
-
-@asynccontextmanager
-async def stack(wheel: Upstream, ranks: int = 1, num_blocks: int = 24) -> AsyncIterator[Stack]:
-    port, replay = _ports(ranks), _ports(ranks)
-    driver = Driver("tests.fakes.vllm_engine", wheel.root,
-                    {"block_size": BS, "num_blocks": num_blocks, "ranks": ranks, "port": port, "replay_port": replay})
-    index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
-    try:
-        targets = sub.add_worker(WorkerEvents("vllm", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
-                                              dp_size=ranks, model=MODEL, block_size=BS))
-        yield Stack(driver, sub, index, targets)
-    finally:
-        await sub.stop()
-        driver.close()
+def stack(wheel: Upstream, ranks: int = 1, num_blocks: int = 24) -> AbstractAsyncContextManager[Stack]:
+    return upstream_stack("tests.fakes.vllm_engine", wheel.root, {"block_size": BS, "num_blocks": num_blocks},
+                          block_size=BS, model=MODEL, ranks=ranks)
 
 
 def _sessions(rng: random.Random, n: int, turns: int) -> list[list[int]]:
@@ -97,7 +56,7 @@ async def test_vllm_allocations_and_lru_evictions_leave_the_index_equal_to_the_e
     async with stack(vllm_wheel, num_blocks=20) as s:
         for tokens in _sessions(rng, 4, 5):
             await s.serve(tokens)
-            s.check()
+            check(s)
         h = s.sub.health()[s.targets[0]]
         assert h.events.get("removed", 0) > 10 and h.events.get("stored", 0) > 10  # evictions happened
         assert not h.resets
@@ -108,13 +67,13 @@ async def test_vllm_running_requests_pin_their_blocks_and_a_duplicate_copy_is_co
     async with stack(vllm_wheel, num_blocks=12) as s:
         await s.serve(prompt, rid="a", keep=True)
         await s.serve(prompt, rid="b", keep=True)
-        blocks = s.check()
+        blocks = check(s)
         assert sorted(b["copies"] for b in blocks) == [1, 1, 2]
         s.driver.send("free", rid="a")
         s.driver.send("free", rid="b")
         for i in range(6):  # unrelated prompts evict every block of the first one, one copy at a time
             await s.serve(list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * BS + 1)))
-            s.check()
+            check(s)
         keys = block_keys(prompt, BS, namespace_seed(MODEL))
         assert not s.index.keys_of(s.targets[0]) & set(keys)
 
@@ -126,7 +85,7 @@ async def test_vllm_data_parallel_ranks_each_publish_their_own_stream(vllm_wheel
             await s.serve(tokens, rank=i % 2)
         port = int(s.sub.health()[s.targets[0]].endpoint.rsplit(":", 1)[1])
         for rank in (0, 1):
-            assert s.check(rank)
+            assert check(s, rank)
             assert s.sub.health()[s.targets[rank]].endpoint == f"tcp://127.0.0.1:{port + rank}"
         assert s.index.keys_of(s.targets[0]) != s.index.keys_of(s.targets[1])
 
@@ -139,7 +98,7 @@ async def test_vllm_lora_and_cache_salt_blocks_are_their_own_namespaces(vllm_whe
         await s.serve(tokens, salt="tenant-1")
         await s.serve(tokens, lora="adapter-a", salt="tenant-2")
         await s.serve(tokens + [1, 2, 3, 4], lora="adapter-a")  # extends the LoRA chain below its hit
-        blocks = s.check()
+        blocks = check(s)
         assert {(b["lora"], b["salt"]) for b in blocks} == {(None, None), ("adapter-a", None), (None, "tenant-1"),
                                                             ("adapter-a", "tenant-2")}
         full = block_keys(tokens, BS, namespace_seed(MODEL, "adapter-a"))
@@ -152,7 +111,7 @@ async def test_vllm_a_lost_frame_is_repaired_through_its_replay_socket(vllm_whee
         s.driver.send("lose_next")
         s.driver.send("serve", tokens=list(range(50, 50 + 3 * BS)), rid="lost")  # never on the wire
         await s.serve(list(range(80, 80 + 2 * BS)))  # the next frame shows the gap
-        s.check()
+        check(s)
         h = s.sub.health()[s.targets[0]]
         assert h.gaps >= 1 and h.replays.get("ok", 0) >= 1 and not h.resets
         assert s.index.match(block_keys(list(range(50, 50 + 3 * BS)), BS, namespace_seed(MODEL)))
@@ -167,7 +126,7 @@ async def test_vllm_reset_prefix_cache_clears_the_target(vllm_wheel: Upstream) -
         assert s.truth() == [] and s.index.keys_of(s.targets[0]) == set()
         assert s.sub.health()[s.targets[0]].events.get("cleared") == 1
         await s.serve(list(range(5, 5 + 2 * BS)))
-        s.check()
+        check(s)
 
 
 async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_wheel: Upstream) -> None:
@@ -182,11 +141,11 @@ async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_
         for _ in range(3):
             reply = await s.serve(prompt, xargs=full)
             assert reply["hit_tokens"] == 5 * BS
-            s.check()
+            check(s)
         assert s.sub.health()[s.targets[0]].events.get("stored") == 4  # the three reports came in
         for i in range(8):  # unrelated prompts evict the prompt's blocks
             await s.serve(list(range(1000 * (i + 1), 1000 * (i + 1) + 3 * BS + 1)), xargs=full)
-            s.check()
+            check(s)
         keys = block_keys(prompt, BS, namespace_seed(MODEL))
         assert not any(b["tokens"] == prompt[:BS] for b in s.truth())
         assert not s.index.keys_of(s.targets[0]) & set(keys)
