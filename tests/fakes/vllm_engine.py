@@ -95,11 +95,14 @@ class Rank:
 
     def truth(self) -> list[dict[str, Any]]:
         out = []
-        for key, blocks in self.manager.block_pool.cached_block_hash_to_block._cache.items():
+        cached = self.manager.block_pool.cached_block_hash_to_block  # vLLM's BlockHashToBlockMap
+        dups = getattr(cached, "_dup_ids", {})  # 0.34: block ids of keys held by several blocks
+        for key, blocks in cached._cache.items():
             h = self.v.get_block_hash(key)
             tokens, lora, salt = self.blocks[bytes(h)]
+            copies = len(blocks) if isinstance(blocks, dict) else len(dups.get(key, ())) or 1  # 0.33: a dict
             out.append({"tokens": tokens, "lora": lora, "salt": salt, "hash": self.v.maybe_convert_block_hash(h),
-                        "copies": len(blocks) if isinstance(blocks, dict) else 1})
+                        "copies": copies})
         return out
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
