@@ -1,14 +1,14 @@
 """SGLang's own radix cache and KV event publisher, driven as its scheduler drives them (a process).
 
-Run as ``python -m tests.fakes.sglang_engine ROOT CONFIG`` with ROOT an extracted SGLang wheel
-(``tests.support.upstream``) and CONFIG a JSON object: ``page_size``, ``capacity`` (tokens the
+Run as ``python -m tests.fakes.sglang_engine ROOT`` with ROOT an extracted SGLang wheel
+(``tests.support.upstream``); a ``start`` command's ``config`` builds it: ``page_size``, ``capacity`` (tokens the
 pool holds; past it the tree's LRU leaves are evicted, as the scheduler does before admitting),
 ``port``, ``replay_port``. The cache is SGLang's ``RadixCache`` (page-aligned inserts, lock refs,
 LRU eviction, its ``KVCacheEventRecorder`` coalescing the events) with a token pool that only
 counts; the publisher is SGLang's ``ZmqEventPublisher``. After each command the recorder's events
 go out as one ``KVEventBatch``, as ``Scheduler`` publishes each step.
 
-The command protocol is ``tests.fakes.vllm_engine``'s (``serve`` with tokens and salt, ``clear``,
+The command protocol is ``tests.fakes.vllm_engine``'s (``start``, ``serve`` with tokens and salt, ``clear``,
 ``lose_next``, ``truth``), plus ``offload`` (the blocks of a served prompt written back to host
 memory: the recorder's store on ``StorageMedium.CPU``, ``"CPU_PINNED"`` on the wire, as SGLang's
 hierarchical cache reports a write-back).
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import os
 import sys
 import time
 import types
@@ -27,7 +25,7 @@ from array import array
 from typing import Any
 
 from tests.fakes.upstream_loader import install
-from tests.fakes.vllm_engine import LosingSocket
+from tests.fakes.vllm_engine import LosingSocket, command_loop
 
 HOLLOW = ["sglang", "sglang.srt", "sglang.srt.configs", "sglang.srt.distributed"]
 # not installed here, or only for GPUs: kernels, memory pools, layers, the model executor
@@ -164,17 +162,8 @@ def _sglang(root: str) -> Any:
 
 
 def main() -> None:
-    root, cfg = sys.argv[1], json.loads(sys.argv[2])
-    engine = Engine(cfg, _sglang(root))
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    out.write("@@ " + json.dumps({"ok": True, "ready": True}) + "\n")
-    for line in sys.stdin:
-        try:
-            reply = engine.handle(json.loads(line))
-        except Exception as exc:  # the test shows it: an SGLang API that changed, a stand-in reached
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        reply["published"] = engine.published
-        out.write("@@ " + json.dumps(reply) + "\n")
+    s = _sglang(sys.argv[1])
+    command_loop(lambda cfg: [Engine(cfg, s)])
 
 
 if __name__ == "__main__":

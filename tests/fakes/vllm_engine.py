@@ -1,15 +1,16 @@
 """vLLM's own prefix cache and KV event publisher, driven as its scheduler drives them (a process).
 
-Run as ``python -m tests.fakes.vllm_engine ROOT CONFIG`` with ROOT an extracted vLLM wheel
-(``tests.support.upstream``) and CONFIG a JSON object: ``block_size``, ``num_blocks``, ``ranks``
-(data-parallel ranks), ``port`` and ``replay_port`` (rank 0's; vLLM binds rank r's at port + r).
+Run as ``python -m tests.fakes.vllm_engine ROOT`` with ROOT an extracted vLLM wheel
+(``tests.support.upstream``); a ``start`` command's ``config`` builds the engine: ``block_size``,
+``num_blocks``, ``ranks`` (data-parallel ranks), ``port`` and ``replay_port`` (rank 0's; vLLM
+binds rank r's at port + r).
 Each rank is one vLLM ``KVCacheManager`` (its ``BlockPool``, prefix caching, eviction, events) and
 one ``ZmqEventPublisher`` (PUB + ROUTER replay, seq, ``data_parallel_rank``), unchanged: after
 every command the rank's events are taken and published as one ``KVEventBatch``, as
 ``Scheduler.update_from_output`` does each step.
 
 Commands are JSON lines on stdin; each gets one JSON reply line on stdout, prefixed ``@@ `` (vLLM
-may log there too):
+may log there too; ``command_loop``):
 - ``serve``: rank, rid, tokens, lora (name or null), salt, xargs (``vllm_xargs``, e.g.
   ``{"kv_cache_report_mode": "full"}``), keep (hold the blocks as a running request until ``free``);
 - ``free``: rank, rid;  ``clear``: rank (``reset_prefix_cache``: AllBlocksCleared);
@@ -26,6 +27,7 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 from tests.fakes.upstream_loader import install
@@ -155,23 +157,34 @@ def _vllm(root: str) -> Any:
     return v
 
 
-def main() -> None:
-    root, cfg = sys.argv[1], json.loads(sys.argv[2])
-    v = _vllm(root)
-    ranks = [Rank(r, cfg, v) for r in range(cfg.get("ranks", 1))]  # vLLM offsets each rank's ports
+def command_loop(start: Callable[[dict[str, Any]], list[Any]]) -> None:
+    """Answer the JSON commands on stdin, one ``@@ `` reply line each. ``start`` (with a ``config``)
+    shuts the engines down and builds fresh ones, one per rank, from ``start(config)`` (the
+    process, its imports done, serves test after test); any other command goes to its rank's
+    engine's ``handle``. Every reply says how many batches that rank has published."""
+    engines: list[Any] = []
     out = os.fdopen(os.dup(1), "w", buffering=1)
     out.write("@@ " + json.dumps({"ok": True, "ready": True}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
-        rank = ranks[cmd.get("rank", 0)]
+        rank = cmd.get("rank", 0)
         try:
-            reply = rank.handle(cmd)
-        except Exception as exc:  # the test shows it: a vLLM API that changed, a stand-in reached
+            if cmd["op"] == "start":
+                for engine in engines:
+                    engine.pub.shutdown()
+                engines = start(cmd["config"])
+                reply: dict[str, Any] = {"ok": True}
+            else:
+                reply = engines[rank].handle(cmd)
+        except Exception as exc:  # the test shows it: an upstream API that changed, a stand-in reached
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        reply["published"] = rank.published
+        reply["published"] = engines[rank].published if rank < len(engines) else 0
         out.write("@@ " + json.dumps(reply) + "\n")
-    for rank in ranks:
-        rank.pub.shutdown()
+
+
+def main() -> None:
+    v = _vllm(sys.argv[1])
+    command_loop(lambda cfg: [Rank(r, cfg, v) for r in range(cfg.get("ranks", 1))])  # vLLM offsets the ports
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``tests/fakes/sglang_engine.py``), and the checks of what Mesh's index made of its KV events.
 
 ``Driver`` starts the process on an extracted wheel and sends it JSON commands, one reply each.
-``stack`` runs one with Mesh's real ``KvEventSubscriber`` and ``PrefixIndex`` subscribed to it.
+``stack`` gives it fresh engines with Mesh's real ``KvEventSubscriber`` and ``PrefixIndex`` subscribed to it.
 ``engine_keys`` turns the driver's truth (each held block's token prefix and namespace) into the
 router keys Mesh computes for them, so ``index.keys_of(target)`` can be compared with it exactly.
 """
@@ -30,10 +30,12 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 class Driver:
-    def __init__(self, module: str, root: Path, config: dict[str, Any]) -> None:
+    """One driver process (imports done once); ``start`` gives it fresh engines for each test."""
+
+    def __init__(self, module: str, root: Path) -> None:
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: its logs never block it
         env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", module, str(root), json.dumps(config)], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", module, str(root)], cwd=REPO,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
         self.published: dict[int, int] = {}
@@ -58,6 +60,12 @@ class Driver:
         assert reply["ok"], f"{op} on rank {rank}: {reply}"
         self.published[rank] = reply["published"]
         return reply
+
+    def start(self, config: dict[str, Any]) -> None:
+        """Shut the engines down and build fresh ones from ``config`` (their seqs start at 0)."""
+        self.published.clear()
+        self.send("start", config=config)
+        self.published.clear()
 
     def close(self) -> None:
         """Kill it: an engine's orderly shutdown is not under test (vLLM's publisher waits up to 2 s)."""
@@ -127,10 +135,11 @@ def ports(n: int) -> int:
 
 
 @asynccontextmanager
-async def stack(module: str, root: Path, config: dict[str, Any], *, block_size: int, model: str,
+async def stack(driver: Driver, config: dict[str, Any], *, block_size: int, model: str,
                 ranks: int = 1) -> AsyncIterator[Stack]:
+    """Fresh engines on ``driver`` (on new ports) and a fresh subscriber and index on them."""
     port, replay = ports(ranks), ports(ranks)
-    driver = Driver(module, root, {**config, "ranks": ranks, "port": port, "replay_port": replay})
+    driver.start({**config, "ranks": ranks, "port": port, "replay_port": replay})
     index = PrefixIndex()
     sub = KvEventSubscriber(index, replay_timeout_s=5.0)
     try:
@@ -139,4 +148,3 @@ async def stack(module: str, root: Path, config: dict[str, Any], *, block_size: 
         yield Stack(driver, sub, index, targets, block_size, model)
     finally:
         await sub.stop()
-        driver.close()

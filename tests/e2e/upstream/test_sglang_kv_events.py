@@ -19,15 +19,14 @@ import pytest
 
 from mesh.core.keys import block_keys, namespace_seed
 from policies.base import Tier
-from tests.support.upstream import Upstream
-from tests.support.upstream_driver import Stack
+from tests.support.upstream_driver import Driver, Stack
 from tests.support.upstream_driver import stack as upstream_stack
 
 MODEL = "upstream-sglang"
 
 
-def stack(wheel: Upstream, page: int, capacity: int) -> AbstractAsyncContextManager[Stack]:
-    return upstream_stack("tests.fakes.sglang_engine", wheel.root, {"page_size": page, "capacity": capacity},
+def stack(driver: Driver, page: int, capacity: int) -> AbstractAsyncContextManager[Stack]:
+    return upstream_stack(driver, {"page_size": page, "capacity": capacity},
                           block_size=page, model=MODEL)
 
 
@@ -57,9 +56,9 @@ def _prompts(rng: random.Random, page: int, n: int) -> list[tuple[list[int], str
 
 @pytest.mark.parametrize("page", [1, 4, 16])
 async def test_sglang_radix_cache_inserts_and_evictions_leave_the_index_equal_to_the_tree(
-        sglang_wheel: Upstream, page: int) -> None:
+        sglang_driver: Driver, page: int) -> None:
     rng = random.Random(page)
-    async with stack(sglang_wheel, page, capacity=24 * page) as s:
+    async with stack(sglang_driver, page, capacity=24 * page) as s:
         for tokens, salt in _prompts(rng, page, 16):
             await s.serve(tokens, salt=salt)
             check(s)
@@ -68,10 +67,10 @@ async def test_sglang_radix_cache_inserts_and_evictions_leave_the_index_equal_to
         assert any(b["salt"] for b in s.truth())
 
 
-async def test_sglang_host_write_back_is_the_cpu_tier_and_outlives_the_gpu_eviction(sglang_wheel: Upstream) -> None:
+async def test_sglang_host_write_back_is_the_cpu_tier_and_outlives_the_gpu_eviction(sglang_driver: Driver) -> None:
     page = 4
     kept = list(range(10, 10 + 3 * page + 1))
-    async with stack(sglang_wheel, page, capacity=8 * page) as s:
+    async with stack(sglang_driver, page, capacity=8 * page) as s:
         await s.serve(kept)
         s.driver.send("offload", tokens=kept)  # BlockStored medium "CPU_PINNED"
         await s.synced()
@@ -83,9 +82,9 @@ async def test_sglang_host_write_back_is_the_cpu_tier_and_outlives_the_gpu_evict
         assert [s.index.holds(s.targets[0], k) for k in keys] == [Tier.CPU] * 3
 
 
-async def test_sglang_a_lost_frame_is_repaired_and_a_reset_clears_the_target(sglang_wheel: Upstream) -> None:
+async def test_sglang_a_lost_frame_is_repaired_and_a_reset_clears_the_target(sglang_driver: Driver) -> None:
     page = 4
-    async with stack(sglang_wheel, page, capacity=64) as s:
+    async with stack(sglang_driver, page, capacity=64) as s:
         await s.serve(list(range(2 * page + 1)))
         s.driver.send("lose_next")
         s.driver.send("serve", tokens=list(range(50, 50 + 3 * page)))  # never on the wire

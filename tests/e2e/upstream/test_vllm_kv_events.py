@@ -16,8 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from mesh.core.keys import block_keys, namespace_seed
-from tests.support.upstream import Upstream
-from tests.support.upstream_driver import Stack
+from tests.support.upstream_driver import Driver, Stack
 from tests.support.upstream_driver import stack as upstream_stack
 
 MODEL = "upstream-vllm"
@@ -31,8 +30,8 @@ def check(s: Stack, rank: int = 0) -> list[dict[str, Any]]:
     return blocks
 
 
-def stack(wheel: Upstream, ranks: int = 1, num_blocks: int = 24) -> AbstractAsyncContextManager[Stack]:
-    return upstream_stack("tests.fakes.vllm_engine", wheel.root, {"block_size": BS, "num_blocks": num_blocks},
+def stack(driver: Driver, ranks: int = 1, num_blocks: int = 24) -> AbstractAsyncContextManager[Stack]:
+    return upstream_stack(driver, {"block_size": BS, "num_blocks": num_blocks},
                           block_size=BS, model=MODEL, ranks=ranks)
 
 
@@ -51,9 +50,9 @@ def _sessions(rng: random.Random, n: int, turns: int) -> list[list[int]]:
     return out
 
 
-async def test_vllm_allocations_and_lru_evictions_leave_the_index_equal_to_the_engine(vllm_wheel: Upstream) -> None:
+async def test_vllm_allocations_and_lru_evictions_leave_the_index_equal_to_the_engine(vllm_driver: Driver) -> None:
     rng = random.Random(5)
-    async with stack(vllm_wheel, num_blocks=20) as s:
+    async with stack(vllm_driver, num_blocks=20) as s:
         for tokens in _sessions(rng, 4, 5):
             await s.serve(tokens)
             check(s)
@@ -62,9 +61,9 @@ async def test_vllm_allocations_and_lru_evictions_leave_the_index_equal_to_the_e
         assert not h.resets
 
 
-async def test_vllm_running_requests_pin_their_blocks_and_a_duplicate_copy_is_counted(vllm_wheel: Upstream) -> None:
+async def test_vllm_running_requests_pin_their_blocks_and_a_duplicate_copy_is_counted(vllm_driver: Driver) -> None:
     prompt = list(range(100, 100 + 3 * BS))  # block-aligned: a second request recomputes block 3
-    async with stack(vllm_wheel, num_blocks=12) as s:
+    async with stack(vllm_driver, num_blocks=12) as s:
         await s.serve(prompt, rid="a", keep=True)
         await s.serve(prompt, rid="b", keep=True)
         blocks = check(s)
@@ -78,9 +77,9 @@ async def test_vllm_running_requests_pin_their_blocks_and_a_duplicate_copy_is_co
         assert not s.index.keys_of(s.targets[0]) & set(keys)
 
 
-async def test_vllm_data_parallel_ranks_each_publish_their_own_stream(vllm_wheel: Upstream) -> None:
+async def test_vllm_data_parallel_ranks_each_publish_their_own_stream(vllm_driver: Driver) -> None:
     rng = random.Random(9)
-    async with stack(vllm_wheel, ranks=2, num_blocks=16) as s:
+    async with stack(vllm_driver, ranks=2, num_blocks=16) as s:
         for i, tokens in enumerate(_sessions(rng, 3, 3)):
             await s.serve(tokens, rank=i % 2)
         port = int(s.sub.health()[s.targets[0]].endpoint.rsplit(":", 1)[1])
@@ -90,9 +89,9 @@ async def test_vllm_data_parallel_ranks_each_publish_their_own_stream(vllm_wheel
         assert s.index.keys_of(s.targets[0]) != s.index.keys_of(s.targets[1])
 
 
-async def test_vllm_lora_and_cache_salt_blocks_are_their_own_namespaces(vllm_wheel: Upstream) -> None:
+async def test_vllm_lora_and_cache_salt_blocks_are_their_own_namespaces(vllm_driver: Driver) -> None:
     tokens = list(range(7, 7 + 3 * BS + 2))
-    async with stack(vllm_wheel, num_blocks=32) as s:
+    async with stack(vllm_driver, num_blocks=32) as s:
         await s.serve(tokens)
         await s.serve(tokens, lora="adapter-a")
         await s.serve(tokens, salt="tenant-1")
@@ -105,8 +104,8 @@ async def test_vllm_lora_and_cache_salt_blocks_are_their_own_namespaces(vllm_whe
         assert s.index.match(full)[s.targets[0]].gpu_blocks == 3
 
 
-async def test_vllm_a_lost_frame_is_repaired_through_its_replay_socket(vllm_wheel: Upstream) -> None:
-    async with stack(vllm_wheel) as s:
+async def test_vllm_a_lost_frame_is_repaired_through_its_replay_socket(vllm_driver: Driver) -> None:
+    async with stack(vllm_driver) as s:
         await s.serve(list(range(2 * BS + 1)))
         s.driver.send("lose_next")
         s.driver.send("serve", tokens=list(range(50, 50 + 3 * BS)), rid="lost")  # never on the wire
@@ -117,8 +116,8 @@ async def test_vllm_a_lost_frame_is_repaired_through_its_replay_socket(vllm_whee
         assert s.index.match(block_keys(list(range(50, 50 + 3 * BS)), BS, namespace_seed(MODEL)))
 
 
-async def test_vllm_reset_prefix_cache_clears_the_target(vllm_wheel: Upstream) -> None:
-    async with stack(vllm_wheel) as s:
+async def test_vllm_reset_prefix_cache_clears_the_target(vllm_driver: Driver) -> None:
+    async with stack(vllm_driver) as s:
         await s.serve(list(range(3 * BS)))
         assert s.index.keys_of(s.targets[0])
         s.driver.send("clear")
@@ -129,14 +128,14 @@ async def test_vllm_reset_prefix_cache_clears_the_target(vllm_wheel: Upstream) -
         check(s)
 
 
-async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_wheel: Upstream) -> None:
+async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_driver: Driver) -> None:
     """``vllm_xargs: {"kv_cache_report_mode": "full"}``: vLLM announces every prefix hit again as a
     BlockStored from the root (parent None) of blocks it already holds; no block is copied and no
     removal will follow for it. Counted as copies, the index kept claiming the prefix after vLLM
     evicted it (5 blocks claimed, 0 held)."""
     prompt = list(range(300, 300 + 5 * BS + 1))  # five full blocks and a partial one
     full = {"kv_cache_report_mode": "full"}
-    async with stack(vllm_wheel, num_blocks=16) as s:
+    async with stack(vllm_driver, num_blocks=16) as s:
         await s.serve(prompt)
         for _ in range(3):
             reply = await s.serve(prompt, xargs=full)
