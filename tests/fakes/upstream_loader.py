@@ -1,12 +1,13 @@
 """Importing an upstream engine's own modules without its heavy import graph (in a driver process).
 
-Three kinds of stand-in, and nothing else is replaced:
+These kinds of stand-in, and nothing else is replaced:
 - a *hollow package*: its ``__init__`` is not run (it imports the whole engine: model executors,
   platforms, CUDA probes); its submodules are the real ones, loaded from the extracted wheel;
 - an *absent module*: a dependency this environment does not install (``psutil``, ``cbor2``, ...)
   that the imported code names but the tested paths never call, or an engine module that only
   serves the GPU (vLLM's CUDA graph wrapper, imported for a type);
-- a named attribute set on a hollow package (e.g. vLLM's "no current config").
+- a name the caller sets on a hollow package or a module (vLLM's "no current config", SGLang's
+  C++ page hasher and its runtime-config reads: each driver says which and why).
 A name looked up on a hollow package or an absent module that was not set is a stand-in class
 whose construction raises ``RuntimeError("stand-in ...")``: a tested path that reached one fails
 loudly, it never runs on a fake.
@@ -19,7 +20,7 @@ import importlib.machinery
 import os
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -64,8 +65,7 @@ class _Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install(root: str, hollow: Iterable[str], absent: Iterable[str],
-            attrs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+def install(root: str, hollow: Iterable[str], absent: Iterable[str]) -> None:
     """Put ``root`` (an extracted wheel) first on sys.path with the given stand-ins."""
     for name in hollow:
         mod = _StandInModule(name)
@@ -74,8 +74,5 @@ def install(root: str, hollow: Iterable[str], absent: Iterable[str],
         parent, _, leaf = name.rpartition(".")
         if parent in sys.modules:
             setattr(sys.modules[parent], leaf, mod)
-    for name, values in (attrs or {}).items():
-        for key, value in values.items():
-            setattr(sys.modules[name], key, value)
     sys.meta_path.insert(0, _Absent(absent))
     sys.path.insert(0, root)
