@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.subscriber import WorkerEvents
 from tests.support.upstream_driver import Driver, Stack
 from tests.support.upstream_driver import stack as upstream_stack
 
@@ -148,3 +149,24 @@ async def test_vllm_full_report_mode_reannounced_hits_are_not_extra_copies(vllm_
         keys = block_keys(prompt, BS, namespace_seed(MODEL))
         assert not any(b["tokens"] == prompt[:BS] for b in s.truth())
         assert not s.index.keys_of(s.targets[0]) & set(keys)
+
+
+async def test_vllm_a_subscriber_that_joins_late_rebuilds_the_index_from_the_replay_buffer(
+        vllm_driver: Driver) -> None:
+    """A gateway restarting while the engine runs: its new stream asks vLLM's ROUTER for every
+    batch kept (stores and the evictions since), and the index it rebuilds equals the cache."""
+    rng = random.Random(11)
+    async with stack(vllm_driver, num_blocks=20) as s:
+        prompts = _sessions(rng, 3, 4)
+        for tokens in prompts[:3]:
+            await s.serve(tokens)
+        spec = WorkerEvents("engine", s.sub.health()[s.targets[0]].endpoint,
+                            s.sub.health()[s.targets[0]].replay_endpoint, model=MODEL, block_size=BS)
+        await s.sub.remove_worker("engine")
+        for i, tokens in enumerate(prompts[3:]):  # published while nobody listens
+            s.driver.send("serve", tokens=tokens, rid=f"late-{i}")
+        assert s.index.keys_of(s.targets[0]) == set()
+        assert s.sub.add_worker(spec) == s.targets
+        await s.synced()
+        blocks = check(s)
+        assert blocks and s.sub.health()[s.targets[0]].replays.get("ok", 0) >= 1
