@@ -9,6 +9,7 @@ A failed download fails the calling test with pip's reason: nothing here skips.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -57,16 +58,17 @@ def fetch(name: str) -> Upstream:
     """The wheel of ``name`` at its pinned (or overridden) version, its Python modules extracted."""
     ver = version(name)
     cache = cache_dir()
-    wheel = _wheel(name, ver, cache)
-    root = cache / "src" / f"{name}-{ver}"
-    if not root.is_dir():  # extracted beside it, then renamed: parallel test processes race safely
-        tmp = cache / "src" / f".{name}-{ver}.{os.getpid()}"
-        with zipfile.ZipFile(wheel) as zf:
-            for member in zf.namelist():
-                if member.startswith(f"{name}/") and member.endswith(".py"):
-                    zf.extract(member, tmp)
-        try:
-            tmp.rename(root)
-        except OSError:  # another process got there first
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{name}.lock", "w") as lock:  # parallel test processes fetch one at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        wheel = _wheel(name, ver, cache)
+        root = cache / "src" / f"{name}-{ver}"
+        if not root.is_dir():  # extracted beside it, then renamed: never seen half done
+            tmp = cache / "src" / f".{name}-{ver}.{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
+            with zipfile.ZipFile(wheel) as zf:
+                for member in zf.namelist():
+                    if member.startswith(f"{name}/") and member.endswith(".py"):
+                        zf.extract(member, tmp)
+            tmp.rename(root)
     return Upstream(name, ver, wheel, root)
