@@ -209,8 +209,9 @@ class PrefixIndex:
         Router keys are chained from the parent's router key (the seed at a prompt's start), so
         they never depend on the engine's hash function. A store whose parent engine hash is
         unknown cannot be keyed and is skipped (returns 0). A store without tokens is a tier
-        update of blocks already known by engine hash. A store on a tier of a hash the target
-        holds on that tier for the same key is one more copy of it (``mesh.core.index_copies``).
+        update of blocks already known by engine hash. A store below a parent, on a tier, of a
+        hash the target holds on that tier for the same key is one more copy of it; from the root
+        it is a report of held blocks, no copy (``mesh.core.index_copies``).
         Raises ValueError when ``token_ids`` do not cover exactly ``len(engine_hashes)`` blocks
         or hold a bad token id.
 
@@ -239,7 +240,8 @@ class PrefixIndex:
         elif not emap.keys().isdisjoint(engine_hashes):
             self._forget_renamed(target, emap, engine_hashes, keys)
             held = self._nodes.g if tier is Tier.GPU else self._nodes.c
-            self._copies.count_store(target, 1 << slot, emap, engine_hashes, keys, tier, self._nodes.id, held)
+            self._copies.count_store(target, 1 << slot, emap, engine_hashes, keys, tier, self._nodes.id, held,
+                                     report=parent_engine_hash is None)
         if tier is Tier.CPU and self.max_keys:
             self._offloaded.setdefault(target, set()).update(engine_hashes)
         # the parent's nid only now: a renamed hash may have removed the parent's node

@@ -4,9 +4,14 @@ vLLM does not deduplicate GPU blocks (a block-aligned prompt served again recomp
 block into a new block with the same hash), and its offloading connector's overlapping chunks
 list a block twice on the CPU tier; each copy is stored and removed by its own event. So a store
 on a tier of a hash that the target holds there for the same key is one more copy; a removal
-without counts takes one copy away, and the block leaves the tier only with the last. A
-removal's ``remaining`` counts (vLLM's ``remaining_copy_counts``) are the engine's word: 0
-removes, n > 0 keeps n copies. Engines that deduplicate never store a held hash twice and never
+without counts takes one copy away, and the block leaves the tier only with the last. A store
+from the root of a chain (no parent) of held blocks is a report, not a copy: vLLM's
+``kv_cache_report_mode: "full"`` announces every prefix hit again that way, with no removal to
+follow (counted, the index kept claiming evicted prefixes). vLLM's own copies are stored below a
+parent (the recomputed last block of a hit), except a one-block prompt or a request that skips
+the cache read: those copies go uncounted, so the index forgets such a block one removal early
+(a miss, never a stale claim). A removal's ``remaining`` counts (vLLM's
+``remaining_copy_counts``) are the engine's word: 0 removes, n > 0 keeps n copies. Engines that deduplicate never store a held hash twice and never
 reach this table. Invariants: only hashes held 2+ times on a tier are here (the count is the
 copies beyond the first); every hash here is in the target's engine map; empty dicts are dropped
 at once. Ownership: one ``CopyCounts`` per ``PrefixIndex``, written only through its methods.
@@ -69,19 +74,21 @@ class CopyCounts:
 
     def count_store(
         self, target: str, bit: int, emap: dict[int, int], engine_hashes: Sequence[int], keys: Sequence[int],
-        tier: Tier, ids: Mapping[int, int], held: list[int],
+        tier: Tier, ids: Mapping[int, int], held: list[int], *, report: bool = False,
     ) -> None:
         """Before a store on ``tier`` is written: each of its hashes already mapped to the same key
         (renamed hashes forgotten first) is one more copy when the target (``bit``) holds that
         key's node on ``tier`` (``held``: the tier's holder masks, by nid), else (held on the
-        other tier only, or its node evicted by the budget) the first again."""
+        other tier only, or its node evicted by the budget) the first again. ``report``: the
+        store is from a chain's root, a held block keeps its count (see the module's doc)."""
         extra = self.tier(target, tier)
         for h, key in zip(engine_hashes, keys):
             if emap.get(h) != key:
                 continue  # new to the target (or renamed: forgotten with every copy)
             n = ids.get(key)
             if n is not None and held[n] & bit:
-                extra[h] = extra.get(h, 0) + 1
+                if not report:
+                    extra[h] = extra.get(h, 0) + 1
             else:
                 extra.pop(h, None)
         self.prune(target)

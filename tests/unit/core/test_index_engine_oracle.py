@@ -11,7 +11,8 @@ earlier event or earlier in the same one) names the new block only, the block it
 gone from that engine on every tier; any store of a key confirms (ends) its speculation.
 
 Copies (vLLM does not deduplicate blocks): a store on a tier of a hash already mapped to the same
-key, while that key is on that tier, is one more copy there (a tier update by hash too); a
+key, while that key is on that tier, is one more copy there (a tier update by hash too), except
+from a chain's root (no parent: a report of held blocks, vLLM's full report mode); a
 removal without counts takes one copy away and the block leaves the tier with the last; a
 removal's counts (``remaining_copy_counts``) are the engine's word: 0 removes, n > 0 keeps (n
 copies on that tier)."""
@@ -48,10 +49,12 @@ class Holder:
         self.copies.pop((h, Tier.GPU), None)
         self.copies.pop((h, Tier.CPU), None)
 
-    def add(self, h: int, k: int, tier: Tier) -> None:
-        """A store of ``h`` (named ``k``) on ``tier``: a copy more when the tier holds it already."""
+    def add(self, h: int, k: int, tier: Tier, report: bool = False) -> None:
+        """A store of ``h`` (named ``k``) on ``tier``: a copy more when the tier holds it already,
+        unless the store is a ``report`` (from a chain's root: no copy, the count stays)."""
         if tier in self.tiers.get(k, ()):
-            self.copies[(h, tier)] = self.copies.get((h, tier), 0) + 1
+            if not report:
+                self.copies[(h, tier)] = self.copies.get((h, tier), 0) + 1
         else:
             self.copies.pop((h, tier), None)
             self.tiers.setdefault(k, set()).add(tier)
@@ -113,8 +116,8 @@ class Model:
             old = m.hmap.get(h)
             if old is not None and old != k:  # renamed within this event
                 m.drop(old, None)
-            if old == k:  # the same block again: a copy if the tier holds it
-                m.add(h, k, tier)
+            if old == k:  # the same block again: a copy if the tier holds it (below a parent)
+                m.add(h, k, tier, report=parent is None)
             else:
                 m.tiers.setdefault(k, set()).add(tier)
             m.hmap[h] = k

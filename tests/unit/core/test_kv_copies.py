@@ -290,22 +290,44 @@ def test_the_cpu_tier_counts_its_own_copies_and_a_gpu_removal_leaves_them() -> N
 
 def test_a_rename_a_reset_and_a_clear_drop_every_copy() -> None:
     index = PrefixIndex()
-    old, new = list(range(BS)), list(range(50, 50 + BS))
-    for _ in range(3):
-        index.apply_stored("w", [9], None, old, BS, SEED)
+    root, old, new = list(range(90, 90 + BS)), list(range(BS)), list(range(50, 50 + BS))
+    rkey = block_keys(root, BS, SEED)[0]
+    index.apply_stored("w", [8], None, root, BS, SEED)
+    for _ in range(3):  # below a parent: vLLM's recomputed last block, a copy each time
+        index.apply_stored("w", [9], 8, old, BS, SEED)
     assert index.engine_copies("w") == {9: 3}
-    index.apply_stored("w", [9], None, new, BS, SEED)  # the hash names other content now
-    assert index.match(block_keys(old, BS, SEED)) == {} and index.engine_copies("w") == {}
-    index.apply_stored("w", [9], None, new, BS, SEED)
+    index.apply_stored("w", [9], 8, new, BS, SEED)  # the hash names other content now
+    assert index.match(block_keys(root + old, BS, SEED)) == {"w": Overlap(1, 0)}
+    assert index.engine_copies("w") == {}
+    index.apply_stored("w", [9], 8, new, BS, SEED)
     index.apply_removed("w", [9], None)  # every tier, every copy
-    assert index.match(block_keys(new, BS, SEED)) == {}
-    index.apply_stored("w", [9], None, new, BS, SEED)
-    index.apply_stored("w", [9], None, new, BS, SEED)
+    assert index.match(block_keys(root + new, BS, SEED)) == {"w": Overlap(1, 0)}
+    index.apply_stored("w", [9], 8, new, BS, SEED)
+    index.apply_stored("w", [9], 8, new, BS, SEED)
     index.apply_cleared("w")
-    index.apply_stored("w", [9], None, new, BS, SEED)
+    index.apply_stored("w", [8], None, root, BS, SEED)
+    index.apply_stored("w", [9], 8, new, BS, SEED)
     assert index.engine_copies("w") == {}  # a fresh start: one copy
     index.apply_removed("w", [9])
-    assert index.match(block_keys(new, BS, SEED)) == {} and index.stats()["engine_copies"] == 0
+    assert index.match(block_keys(root + new, BS, SEED)) == {"w": Overlap(1, 0)}
+    assert index.stats()["engine_copies"] == 0 and rkey in index.keys_of("w")
+
+
+def test_a_store_from_the_root_of_held_blocks_is_a_report_not_a_copy() -> None:
+    """vLLM's ``kv_cache_report_mode: "full"`` announces each prefix hit again from the root: the
+    engine holds one copy, and one removal takes the block away."""
+    index = PrefixIndex()
+    tokens = list(range(3 * BS))
+    index.apply_stored("w", [1, 2, 3], None, tokens, BS, SEED)
+    for _ in range(3):
+        index.apply_stored("w", [1, 2], None, tokens[: 2 * BS], BS, SEED)
+    assert index.engine_copies("w") == {}
+    index.apply_stored("w", [3], 2, tokens[2 * BS :], BS, SEED)  # the recomputed last block: a copy
+    assert index.engine_copies("w") == {3: 2}
+    index.apply_removed("w", [3, 2, 1])
+    assert index.match(block_keys(tokens, BS, SEED)) == {}
+    index.apply_removed("w", [3])
+    assert index.engine_map("w") == {} and index.stats()["engine_copies"] == 0
 
 
 def test_a_key_budget_never_counts_a_copy_it_cannot_see() -> None:
