@@ -42,6 +42,7 @@ from mesh.cluster.registry import Worker, WorkerRegistry
 from mesh.config import EventsConfig, IndexConfig
 from mesh.core.index import PrefixIndex
 from mesh.events.blindness import BlindWatch
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.metrics import Metrics
 
@@ -108,12 +109,11 @@ class KvIngest:
     # -- lifespan --
     async def start(self) -> None:
         cfg, ev = self.settings, self.events
-        self.subscriber = KvEventSubscriber(
-            self.index, registry=self.metrics.registry, on_health=self._on_health, on_reset=self._on_reset,
-            max_backlog_frames=cfg.max_backlog_frames, max_backlog_bytes=cfg.max_backlog_bytes,
-            slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share, bind=ev.bind,
-            replay_timeout_s=ev.replay_idle_timeout_s, max_replay_s=ev.max_replay_s,
-        )
+        limits = SubscriberLimits(max_backlog_frames=cfg.max_backlog_frames, backlog_bytes=cfg.max_backlog_bytes,
+                                  slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share,
+                                  replay_timeout_s=ev.replay_idle_timeout_s, replay_total_s=ev.max_replay_s)
+        self.subscriber = KvEventSubscriber(self.index, limits, registry=self.metrics.registry, bind=ev.bind,
+                                            on_health=self._on_health, on_reset=self._on_reset)
         await self.subscriber.start()  # binds kv_events.bind (a port in use fails the start, loudly)
         await self.reconcile()  # static workers are subscribed before the first request
         self._task = asyncio.get_running_loop().create_task(self._keep(), name="mesh-kv-ingest")

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from mesh.events.health import LogLimiter
 from mesh.events.inbox import Inbox
+from mesh.events.limits import SubscriberLimits
 from mesh.events.pacer import Pacer
 from mesh.events.sockets import ReplayLimits, fetch_replay
 from mesh.events.stream import Stream, continues, restarted
@@ -32,12 +33,7 @@ MAX_REPLAY_TRIES = 3  # failed replays in a row before a stream is trusted on li
 class Recovery:
     """Replay and retry for the subscriber's streams; the subscriber provides the state below."""
 
-    replay_timeout_s: float  # a replay's longest wait for its next message
-    max_replay_s: float
-    replay_retry_s: float
-    max_replay_batches: int
-    max_replay_bytes: int
-    max_message_bytes: int
+    limits: SubscriberLimits
     pacer: Pacer
     _ctx: zmq.asyncio.Context
     _logs: LogLimiter
@@ -97,7 +93,7 @@ class Recovery:
                            "batches alone (the index misses what the worker stored before)", h.target,
                            stream.replay_failures, h.replay_endpoint)
             return
-        delay = min(MAX_RETRY_S, self.replay_retry_s * 2 ** (stream.replay_failures - 1))
+        delay = min(MAX_RETRY_S, self.limits.replay_retry_s * 2 ** (stream.replay_failures - 1))
         stream.retry_at = asyncio.get_running_loop().time() + delay
 
     async def _replayed(self, stream: Stream, reason: str) -> list[tuple[int, bytes]] | None:
@@ -126,8 +122,8 @@ class Recovery:
                 await self._apply_frame(stream, seq, payload)
 
     async def _fetch_replay(self, stream: Stream, start: int) -> list[tuple[int, bytes]] | None:
-        limits = ReplayLimits(self.replay_timeout_s, self.max_replay_s, self.max_replay_batches,
-                              self.max_replay_bytes, self.max_message_bytes)
+        limits = ReplayLimits(self.limits.replay_timeout_s, self.limits.max_replay_s, self.limits.max_replay_batches,
+                              self.limits.max_replay_bytes, self.limits.max_message_bytes)
         return await fetch_replay(self._ctx, stream, start, limits, self._logs)
 
     @staticmethod

@@ -45,6 +45,7 @@ from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
 from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
 from mesh.events.inbox import Inbox, Receiver
+from mesh.events.limits import SubscriberLimits
 from mesh.events.pacer import Pacer
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
 from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
@@ -70,54 +71,18 @@ class KvEventSubscriber(Recovery):
     def __init__(
         self,
         index: PrefixIndex,
+        limits: SubscriberLimits = SubscriberLimits(),
         *,
         registry: CollectorRegistry | None = None,
-        max_frame_bytes: int = 16 << 20,
-        replay_timeout_s: float = 2.0,
-        max_replay_s: float = 60.0,
-        replay_retry_s: float = 0.5,
         bind: str | None = None,
-        max_replay_batches: int = 200_000,
-        max_replay_bytes: int = 1 << 30,
-        unhealthy_after_bad_frames: int = 8,
-        stale_after_s: float | None = None,
-        yield_every: int = 64,
-        digest_window: int = 4096,
-        rcvhwm: int = 100_000,
-        max_backlog_frames: int = 10_000,
-        max_backlog_bytes: int = 64 << 20,
-        slice_s: float = 0.0005,
-        share: float = 0.5,
         on_health: Callable[[str, bool], None] | None = None,
         on_reset: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
-        # A frame over it (16 MiB: ~100x the largest batch a vLLM scheduler step publishes, and
-        # 2-3 s of work on one core, in slices) is counted, logged and treated as lost: a reset.
-        self.max_frame_bytes = max_frame_bytes
-        self.replay_timeout_s = replay_timeout_s  # a replay's longest wait for its next message
-        self.max_replay_s = max(max_replay_s, replay_timeout_s)
-        self.replay_retry_s = replay_retry_s
+        self.limits = limits
         self.bind = bind
-        self.max_replay_batches = max_replay_batches
-        self.max_replay_bytes = max_replay_bytes
-        # A replayed frame this large is refused by ZMQ itself (it drops the replay connection: the
-        # replay fails, as an oversized batch would reset the stream): without it, a replay
-        # socket's 2 GB frame was received whole. Not on the SUB socket: after refusing a frame
-        # there, ZMQ did not reconnect (measured), so a giant live frame is still received whole.
-        self.max_message_bytes = max(4 * max_frame_bytes, 64 << 20)
-        self.unhealthy_after_bad_frames = unhealthy_after_bad_frames
-        self.stale_after_s = stale_after_s
-        self.yield_every = max(1, yield_every)
-        self.digest_window = digest_window
-        self.rcvhwm = rcvhwm
-        # A stream's budget: frames received but not applied yet (10,000: minutes of a real
-        # engine's one batch a scheduler step, under a second of a flood; 64 MiB: four frames of
-        # the largest accepted). Over it, ingestion cannot keep up: the stream is reset.
-        self.max_backlog_frames = max_backlog_frames
-        self.max_backlog_bytes = max(max_backlog_bytes, max_frame_bytes)
-        self.pacer = Pacer(slice_s, share, clock=time.perf_counter)
+        self.pacer = Pacer(limits.slice_s, limits.share, clock=time.perf_counter)
         self.on_health = on_health
         self.on_reset = on_reset
         self.clock = clock
@@ -149,7 +114,7 @@ class KvEventSubscriber(Recovery):
         sub = self._sync_ctx.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sub.setsockopt(zmq.RCVHWM, self.limits.rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: frames are told apart by ``Demux``
             sub.bind(bind)
             self.bound_address = sub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -185,7 +150,7 @@ class KvEventSubscriber(Recovery):
             )
             stream = Stream(spec, health)
             if spec.endpoint is None and self._demux is not None:  # routed now: frames sent from here on are its
-                stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+                stream.inbox = Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
                 self._demux.route(spec.bound_topics(), stream.inbox)
             stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"kv-events-{tid}")
             self._streams[tid] = stream
@@ -251,15 +216,15 @@ class KvEventSubscriber(Recovery):
         return dict(self._demux.unknown) if self._demux is not None else {}
 
     def _is_healthy(self, h: StreamHealth) -> bool:
-        if not h.running or not h.connected or h.recovering or h.bad_streak >= self.unhealthy_after_bad_frames:
+        if not h.running or not h.connected or h.recovering or h.bad_streak >= self.limits.unhealthy_after_bad_frames:
             return False
         stream = self._streams.get(h.target)
         if stream is not None and stream.replay_due:
             return False  # a replay is needed and has not completed
         if stream is not None and stream.lost and h.last_seq is not None:
             return False  # reconnected, continuity unproven: the publisher may have restarted
-        if self.stale_after_s is not None:
-            return h.last_event_at is not None and self.clock() - h.last_event_at <= self.stale_after_s
+        if self.limits.stale_after_s is not None:
+            return h.last_event_at is not None and self.clock() - h.last_event_at <= self.limits.stale_after_s
         return True
 
     # ------------------------------------------------------------------ stream task
@@ -298,10 +263,10 @@ class KvEventSubscriber(Recovery):
         try:
             # ZMQ's queue holds no more than the budget: what queues there while the stream is
             # being reset is dropped by ZMQ (seen as a gap), not received to be discarded
-            monitor = monitor_sub(sub, stream.spec.topic, min(self.rcvhwm, self.max_backlog_frames), self._ctx)
+            monitor = monitor_sub(sub, stream.spec.topic, min(self.limits.rcvhwm, self.limits.max_backlog_frames), self._ctx)
             watcher = asyncio.get_running_loop().create_task(watch_connection(stream, monitor, self._notify))
             sub.connect(h.endpoint)
-            inbox = stream.inbox = Inbox(self.max_backlog_frames, self.max_backlog_bytes)
+            inbox = stream.inbox = Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
             self._receiver.add(sub, inbox)  # from here on the receiver thread's socket
             handed = True
             self._set_running(stream, True)
@@ -342,7 +307,7 @@ class KvEventSubscriber(Recovery):
             await pacer.turn()
             await self._on_live(stream, frames)
             n += 1
-            if n >= self.yield_every:  # between slices too: other streams' turns interleave
+            if n >= self.limits.frames_per_yield:  # between slices too: other streams' turns interleave
                 n = 0
                 await asyncio.sleep(0)
 
@@ -359,7 +324,7 @@ class KvEventSubscriber(Recovery):
         self._logs.log(logging.WARNING, (h.target, "backlog"),
                        "kv events %s: backlog of %d frames (%d bytes) over the budget (%d frames, %d bytes): "
                        "events arrive faster than the gateway applies them; the stream is reset and rebuilt "
-                       "from replay", h.target, frames, size, self.max_backlog_frames, self.max_backlog_bytes)
+                       "from replay", h.target, frames, size, self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
         self._reset(stream, "backlog", forget_seq=True)
         if h.replay_endpoint:
             await self._recover(stream, "backlog")
@@ -404,7 +369,7 @@ class KvEventSubscriber(Recovery):
         ``last_seq`` moves first, so a cancelled frame is never applied twice."""
         h = stream.health
         h.last_seq = seq
-        stream.remember(seq, payload, self.digest_window)
+        stream.remember(seq, payload, self.limits.digest_window)
         batch = self._admit(stream, seq, payload)
         if batch is None:
             return
@@ -427,11 +392,11 @@ class KvEventSubscriber(Recovery):
         """The frame's envelope; None when it is oversized or undecodable (its events are lost:
         the stream's targets are reset, to stop claiming anything)."""
         h = stream.health
-        if len(payload) > self.max_frame_bytes:
+        if len(payload) > self.limits.max_frame_bytes:
             h.bump(h.dropped, "oversized")
             self._logs.log(logging.WARNING, (h.target, "oversized"),
                            "kv events %s: seq %d is %d bytes, over max_frame_bytes %d: dropped as lost",
-                           h.target, seq, len(payload), self.max_frame_bytes)
+                           h.target, seq, len(payload), self.limits.max_frame_bytes)
             self._bad(stream)
             self._reset(stream, "oversized")
             return None
@@ -459,7 +424,7 @@ class KvEventSubscriber(Recovery):
 
     def _bad(self, stream: Stream) -> None:
         stream.health.bad_streak += 1
-        if stream.health.bad_streak == self.unhealthy_after_bad_frames:
+        if stream.health.bad_streak == self.limits.unhealthy_after_bad_frames:
             self._notify(stream)
 
     def _set_running(self, stream: Stream, running: bool) -> None:

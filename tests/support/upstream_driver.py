@@ -23,6 +23,7 @@ from typing import Any
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from tests.procs import free_port
 
@@ -141,7 +142,7 @@ async def stack(driver: Driver, config: dict[str, Any], *, block_size: int, mode
     port, replay = ports(ranks), ports(ranks)
     driver.start({**config, "ranks": ranks, "port": port, "replay_port": replay})
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     try:
         targets = sub.add_worker(WorkerEvents("engine", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
                                               dp_size=ranks, model=model, block_size=block_size))

@@ -28,6 +28,7 @@ import yaml
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.events.wire import Batch, DecodeError, LazyBatch, decode_batch, decode_events, decode_lazy
 from tests.fakes.kv_publisher import BATCH_LAYOUTS, EVENT_LAYOUTS, HASH_MODES, Publisher, encode_events
@@ -117,7 +118,7 @@ async def test_a_frame_over_the_bound_is_dropped_as_lost_and_the_stream_goes_on(
     caplog.set_level(logging.WARNING, "mesh.events.subscriber")
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, max_frame_bytes=64 << 10)
+    sub = KvEventSubscriber(index, SubscriberLimits(max_frame_bytes=64 << 10))
     seed = namespace_seed(MODEL)
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))

@@ -28,6 +28,7 @@ import torch
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from policies.base import Overlap, Tier
 from tests.disagg_cluster import (
@@ -391,7 +392,7 @@ async def test_kv_events_rebuild_both_tiers_in_the_gateway_index(model: torch.nn
     engine = _engine(model, num_kv_blocks=40, cpu_offload_blocks=24, kv_events_endpoint=f"tcp://*:{port}",
                      kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}")
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=2.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=2.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
                                                 model="tiny", block_size=8))
@@ -445,7 +446,7 @@ async def test_worker_restores_from_cpu_over_http_and_the_index_sees_the_tiers(c
     po = cluster.workers["po"]
     endpoint, replay = po.proc.meta["events"]  # type: ignore[misc]
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=2.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=2.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("po", str(endpoint), str(replay), model="tiny", block_size=16))
         await asyncio.sleep(0.3)  # the SUB joins (a later join is repaired by replay at the next batch)

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.events.wire import BlockRemoved as MeshBlockRemoved
 from mesh.events.wire import decode_batch
@@ -151,7 +152,7 @@ async def stack() -> AsyncIterator[Stack]:
     pub = Publisher()
     index = PrefixIndex()
     registry = CollectorRegistry()
-    sub = KvEventSubscriber(index, registry=registry, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0), registry=registry)
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint,
                                                 model=MODEL, block_size=BS))

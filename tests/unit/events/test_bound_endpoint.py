@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from mesh.cluster.registry import RegistryError, WorkerRegistry
 from mesh.config import ConfigError, MeshConfig, WorkerConfig, parse_config
 from mesh.core.index import PrefixIndex
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from mesh.gateway.app import Gateway, create_app
 from tests.fakes.kv_publisher import BS, MODEL, Publisher, encode_events
@@ -36,7 +37,7 @@ def serve_all(pub: Publisher, engine: ToyEngine, prompts: list[list[int]], rng: 
 
 
 async def bound_sub(**kw: Any) -> KvEventSubscriber:
-    sub = KvEventSubscriber(PrefixIndex(), bind="tcp://127.0.0.1:*", replay_timeout_s=5.0, **kw)
+    sub = KvEventSubscriber(PrefixIndex(), SubscriberLimits(replay_timeout_s=5.0), bind="tcp://127.0.0.1:*", **kw)
     await sub.start()
     assert sub.bound_address is not None and sub.bound_address.startswith("tcp://127.0.0.1:")
     return sub

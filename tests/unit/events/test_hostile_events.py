@@ -14,6 +14,7 @@ import zmq
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import block_keys, namespace_seed
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import _MAX_SEEDS, KvEventSubscriber, WorkerEvents
 from policies.base import Overlap
 from tests.fakes.kv_publisher import BS, MODEL, SEED, Publisher, encode_events
@@ -31,7 +32,7 @@ async def test_a_replay_endpoint_zmq_refuses_is_a_failed_replay_not_a_dead_strea
     rng = random.Random(7)
     pub = Publisher(with_replay=False)
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=0.5)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=0.5))
     bad_replay = "ipc:///tmp/" + "r" * 200  # longer than a unix socket path may be: ZMQ refuses it
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, bad_replay, model=MODEL, block_size=BS))
@@ -53,7 +54,7 @@ async def test_a_new_lora_name_per_event_does_not_grow_memory_for_good() -> None
     rng = random.Random(8)
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await subscribed(sub, target, pub, rng)
@@ -80,7 +81,7 @@ async def test_large_frames_give_the_loop_a_turn_between_them() -> None:
     arrive one by one, and the index ends exactly as the events say."""
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=10.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=10.0))
     n_frames, per_frame = 6, 8000  # ~300 KiB each
     chains = []
     for f in range(n_frames):
@@ -117,7 +118,7 @@ async def test_a_restarted_publisher_that_stays_idle_is_not_trusted_with_its_old
     rng = random.Random(10)
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await subscribed(sub, target, pub, rng)
@@ -164,7 +165,7 @@ async def test_garbage_events_amid_valid_ones_leave_the_index_exactly_right() ->
     rng = random.Random(11)
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await subscribed(sub, target, pub, rng)
@@ -192,7 +193,7 @@ async def test_a_giant_replayed_frame_is_refused_by_the_socket_not_received_whol
     pub = Publisher()
     pub.publish(b"\x90" * (65 << 20), live=False)  # allocated before tracing starts
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, max_frame_bytes=4096, replay_timeout_s=1.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(max_frame_bytes=4096, replay_timeout_s=1.0))
     tracemalloc.start()
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
@@ -223,7 +224,7 @@ async def test_a_replay_over_its_byte_budget_fails_instead_of_growing() -> None:
         evs = [_stored(i * 1000 + j, [1] * BS) for j in range(1500)]
         pub.publish(msgspec.msgpack.encode([1e12 + i, evs, 0]), live=False)
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, max_replay_bytes=1 << 20, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(max_replay_bytes=1 << 20, replay_timeout_s=5.0))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         h = sub.health()[target]
@@ -274,7 +275,7 @@ async def test_a_restart_that_overtakes_the_old_seq_between_two_replays_is_calle
     rng = random.Random(14)
     pub = Publisher()
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=5.0)
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     replay: _ScriptedReplay | None = None
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from mesh.core.index import PrefixIndex
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents
 from tests.fakes.kv_publisher import BS, MODEL, Publisher, encode_events
 from tests.support.kv_events import ToyEngine, caught_up, check_index, sessions, wait_until
@@ -38,8 +39,7 @@ async def test_a_replay_longer_than_the_idle_timeout_completes_and_only_then_is_
     engine, prompts = fill(pub, rng)
     flips: list[tuple[bool, int | None]] = []  # each health report, with the last seq applied then
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=0.5, max_replay_s=30.0,
-                            on_health=lambda t, ok: flips.append((ok, last_seq(sub, t))))
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=0.5, replay_total_s=30.0), on_health=lambda t, ok: flips.append((ok, last_seq(sub, t))))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await caught_up(sub, target, pub)
@@ -58,8 +58,7 @@ async def test_a_replay_past_max_replay_s_leaves_the_stream_untrusted_until_a_re
     engine, prompts = fill(pub, rng)
     flips: list[tuple[bool, int | None]] = []
     index = PrefixIndex()
-    sub = KvEventSubscriber(index, replay_timeout_s=0.5, max_replay_s=0.8, replay_retry_s=0.3,
-                            on_health=lambda t, ok: flips.append((ok, last_seq(sub, t))))
+    sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=0.5, replay_total_s=0.8, replay_retry_s=0.3), on_health=lambda t, ok: flips.append((ok, last_seq(sub, t))))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
         await wait_until(lambda: sub.health()[target].replays.get("failed", 0) >= 1)

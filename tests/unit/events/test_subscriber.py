@@ -17,14 +17,15 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mesh.core.index import PrefixIndex
+from mesh.events.limits import SubscriberLimits
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents, offset_endpoint
 from tests.fakes.kv_publisher import BATCH_LAYOUTS, BS, EVENT_LAYOUTS, HASH_MODES, MODEL, Publisher, encode_events
 from tests.support.kv_events import ToyEngine, caught_up, check_index, nudge_until, sessions, subscribed, wait_until
 
 
-def make_sub(index: PrefixIndex, **kw: Any) -> KvEventSubscriber:
-    kw.setdefault("replay_timeout_s", 5.0)  # generous: the test box is shared
-    return KvEventSubscriber(index, **kw)
+def make_sub(index: PrefixIndex, limits: SubscriberLimits | None = None, **wiring: Any) -> KvEventSubscriber:
+    # a generous replay timeout by default: the test box is shared
+    return KvEventSubscriber(index, limits or SubscriberLimits(replay_timeout_s=5.0), **wiring)
 
 
 # ------------------------------------------------------------------ tests
@@ -213,7 +214,7 @@ async def test_garbage_truncated_oversized_and_unknown_frames_are_counted() -> N
     pub = Publisher()
     index = PrefixIndex()
     flips: list[tuple[str, bool]] = []
-    sub = make_sub(index, max_frame_bytes=4096, unhealthy_after_bad_frames=3,
+    sub = make_sub(index, SubscriberLimits(replay_timeout_s=5.0, max_frame_bytes=4096, unhealthy_after_bad_frames=3),
                    on_health=lambda t, ok: flips.append((t, ok)))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL, block_size=BS))
@@ -257,7 +258,7 @@ async def test_flood_with_a_short_replay_buffer_never_over_claims() -> None:
     rng = random.Random(6)
     pub = Publisher(keep=50, sndhwm=100)
     index = PrefixIndex()
-    sub = make_sub(index, rcvhwm=100, yield_every=16, max_backlog_frames=100)
+    sub = make_sub(index, SubscriberLimits(replay_timeout_s=5.0, rcvhwm=100, yield_every=16, max_backlog_frames=100))
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL))
         await subscribed(sub, target, pub, rng)
@@ -308,7 +309,7 @@ async def test_a_stream_silent_past_stale_after_is_unhealthy() -> None:
     rng = random.Random(8)
     pub = Publisher()
     now = [0.0]
-    sub = make_sub(PrefixIndex(), stale_after_s=5.0, clock=lambda: now[0])
+    sub = make_sub(PrefixIndex(), SubscriberLimits(replay_timeout_s=5.0, stale_after_s=5.0), clock=lambda: now[0])
     try:
         (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, pub.replay_endpoint, model=MODEL))
         await subscribed(sub, target, pub, rng)
