@@ -173,23 +173,7 @@ class Relay:
         the decode side computes everything) and ``usage``."""
         self.check_open()
         lease = self.router.commit_prefill(self.info, target_id, self.now())
-        try:
-            request = self.client.build_request("POST", self.url(target_id), json=prefill_body(self.body),
-                                                headers=self.headers, timeout=self.prefill_timeout)
-            async with self.legs.watch(target_id, None):  # aborted if its worker turns unhealthy
-                resp = await self.client.send(request, stream=True)
-                try:
-                    content = await read_bounded(resp)
-                finally:
-                    await resp.aclose()
-        except TimeoutError as exc:  # only ``PendingLegs.abort`` ends it so: not charged, health did
-            raise Retry(f"prefill worker {target_id} turned unhealthy before it answered") from exc
-        except (httpx.HTTPError, TooLarge) as exc:
-            self.check_open()  # closed under it: not the worker's failure
-            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")  # the detail: /workers
-            raise Retry(f"prefill worker {target_id} failed ({what_failed(exc)})") from exc
-        finally:
-            lease.finish(self.now())
+        resp, content = await self.send_prefill(target_id, prefill_body(self.body), lease, Retry)
         status = resp.status_code
         if status != 200:
             message = f"prefill worker {target_id} answered {status}"
@@ -356,6 +340,29 @@ class Relay:
         headers += [("x-mesh-worker", decode_id), ("x-mesh-prefill-worker", prefill_id)]
         return RelayResponse(resp.status_code, headers, first, self.stream, prefill_id, decode_id, kv,
                              self.prefill_usage, resp, chunks, lease, self.now, deadline, self.client)
+
+    async def send_prefill(self, target_id: str, body: dict[str, Any], lease: Lease,
+                           retry: type[Retry]) -> tuple[httpx.Response, bytes]:
+        """POST the prefill request and read its answer whole; ``lease`` ends either way. Raises
+        ``retry`` when the worker failed (charged to its health) or turned unhealthy first."""
+        try:
+            request = self.client.build_request("POST", self.url(target_id), json=body, headers=self.headers,
+                                                timeout=self.prefill_timeout)
+            async with self.legs.watch(target_id, None):  # aborted if its worker turns unhealthy
+                resp = await self.client.send(request, stream=True)
+                try:
+                    content = await read_bounded(resp)
+                finally:
+                    await resp.aclose()
+        except TimeoutError as exc:  # only ``PendingLegs.abort`` ends it so: not charged, health did
+            raise retry(f"prefill worker {target_id} turned unhealthy before it answered") from exc
+        except (httpx.HTTPError, TooLarge) as exc:
+            self.check_open()  # closed under it: not the worker's failure
+            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")  # the detail: /workers
+            raise retry(f"prefill worker {target_id} failed ({what_failed(exc)})") from exc
+        finally:
+            lease.finish(self.now())
+        return resp, content
 
     def check_open(self) -> None:
         """Raise ``RelayClosed`` once the relay's client is closed: before an attempt (a closed

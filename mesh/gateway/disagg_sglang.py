@@ -194,23 +194,7 @@ class SglangRelay(Relay):
     async def prefill_leg(self, target_id: str, body: dict[str, Any], lease: Any) -> None:
         """The prefill request: its answer read whole and dropped; raises ``PrefillRetry`` (or
         ``RelayError`` for an answer that is the client's fault) when it failed."""
-        try:
-            request = self.client.build_request("POST", self.url(target_id), json=body, headers=self.headers,
-                                                timeout=self.prefill_timeout)
-            async with self.legs.watch(target_id, None):  # aborted if its worker turns unhealthy
-                resp = await self.client.send(request, stream=True)
-                try:
-                    content = await read_bounded(resp)
-                finally:
-                    await resp.aclose()
-        except TimeoutError as exc:  # only ``PendingLegs.abort`` ends it so: not charged, health did
-            raise PrefillRetry(f"prefill worker {target_id} turned unhealthy before it answered") from exc
-        except (httpx.HTTPError, TooLarge) as exc:
-            self.check_open()  # closed under it: not the worker's failure
-            self.health.record_failure(target_id, self.now(), f"prefill failed: {exc!r}")
-            raise PrefillRetry(f"prefill worker {target_id} failed ({what_failed(exc)})") from exc
-        finally:
-            lease.finish(self.now())
+        resp, content = await self.send_prefill(target_id, body, lease, PrefillRetry)
         status = resp.status_code
         if status == 200 and body.get("stream"):
             event = stream_error(content)
