@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import zmq
@@ -43,6 +44,12 @@ _ROUND = 64
 _NAP_S = 0.0002
 _POLL_MS = 20  # how long the thread waits for frames before it looks at hand-overs again
 
+# A frame's parts as kept: a tuple of bytes holds no reference the garbage collector must follow,
+# so after its first collection it is no longer tracked, and a backlog of thousands of frames adds
+# nothing to a full collection (as lists, 10,000-frame backlogs made pauses of 7-12 ms; as tuples
+# under 1.5 ms, ``bench/kv_ingest_loop_lag.py`` at 30,000 events/s over 4 streams).
+Frame = tuple[bytes, ...]
+
 
 class Inbox:
     """One stream's frames between the receiver thread and the loop, bounded by a budget."""
@@ -54,7 +61,7 @@ class Inbox:
         if max_frames < 1 or max_bytes < 1:
             raise ValueError("an inbox needs a budget of at least one frame and one byte")
         self.max_frames, self.max_bytes = max_frames, max_bytes
-        self.frames: deque[list[bytes]] = deque()
+        self.frames: deque[Frame] = deque()
         self.in_frames = self.in_bytes = self.overflows = self.dropped = 0  # the thread's
         self.out_frames = self.out_bytes = self.handled = 0  # the loop's
         self._loop = asyncio.get_running_loop()
@@ -74,7 +81,7 @@ class Inbox:
     def overflowed(self) -> bool:
         return self.overflows != self.handled
 
-    def take(self) -> list[bytes] | None:
+    def take(self) -> Frame | None:
         """The oldest frame, None when empty (never waits)."""
         try:
             frames = self.frames.popleft()
@@ -84,7 +91,7 @@ class Inbox:
         self.out_bytes += _size(frames)
         return frames
 
-    async def get(self) -> list[bytes]:
+    async def get(self) -> Frame:
         """The oldest frame; waits for one."""
         while True:
             frames = self.take()
@@ -121,7 +128,7 @@ class Inbox:
             self.overflows += 1
             self.dropped += 1
             return False
-        self.frames.append(frames)
+        self.frames.append(tuple(frames))
         self.in_frames += 1
         self.in_bytes += size
         return True
@@ -145,7 +152,7 @@ class Sink(Protocol):
     def overflowed(self) -> bool: ...
 
 
-def _size(frames: list[bytes]) -> int:
+def _size(frames: Sequence[bytes]) -> int:
     return len(frames[-1]) if frames else 0
 
 

@@ -19,6 +19,7 @@ import asyncio
 import enum
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -144,7 +145,7 @@ class Stream:
         return 0 if last is None else (last if last in self.digests else last + 1)
 
 
-def split_frame(frames: list[bytes], *, signed: bool = False) -> tuple[int, bytes] | None:
+def split_frame(frames: Sequence[bytes], *, signed: bool = False) -> tuple[int, bytes] | None:
     """``(seq, payload)`` of ``[topic, seq, payload]`` or ``[seq, payload]``; None if malformed."""
     if len(frames) == 3:
         seq_bytes, payload = frames[1], frames[2]

@@ -44,7 +44,7 @@ from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
 from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
-from mesh.events.inbox import Inbox, Receiver
+from mesh.events.inbox import Frame, Inbox, Receiver
 from mesh.events.limits import SubscriberLimits
 from mesh.events.pacer import Pacer
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
@@ -329,7 +329,7 @@ class KvEventSubscriber(Recovery):
         if h.replay_endpoint:
             await self._recover(stream, "backlog")
 
-    async def _on_live(self, stream: Stream, frames: list[bytes]) -> None:
+    async def _on_live(self, stream: Stream, frames: Frame) -> None:
         h = stream.health
         parsed = split_frame(frames)
         if parsed is None:
