@@ -15,7 +15,10 @@ import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Role(str, enum.Enum):
@@ -112,7 +115,7 @@ class RequestInfo:
     routing_text: str | None = None
     # The prompt's token ids and plain key seed, for targets whose engines hash each block with the
     # tokens after it (``mesh.core.lookahead``); None: no such keys (the simulator).
-    tokens: Sequence[int] | None = None
+    tokens: Sequence[int] | np.ndarray | None = None
     key_seed: int = 0
 
 
