@@ -15,7 +15,10 @@ import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Role(str, enum.Enum):
@@ -110,6 +113,10 @@ class RequestInfo:
     # The text SGLang's router matches on (chat: the messages' contents joined by spaces, no roles
     # or template); None: use ``text``. cache_aware routes on it, as sglang-router does.
     routing_text: str | None = None
+    # The prompt's token ids and plain key seed, for targets whose engines hash each block with the
+    # tokens after it (``mesh.core.lookahead``); None: no such keys (the simulator).
+    tokens: Sequence[int] | np.ndarray | None = None
+    key_seed: int = 0
 
 
 class PrefixIndexView(Protocol):
@@ -145,6 +152,9 @@ class ClusterView:
         """Prefix overlaps of ``request`` per target, computed once per decision."""
         if self._overlaps is None or self._overlaps_for is not request.block_keys:
             self._overlaps = self.index.match(request.block_keys) if self.index else {}
+            lookaheads: Mapping[str, int] | None = getattr(self.index, "lookaheads", None)
+            if lookaheads and request.tokens is not None:  # only while some target hashes with lookahead
+                self._overlaps = _with_lookahead(self.index, request, self._overlaps, lookaheads)
             self._overlaps_for = request.block_keys
         return self._overlaps
 
@@ -154,6 +164,18 @@ class ClusterView:
         if request is not None:
             out = [t for t in out if not t.models or request.model in t.models]
         return out
+
+
+def _with_lookahead(index: Any, request: RequestInfo, plain: Mapping[str, Overlap],
+                    lookaheads: Mapping[str, int]) -> Mapping[str, Overlap]:
+    """``plain`` with each lookahead target's overlap replaced by the match of the prompt's
+    lookahead keys (a block counts only when the tokens after it match too)."""
+    from mesh.core.lookahead import merge_overlaps, prompt_keys  # the decision core's keying
+
+    assert request.tokens is not None
+    ahead = {la: index.match(prompt_keys(request.tokens, request.block_size, request.key_seed, la))
+             for la in set(lookaheads.values())}
+    return merge_overlaps(plain, ahead, lookaheads)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,8 @@ class KVEventsConfig(ConfigModel):
     replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for gap replay
     topic: str = Field("", description="With an endpoint: the ZMQ topic (prefix) of this worker's events there; two workers on one endpoint need topics that are not prefixes of each other. Without one (the gateway's bound endpoint): the exact topic of this worker's frames (vLLM's topic); empty: the worker's name, alone or as llm-d's kv@NAME@MODEL.")
 
+    lookahead_tokens: int | None = Field(None, ge=0, le=64, description="Tokens after each block that the engine's block hashes cover: speculative decoding (vLLM with EAGLE hashes with num_hash_lookahead_tokens, SGLang with EAGLE keys pages by token bigrams: 1), so a block is reused only when the tokens after it match too. null: as the worker's KV events show (vLLM's lookahead_token_ids, SGLang's bigram pages); set it to declare it: events that disagree are counted (lookahead_mismatch) and keyed as they show, and stores without the lookahead tokens cannot be keyed (lookahead_missing).")
+
     def bound_topics(self, worker: str) -> list[str]:
         return bound_topics(worker, self.topic)
 

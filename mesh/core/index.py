@@ -83,6 +83,7 @@ class PrefixIndex:
         self._hints_ca: dict[int, int] = {}  # match's search hints (verified before use)
         self._hints_cg: dict[int, int] = {}
         self._states = Checkpoints()  # hybrid targets' recurrent-state checkpoints
+        self.lookaheads: dict[str, int] = {}  # target -> tokens past each block its hashes cover (mesh.core.lookahead)
 
     @property
     def evicted(self) -> int:
@@ -97,9 +98,7 @@ class PrefixIndex:
         return list(self._slot)
 
     # -------------------------------------------------------------- key layer
-    def store(
-        self, target: str, keys: Sequence[int], tier: Tier = Tier.GPU, *, parent: int | None = None
-    ) -> None:
+    def store(self, target: str, keys: Sequence[int], tier: Tier = Tier.GPU, *, parent: int | None = None) -> None:
         """Record that ``target`` holds the chain ``keys`` on ``tier``.
 
         ``keys`` is consecutive (``keys[i]`` extends ``keys[i-1]``); ``parent`` is the key of the
@@ -107,8 +106,7 @@ class PrefixIndex:
         """
         if not len(keys):
             return
-        slot = self._slot_of(target)
-        self._store_chain(slot, keys, tier, self._nodes.parent_nid(parent))
+        self._store_chain(self._slot_of(target), keys, tier, self._nodes.parent_nid(parent))
         self._nodes.trim()
 
     def remove(self, target: str, keys: Sequence[int], tier: Tier | None = None) -> None:
@@ -251,6 +249,9 @@ class PrefixIndex:
         if self.max_keys and len(emap) > self._sweep_at.get(target, self._sweep_floor):
             self._sweep(target, emap)
         return n
+
+    def parent_key(self, target: str, parent_engine_hash: int | None, seed: int) -> int | None:
+        return self._parent_key(self._emap.get(target), parent_engine_hash, seed)  # the caller keys the store
 
     @staticmethod
     def _parent_key(emap: dict[int, int] | None, parent_engine_hash: int | None, seed: int) -> int | None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import cast
 
 from mesh.core.index import PrefixIndex
 from mesh.core.keys import namespace_seed
+from mesh.core.lookahead import event_keys, lookahead_seed
 from mesh.events.health import LogLimiter
 from mesh.events.stream import Stream
 from mesh.events.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event, GroupFilter, LazyBatch, decode_events
@@ -90,7 +91,7 @@ def apply_event(index: PrefixIndex, stream: Stream, ev: Event, seeds: Seeds, log
     """Apply one event; yields between slices of ``SLICE_BLOCKS`` blocks."""
     h = stream.health
     if type(ev) is BlockStored:
-        yield from _stored(index, stream, ev, seeds)
+        yield from _stored(index, stream, ev, seeds, logs)
     elif type(ev) is AllBlocksCleared:
         index.apply_cleared(h.target)
         stream.filter = GroupFilter()
@@ -99,7 +100,7 @@ def apply_event(index: PrefixIndex, stream: Stream, ev: Event, seeds: Seeds, log
         yield from _removed(index, stream, cast("BlockRemoved", ev), logs)
 
 
-def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -> Iterator[None]:
+def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, logs: LogLimiter) -> Iterator[None]:
     h = stream.health
     spec = stream.spec
     tier = TIERS.get(ev.medium)
@@ -119,6 +120,16 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -
         h.bump(h.events, "invalid")  # checked whole: a part must not be applied alone
         return
     seed = seeds.get(spec.model, ev.lora_name, ev.cache_salt)
+    keys: Sequence[int] | None = None
+    if tokens:
+        la = _lookahead(index, stream, ev, logs)
+        if la is None:
+            return
+        if la:
+            seed = lookahead_seed(seed, la)
+            keys = _lookahead_keys(index, stream, ev, bs, seed)
+            if keys is None:
+                return
     parent, done, invalid = ev.parent_block_hash, 0, False
     for a in range(0, len(hashes), SLICE_BLOCKS):
         if a:
@@ -128,7 +139,7 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -
             done += index.apply_stored(h.target, hashes[a:b] if a or b < len(hashes) else hashes,
                                        parent if not a else hashes[a - 1],
                                        tokens[a * bs : b * bs] if tokens and (a or b < len(hashes)) else tokens,
-                                       bs, seed, tier)
+                                       bs, seed, tier, keys=None if keys is None else keys[a:b])
         except ValueError:  # a bad token id: the rest of the chain cannot be keyed either
             invalid = True
             break
@@ -139,6 +150,53 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -
     h.bump(h.blocks, "stored", done)
     if done < len(hashes):
         h.bump(h.blocks, "skipped", len(hashes) - done)
+
+
+def _lookahead(index: PrefixIndex, stream: Stream, ev: BlockStored, logs: LogLimiter) -> int | None:
+    """The tokens past each block that this store's hashes cover (0: plain keys), as the store
+    shows it; the target's from now on (``PrefixIndex.lookaheads``, read by the router). None:
+    the worker is declared to hash with lookahead but the store does not carry it (not keyable)."""
+    h, declared = stream.health, stream.spec.lookahead_tokens
+    target = h.target
+    if ev.lookahead is None and declared:
+        h.bump(h.events, "lookahead_missing")
+        logs.log(logging.WARNING, (target, "lookahead_missing"),
+                 "kv events %s: lookahead_tokens is %d but a BlockStored carries no lookahead tokens "
+                 "(lookahead_token_ids or bigram pages): its blocks cannot be keyed", target, declared)
+        return None
+    la = len(ev.lookahead[0]) if ev.lookahead else 0
+    if declared is not None and declared != la:
+        h.bump(h.events, "lookahead_mismatch")
+        logs.log(logging.WARNING, (target, "lookahead_mismatch"),
+                 "kv events %s: lookahead_tokens is %d but its events hash %d tokens past each block; "
+                 "keyed as the events show", target, declared, la)
+    if index.lookaheads.get(target, 0) != la:
+        if index.keys_of(target):  # keyed the other way so far: those keys would never match
+            index.clear_target(target)
+        logs.log(logging.WARNING, (target, "lookahead"), "kv events %s: block hashes cover %d token(s) past "
+                 "each block (speculative decoding): its blocks are keyed with them", target, la)
+        if la:
+            index.lookaheads[target] = la
+        else:
+            index.lookaheads.pop(target, None)
+    return la
+
+
+def _lookahead_keys(index: PrefixIndex, stream: Stream, ev: BlockStored, bs: int, seed: int) -> list[int] | None:
+    """The store's lookahead keys (``mesh.core.lookahead.event_keys``); [] when its parent is
+    unknown (the index then skips it); None after counting a store that cannot be keyed."""
+    h = stream.health
+    ahead = ev.lookahead or []
+    parent = index.parent_key(h.target, ev.parent_block_hash, seed)
+    if parent is None:
+        return []
+    try:
+        if len(ahead) != len(ev.block_hashes):
+            raise ValueError("lookahead lists do not match the block hashes")
+        return event_keys(ev.token_ids or [], ahead, bs, parent)
+    except ValueError:
+        h.bump(h.events, "invalid")
+        return None
 
 
 def _state_stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds) -> None:

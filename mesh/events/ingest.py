@@ -79,6 +79,7 @@ def events_spec(worker: Worker) -> WorkerEvents | None:
         model=model,
         block_size=worker.config.block_size,
         topic=kv.topic,
+        lookahead_tokens=kv.lookahead_tokens,
     )
 
 

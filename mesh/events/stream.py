@@ -44,6 +44,9 @@ class WorkerEvents:
     model: str = ""  # namespace of the router keys (``mesh.core.keys.namespace_seed(model, lora)``)
     block_size: int | None = None  # the pool's block size; events with another are skipped
     topic: str = ""
+    # tokens past each block that the engine's hashes cover (speculative decoding, ``mesh.core.lookahead``);
+    # None: as its events show (vLLM's lookahead_token_ids, SGLang's bigram pages)
+    lookahead_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:

@@ -56,6 +56,7 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     cache_salt: str | None = None  # the namespace of a chain that starts here (see ``wire_fields.salt``)
+    lookahead: list[list[int]] | None = None  # per block, the tokens after it that its hash covers
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +274,7 @@ def _stored_map(ev: dict[str, Any]) -> BlockStored:
         wire_fields.opt_int(ev.get("group_idx")),
         wire_fields.opt_str(ev.get("kv_cache_spec_kind")),
         wire_fields.salt(ev.get("cache_salt"), ev.get("extra_keys"), ev.get("lora_name")),
+        _lookahead(ev.get("lookahead_token_ids"), ev.get("token_ids"), ev.get("block_size")),
     )
 
 
@@ -296,7 +298,15 @@ def _stored_array(ev: Sequence[Any]) -> BlockStored:
         group_idx,
         kind,
         wire_fields.salt(None, ev[8] if n > 8 else None, ev[7] if n > 7 else None),
+        # vLLM's tail: sliding_window, locality, ownership, session_id, lookahead_token_ids
+        _lookahead(ev[15] if n > 15 else None, ev[3] if n > 3 else None, ev[4] if n > 4 else None),
     )
+
+
+def _lookahead(raw: Any, raw_tokens: Any, raw_bs: Any) -> list[list[int]] | None:
+    if raw is None and not (raw_tokens and isinstance(raw_tokens, list) and isinstance(raw_tokens[0], (list, tuple))):
+        return None  # the common store: no lookahead, no bigrams
+    return wire_fields.lookahead(raw, raw_tokens, raw_bs if wire_fields.is_int(raw_bs) else 0)
 
 
 def _removed_array(ev: Sequence[Any]) -> BlockRemoved:

@@ -71,8 +71,8 @@ def tokens(raw: Any) -> list[int] | None:
 def bigram_tokens(raw: Sequence[Any]) -> list[int]:
     """SGLang under EAGLE keys its radix tree (and fills a BlockStored's token_ids) with bigrams
     ``[t_i, t_i+1]``, one per position: position i holds token i's KV, so the tokens are the first
-    of each pair. (SGLang reuses a page only when the token after it matches too; the index may
-    credit one page more than that at the end of a prefix.)"""
+    of each pair. SGLang reuses a page only when the token after it matches too: ``lookahead``
+    reads that token (a lookahead of one, ``mesh.core.lookahead``)."""
     out = []
     for pair in raw:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
@@ -141,3 +141,21 @@ def salt(field: Any, extra_keys: Any, lora_name: Any) -> str | None:
     if len(entries) == 1 and isinstance(entries[0], str) and entries[0]:
         return entries[0]
     return "\0opaque\0" + "\0".join(e.hex() if isinstance(e, bytes) else str(e) for e in entries)
+
+
+def lookahead(raw: Any, raw_tokens: Any, bs: int) -> list[list[int]] | None:
+    """Per block, the tokens after it that its hash covers: vLLM's ``lookahead_token_ids`` (one
+    equal-length list per block hash), else, for SGLang's bigram pages, the second token of each
+    page's last pair; None when the store has no lookahead (the common case)."""
+    if raw is not None:
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise BadField("lookahead_token_ids is not a list of token lists")
+        out = [list(a) for a in raw if isinstance(a, (list, tuple))]
+        if len(out) != len(raw) or not out[0] or any(len(a) != len(out[0]) or not all(map(is_int, a)) for a in out):
+            raise BadField("lookahead_token_ids: blocks of unequal or empty lookahead")
+        return out
+    if not raw_tokens or not isinstance(raw_tokens, (list, tuple)) or not isinstance(raw_tokens[0], (list, tuple)):
+        return None
+    if bs <= 0 or len(raw_tokens) % bs:
+        raise BadField("bigram token_ids are not whole pages")
+    return [[raw_tokens[end - 1][1]] for end in range(bs, len(raw_tokens) + 1, bs)]

@@ -161,9 +161,10 @@ class PromptProcessor:
         seed = self._seed(ns.base, salt if isinstance(salt, str) else None, ns.lora)
         args = (source, pool, seed, session_id)
         if len(raw) > OFFLOAD_CHARS:
-            tokens_text, keys, n_tokens = await asyncio.get_running_loop().run_in_executor(None, self._prepare, *args)
+            tokens_text, keys, n_tokens, tokens = await asyncio.get_running_loop().run_in_executor(
+                None, self._prepare, *args)
         else:
-            tokens_text, keys, n_tokens = self._prepare(*args)
+            tokens_text, keys, n_tokens, tokens = self._prepare(*args)
         if n_tokens > self.registry.config.server.max_prompt_tokens:
             raise bad_request(
                 f"prompt has {n_tokens} tokens, over the limit of {self.registry.config.server.max_prompt_tokens}",
@@ -181,6 +182,8 @@ class PromptProcessor:
             text=tokens_text,
             lora=ns.lora,
             routing_text=sglang_routing_text(source.content) if kind == "chat" else None,
+            tokens=tokens,
+            key_seed=seed,
         )
         return ParsedRequest(kind, body, raw, model, stream, info)
 
@@ -300,17 +303,17 @@ class PromptProcessor:
     # -- tokens and keys (runs on the loop or in a thread) --
     def _prepare(
         self, source: PromptSource, pool: Pool, seed: int, session_id: str | None
-    ) -> tuple[str, list[int], int]:
+    ) -> tuple[str, list[int], int, np.ndarray]:
         tok = self.tokenizer(pool.tokenizer)
         text, tokens = self._tokens(source, tok, pool.content_format)
         n_tokens = int(tokens.size)
         if session_id is None:
-            return text, block_keys(tokens, pool.block_size, seed), n_tokens
+            return text, block_keys(tokens, pool.block_size, seed), n_tokens, tokens
         cache_key = (session_id, seed, pool.block_size)
         chain = self.chains.checkout(cache_key) or KeyChain(pool.block_size, seed)
         keys = list(chain.extend_to(tokens))
         self.chains.checkin(cache_key, chain)
-        return text, keys, n_tokens
+        return text, keys, n_tokens, tokens
 
     @staticmethod
     def _tokens(source: PromptSource, tok: Any, content_format: str = "auto") -> tuple[str, np.ndarray]:

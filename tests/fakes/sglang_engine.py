@@ -3,13 +3,15 @@
 Run as ``python -m tests.fakes.sglang_engine ROOT`` with ROOT an extracted SGLang wheel
 (``tests.support.upstream``); a ``start`` command's ``config`` builds it: ``page_size``, ``capacity`` (tokens the
 pool holds; past it the tree's LRU leaves are evicted, as the scheduler does before admitting),
-``port``, ``replay_port``. The cache is SGLang's ``RadixCache`` (page-aligned inserts, lock refs,
+``port``, ``replay_port``, ``eagle`` (the tree keyed by token bigrams, as SGLang runs it under EAGLE: a page
+is reused only when the token after it matches too; its events carry the pages' bigrams). The cache is SGLang's ``RadixCache`` (page-aligned inserts, lock refs,
 LRU eviction, its ``KVCacheEventRecorder`` coalescing the events) with a token pool that only
 counts; the publisher is SGLang's ``ZmqEventPublisher``. After each command the recorder's events
 go out as one ``KVEventBatch``, as ``Scheduler`` publishes each step.
 
 The command protocol is ``tests.fakes.vllm_engine``'s (``start``, ``serve`` with tokens and salt, ``clear``,
-``lose_next``, ``truth``), plus ``offload`` (the blocks of a served prompt written back to host
+``lose_next``, ``truth``; truth is of the plain tree only), plus ``peek`` (the tokens a prompt would hit now,
+nothing inserted) and ``offload`` (the blocks of a served prompt written back to host
 memory: the recorder's store on ``StorageMedium.CPU``, ``"CPU_PINNED"`` on the wire, as SGLang's
 hierarchical cache reports a write-back).
 """
@@ -55,6 +57,7 @@ class Engine:
         self.s, self.page, self.capacity = s, cfg["page_size"], cfg["capacity"]
         self.cache = s.RadixCache.create_simulated(mock_allocator=CountingPool(), page_size=self.page,
                                                    enable_kv_cache_events=True)
+        self.cache.is_eagle = bool(cfg.get("eagle"))  # CacheInitParams.is_eagle, which create_simulated omits
         self.cache.kv_events.take()  # the reset's AllBlocksCleared: nothing was published yet
         self.pub = s.ZmqEventPublisher(0, endpoint=f"tcp://*:{cfg['port']}",
                                        replay_endpoint=f"tcp://*:{cfg['replay_port']}")
@@ -115,6 +118,9 @@ class Engine:
         op = cmd["op"]
         if op == "serve":
             return self.serve(cmd)
+        if op == "peek":
+            key = self.s.RadixKey(array("q", cmd["tokens"]), cache_salt=cmd.get("salt"))
+            return {"ok": True, "hit_tokens": self.cache.match_prefix(self.s.MatchPrefixParams(key=key)).device_prefix_len}
         if op == "offload":
             return self.offload(cmd)
         if op == "truth":
@@ -139,11 +145,15 @@ class PageHasher:
     @staticmethod
     def get_hash(raw: Any, logical_len: int, unit_width: int, is_bigram: bool, prior_digest: bytes | None,
                  page_size: int | None) -> str | list[str]:
-        values = list(raw[: logical_len * unit_width])
-        step = (page_size or logical_len or 1) * unit_width
+        step = page_size or logical_len or 1
+        if is_bigram:  # raw holds logical_len + 1 tokens: a page of bigrams spans one token past it
+            units = [list(raw[a : min(a + step, logical_len) + 1]) for a in range(0, logical_len, step)]
+        else:
+            values = list(raw[: logical_len * unit_width])
+            units = [values[a : a + step * unit_width] for a in range(0, len(values), step * unit_width)]
         out, prior = [], prior_digest or b""
-        for start in range(0, len(values), step):
-            digest = hashlib.sha256(prior + array("q", values[start : start + step]).tobytes()).digest()
+        for unit in units:
+            digest = hashlib.sha256(prior + array("q", unit).tobytes()).digest()
             out.append(digest.hex())
             prior = digest
         return out if page_size else (out[0] if out else hashlib.sha256(prior).hexdigest())

@@ -3,7 +3,8 @@
 Run as ``python -m tests.fakes.vllm_engine ROOT`` with ROOT an extracted vLLM wheel
 (``tests.support.upstream``); a ``start`` command's ``config`` builds the engine: ``block_size``,
 ``num_blocks``, ``ranks`` (data-parallel ranks), ``port`` and ``replay_port`` (rank 0's; vLLM
-binds rank r's at port + r).
+binds rank r's at port + r), ``lookahead`` (``num_hash_lookahead_tokens``, as vLLM configures it under
+EAGLE: each block hashed with the tokens after it, the trailing-block drop off).
 Each rank is one vLLM ``KVCacheManager`` (its ``BlockPool``, prefix caching, eviction, events) and
 one ``ZmqEventPublisher`` (PUB + ROUTER replay, seq, ``data_parallel_rank``), unchanged: after
 every command the rank's events are taken and published as one ``KVEventBatch``, as
@@ -13,6 +14,8 @@ Commands are JSON lines on stdin; each gets one JSON reply line on stdout, prefi
 may log there too; ``command_loop``):
 - ``serve``: rank, rid, tokens, lora (name or null), salt, xargs (``vllm_xargs``, e.g.
   ``{"kv_cache_report_mode": "full"}``), keep (hold the blocks as a running request until ``free``);
+- ``peek``: rank, tokens, lora, salt: the tokens vLLM's prefix cache would hit for that prompt now
+  (``get_computed_blocks``, nothing allocated);
 - ``free``: rank, rid;  ``clear``: rank (``reset_prefix_cache``: AllBlocksCleared);
 - ``lose_next``: rank: the next live frame of that rank never reaches the wire (a lost frame: it
   stays in the publisher's replay buffer);
@@ -58,12 +61,13 @@ class LosingSocket:
 
 class Rank:
     def __init__(self, rank: int, cfg: dict[str, Any], v: Any) -> None:
-        self.v, self.bs = v, cfg["block_size"]
+        self.v, self.bs, self.la = v, cfg["block_size"], cfg.get("lookahead", 0)
         spec = v.FullAttentionSpec(block_size=self.bs, num_kv_heads=1, head_size=1, dtype=v.float32)
         kv = v.KVCacheConfig(num_blocks=cfg["num_blocks"], kv_cache_tensors=[],
                              kv_cache_groups=[v.KVCacheGroupSpec(["layer"], spec)])
         self.manager = v.KVCacheManager(kv, max_model_len=4096, scheduler_block_size=self.bs,
-                                        hash_block_size=self.bs, enable_caching=True, enable_kv_cache_events=True)
+                                        hash_block_size=self.bs, enable_caching=True, enable_kv_cache_events=True,
+                                        num_hash_lookahead_tokens=self.la)
         self.pub = v.ZmqEventPublisher(rank, endpoint=f"tcp://*:{cfg['port']}",
                                        replay_endpoint=f"tcp://*:{cfg['replay_port']}")
         self.running: dict[str, Any] = {}
@@ -76,18 +80,22 @@ class Rank:
             self.pub.publish(self.v.KVEventBatch(ts=time.time(), events=events))
             self.published += 1
 
-    def serve(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        v, tokens, lora = self.v, list(cmd["tokens"]), cmd.get("lora")
+    def request(self, cmd: dict[str, Any]) -> Any:
+        v, lora = self.v, cmd.get("lora")
         lreq = v.LoRARequest(lora, 1 + sum(map(ord, lora)), "/nowhere") if lora else None
-        req = v.Request(cmd["rid"], tokens, v.SamplingParams(max_tokens=1, extra_args=cmd.get("xargs")), None,
-                        lora_request=lreq, cache_salt=cmd.get("salt"),
-                        block_hasher=v.get_request_block_hasher(self.bs, v.sha256))
+        return v.Request(cmd.get("rid", "peek"), list(cmd["tokens"]),
+                         v.SamplingParams(max_tokens=1, extra_args=cmd.get("xargs")), None,
+                         lora_request=lreq, cache_salt=cmd.get("salt"),
+                         block_hasher=v.get_request_block_hasher(self.bs, v.sha256, self.la))
+
+    def serve(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        tokens, lora, req = list(cmd["tokens"]), cmd.get("lora"), self.request(cmd)
         blocks, hit, _ = self.manager.get_computed_blocks(req)
         if self.manager.allocate_slots(req, len(tokens) - hit, hit, blocks) is None:
             self.step()
             return {"ok": False, "error": "no free blocks"}
         for i, h in enumerate(req.block_hashes):
-            self.blocks[bytes(h)] = (tokens[: (i + 1) * self.bs], lora, cmd.get("salt"))
+            self.blocks[bytes(h)] = (tokens[: (i + 1) * self.bs + self.la], lora, cmd.get("salt"))  # + its lookahead
         if cmd.get("keep"):
             self.running[cmd["rid"]] = req
         else:
@@ -111,6 +119,8 @@ class Rank:
         op = cmd["op"]
         if op == "serve":
             return self.serve(cmd)
+        if op == "peek":
+            return {"ok": True, "hit_tokens": self.manager.get_computed_blocks(self.request(cmd))[1]}
         if op == "free":
             self.manager.free(self.running.pop(cmd["rid"]))
         elif op == "clear":

@@ -137,15 +137,17 @@ def ports(n: int) -> int:
 
 @asynccontextmanager
 async def stack(driver: Driver, config: dict[str, Any], *, block_size: int, model: str,
-                ranks: int = 1) -> AsyncIterator[Stack]:
-    """Fresh engines on ``driver`` (on new ports) and a fresh subscriber and index on them."""
+                ranks: int = 1, lookahead_tokens: int | None = None) -> AsyncIterator[Stack]:
+    """Fresh engines on ``driver`` (on new ports) and a fresh subscriber and index on them
+    (``lookahead_tokens``: the worker's ``kv_events.lookahead_tokens``)."""
     port, replay = ports(ranks), ports(ranks)
     driver.start({**config, "ranks": ranks, "port": port, "replay_port": replay})
     index = PrefixIndex()
     sub = KvEventSubscriber(index, SubscriberLimits(replay_timeout_s=5.0))
     try:
         targets = sub.add_worker(WorkerEvents("engine", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
-                                              dp_size=ranks, model=model, block_size=block_size))
+                                              dp_size=ranks, model=model, block_size=block_size,
+                                              lookahead_tokens=lookahead_tokens))
         yield Stack(driver, sub, index, targets, block_size, model)
     finally:
         await sub.stop()
