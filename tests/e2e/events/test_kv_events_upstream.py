@@ -360,9 +360,13 @@ def test_sglang_pages_signed_hashes_and_removal(stack: Stack) -> None:
 
 def test_sglang_eagle_bigram_pages(stack: Stack) -> None:
     """Under EAGLE, SGLang's radix keys (and the token_ids of its BlockStored) are bigrams
-    ``(t_i, t_i+1)``: position i holds token i's KV."""
-    text, tokens = prompt(stack.rng, 3)
-    bigrams = [[tokens[i], tokens[i + 1] if i + 1 < len(tokens) else 0] for i in range(len(tokens))]
+    ``(t_i, t_i+1)``: position i holds token i's KV, and a page is reused only when the token
+    after it agrees too (``mesh.core.lookahead``)."""
+    text, tokens = prompt(stack.rng, 4)
+    bigrams = [[tokens[i], tokens[i + 1]] for i in range(3 * BS)]
     h = [i64(f"eagle-{i}") for i in range(3)]
     stack.spub.publish(SBatch(time.time(), s_pages(h, bigrams, medium="GPU"), 0))
-    stack.until(text, "ws", (3, 0))
+    stack.until(text, "ws", (3, 0))  # the fourth block's first token follows the third page
+    stack.until(text[: 3 * BS], "ws", (2, 0))  # nothing follows the third: it cannot be credited
+    parted = text[:BS] + chr(ord(text[BS]) ^ 1) + text[BS + 1 :]
+    stack.until(parted, "ws", (0, 0))  # parts right after the first page: not even that one
