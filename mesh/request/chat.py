@@ -286,8 +286,8 @@ def normalize_message(message: Any, content_format: ContentFormat = "string") ->
         raise ChatTemplateError("each message must be an object with a string 'role'")
     role = message["role"]
     content = message.get("content")
-    if role == "system" and isinstance(content, list):
-        content = _without_billing_lines(content)
+    if role == "system" and isinstance(content, (str, list)):
+        content = _without_billing_lines([content] if isinstance(content, str) else content)
     if content_format == "openai" and role != "tool":
         content = _openai_content(content)
     elif content is None:
@@ -324,24 +324,44 @@ BILLING_LINE = "x-anthropic-billing-header"  # Claude Code's per-request attribu
 
 
 def _without_billing_lines(parts: list[Any]) -> list[Any]:
-    """A system message's parts as vLLM renders them: a text part that starts with Claude Code's
-    ``x-anthropic-billing-header`` line loses that line (its value changes with every request:
-    kept, no two requests of a conversation would share their prefix)."""
+    """A system message's parts as vLLM renders them (``_strip_claude_code_billing_header``; a string
+    content is one part): a text part that starts with Claude Code's ``x-anthropic-billing-header``
+    line loses that line, and is dropped when nothing is left (its value changes with every
+    request: kept, no two requests of a conversation would share their prefix)."""
     out = []
     for part in parts:
-        text = part.get("text") if isinstance(part, dict) else None
-        if isinstance(text, str) and text.startswith(BILLING_LINE):
-            part = {**part, "text": text.partition("\n")[2]}
-        out.append(part)
+        text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if not (isinstance(text, str) and text.startswith(BILLING_LINE)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
     return out
 
 
+# vLLM's text part types (``TEXT_PART_TYPES``) and the key that holds each one's text
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
 def _part_texts(parts: list[Any]) -> list[str]:
+    """The texts of a content list as vLLM parses them: a string is a text; a text-kind part
+    gives its text (a part of type text or refusal without one is skipped); any other part is not
+    rendered here (ChatTemplateError: the caller routes on the text before it)."""
     texts = []
     for part in parts:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) and "uuid" not in part else None
+        if key is None:
             raise ChatTemplateError("only text content parts are supported")
-        texts.append(part["text"])
+        text = part.get(key)
+        if text is None and part["type"] in ("text", "refusal"):
+            continue
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"a '{part['type']}' content part needs a string '{key}'")
+        texts.append(text)
     return texts
 
 
@@ -369,6 +389,8 @@ def _template_tool_calls(tool_calls: Any) -> Any:
         function = item.get("function") if isinstance(item, dict) else None
         if not isinstance(function, dict):
             raise ChatTemplateError("each tool call must be an object with a 'function' object")
+        if item.get("type", "function") != "function":  # vLLM: chat completions take function calls only
+            raise ChatTemplateError("chat completions only support assistant tool_calls of type 'function'")
         out.append({**item, "function": {**function, "arguments": _tool_arguments(function.get("arguments"))}})
     return out
 

@@ -18,7 +18,7 @@ class ChatTemplateError(ValueError):
 
 
 # Template variables a request may not set through chat_template_kwargs (they are the call's own).
-_RESERVED_KWARGS = frozenset({"messages", "tokenize"})
+_RESERVED_KWARGS = frozenset({"messages"})
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class ChatOptions:
             raise ChatTemplateError("'documents' must be an array")
         effort = _optional_str(body, "reasoning_effort")
         template = _optional_str(body, "chat_template") or _optional_str(kwargs, "chat_template")
-        kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
+        # vLLM takes both as apply_chat_template's own arguments: a template never sees them
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("chat_template", "tokenize")}
         return cls(add_gen, cont, template_tools(body.get("tools")), documents, kwargs,
                    reasoning_effort=effort, chat_template=template)
 

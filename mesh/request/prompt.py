@@ -33,6 +33,7 @@ from mesh.core.keys import KeyChain, block_keys, namespace_seed
 from mesh.errors import MeshError, bad_request
 from mesh.request.chat import (
     DEFAULT_OPTIONS,
+    TEXT_PART_KEYS,
     ChatOptions,
     ChatTemplateError,
     continue_final,
@@ -437,5 +438,5 @@ def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError,
 def _has_non_text_part(message: Any) -> bool:
     content = message.get("content") if isinstance(message, dict) else None
     return isinstance(content, list) and any(
-        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] != "text" for p in content
+        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] not in TEXT_PART_KEYS for p in content
     )

@@ -118,10 +118,11 @@ def vllm_prompts(vllm_wheel: Upstream, tokenizers: dict[str, Path]) -> dict[str,
     return dict(zip([c[0] for c in every], json.loads(done.stdout), strict=True))
 
 
-def _mesh(tok_dir: Path, body: dict[str, Any], defaults: dict[str, Any]) -> str:
+def _mesh(tok_dir: Path, body: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, list[int]]:
+    """The prompt text and token ids the gateway routes ``body`` on."""
     source = prompt_source({"model": "m", **body}, "chat")
-    text, _ = PromptProcessor._tokens(source, load_tokenizer(str(tok_dir)), "auto", defaults)
-    return text
+    text, tokens = PromptProcessor._tokens(source, load_tokenizer(str(tok_dir)), "auto", defaults)
+    return text, tokens.tolist()
 
 
 @pytest.mark.parametrize(("case", "template", "body", "defaults"), CASES, ids=[c[0] for c in CASES])
@@ -129,10 +130,11 @@ def test_prompt_is_vllms(case: str, template: str, body: dict[str, Any], default
                          tokenizers: dict[str, Path], vllm_prompts: dict[str, dict[str, Any]]) -> None:
     expected = vllm_prompts[case]
     assert "error" not in expected, f"vLLM refused {case}: {expected['error']}"
-    prompt = expected["prompt"]
-    if isinstance(prompt, list):  # the request asked vLLM for token ids (chat_template_kwargs tokenize)
-        prompt = load_tokenizer(str(tokenizers[template])).decode(prompt)
-    assert _mesh(tokenizers[template], body, defaults) == prompt
+    text, tokens = _mesh(tokenizers[template], body, defaults)
+    if isinstance(expected["prompt"], list):  # the request asked vLLM for token ids (chat_template_kwargs tokenize)
+        assert tokens == expected["prompt"]
+    else:
+        assert text == expected["prompt"]
 
 
 @pytest.mark.parametrize(("case", "body"), REFUSED, ids=[c[0] for c in REFUSED])
