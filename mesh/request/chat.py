@@ -353,7 +353,8 @@ def _part_texts(parts: list[Any]) -> list[str]:
         if isinstance(part, str):
             texts.append(part)
             continue
-        key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) and "uuid" not in part else None
+        kind = part.get("type") if isinstance(part, dict) and "uuid" not in part else None
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise ChatTemplateError("only text content parts are supported")
         text = part.get(key)

@@ -31,15 +31,8 @@ import xxhash
 from mesh.cluster.registry import WorkerRegistry
 from mesh.core.keys import KeyChain, block_keys, namespace_seed
 from mesh.errors import MeshError, bad_request
-from mesh.request.chat import (
-    DEFAULT_OPTIONS,
-    TEXT_PART_KEYS,
-    ChatOptions,
-    ChatTemplateError,
-    continue_final,
-    developer_as_system,
-    normalize_message,
-)
+from mesh.request.chat import TEXT_PART_KEYS, continue_final, developer_as_system, normalize_message
+from mesh.request.options import DEFAULT_OPTIONS, ChatOptions, ChatTemplateError
 from mesh.request.tokenizer import ByteTokenizer, load_tokenizer
 from mesh.request.validate import (  # noqa: F401 - MAX_CHOICES, MAX_MODEL_CHARS: part of this module's interface
     MAX_CHOICES,
