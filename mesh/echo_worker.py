@@ -35,7 +35,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mesh.request.chat import ChatTemplateError
+from mesh.request.options import ChatTemplateError
 from mesh.request.tokenizer import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode

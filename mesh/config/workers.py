@@ -74,6 +74,7 @@ class WorkerConfig(ConfigModel):
     # vLLM's --chat-template-content-format for this pool's template: "auto" detects it from the
     # template (mesh.request.chat), "string"/"openai" force it (as the engine is run with, or keys diverge)
     chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM's --default-chat-template-kwargs of this pool's workers (e.g. {\"enable_thinking\": false}): the template variables a request's chat_template_kwargs and explicit fields override. Set as the engines run, or the gateway renders another prompt and its block keys never match their cache.")
 
     @field_validator("name")
     @classmethod

@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+
+from mesh.request.options import (  # noqa: F401 - part of this module's interface
+    _RESERVED_KWARGS,
+    CONTENT_FORMATS,
+    DEFAULT_OPTIONS,
+    ChatOptions,
+    ChatTemplateError,
+    ContentFormat,
+    merge_kwargs,
+    template_arguments,
+    template_tools,
+)
 
 # ChatML, the template of Qwen2 and of the byte-level default.
 DEFAULT_CHAT_TEMPLATE = (
@@ -34,13 +46,10 @@ DEFAULT_CHAT_TEMPLATE = (
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-# vLLM's ``--chat-template-content-format``: "string" (text parts joined into one string) or
-# "openai" (a list of {"type": "text", "text": ...} parts); "auto" detects it from the template.
-ContentFormat = Literal["string", "openai"]
-CONTENT_FORMATS = ("auto", "string", "openai")
 
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (bad shape, or the template raised)."""
+REQUEST_TEMPLATES = 8  # per-request chat templates kept compiled, per renderer
+
+
 
 
 
@@ -69,7 +78,10 @@ class ChatRenderer:
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(template)
+        self.source = template
         self._special = special
+        self._content_format_option = content_format
+        self._request_templates: dict[str, ChatRenderer] = {}
         # vLLM's _detect_developer_role_support: a template that never names the role gets
         # developer messages as system ones
         self.knows_developer = '"developer"' in template or "'developer'" in template
@@ -79,11 +91,11 @@ class ChatRenderer:
         )
 
     def render(self, messages: Sequence[dict[str, Any]], options: ChatOptions | None = None) -> str:
-        """As HF's ``apply_chat_template(tokenize=False)`` with vLLM's arguments: special tokens,
-        ``tools``/``documents`` (passed even when None: a template may test ``tools is defined``)
-        and the generation flag, then the request's ``chat_template_kwargs`` over them (vLLM
-        merges them last)."""
+        """As HF's ``apply_chat_template(tokenize=False)`` with vLLM's arguments (``template_arguments``);
+        a request's own ``chat_template`` is rendered by a renderer of its own (same special tokens)."""
         opts = options or DEFAULT_OPTIONS
+        if opts.chat_template is not None and opts.chat_template != self.source:
+            return self._for_template(opts.chat_template).render(messages, replace(opts, chat_template=None))
         content_format = self.content_format if opts.content_format == "auto" else opts.content_format
         if content_format == "string":
             normalized = [normalize_message(m) for m in messages]
@@ -92,15 +104,26 @@ class ChatRenderer:
         if not self.knows_developer and any(m["role"] == "developer" for m in normalized):
             normalized = developer_as_system(normalized)
         try:
-            text = self._template.render(messages=normalized, **{
-                **self._special, "tools": opts.tools, "documents": opts.documents,
-                "add_generation_prompt": opts.add_generation_prompt, **opts.template_kwargs,
-            })
+            text = self._template.render(messages=normalized, **{**self._special, **template_arguments(opts)})
         except ChatTemplateError:
             raise
         except Exception as exc:  # the template runs on client data: a TypeError ('x' + None) is the client's
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         return continue_final(text, normalized) if opts.continue_final_message else text
+
+    def _for_template(self, template: str) -> ChatRenderer:
+        """The renderer of a request's ``chat_template`` (vLLM ``--trust-request-chat-template``);
+        kept per template text, the last ``REQUEST_TEMPLATES`` of them."""
+        renderer = self._request_templates.pop(template, None)
+        if renderer is None:
+            try:
+                renderer = ChatRenderer(template, self._content_format_option, **self._special)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"'chat_template' does not compile: {exc}") from exc
+        self._request_templates[template] = renderer
+        while len(self._request_templates) > REQUEST_TEMPLATES:
+            self._request_templates.pop(next(iter(self._request_templates)))
+        return renderer
 
 
 def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -263,8 +286,8 @@ def normalize_message(message: Any, content_format: ContentFormat = "string") ->
         raise ChatTemplateError("each message must be an object with a string 'role'")
     role = message["role"]
     content = message.get("content")
-    if role == "system" and isinstance(content, list):
-        content = _without_billing_lines(content)
+    if role == "system" and isinstance(content, (str, list)):
+        content = _without_billing_lines([content] if isinstance(content, str) else content)
     if content_format == "openai" and role != "tool":
         content = _openai_content(content)
     elif content is None:
@@ -301,24 +324,45 @@ BILLING_LINE = "x-anthropic-billing-header"  # Claude Code's per-request attribu
 
 
 def _without_billing_lines(parts: list[Any]) -> list[Any]:
-    """A system message's parts as vLLM renders them: a text part that starts with Claude Code's
-    ``x-anthropic-billing-header`` line loses that line (its value changes with every request:
-    kept, no two requests of a conversation would share their prefix)."""
+    """A system message's parts as vLLM renders them (``_strip_claude_code_billing_header``; a string
+    content is one part): a text part that starts with Claude Code's ``x-anthropic-billing-header``
+    line loses that line, and is dropped when nothing is left (its value changes with every
+    request: kept, no two requests of a conversation would share their prefix)."""
     out = []
     for part in parts:
-        text = part.get("text") if isinstance(part, dict) else None
-        if isinstance(text, str) and text.startswith(BILLING_LINE):
-            part = {**part, "text": text.partition("\n")[2]}
-        out.append(part)
+        text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if not (isinstance(text, str) and text.startswith(BILLING_LINE)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
     return out
 
 
+# vLLM's text part types (``TEXT_PART_TYPES``) and the key that holds each one's text
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
 def _part_texts(parts: list[Any]) -> list[str]:
+    """The texts of a content list as vLLM parses them: a string is a text; a text-kind part
+    gives its text (a part of type text or refusal without one is skipped); any other part is not
+    rendered here (ChatTemplateError: the caller routes on the text before it)."""
     texts = []
     for part in parts:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) and "uuid" not in part else None
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise ChatTemplateError("only text content parts are supported")
-        texts.append(part["text"])
+        text = part.get(key)
+        if text is None and part["type"] in ("text", "refusal"):
+            continue
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"a '{part['type']}' content part needs a string '{key}'")
+        texts.append(text)
     return texts
 
 
@@ -346,6 +390,8 @@ def _template_tool_calls(tool_calls: Any) -> Any:
         function = item.get("function") if isinstance(item, dict) else None
         if not isinstance(function, dict):
             raise ChatTemplateError("each tool call must be an object with a 'function' object")
+        if item.get("type", "function") != "function":  # vLLM: chat completions take function calls only
+            raise ChatTemplateError("chat completions only support assistant tool_calls of type 'function'")
         out.append({**item, "function": {**function, "arguments": _tool_arguments(function.get("arguments"))}})
     return out
 
@@ -367,96 +413,6 @@ def _tool_arguments(raw: Any) -> dict[str, Any]:
 
 def _raise_template_error(message: str) -> None:
     raise ChatTemplateError(message)
-
-
-# Template variables a request may not set through chat_template_kwargs (they are the call's own).
-_RESERVED_KWARGS = frozenset({"messages", "chat_template", "tokenize"})
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """The request fields that change the rendered prompt (vLLM's defaults), and the deployment's
-    forced content format (``content_format``: set by the gateway's pool or the worker's flag with
-    ``forced``, never read from a request body; "auto" leaves the renderer's own)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    documents: list[Any] | None = None
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    content_format: str = "auto"
-
-    @property
-    def plain(self) -> bool:
-        """Nothing a ChatML template would render differently from the defaults but the flags."""
-        return (self.tools is None and self.documents is None and not self.template_kwargs
-                and self.content_format != "openai")
-
-    def forced(self, content_format: str) -> ChatOptions:
-        """These options rendered in ``content_format`` ("auto": unchanged)."""
-        if content_format == self.content_format:
-            return self
-        if content_format not in CONTENT_FORMATS:
-            raise ValueError(f"content_format must be one of {CONTENT_FORMATS}, not {content_format!r}")
-        return replace(self, content_format=content_format)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> ChatOptions:
-        """Parse a chat request body's options; ChatTemplateError (a 400) on a bad field."""
-        if _OPTION_FIELDS.isdisjoint(body):  # the usual request: no option set
-            return DEFAULT_OPTIONS
-        add_gen = _flag(body, "add_generation_prompt", True)
-        cont = _flag(body, "continue_final_message", False)
-        if add_gen and cont and "add_generation_prompt" in body:
-            raise ChatTemplateError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true")
-        if cont:
-            add_gen = False  # vLLM: continuing the last message means no new assistant turn
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
-            raise ChatTemplateError("'chat_template_kwargs' must be an object whose keys are identifiers")
-        elif _RESERVED_KWARGS & kwargs.keys():
-            raise ChatTemplateError(f"'chat_template_kwargs' may not set {sorted(_RESERVED_KWARGS & kwargs.keys())}")
-        documents = body.get("documents")
-        if documents is not None and not isinstance(documents, list):
-            raise ChatTemplateError("'documents' must be an array")
-        return cls(add_gen, cont, template_tools(body.get("tools")), documents, kwargs)
-
-
-_OPTION_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template_kwargs"})
-DEFAULT_OPTIONS = ChatOptions()
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ChatTemplateError(f"'{name}' must be a boolean")
-    return value
-
-
-def template_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """``tools`` as a template sees them from vLLM: each ``ChatCompletionToolsParam.model_dump()``,
-    i.e. ``{"type", "function": {"name", "description", "parameters", <extra fields>}, <extras>}``
-    with absent optional fields as null (templates ``tojson`` whole tools, so every key counts)."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise ChatTemplateError("'tools' must be an array")
-    out = []
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ChatTemplateError("each tool must be an object with a 'function' object that has a string 'name'")
-        dumped = {"name": function["name"], "description": function.get("description"),
-                  "parameters": function.get("parameters")}
-        dumped.update((k, v) for k, v in function.items() if k not in dumped)
-        entry = {"type": tool.get("type", "function"), "function": dumped}
-        entry.update((k, v) for k, v in tool.items() if k not in entry)
-        out.append(entry)
-    return out
 
 
 def continue_final(rendered: str, messages: Sequence[dict[str, Any]]) -> str:

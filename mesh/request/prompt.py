@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,14 +31,8 @@ import xxhash
 from mesh.cluster.registry import WorkerRegistry
 from mesh.core.keys import KeyChain, block_keys, namespace_seed
 from mesh.errors import MeshError, bad_request
-from mesh.request.chat import (
-    DEFAULT_OPTIONS,
-    ChatOptions,
-    ChatTemplateError,
-    continue_final,
-    developer_as_system,
-    normalize_message,
-)
+from mesh.request.chat import TEXT_PART_KEYS, continue_final, developer_as_system, normalize_message
+from mesh.request.options import DEFAULT_OPTIONS, ChatOptions, ChatTemplateError
 from mesh.request.tokenizer import ByteTokenizer, load_tokenizer
 from mesh.request.validate import (  # noqa: F401 - MAX_CHOICES, MAX_MODEL_CHARS: part of this module's interface
     MAX_CHOICES,
@@ -74,10 +69,12 @@ class Pool:
     tokenizer: str | None
     block_size: int
     content_format: str = "auto"  # the workers' chat_template_content_format (vLLM's flag)
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # their --default-chat-template-kwargs
 
 
 def _pool(config: Any) -> Pool:
-    return Pool(config.tokenizer, config.block_size, config.chat_template_content_format)
+    return Pool(config.tokenizer, config.block_size, config.chat_template_content_format,
+                config.default_chat_template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +302,7 @@ class PromptProcessor:
         self, source: PromptSource, pool: Pool, seed: int, session_id: str | None
     ) -> tuple[str, list[int], int, np.ndarray]:
         tok = self.tokenizer(pool.tokenizer)
-        text, tokens = self._tokens(source, tok, pool.content_format)
+        text, tokens = self._tokens(source, tok, pool.content_format, pool.template_kwargs)
         n_tokens = int(tokens.size)
         if session_id is None:
             return text, block_keys(tokens, pool.block_size, seed), n_tokens, tokens
@@ -316,11 +313,12 @@ class PromptProcessor:
         return text, keys, n_tokens, tokens
 
     @staticmethod
-    def _tokens(source: PromptSource, tok: Any, content_format: str = "auto") -> tuple[str, np.ndarray]:
+    def _tokens(source: PromptSource, tok: Any, content_format: str = "auto",
+                default_kwargs: Mapping[str, Any] | None = None) -> tuple[str, np.ndarray]:
         chat = source.kind == "chat"
         if chat:
             try:
-                text = _render(source.content, tok, source.options.forced(content_format))
+                text = _render(source.content, tok, source.options.forced(content_format, default_kwargs))
             except ChatTemplateError as exc:
                 text = _render_text_prefix(source.content, tok, exc, content_format)
         elif isinstance(source.content, str):
@@ -436,5 +434,5 @@ def _render_text_prefix(messages: list[Any], tok: Any, error: ChatTemplateError,
 def _has_non_text_part(message: Any) -> bool:
     content = message.get("content") if isinstance(message, dict) else None
     return isinstance(content, list) and any(
-        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] != "text" for p in content
+        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] not in TEXT_PART_KEYS for p in content
     )

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from mesh.request.chat import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKEN_NAMES, ChatOptions, ChatRenderer
+from mesh.request.chat import DEFAULT_CHAT_TEMPLATE, SPECIAL_TOKEN_NAMES, ChatRenderer
+from mesh.request.options import ChatOptions
 
 GIL_FREE_CHARS = 8192  # texts at least this long are encoded with the GIL released
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,3 +197,20 @@ async def test_an_adapter_discovered_later_moves_its_requests_to_the_lora_namesp
     with pytest.raises(MeshError) as info:
         await p.process(body(model="chat", prompt="x"), "completion", None)
     assert info.value.status == 404
+
+
+async def test_the_pools_default_chat_template_kwargs_reach_the_template_under_the_request(tmp_path: Path) -> None:
+    """vLLM's --default-chat-template-kwargs, set per worker: a request's kwargs override them."""
+    from tests.support.chat_templates import build_tokenizer
+
+    template = "{{ messages[0]['content'] }}|thinking={{ enable_thinking }}|style={{ style }}"
+    tok = build_tokenizer(tmp_path / "tok", template)
+    reg = WorkerRegistry(parse_config({}))
+    reg.add(WorkerConfig(name="w", url="http://h:1", models=["m"], tokenizer=str(tok),
+                         default_chat_template_kwargs={"enable_thinking": False, "style": "terse"}))
+    p = PromptProcessor(reg)
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = await p.process(body(messages=msgs), "chat", None)
+    assert plain.info.text == "hi|thinking=False|style=terse"
+    over = await p.process(body(messages=msgs, chat_template_kwargs={"enable_thinking": True, "style": None}), "chat", None)
+    assert over.info.text == "hi|thinking=True|style=terse"
