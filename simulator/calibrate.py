@@ -12,9 +12,10 @@ measurement reuses another's prefix cache, except where a cached context is the 
    ``base + per_token * c + per_token2 * c^2 + per_token_ctx * c * (tokens before the step)``
    per step of ``c`` tokens, ``per_hit_token`` per cached token. A cold prompt of two steps
    measures the attention of the second over the first, which a small cached context cannot.
-3. Decode: ``B`` concurrent streams of ``M`` tokens; the median gap between a stream's chunks
-   after its first is the step time at batch ``B`` (fit ``base + per_seq * B``), and at batch 1
-   with a long prompt it gives ``per_ctx_token``.
+3. Decode: ``B`` concurrent streams of ``M`` tokens, a few times over; the median over streams
+   and repeats of a stream's mean inter-token time (chunks that arrived coalesced, read from one
+   buffer after a stall, left out: ``simulator.calibrate_itl``) is the step time at batch ``B``
+   (fit ``base + per_seq * B``), and at batch 1 with a long prompt it gives ``per_ctx_token``.
 
 Token counts come from the endpoint's ``usage`` (``stream_options.include_usage``), or, when it
 does not report usage, from a non-streaming probe of a same-shaped prompt.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from simulator.calibrate_fit import CalibrationError, fit_decode_terms, fit_mixed_terms, fit_prefill_terms
+from simulator.calibrate_itl import stream_itl
 from simulator.calibrate_summary import WorkerCapacity, resolve_capacity, summary_lines
 from simulator.fit import fit_terms
 from simulator.profile import BUILTIN, DecodeTiming, PrefillTiming, ProfileError, dump_profile
@@ -53,12 +55,9 @@ class StreamStats:
     cached_tokens: int | None
 
     def itl(self, max_tokens: int) -> float | None:
-        """Mean inter-token time: first to last token over the tokens between (robust to chunks
-        that arrive in bursts, unlike a median of gaps)."""
-        n = self.completion_tokens or min(max_tokens, len(self.later) + 1)
-        if n < 2 or not self.later:
-            return None
-        return self.later[-1] / (n - 1)
+        """Mean inter-token time past the chunks that arrived coalesced with the first; None when
+        the stream came mostly coalesced (``simulator.calibrate_itl``)."""
+        return stream_itl(self.later, self.completion_tokens, max_tokens)
 
 
 class Endpoint:
@@ -155,6 +154,7 @@ class Endpoint:
 
 
 _rng = random.Random(1234)
+DECODE_ROUNDS = 3  # runs of each decode point (one stall spoils a run, not the median)
 
 
 Prompt = Any  # text, or a list of token ids (``--token-ids``)
@@ -283,33 +283,44 @@ async def _context_points(ep: Endpoint, top: int, repeats: int, cold_fit: tuple[
     return points
 
 
-async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, quick: bool, log: Any
-                         ) -> tuple[list[tuple[int, float, int]], list[tuple[int, float]]]:
+async def _decode_points(ep: Endpoint, top: int, steps: int, max_batch: int, quick: bool, log: Any,
+                         rounds: int = DECODE_ROUNDS) -> tuple[list[tuple[int, float, int]], list[tuple[int, float]]]:
     """Decode step times: ``(batch, ITL, KV tokens of the batch)`` for concurrent short prompts,
-    and ``(context tokens, ITL)`` for one stream on long prompts."""
+    and ``(context tokens, ITL)`` for one stream on long prompts; each the median over
+    ``rounds`` runs of every stream that was not read coalesced (a point without one is left
+    out, and said)."""
     batch_pts = []
     for b in [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_batch]:
-        prompts = [_short(ep) for _ in range(b)]
-        runs = await asyncio.gather(*(ep.stream_stats(p, steps) for p in prompts))
-        itls = [x for x in (r.itl(steps) for r in runs) if x is not None]
-        if not itls:
+        runs: list[StreamStats] = []
+        for _ in range(rounds):
+            runs += await asyncio.gather(*(ep.stream_stats(_short(ep), steps) for _ in range(b)))
+        itl = _median_itl(runs, steps, f"decode batch {b:>4}", log)
+        if itl is None:
             continue
-        itl = statistics.median(itls)
-        ctx = sum((r.prompt_tokens or 40) + steps // 2 for r in runs)
-        batch_pts.append((b, itl, ctx))
+        ctx = statistics.median(r.prompt_tokens or 40 for r in runs) * b + b * (steps // 2)
+        batch_pts.append((b, itl, int(ctx)))
         log(f"decode batch {b:>4}: ITL {itl * 1e3:7.3f} ms")
     ctx_pts = []
     for c in [c for c in (1024, 4096, 16384) if c <= top] or [top]:
-        st = await ep.stream_stats(await _sized_prompt(ep, c), steps)
-        itl = st.itl(steps)
+        runs = [await ep.stream_stats(await _sized_prompt(ep, c), steps) for _ in range(rounds)]
+        itl = _median_itl(runs, steps, f"decode at {c} context tokens", log)
         if itl is None:
             continue
-        tokens = (st.prompt_tokens or c) + steps // 2
+        tokens = int(statistics.median(r.prompt_tokens or c for r in runs)) + steps // 2
         ctx_pts.append((tokens, itl))
         log(f"decode at {tokens} context tokens: ITL {itl * 1e3:.3f} ms")
         if quick:
             break
     return batch_pts, ctx_pts
+
+
+def _median_itl(runs: list[StreamStats], steps: int, what: str, log: Any) -> float | None:
+    """The median ITL of the streams of ``runs`` that measured one; None (logged) when none did."""
+    itls = [x for x in (r.itl(steps) for r in runs) if x is not None]
+    if len(itls) < len(runs):
+        log(f"{what}: {len(runs) - len(itls)} of {len(runs)} streams measured no inter-token time (under 2 tokens, "
+            f"or read mostly coalesced after a stall), not counted")
+    return statistics.median(itls) if itls else None
 
 
 async def _mixed_points(ep: Endpoint, top: int, repeats: int, quick: bool, decode: tuple[float, float, float],

@@ -13,12 +13,16 @@ import torch
 from workers.config import EngineConfig, get_preset
 from workers.engine.block_manager import BlockRemoved, BlockStored
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import SamplingParams
+from workers.engine.sequence import SamplingParams, Sequence
 from workers.engine.state_checkpoints import GROUP, KIND
 from workers.model.decoder import build_model
 
 HYB = get_preset("tiny-hybrid")
 BS = 16
+# Top-2 logit margin (relative to the top logit) under which a greedy step is a near tie: a
+# resumed prefix batches its tokens differently, and fp32 reordering (~1e-6 relative on the
+# logits; which kernels run depends on the CPU's ISA) may then pick either of the tied tokens.
+NEAR_TIE = 1e-5
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -67,6 +71,39 @@ class _Recorder:
         self.into += events
 
 
+class _Candidates:
+    """Wraps an engine's sampler: keeps, per request and step, the tokens whose logit is within
+    the near-tie margin of the top one (one token where the step is decided)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.sample = engine.runner.sampler
+        self.steps: dict[str, list[set[int]]] = {}
+        engine.runner.sampler = self  # type: ignore[assignment]
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        top = logits.max(dim=-1, keepdim=True).values
+        tied = logits >= top - NEAR_TIE * top.abs().clamp_min(1.0)
+        for row, seq in zip(tied, seqs, strict=True):
+            self.steps.setdefault(seq.request_id, []).append(set(row.nonzero().flatten().tolist()))
+        return self.sample(logits, seqs)
+
+    def run(self, tag: str, n: int) -> list[list[set[int]]]:
+        """The candidates of requests ``{tag}0`` .. ``{tag}{n-1}`` (``_run``'s ids)."""
+        return [self.steps[f"{tag}{i}"] for i in range(n)]
+
+
+def _agreed(got: list[int], ref: list[int], candidates: list[set[int]]) -> int:
+    """Steps of ``got`` checked against the reference ``ref``: every token is the reference's up to
+    the first near tie, which may go either way (the runs diverge legitimately after it)."""
+    assert len(got) == len(ref) == len(candidates)
+    for j, (token, want, cands) in enumerate(zip(got, ref, candidates, strict=True)):
+        assert want in cands
+        assert token in cands, f"step {j}: token {token}, reference {want} (candidates {sorted(cands)})"
+        if len(cands) > 1:
+            return j + 1
+    return len(got)
+
+
 def _computed(engine: LLMEngine) -> int:
     st = engine.stats()
     return int(st["prefill_computed_tokens"] + st["decode_computed_tokens"])
@@ -83,8 +120,9 @@ def test_preset_shape() -> None:
 @pytest.mark.parametrize("chunk", [None, 7, 16, 45])
 def test_checkpoints_never_change_greedy_output(model: torch.nn.Module, chunk: int | None) -> None:
     """Families of prompts sharing prefixes, two rounds, staggered arrivals: identical tokens with
-    checkpoints on (hits resumed), checkpoints off, and no prefix cache at all; the hits happen,
-    and only at checkpoint positions."""
+    checkpoints on (hits resumed), checkpoints off, and no prefix cache at all, up to a near tie
+    of the reference (nearly all steps have none); the hits happen, and only at checkpoint
+    positions."""
     rng = random.Random(chunk or 0)
     heads = [[rng.randrange(256) for _ in range(70)] for _ in range(3)]
     prompts = [heads[i % 3][: rng.randrange(20, 71)] + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
@@ -92,12 +130,18 @@ def test_checkpoints_never_change_greedy_output(model: torch.nn.Module, chunk: i
     arrivals = [rng.randrange(0, 12) for _ in prompts]
     params = _greedy(24)
     kw = dict(chunked_prefill_size=chunk, state_checkpoint_interval=32, max_num_batched_tokens=96)
-    ref = _run(_engine(model, enable_prefix_caching=False, **kw), prompts, params, arrivals)
+    ref_engine = _engine(model, enable_prefix_caching=False, **kw)
+    cands = _Candidates(ref_engine)
+    ref = _run(ref_engine, prompts, params, arrivals)
+    near = cands.run("t0-", len(prompts))
     off = _engine(model, num_state_checkpoints=0, **kw)
     on = _engine(model, **kw)
+    checked = 0
     for _ in range(2):  # the second round hits what the first left
-        assert _run(off, prompts, params, arrivals) == ref
-        assert _run(on, prompts, params, arrivals) == ref
+        for engine in (off, on):
+            got = _run(engine, prompts, params, arrivals)
+            checked += sum(_agreed(g, r, c) for g, r, c in zip(got, ref, near, strict=True))
+    assert checked >= 0.9 * 4 * len(prompts) * params.max_tokens  # near ties are rare
     s_on, s_off = on.stats(), off.stats()
     assert s_off["prefix_cache_hits"] == 0 and s_off["prefix_unresumable_tokens"] > 0
     assert s_on["prefix_cache_hits"] > 0 and s_on["state_checkpoints_restored"] > 0
