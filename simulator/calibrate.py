@@ -13,8 +13,8 @@ measurement reuses another's prefix cache, except where a cached context is the 
    per step of ``c`` tokens, ``per_hit_token`` per cached token. A cold prompt of two steps
    measures the attention of the second over the first, which a small cached context cannot.
 3. Decode: ``B`` concurrent streams of ``M`` tokens, a few times over; the median over streams
-   and repeats of a stream's mean inter-token time (chunks that arrived coalesced, read from one
-   buffer after a stall, left out: ``simulator.calibrate_itl``) is the step time at batch ``B``
+   and repeats of a stream's mean inter-token time (the chunks read in one burst with its first,
+   after a stall, left out: ``simulator.calibrate_itl``) is the step time at batch ``B``
    (fit ``base + per_seq * B``), and at batch 1 with a long prompt it gives ``per_ctx_token``.
 
 Token counts come from the endpoint's ``usage`` (``stream_options.include_usage``), or, when it
@@ -55,8 +55,8 @@ class StreamStats:
     cached_tokens: int | None
 
     def itl(self, max_tokens: int) -> float | None:
-        """Mean inter-token time past the chunks that arrived coalesced with the first; None when
-        the stream came mostly coalesced (``simulator.calibrate_itl``)."""
+        """Mean inter-token time past the chunks read in one burst with the first; None when most
+        of the stream came in that burst (``simulator.calibrate_itl``)."""
         return stream_itl(self.later, self.completion_tokens, max_tokens)
 
 
@@ -319,7 +319,7 @@ def _median_itl(runs: list[StreamStats], steps: int, what: str, log: Any) -> flo
     itls = [x for x in (r.itl(steps) for r in runs) if x is not None]
     if len(itls) < len(runs):
         log(f"{what}: {len(runs) - len(itls)} of {len(runs)} streams measured no inter-token time (under 2 tokens, "
-            f"or read mostly coalesced after a stall), not counted")
+            f"or most read in one burst with the first, after a stall), not counted")
     return statistics.median(itls) if itls else None
 
 

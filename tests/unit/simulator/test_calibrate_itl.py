@@ -1,6 +1,7 @@
-"""``mesh calibrate``'s inter-token time of a stream: chunks read coalesced after a stall (of the
-client, or of the server's loop) carry no step time and are not counted; a stream read mostly
-that way is no measurement, and a decode point is the median over streams and repeats."""
+"""``mesh calibrate``'s inter-token time of a stream: the chunks read coalesced with the first
+after a stall (of the client, or of the server's loop) carry no step time and are not counted;
+a stream read mostly that way is no measurement, and a decode point is the median over streams
+and repeats."""
 
 from __future__ import annotations
 
@@ -37,10 +38,16 @@ def test_tokens_queued_behind_the_first_are_not_counted() -> None:
     assert StreamStats(0.02, later, 40, 16, 0).itl(16) == pytest.approx(2e-3)
 
 
-def test_a_stream_mostly_coalesced_is_no_measurement() -> None:
-    """Two spread gaps among 15 (the last tokens after a stall's burst) are too few to say anything."""
+def test_a_stream_mostly_in_its_leading_burst_is_no_measurement() -> None:
+    """14 tokens read together, then 2 (the stall ended near the stream's end): too few to say anything."""
     later = [i * BURST for i in range(1, 14)] + [1e-3, 10e-3]
     assert stream_itl(later, 16, 16) is None
+
+
+def test_tokens_sent_in_pairs_are_paid_for_by_the_gap_before() -> None:
+    """A loaded server whose loop sends what its engine made every 4 ms (two 2 ms steps): 2 ms."""
+    later = [t for k in range(1, 9) for t in (k * 4e-3, k * 4e-3 + BURST)]
+    assert stream_itl(later, 17, 17) == pytest.approx(2e-3, rel=1e-3)
 
 
 def test_a_stream_read_as_sent_is_its_mean_gap() -> None:
@@ -77,7 +84,7 @@ def test_a_decode_point_is_the_median_of_the_streams_read_as_sent() -> None:
     batch, ctx = asyncio.run(_decode_points(_Scripted(script), 512, 16, 2, True, lines.append))  # type: ignore[arg-type]
     assert [(b, round(t * 1e4, 6)) for b, t, _ in batch] == [(1, 21.0), (2, 31.0)]
     assert ctx == [] and not script
-    assert sum("read mostly coalesced" in line for line in lines) == 3
+    assert sum("most read in one burst with the first" in line for line in lines) == 3
 
 
 async def _serve_one_burst(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
