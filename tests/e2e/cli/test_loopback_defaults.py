@@ -49,7 +49,8 @@ def test_mesh_up_pins_worker_ports_and_keeps_everything_on_loopback(procs: Proce
         wait_until(lambda p=pinned: listening(p), 30, f"a listener on {pinned}")
         assert listening(pinned) == LOOPBACK, (pinned, listening(pinned))
     assert listening(port) == LOOPBACK
-    assert f"worker-0:{base}" in up.log_tail(20_000)
+    # mesh up's summary line (printed once the gateway is up, after /ready may already answer)
+    wait_until(lambda: f"worker-0:{base}" in up.log_tail(20_000), 30, f"mesh up naming worker-0:{base}")
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2},
                       timeout=60)
     assert resp.status_code == 200, resp.text  # the gateway reaches the worker on its pinned port

@@ -36,6 +36,15 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
+def in_flight(url: str) -> float:
+    """Requests the worker runs or queues, from its /metrics (vLLM's names)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def assert_ended_with_error(reader: StreamReader) -> None:
     reader.join()
     assert reader.error is None, f"the stream was cut off: {reader.error!r}"
@@ -140,6 +149,7 @@ def test_worker_sigterm_ends_requests_in_flight_cleanly_and_frees_its_ports(proc
     thread = threading.Thread(target=lambda: plain.update(r=httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)))
     thread.start()
     assert stream.started.wait(30)
+    wait_until(lambda: in_flight(worker.url) >= 2, timeout_s=30, what="both requests on the worker")
     os.kill(worker.pid, signal.SIGTERM)
     assert worker.popen.wait(30) == 0, worker.log_tail()
     assert_ended_with_error(stream)

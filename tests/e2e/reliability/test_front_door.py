@@ -198,15 +198,19 @@ def test_an_upgrade_is_answered_not_left_hanging(gateway: Gateway) -> None:
 
 
 def test_a_half_closed_client_has_left(gateway: Gateway) -> None:
-    """A FIN cannot be told from a close (nginx and hyper take it as one): the connection closes
-    without an answer, nothing stays in flight, and the gateway serves on."""
+    """A FIN cannot be told from a close (nginx and hyper take it as one): the request is answered
+    whole or not started (a fast worker may answer before the FIN is read), the connection closes
+    either way, and the gateway serves on."""
     for _ in range(5):
         sock = gateway.connect()
         body = json.dumps(BODY).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
         sock.shutdown(socket.SHUT_WR)
-        assert sock.recv(65536) == b""
+        reply = b""
+        while chunk := sock.recv(65536):  # until the gateway closes (the socket's 10 s timeout bounds it)
+            reply += chunk
+        assert reply == b"" or (reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"}")), reply[:200]
     assert gateway.post().status_code == 200
 
 

@@ -45,7 +45,7 @@ class Side:
 
     def __init__(self, url: str, prefix: str, errors: list[str] | None = None, ttl_s: float = 0.5) -> None:
         self.targets = {t: TargetState(id=t, worker=t, models=frozenset({"echo"})) for t in TARGETS}
-        self.router = Router(LeastLoad(seed=1), self.targets)
+        self.router = Router(LeastLoad(), self.targets, seed=1)
         backend = RedisStateBackend(url, 30, key_prefix=prefix, timeout_s=0.2, retry_after_s=0.05,
                                     on_error=errors.append if errors is not None else None)
         self.load = SharedLoad(backend, self.targets, 0.05, ttl_s=ttl_s)
