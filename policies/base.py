@@ -15,10 +15,11 @@ import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
+
+from mesh.core.lookahead import merge_overlaps, prompt_keys  # the decision core's keying (no policy import)
 
 
 class Role(str, enum.Enum):
@@ -154,7 +155,7 @@ class ClusterView:
             self._overlaps = self.index.match(request.block_keys) if self.index else {}
             lookaheads: Mapping[str, int] | None = getattr(self.index, "lookaheads", None)
             if lookaheads and request.tokens is not None:  # only while some target hashes with lookahead
-                self._overlaps = _with_lookahead(self.index, request, self._overlaps, lookaheads)
+                self._overlaps = _with_lookahead(self.index, request, request.tokens, self._overlaps, lookaheads)
             self._overlaps_for = request.block_keys
         return self._overlaps
 
@@ -166,14 +167,11 @@ class ClusterView:
         return out
 
 
-def _with_lookahead(index: Any, request: RequestInfo, plain: Mapping[str, Overlap],
-                    lookaheads: Mapping[str, int]) -> Mapping[str, Overlap]:
+def _with_lookahead(index: Any, request: RequestInfo, tokens: Sequence[int] | np.ndarray,
+                    plain: Mapping[str, Overlap], lookaheads: Mapping[str, int]) -> Mapping[str, Overlap]:
     """``plain`` with each lookahead target's overlap replaced by the match of the prompt's
     lookahead keys (a block counts only when the tokens after it match too)."""
-    from mesh.core.lookahead import merge_overlaps, prompt_keys  # the decision core's keying
-
-    assert request.tokens is not None
-    ahead = {la: index.match(prompt_keys(request.tokens, request.block_size, request.key_seed, la))
+    ahead = {la: index.match(prompt_keys(tokens, request.block_size, request.key_seed, la))
              for la in set(lookaheads.values())}
     return merge_overlaps(plain, ahead, lookaheads)
 

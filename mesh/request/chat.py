@@ -24,16 +24,13 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from mesh.request.options import (  # noqa: F401 - part of this module's interface
-    _RESERVED_KWARGS,
+from mesh.request.options import (
     CONTENT_FORMATS,
     DEFAULT_OPTIONS,
     ChatOptions,
     ChatTemplateError,
     ContentFormat,
-    merge_kwargs,
     template_arguments,
-    template_tools,
 )
 
 # ChatML, the template of Qwen2 and of the byte-level default.
