@@ -55,9 +55,9 @@ from mesh.gateway.disagg_wire import (
     what_failed,
 )
 from mesh.gateway.verdicts import status_verdict
-from policies.base import Decision, NoCandidate, RequestInfo
+from policies.base import Decision, NoCandidate, RequestInfo, TargetState
 
-__all__ = ["DEFAULT_BOOTSTRAP_PORT", "SglangRelay", "new_room", "relay_sglang", "sglang_body"]
+__all__ = ["DEFAULT_BOOTSTRAP_PORT", "SglangRelay", "leg_bodies", "new_room", "relay_sglang", "sglang_body"]
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 # Rooms are drawn below 2**63 minus this: SGLang gives sequence i of a request (``n``, a prompt
@@ -79,6 +79,24 @@ def new_room() -> int:
 def sglang_body(body: dict[str, Any], host: str, port: int, room: int) -> dict[str, Any]:
     """The body both workers get: the client's, plus the pair's bootstrap fields."""
     return {**body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
+def leg_bodies(body: dict[str, Any], prefill: TargetState, decode: TargetState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pair's body as each leg gets it. For a data-parallel worker (a target ``worker@rank``)
+    the leg names its rank (``routed_dp_rank``, SGLang's pin), and the decode worker is told which
+    prefill rank holds the KV (``disagg_prefill_dp_rank``: else it asks the prefill worker's
+    bootstrap server, or guesses ``room % dp_size``, which need not be the rank Mesh chose)."""
+    pre, dec = dict(body), dict(body)
+    if _data_parallel(prefill):
+        pre["routed_dp_rank"] = prefill.dp_rank
+        pre["disagg_prefill_dp_rank"] = dec["disagg_prefill_dp_rank"] = prefill.dp_rank
+    if _data_parallel(decode):
+        dec["routed_dp_rank"] = decode.dp_rank
+    return pre, dec
+
+
+def _data_parallel(target: TargetState) -> bool:
+    return target.id != target.worker  # ``policies.base.target_id``: a rank of a multi-rank worker
 
 
 def stream_error(first: bytes) -> tuple[int, bytes] | None:
@@ -165,12 +183,13 @@ class SglangRelay(Relay):
         self.check_open()
         host = urllib.parse.urlsplit(self.router.targets[prefill_id].url).hostname or ""
         body = sglang_body(self.body, host, self.bootstrap_port(prefill_id), new_room())
+        prefill_body, decode_body = leg_bodies(body, self.router.targets[prefill_id], self.router.targets[decode_id])
         prefill_lease = self.router.commit_prefill(self.info, prefill_id, self.now())
-        prefill = asyncio.create_task(self.prefill_leg(prefill_id, body, prefill_lease))
+        prefill = asyncio.create_task(self.prefill_leg(prefill_id, prefill_body, prefill_lease))
         prefill.add_done_callback(_retrieve)  # its failure after the hand-over is reported by itself
         # The decode worker receives the whole prompt's KV: the prompt counts as its cached prefix.
         decode_lease = self.router.commit_decode(self.info, decode_id, len(self.info.block_keys), self.now())
-        decode = asyncio.create_task(self.decode_leg(decode_id, body))
+        decode = asyncio.create_task(self.decode_leg(decode_id, decode_body))
         handed_over = False
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)

@@ -9,7 +9,8 @@ import pytest
 
 from mesh.config import ConfigError, parse_config
 from mesh.config.checks import config_warnings
-from mesh.gateway.disagg_sglang import ROOM_HEADROOM, new_room, sglang_body, stream_error
+from mesh.gateway.disagg_sglang import ROOM_HEADROOM, leg_bodies, new_room, sglang_body, stream_error
+from policies.base import TargetState, target_id
 
 
 def test_rooms_are_random_63_bit_values_with_headroom_for_each_sequence() -> None:
@@ -24,6 +25,19 @@ def test_the_pair_body_is_the_clients_with_the_bootstrap_fields() -> None:
     body = sglang_body(client, "10.0.0.5", 8998, 42)
     assert body == {**client, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 42}
     assert "bootstrap_room" not in client  # the client's own body is untouched
+
+
+def test_data_parallel_legs_name_their_ranks_and_the_decode_learns_the_prefills() -> None:
+    body = sglang_body({"prompt": "hi"}, "10.0.0.1", 8998, 7)
+    single_p, single_d = TargetState("p", "p"), TargetState("d", "d")
+    assert leg_bodies(body, single_p, single_d) == (body, body)  # no DP: SGLang's one body for both
+    ranked_p = TargetState(target_id("p", 1, 2), "p", dp_rank=1)
+    ranked_d = TargetState(target_id("d", 3, 4), "d", dp_rank=3)
+    pre, dec = leg_bodies(body, ranked_p, ranked_d)
+    assert pre == {**body, "routed_dp_rank": 1, "disagg_prefill_dp_rank": 1}
+    assert dec == {**body, "routed_dp_rank": 3, "disagg_prefill_dp_rank": 1}
+    pre, dec = leg_bodies(body, ranked_p, single_d)
+    assert "routed_dp_rank" not in dec and dec["disagg_prefill_dp_rank"] == 1
 
 
 def test_sglangs_stream_error_event_is_read_as_its_status() -> None:
