@@ -158,6 +158,22 @@ def named_roles(spec: Any, path: str = "policy") -> list[tuple[str, frozenset[Ro
     return out
 
 
+def local_prefills(spec: Any, path: str = "policy") -> list[tuple[str, int]]:
+    """``(path, tokens)`` for each pipeline of ``spec`` that serves short prompts on the decode
+    worker alone (``local_prefill_tokens`` > 0). Best effort, as ``named_roles``."""
+    try:
+        name, params = split_spec("policy", spec)
+        cls = resolve("policy", name)
+    except PluginError:
+        return []
+    tokens = params.get("local_prefill_tokens")
+    out = [(f"{path}.params.local_prefill_tokens", tokens)] if isinstance(tokens, int) and tokens > 0 else []
+    for kind, child, child_path in _children(cls, params, f"{path}.params"):
+        if kind == "policy":
+            out += local_prefills(child, child_path)
+    return out
+
+
 def _role_filter(spec: Any, path: str) -> list[tuple[str, frozenset[Role]]]:
     try:
         name, params = split_spec("filter", spec)

@@ -14,7 +14,8 @@ NO_WORKER_FIX = ("list workers under `workers:`, or pass `mesh serve --worker-ur
 
 
 def config_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
-    return [*_pool_warnings(config), *_role_warnings(config), *_disagg_warnings(config)]
+    return [*_pool_warnings(config), *_role_warnings(config), *_disagg_warnings(config),
+            *_local_prefill_warnings(config)]
 
 
 def _pool_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
@@ -58,6 +59,21 @@ def _disagg_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
             out.append(("warning", f"workers[{i}].bootstrap_port", f"{w.name} has role {w.role.value}: only a "
                                    "prefill worker's bootstrap port is sent to a pair: it is ignored"))
     return out
+
+
+def _local_prefill_warnings(config: MeshConfig) -> list[tuple[str, str, str]]:
+    """An SGLang decode worker never prefills alone (it refuses a request without a bootstrap
+    room), so a short prompt the policy serves on it alone fails there."""
+    from policies.spec_check import local_prefills
+
+    sglang = [w.name for w in config.workers
+              if w.role == Role.DECODE and (w.disagg_protocol or config.disagg.protocol) == "sglang"]
+    if not sglang:
+        return []
+    return [("warning", path, f"prompts of up to {tokens} uncached tokens go to the decode worker alone, but SGLang "
+                              f"decode workers ({', '.join(sglang)}) refuse a request without a bootstrap room: "
+                              "those requests fail there; set it to 0 for an SGLang pool")
+            for path, tokens in local_prefills(config.policy)]
 
 
 def _fallback(path: str) -> str:

@@ -71,3 +71,17 @@ def test_a_bootstrap_port_nothing_reads_is_warned_about() -> None:
     assert "workers[1].bootstrap_port" in sglang and "workers[0].bootstrap_port" not in sglang
     own = [{**workers[0], "disagg_protocol": "sglang"}]  # this worker's protocol, not the config's
     assert not [w for w in config_warnings(parse_config({"workers": own})) if w[1].endswith("bootstrap_port")]
+
+
+def test_local_prefill_tokens_over_an_sglang_decode_pool_is_warned_about() -> None:
+    workers = [{"name": "p", "url": "http://h:1", "role": "prefill"}, {"name": "d", "url": "http://h:2", "role": "decode"}]
+    profiles = {"prefill": {"scorers": ["prefill_load"]}, "decode": {"scorers": ["load"]}}
+    pipeline = {"name": "pipeline", "params": {"profiles": profiles, "local_prefill_tokens": 256}}
+    sticky = {"name": "session_sticky", "params": {"inner": pipeline}}
+    for policy, path in ((pipeline, "policy.params.local_prefill_tokens"),
+                         (sticky, "policy.params.inner.params.local_prefill_tokens")):
+        warned = [m for _, p, m in config_warnings(parse_config(
+            {"disagg": {"protocol": "sglang"}, "workers": workers, "policy": policy})) if p == path]
+        assert len(warned) == 1 and "256 uncached tokens" in warned[0] and "(d)" in warned[0], warned
+        vllm = config_warnings(parse_config({"workers": workers, "policy": policy}))
+        assert not [w for w in vllm if w[1] == path]  # a vLLM decode worker prefills short prompts itself
