@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -59,6 +58,7 @@ from mesh.gateway.disagg_wire import (
     named_headers,
     prefill_body,
     read_bounded,
+    relay_inputs,
     what_failed,
 )
 from mesh.gateway.sse_relay import is_sse
@@ -487,12 +487,7 @@ async def relay_disaggregated(
     ``foreign``: targets that speak another pair protocol (``disagg_protocol``): left out of every
     retry's pair (``decision`` has none of them).
     """
-    data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
-    if not isinstance(data, dict):
-        raise RelayError(400, "request body must be a JSON object", "invalid_request")
-    rid = request_id or f"mesh-{uuid.uuid4().hex}"
-    stats = stats if stats is not None else RelayStats()
-    stats.requests += 1
+    data, rid, stats = relay_inputs(body, request_id, stats)
     relay = Relay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
                    queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), releases, legs, foreign)
     return await relay.run(decision)

@@ -30,7 +30,6 @@ import json
 import secrets
 import time
 import urllib.parse
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -52,6 +51,7 @@ from mesh.gateway.disagg_wire import (
     forward_headers,
     named_headers,
     read_bounded,
+    relay_inputs,
     what_failed,
 )
 from mesh.gateway.verdicts import status_verdict
@@ -330,12 +330,7 @@ async def relay_sglang(
     contract (its arguments, ``RelayResponse``, ``RelayError``), over this module's protocol.
     ``bootstrap_port``: a prefill target's bootstrap port. Nothing to release at a worker: an
     SGLang leg whose connection closes is aborted by its engine."""
-    data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
-    if not isinstance(data, dict):
-        raise RelayError(400, "request body must be a JSON object", "invalid_request")
-    rid = request_id or f"mesh-{uuid.uuid4().hex}"
-    stats = stats if stats is not None else RelayStats()
-    stats.requests += 1
+    data, rid, stats = relay_inputs(body, request_id, stats)
     relay = SglangRelay(client, router, request_info, data, path, forward_headers(headers, rid), config or RelayConfig(),
                         queue if queue is not None else DecodeQueue(), stats, now, health or NoHealth(), None, legs,
                         foreign, bootstrap_port=bootstrap_port)

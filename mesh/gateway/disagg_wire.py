@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import httpx
 
 from mesh.core.router import Lease
 from mesh.errors import openai_error_bytes, sse_error_event
+from mesh.gateway.disagg_bookkeeping import RelayStats
 from mesh.gateway.verdicts import MAX_ANSWER_BYTES, SHUTDOWN_MESSAGE
 
 log = logging.getLogger("mesh.gateway.disagg_relay")
@@ -240,3 +242,15 @@ def what_failed(exc: Exception) -> str:
     if isinstance(exc, TooLarge):
         return str(exc)
     return "the connection broke"
+
+
+def relay_inputs(body: bytes | Mapping[str, Any], request_id: str | None,
+                 stats: RelayStats | None) -> tuple[dict[str, Any], str, RelayStats]:
+    """What every relay starts from: the body as a JSON object (else ``RelayError`` 400), the
+    request id (a fresh one when the caller has none), and the stats the request is counted in."""
+    data = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else dict(body)
+    if not isinstance(data, dict):
+        raise RelayError(400, "request body must be a JSON object", "invalid_request")
+    stats = stats if stats is not None else RelayStats()
+    stats.requests += 1
+    return data, request_id or f"mesh-{uuid.uuid4().hex}", stats
