@@ -615,7 +615,7 @@ def _add_matrix_args(ap: argparse.ArgumentParser) -> None:
                     help="CPU offload tier blocks per worker (0: off), a comma list (default 0,4000)")
     ap.add_argument("--concurrency", default="16,24", help="concurrent sessions, a comma list (default 16,24)")
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)} (default all)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per router and matrix point (default 1)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per router and matrix point (default 1); odd repeats run the routers in reverse order")
 
 
 def _add_budget_args(ap: argparse.ArgumentParser) -> None:
@@ -892,7 +892,9 @@ def _run_point(m: _Matrix, point: dict[str, Any], workers: list[Proc], model: st
         f"{f'{run_s:.0f} s' if run_s else 'the whole slice'} per run ({budget.left():.0f} s of budget left)")
     per_router: dict[str, list[dict[str, Any]]] = {r: [] for r in args.routers_list}
     for rep in range(args.repeats):
-        for name in args.routers_list:
+        # odd repeats run the routers in reverse (A B, B A, ...): a drift over the point's runs
+        # (the GPU warming, the workers' memory) weighs on every router alike
+        for name in (args.routers_list if rep % 2 == 0 else args.routers_list[::-1]):
             t_run = time.monotonic()
             tag = f"kv{kv}-cpu{cpu}-c{conc}-r{rep}"
             row = run_one(m.procs, SPECS[name], workers, m.prep, args, model, conc, run_s, tag)

@@ -59,6 +59,7 @@ class TargetState:
     kv_usage: float = 0.0  # 0..1, from the worker's metrics when known
     kv_capacity_blocks: int = 0  # 0 = unknown
     live_sessions: int = 0  # session bindings currently pointing here
+    session_blocks: int = 0  # KV footprint of the sessions active here (``mesh.core.retention``), blocks
     max_in_flight: int = 0  # admission ceiling, 0 = none
 
     @property
@@ -118,6 +119,12 @@ class RequestInfo:
     # tokens after it (``mesh.core.lookahead``); None: no such keys (the simulator).
     tokens: Sequence[int] | np.ndarray | None = None
     key_seed: int = 0
+
+    @property
+    def footprint_blocks(self) -> int:
+        """The KV blocks the request leaves on its worker: its prompt and every choice's output."""
+        tokens = self.prompt_tokens + self.max_tokens * self.choices
+        return -(-tokens // max(1, self.block_size))
 
 
 class PrefixIndexView(Protocol):

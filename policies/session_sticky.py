@@ -1,17 +1,21 @@
 """Session-sticky data-parallel routing (ATOM Mesh ``dp_sticky``, made cache-aware).
 
 A request with a session id goes back to the target (worker, DP rank) its session is bound to,
-while that target is available, serves the model and is under the load ceiling, whatever it
-still caches (a session whose blocks were evicted recomputes them at home: moving costs the same
-recompute and pollutes another worker's cache). Otherwise the session is (re)bound:
+while that target is available, serves the model and is under the load ceiling. A session whose
+home evicted its blocks stays there too, unless another target has room for it: recomputing at
+home pollutes no other worker's cache, while moving into room the session's new home can keep
+turns its old one cannot (``rehome_below``). Otherwise the session is (re)bound:
 
 - a new session is spread: it goes among the targets under the ceiling within ``session_slack``
-  of the fewest live sessions, the inner policy choosing among those (by queued work and
-  prefix). What a new session matches elsewhere is recomputed once where it lands (a shared
-  system prompt is then cached there for every later session too), while a session placed on a
-  crowded worker crowds it for its whole life: a system prompt that is most of a first turn must
-  not pull every new session to the first worker that cached it;
-- a moving session goes where the inner policy puts it over the other targets under the ceiling.
+  of the fewest live sessions and, among those, the ones with room for it (KV capacity less the
+  footprint of the sessions active there, ``TargetState.session_blocks``), the inner policy
+  choosing among those (by queued work and prefix). What a new session matches elsewhere is
+  recomputed once where it lands (a shared system prompt is then cached there for every later
+  session too), while a session placed on a crowded worker crowds it for its whole life: a
+  system prompt that is most of a first turn must not pull every new session to the first
+  worker that cached it;
+- a moving session goes where the inner policy puts it over the other targets under the ceiling
+  (an evicted one: over those with room for it).
 
 Reads bindings only through ``cluster.sessions.bound_target``; the ``Router`` writes them
 (``SessionStore.bind``) after the decision and counts a move when a live binding changes target.
@@ -21,6 +25,7 @@ Reads bindings only through ``cluster.sessions.bound_target``; the ``Router`` wr
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 from policies import registry
@@ -42,7 +47,8 @@ FALLBACK_INNER: dict[str, Any] = {
 }
 
 
-SPREAD_BY = ("sessions", "kv_room")
+REMEMBERED_SESSIONS = 1_000_000  # last prompt sizes kept for rehoming (~100 bytes each)
+SPREAD_BY = ("footprint", "sessions", "kv_room")
 OWNER = "policy 'session_sticky'"
 
 
@@ -60,8 +66,11 @@ class SessionSticky(Policy):
     ``in_flight <= load_factor * mean in-flight + load_slack``; factor 0 = none),
     ``spread_new`` (true: a new session goes among the targets within ``session_slack`` (1) of
     the fewest live sessions, the inner policy choosing by load and prefix among them; false:
-    where the inner policy puts it), ``spread_by`` (``sessions``; ``kv_room``: among those, the
-    least context in flight first).
+    where the inner policy puts it), ``spread_by`` (``footprint``: among those, the ones whose
+    active sessions leave room for the new one's footprint, else the most room;
+    ``sessions``: no further cut; ``kv_room``: the least context in flight),
+    ``rehome_below`` (0.5: a session whose home holds less than this share of its last prompt's
+    blocks moves to a target with room for its footprint, if there is one; 0: never).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
 
     Example::
@@ -79,7 +88,8 @@ class SessionSticky(Policy):
         load_slack: float = 4.0,
         spread_new: bool = True,
         session_slack: int = 1,
-        spread_by: str = "sessions",
+        spread_by: str = "footprint",
+        rehome_below: float = 0.5,
     ) -> None:
         spec = default_inner() if inner is None else inner
         self.inner: Policy = registry.create("policy", spec)
@@ -93,6 +103,10 @@ class SessionSticky(Policy):
         if spread_by not in SPREAD_BY:
             raise PluginError(f"policy 'session_sticky': spread_by must be one of {', '.join(SPREAD_BY)}, got {spread_by!r}")
         self.spread_by = spread_by
+        self.rehome_below = number(OWNER, "rehome_below", rehome_below, 0.0, 1.0)
+        # session -> full blocks of its last prompt routed here (``on_routed``): what its home
+        # should hold at its next turn; bounded, oldest forgotten first (then it never rehomes)
+        self._last_blocks: OrderedDict[str, int] = OrderedDict()
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         sid, store = request.session_id, cluster.sessions
@@ -106,31 +120,58 @@ class SessionSticky(Policy):
         ceiling = self._ceiling(usable)
         bound = store.bound_target(sid, cluster.now)
         why = "new session"
+        # New or moving session: the best target under the ceiling (all usable ones if none is).
+        under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         if bound is not None:
             state = next((t for t in cluster.targets if t.id == bound), None)
             refusal = self._why_not(request, state, usable, ceiling) if state is not None else _gone(cluster, bound)
             if refusal is None:
-                return self._bound(request, cluster, bound)
+                roomy = self._rehome_candidates(request, cluster, bound, under)
+                if not roomy:
+                    return self._bound(request, cluster, bound)
+                refusal, under = "evicted at home, room elsewhere", roomy
             why = f"rebound: {refusal}"
-        # New or moving session: the best target under the ceiling (all usable ones if none is).
-        under = [t for t in usable if t.id != bound and not self._over(t, ceiling)]
         narrowed = under or [t for t in usable if t.id != bound] or usable
         if not narrowed:  # every target excluded (all at their admission limit) or none serves the model
             raise NoCandidate(f"no healthy worker serves model {request.model!r}")
         if bound is None and self.spread_new:
-            narrowed, why = self._spread(narrowed)
+            narrowed, why = self._spread(narrowed, request)
         view = ClusterView(narrowed, cluster.now, cluster.index, cluster.sessions, cluster.explain, cluster.rng)
         view._overlaps, view._overlaps_for = cluster.overlaps(request), request.block_keys
         d = self.inner.decide(request, view)
         d.reason = f"{why} ({d.reason})"
         return d
 
-    def _spread(self, candidates: list[TargetState]) -> tuple[list[TargetState], str]:
+    def _rehome_candidates(self, request: RequestInfo, cluster: ClusterView, bound: str,
+                           under: list[TargetState]) -> list[TargetState]:
+        """Where a session its home can serve should move anyway: the targets of ``under`` with
+        room for its footprint, when home holds under ``rehome_below`` of the blocks of the
+        session's last prompt; else none (with no room elsewhere, recomputing at home is best)."""
+        n = min(self._last_blocks.get(request.session_id or "", 0), len(request.block_keys))
+        if self.rehome_below <= 0 or n == 0:
+            return []
+        ov = cluster.overlaps(request).get(bound)
+        if ov is not None and ov.gpu_blocks + ov.cpu_blocks >= self.rehome_below * n:
+            return []
+        need = request.footprint_blocks
+        return [t for t in under if _room(t) >= need]
+
+    def _spread(self, candidates: list[TargetState], request: RequestInfo) -> tuple[list[TargetState], str]:
         """A new session's candidates: within ``session_slack`` of the fewest live sessions and,
-        with ``spread_by: kv_room``, among those the least context in flight (the KV its running
-        sessions hold now: prompt work queued plus context decoding)."""
+        with ``spread_by: footprint``, among those the ones with room for the request's footprint
+        (none: the ones with the most room; no capacity known: no cut); with ``kv_room``, the least context in flight (the KV
+        its running sessions hold now: prompt work queued plus context decoding)."""
         cap = min(t.live_sessions for t in candidates) + self.session_slack
         out = [t for t in candidates if t.live_sessions <= cap]
+        if self.spread_by == "footprint":
+            need = request.footprint_blocks
+            fits = [t for t in out if _room(t) >= need]
+            if fits:
+                return fits, f"new session, spread (<= {cap} live sessions, room for {need} blocks)"
+            most = max(_room(t) for t in out)
+            if most > -math.inf:  # some capacity known: the most room
+                out = [t for t in out if _room(t) == most]
+                return out, f"new session, spread (<= {cap} live sessions, none with room for {need} blocks)"
         if self.spread_by == "kv_room":
             room = min(t.prefill_tokens + t.decode_tokens for t in out)
             out = [t for t in out if t.prefill_tokens + t.decode_tokens == room]
@@ -171,6 +212,13 @@ class SessionSticky(Policy):
         return None
 
     def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
+        sid = request.session_id
+        if sid and self.rehome_below > 0:
+            last = self._last_blocks
+            last[sid] = len(request.block_keys)
+            last.move_to_end(sid)
+            if len(last) > REMEMBERED_SESSIONS:
+                last.popitem(last=False)
         self.inner.on_routed(request, target, now)
 
     def on_finished(self, request: RequestInfo, target: str, now: float) -> None:
@@ -186,7 +234,13 @@ class SessionSticky(Policy):
             "spread_new": self.spread_new,
             "session_slack": self.session_slack,
             "spread_by": self.spread_by,
+            "rehome_below": self.rehome_below,
         }
+
+
+def _room(t: TargetState) -> float:
+    """KV blocks the target's active sessions leave free; unknown capacity: none."""
+    return t.kv_capacity_blocks - t.session_blocks if t.kv_capacity_blocks > 0 else -math.inf
 
 
 def _gone(cluster: ClusterView, bound: str) -> str:

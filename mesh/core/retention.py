@@ -14,12 +14,19 @@ blocks before any other once it ends (``x-mesh-retention: spill``; the bundled w
 it, other workers ignore it). A session stops counting once idle for ``active_s`` and leaves the
 target's plan when it moves. Targets of unknown capacity spill nothing.
 
+The same plans give every target its *session footprint* (``TargetState.session_blocks``: the
+blocks its active sessions need, whether they fit or not), which placement reads to tell a worker
+with room for one more session from one already over-committed. The planner keeps it current at
+every commit (the old and the new home of the session) and at ``refresh`` (idle sessions leave).
+
 Owned by the ``Router`` (gateway and simulator alike); the plan of a target is recomputed at most
 every ``REPLAN_S`` (footprints grow by a turn at a time), so a request costs a dict lookup.
+With ``spill_hint`` off the footprints are kept and no request is marked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import TargetState
@@ -36,41 +43,61 @@ class _TargetPlan:
     spill: frozenset[str] = frozenset()
     planned_at: float = float("-inf")
     capacity: int = 0  # the capacity the plan was made for
+    total: int = 0  # sum of ``blocks``: the footprint of every active session here
 
 
 class RetentionPlanner:
     """Marks the requests of sessions that do not fit their target's cache (the module docstring)."""
 
-    def __init__(self, fill: float = 0.9, active_s: float = 30.0) -> None:
+    def __init__(self, fill: float = 0.9, active_s: float = 30.0, spill_hint: bool = True) -> None:
         if not 0 < fill <= 1:
             raise ValueError(f"retention fill must be in (0, 1], got {fill}")
         if not active_s > 0:
             raise ValueError(f"retention active_s must be > 0, got {active_s}")
         self.fill = fill
         self.active_s = active_s
+        self.spill_hint = spill_hint
+        self._refreshed_at = float("-inf")
         self._plans: dict[str, _TargetPlan] = {}
         self._home: dict[str, str] = {}  # session -> the target whose plan holds it
         self.spilled = 0  # requests marked spill
 
-    def spill(self, session_id: str, target: TargetState, blocks: int, now: float) -> bool:
+    def spill(self, session_id: str, target: TargetState, blocks: int, now: float,
+              targets: Mapping[str, TargetState]) -> bool:
         """Record a request of ``session_id`` routed to ``target`` (``blocks``: its footprint) and
-        say whether its blocks should be evicted before others' once it ends."""
+        say whether its blocks should be evicted before others' once it ends. ``targets`` (the
+        router's) get their ``session_blocks`` updated: the session's old home and its new one."""
         home = self._home.get(session_id)
         if home != target.id:
             if home is not None:
-                self._leave(session_id, home)
+                self._leave(session_id, home, targets)
             self._home[session_id] = target.id
         plan = self._plans.setdefault(target.id, _TargetPlan())
+        plan.total += blocks - plan.blocks.get(session_id, 0)
         plan.blocks[session_id] = blocks
         plan.seen[session_id] = now
-        if target.kv_capacity_blocks <= 0:
-            return False
         if now - plan.planned_at >= REPLAN_S or plan.capacity != target.kv_capacity_blocks or home != target.id:
             self._replan(plan, target.kv_capacity_blocks, now)
+        target.session_blocks = plan.total
+        if target.kv_capacity_blocks <= 0 or not self.spill_hint:
+            return False
         if session_id in plan.spill:
             self.spilled += 1
             return True
         return False
+
+    def refresh(self, targets: Mapping[str, TargetState], now: float) -> None:
+        """Every ``REPLAN_S`` at most: sessions idle past ``active_s`` leave every plan, and each
+        target's ``session_blocks`` is set from its plan (a target no request reached since
+        its sessions went idle must not look full)."""
+        if now - self._refreshed_at < REPLAN_S:
+            return
+        self._refreshed_at = now
+        for tid, plan in self._plans.items():
+            state = targets.get(tid)
+            if state is not None:
+                self._replan(plan, state.kv_capacity_blocks, now)
+                state.session_blocks = plan.total
 
     def forget_target(self, target: str) -> None:
         """``target`` left the registry: its plan goes with it."""
@@ -84,19 +111,23 @@ class RetentionPlanner:
         plan = self._plans.get(target)
         return len(plan.spill) if plan is not None else 0
 
-    def _leave(self, session_id: str, target: str) -> None:
+    def _leave(self, session_id: str, target: str, targets: Mapping[str, TargetState]) -> None:
         plan = self._plans.get(target)
         if plan is not None:
-            plan.blocks.pop(session_id, None)
+            plan.total -= plan.blocks.pop(session_id, 0)
             plan.seen.pop(session_id, None)
+            state = targets.get(target)
+            if state is not None:
+                state.session_blocks = plan.total
 
     def _replan(self, plan: _TargetPlan, capacity: int, now: float) -> None:
         """Drop sessions idle past ``active_s``; keep the senior ones that fit, spill the rest."""
         idle = [sid for sid, t in plan.seen.items() if now - t > self.active_s]
         for sid in idle:
-            del plan.blocks[sid], plan.seen[sid]
+            plan.total -= plan.blocks.pop(sid)
+            del plan.seen[sid]
             self._home.pop(sid, None)
-        budget = self.fill * capacity
+        budget = self.fill * capacity if capacity > 0 else float("inf")  # unknown capacity spills nothing
         used = 0
         spill = []
         for sid, blocks in plan.blocks.items():

@@ -122,12 +122,6 @@ RecentDecision = tuple[float, str, str | None, str, str, int, bool]
 RECENT_DECISIONS = 200
 
 
-def footprint_blocks(request: RequestInfo) -> int:
-    """The KV blocks a request leaves on its worker: its prompt and every choice's output."""
-    tokens = request.prompt_tokens + request.max_tokens * request.choices
-    return -(-tokens // max(1, request.block_size))
-
-
 class Router:
     def __init__(
         self,
@@ -150,7 +144,7 @@ class Router:
         self.sessions = sessions
         self.speculative_ttl_s = speculative_ttl_s
         self.on_release = on_release  # told after every lease's release (the gateway's admission queue)
-        self.retention = retention  # marks the requests of sessions that do not fit their target
+        self.retention = retention  # session footprints per target; marks the sessions that do not fit
         self.session_moves = 0
         self.rng = random.Random(seed)  # every decision's randomness (``ClusterView.rng``)
         # The last committed decisions, newest last (the gateway's /dashboard reads them); bounded.
@@ -175,6 +169,8 @@ class Router:
             self.sessions.expire(now)  # exact idle expiry before anyone reads a binding
         if self._expire_speculative is not None:
             self._expire_speculative(now)  # likewise for blocks assumed on a target, never confirmed
+        if self.retention is not None:
+            self.retention.refresh(self.targets, now)  # session footprints without the idle sessions
         if exclude:
             excluded = set(exclude)
             out = [t for t in targets if t.id in excluded]
@@ -233,7 +229,7 @@ class Router:
         target.prefill_tokens += uncached
         lease = Lease(target, uncached, request.prompt_tokens, self.policy, request, on_release=self.on_release)
         if self.retention is not None and request.session_id:
-            lease.spill = self.retention.spill(request.session_id, target, footprint_blocks(request), now)
+            lease.spill = self.retention.spill(request.session_id, target, request.footprint_blocks, now, self.targets)
         if request.session_id and (self._touch is not None or self._end is not None):
             if self._end is not None:
                 self._begin(request.session_id, now)  # type: ignore[misc]

@@ -196,9 +196,9 @@ def _session_table(config: MeshConfig) -> SessionTable:
     return SessionTable(idle_ttl_s=config.sessions.idle_ttl_s, max_sessions=config.sessions.max_sessions)
 
 
-def _retention(config: MeshConfig) -> RetentionPlanner | None:
+def _retention(config: MeshConfig) -> RetentionPlanner:
     r = config.retention
-    return RetentionPlanner(r.fill, r.active_s) if r.spill_hint else None
+    return RetentionPlanner(r.fill, r.active_s, spill_hint=r.spill_hint)
 
 
 def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> Gateway:

@@ -67,7 +67,7 @@ def test_a_reload_removing_several_workers_scans_the_session_table_once() -> Non
     targets = [t for w in reg.workers.values() for t in w.targets]
     for i in range(400):
         table.bind(f"s{i}", targets[i % len(targets)].id, now=1.0)
-        retention.spill(f"s{i}", targets[i % len(targets)], 10, now=1.0)
+        retention.spill(f"s{i}", targets[i % len(targets)], 10, 1.0, reg.targets)
     bound = {f"s{i}": targets[i % len(targets)].id for i in range(400)}
     assert {t.id for t in dp.targets} <= set(bound.values())
 

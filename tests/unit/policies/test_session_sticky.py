@@ -325,3 +325,63 @@ def test_spread_by_kv_room_puts_a_new_session_where_the_least_context_is_in_flig
     assert target == "b" and "100 tokens in flight" in reason
     with pytest.raises(PluginError, match="spread_by"):
         create("policy", {"name": "session_sticky", "params": {"spread_by": "random"}})
+
+
+def _evicted_home(capacity: int, room_elsewhere: int, **params: object) -> tuple[str, str, str, Router]:
+    """A session bound home, whose home then lost its blocks; the other target's active
+    sessions leave it ``room_elsewhere`` blocks of its ``capacity``. Returns (home, other,
+    the next turn's target and reason)."""
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware", **params)
+    for t in targets.values():
+        t.kv_capacity_blocks = capacity
+    convo = SYSTEM + list(range(200, 240))
+    home, _, _ = go(router, turn("s", convo), 0.0)
+    other = "b" if home == "a" else "a"
+    index.remove(home, convo)  # evicted at home
+    targets[other].session_blocks = capacity - room_elsewhere
+    target, reason, _ = go(router, turn("s", convo + [1]), 1.0)
+    return home, other, f"{target}|{reason}", router
+
+
+def test_an_evicted_session_moves_to_a_target_with_room_for_it() -> None:
+    home, other, got, router = _evicted_home(capacity=1000, room_elsewhere=500)
+    target, reason = got.split("|")
+    assert target == other and reason.startswith("rebound: evicted at home, room elsewhere"), reason
+    assert router.session_moves == 1
+
+
+def test_an_evicted_session_stays_home_when_no_other_target_has_room() -> None:
+    home, _, got, router = _evicted_home(capacity=1000, room_elsewhere=40)  # its footprint is 45 blocks
+    assert got == f"{home}|bound" and router.session_moves == 0
+
+
+def test_rehome_below_zero_keeps_an_evicted_session_home() -> None:
+    home, _, got, _ = _evicted_home(capacity=1000, room_elsewhere=500, rehome_below=0)
+    assert got == f"{home}|bound"
+
+
+def test_a_session_mostly_cached_at_home_stays_although_another_target_has_room() -> None:
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware")
+    for t in targets.values():
+        t.kv_capacity_blocks = 1000
+    convo = SYSTEM + list(range(200, 240))
+    home, _, _ = go(router, turn("s", convo), 0.0)
+    index.store(home, convo)
+    index.remove(home, convo[30:])  # 30 of 45 blocks still cached at home: over rehome_below (0.5)
+    assert go(router, turn("s", convo + [1]), 1.0)[:2] == (home, "bound")
+
+
+def test_spread_by_footprint_puts_a_new_session_where_there_is_room_for_it() -> None:
+    router, targets, index, _ = setup(["a", "b", "c"], inner="kv_aware")
+    for t in targets.values():
+        t.kv_capacity_blocks = 1000
+    index.store("a", SYSTEM)  # a caches the system prompt ...
+    targets["a"].session_blocks = 997  # ... but its sessions leave it 3 blocks: the new one needs 6
+    targets["b"].session_blocks = 600
+    targets["c"].session_blocks = 100
+    target, reason, _ = go(router, turn("new", SYSTEM + [3]), 0.0)
+    assert target in ("b", "c") and "room for 6 blocks" in reason, reason
+    for t in targets.values():
+        t.session_blocks = 998  # no room anywhere: the most room wins
+    targets["b"].session_blocks = 996
+    assert go(router, turn("newer", SYSTEM + [4]), 1.0)[0] == "b"
