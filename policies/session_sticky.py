@@ -47,7 +47,7 @@ FALLBACK_INNER: dict[str, Any] = {
 }
 
 
-REMEMBERED_SESSIONS = 1_000_000  # last prompt sizes kept for rehoming (~100 bytes each)
+REMEMBERED_SESSIONS = 1_000_000  # last prompts (length, last key) kept for rehoming (~150 bytes each)
 SPREAD_BY = ("footprint", "sessions", "kv_room")
 OWNER = "policy 'session_sticky'"
 
@@ -69,8 +69,9 @@ class SessionSticky(Policy):
     where the inner policy puts it), ``spread_by`` (``footprint``: among those, the ones whose
     active sessions leave room for the new one's footprint, else the most room;
     ``sessions``: no further cut; ``kv_room``: the least context in flight),
-    ``rehome_below`` (0.5: a session whose home holds less than this share of its last prompt's
-    blocks moves to a target with room for its footprint, if there is one; 0: never).
+    ``rehome_below`` (0.5: a session whose prompt extends its last one, and whose home holds less
+    than this share of that one's blocks, moves to a target with room for its footprint, if
+    there is one; 0: never).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
 
     Example::
@@ -104,9 +105,10 @@ class SessionSticky(Policy):
             raise PluginError(f"policy 'session_sticky': spread_by must be one of {', '.join(SPREAD_BY)}, got {spread_by!r}")
         self.spread_by = spread_by
         self.rehome_below = number(OWNER, "rehome_below", rehome_below, 0.0, 1.0)
-        # session -> full blocks of its last prompt routed here (``on_routed``): what its home
-        # should hold at its next turn; bounded, oldest forgotten first (then it never rehomes)
-        self._last_blocks: OrderedDict[str, int] = OrderedDict()
+        # session -> (full blocks, last block's key) of its last prompt routed here (``on_routed``):
+        # what its home should hold at a next turn that extends it; bounded, oldest forgotten
+        # first (a forgotten session never rehomes)
+        self._last_prompt: OrderedDict[str, tuple[int, int]] = OrderedDict()
 
     def decide(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         sid, store = request.session_id, cluster.sessions
@@ -145,10 +147,13 @@ class SessionSticky(Policy):
     def _rehome_candidates(self, request: RequestInfo, cluster: ClusterView, bound: str,
                            under: list[TargetState]) -> list[TargetState]:
         """Where a session its home can serve should move anyway: the targets of ``under`` with
-        room for its footprint, when home holds under ``rehome_below`` of the blocks of the
-        session's last prompt; else none (with no room elsewhere, recomputing at home is best)."""
-        n = min(self._last_blocks.get(request.session_id or "", 0), len(request.block_keys))
-        if self.rehome_below <= 0 or n == 0:
+        room for its footprint, when this prompt extends the session's last one and home holds
+        under ``rehome_below`` of that one's blocks: they were evicted (a prompt that does not
+        extend the last one matches less anywhere, and proves nothing); else none (with no room
+        elsewhere, recomputing at home is best)."""
+        n, last_key = self._last_prompt.get(request.session_id or "", (0, 0))
+        keys = request.block_keys
+        if self.rehome_below <= 0 or n == 0 or len(keys) < n or keys[n - 1] != last_key:
             return []
         ov = cluster.overlaps(request).get(bound)
         if ov is not None and ov.gpu_blocks + ov.cpu_blocks >= self.rehome_below * n:
@@ -212,10 +217,10 @@ class SessionSticky(Policy):
         return None
 
     def on_routed(self, request: RequestInfo, target: str, now: float) -> None:
-        sid = request.session_id
-        if sid and self.rehome_below > 0:
-            last = self._last_blocks
-            last[sid] = len(request.block_keys)
+        sid, keys = request.session_id, request.block_keys
+        if sid and self.rehome_below > 0 and len(keys):
+            last = self._last_prompt
+            last[sid] = (len(keys), int(keys[-1]))
             last.move_to_end(sid)
             if len(last) > REMEMBERED_SESSIONS:
                 last.popitem(last=False)

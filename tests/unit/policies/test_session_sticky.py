@@ -385,3 +385,12 @@ def test_spread_by_footprint_puts_a_new_session_where_there_is_room_for_it() -> 
         t.session_blocks = 998  # no room anywhere: the most room wins
     targets["b"].session_blocks = 996
     assert go(router, turn("newer", SYSTEM + [4]), 1.0)[0] == "b"
+
+
+def test_a_prompt_that_does_not_extend_the_last_one_is_no_eviction() -> None:
+    router, targets, index, _ = setup(["a", "b"], inner="kv_aware")
+    for t in targets.values():
+        t.kv_capacity_blocks = 1000
+    home, _, _ = go(router, turn("s", SYSTEM + list(range(200, 240))), 0.0)
+    # the session's context was rewritten (a compaction): home matches only the system prompt
+    assert go(router, turn("s", SYSTEM + list(range(300, 340))), 1.0)[:2] == (home, "bound")
