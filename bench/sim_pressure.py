@@ -1,0 +1,166 @@
+"""Policies across cache pressures, in the GPU routing benchmark's twin.
+
+``bench/e2e_routing.py`` measures a few matrix points on the GPU; a policy tuned on those can lose
+between them. This runs the twin (``bench/sim_twin.py``'s workload, profile and closed loop) over
+a grid of worker KV capacities and concurrent sessions, every router at every point, and prints
+each router's TTFT mean as a ratio to sglang-router's algorithm (``cache_aware`` without session
+ids) at the same point, its hit rate, and the geometric mean of its ratios over the grid.
+
+    python bench/sim_pressure.py                       # the default grid: 14 points, ~1 min
+    python bench/sim_pressure.py --points 2000/24,3000/24 \\
+        --variant 'prev={"name":"session_sticky","params":{"rehome_below":0,"spread_by":"sessions"}}'
+
+Routers: ``sglang`` (the reference), ``mesh_default`` (the gateway's default, session ids and
+its retention hint), ``mesh_kv_aware`` (no session ids), and each ``--variant NAME=POLICY_SPEC``
+(session ids sent). The simulator is deterministic for a given seed, and small changes move
+single points by +-10% (which session a miss hits first cascades): read the grid, not a point.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+from bench._table import print_table
+from bench.sim_twin import PROFILE, RESULTS, prepare_workload
+
+GRID = "2000/24,1800/24,2400/24,2000/20,2000/28,4000/16,3000/16,2200/22,2600/24,2200/26,1600/20,3000/24,2000/16,5000/24"
+BASE_RUN = RESULTS / "e2e_high_s7.json"  # the GPU run whose workload settings the grid reuses
+ROUTERS: dict[str, tuple[Any, bool]] = {  # name -> (policy spec, session ids sent)
+    "sglang": ("cache_aware", False),
+    "mesh_default": ("session_sticky", True),
+    "mesh_kv_aware": ("kv_aware", False),
+}
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``KV/SESSIONS,...`` -> [(kv blocks per worker, concurrent sessions), ...]."""
+    out = []
+    for part in text.split(","):
+        kv, _, conc = part.strip().partition("/")
+        out.append((int(kv), int(conc)))
+    return out
+
+
+class Twin:
+    """The benchmark's workload prepared once; ``run`` simulates one router at one point."""
+
+    def __init__(self, base_run: Path, profile_path: str, run_s: float) -> None:
+        from mesh.replay.sim_trace import plan_trace
+        from simulator.profile import load_profile
+
+        config = json.loads(base_run.read_text())["config"]
+        prep = prepare_workload(config)
+        self.block = int(config.get("block_size", 16))
+        self.workers = int(config.get("workers", 4))
+        self.traces = {s: plan_trace(prep.trace, prep.plan, prep.builder, self.block, session_ids=s)
+                       for s in (True, False)}
+        self.profile = load_profile(profile_path)
+        self.run_s = run_s
+
+    def run(self, policy: Any, session_ids: bool, kv: int, conc: int, seed: int) -> dict[str, Any]:
+        from simulator.engine import SimConfig, Simulator
+        from simulator.profile import with_overrides
+        from simulator.report import summarize
+
+        prof = with_overrides(self.profile, kv_blocks=kv, **{"cpu.blocks": 0})
+        config = SimConfig(workers=self.workers, profile=prof, concurrency=conc, horizon_s=self.run_s,
+                           workers_per_device=self.workers, seed=seed)
+        return summarize(Simulator(self.traces[session_ids], policy, config).run())
+
+
+def run_grid(twin: Twin, routers: dict[str, tuple[Any, bool]], points: list[tuple[int, int]],
+             seed: int, progress: Any) -> dict[str, list[dict[str, Any]]]:
+    """Per router, per point: TTFT mean, p99, hit rate, moves, and the ratio to ``sglang``."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, (policy, sids) in routers.items():
+        rows = []
+        for kv, conc in points:
+            m = twin.run(policy, sids, kv, conc, seed)
+            rows.append({"kv_blocks": kv, "concurrency": conc, "ttft_mean_ms": m["ttft_ms"]["mean"],
+                         "ttft_p99_ms": m["ttft_ms"]["p99"], "hit_rate": m["hit_rate"],
+                         "requests": m["requests"], "session_moves": m["router_session_moves"]})
+            progress()
+        out[name] = rows
+    ref = out["sglang"]
+    for rows in out.values():
+        for row, base in zip(rows, ref, strict=True):
+            row["ratio"] = row["ttft_mean_ms"] / base["ttft_mean_ms"]
+    return out
+
+
+def geo_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def print_grid(grid: dict[str, list[dict[str, Any]]], points: list[tuple[int, int]], width: int) -> None:
+    headers = ["router", *(f"{kv}/{c}" for kv, c in points), "geo mean"]
+    rows = []
+    for name, cells in grid.items():
+        if name == "sglang":
+            rows.append([f"{name} (ms, hit)", *(f"{c['ttft_mean_ms']:,.0f} {c['hit_rate']:.0%}" for c in cells), ""])
+            continue
+        ratios = [c["ratio"] for c in cells]
+        rows.append([name, *(f"{c['ratio']:.2f}x {c['hit_rate']:.0%}" for c in cells), f"{geo_mean(ratios):.3f}x"])
+    print_table("TTFT mean / sglang-router's algorithm, hit rate (columns: KV blocks per worker / sessions)",
+                headers, rows, width=width, left=["router"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default=GRID, help="KV/SESSIONS,... (default: 14 points around the GPU matrix)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=POLICY_JSON",
+                    help="one more router: a policy spec, session ids sent (repeatable)")
+    ap.add_argument("--base-run", type=Path, default=BASE_RUN, help="GPU result whose workload settings to use")
+    ap.add_argument("--profile", default=str(PROFILE), help="simulator profile")
+    ap.add_argument("--run-s", type=float, default=30.0, help="seconds of closed-loop traffic per run (default 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_out", default=str(RESULTS / "sim_pressure.json"))
+    ap.add_argument("--width", type=int, default=240)
+    args = ap.parse_args(argv)
+    args.routers = dict(ROUTERS)
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        try:
+            args.routers[name] = (json.loads(spec), True)
+        except json.JSONDecodeError:
+            ap.error(f"--variant takes NAME=POLICY_JSON, got {v!r}")
+    try:
+        args.point_list = parse_points(args.points)
+    except ValueError:
+        ap.error(f"--points takes KV/SESSIONS,..., got {args.points!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.progress import Progress
+
+    from simulator.report import write_json
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    twin = Twin(args.base_run, args.profile, args.run_s)
+    with Progress(transient=False) as bar:
+        task = bar.add_task("simulating", total=len(args.routers) * len(args.point_list))
+        grid = run_grid(twin, args.routers, args.point_list, args.seed, lambda: bar.advance(task))
+    print_grid(grid, args.point_list, args.width)
+    write_json(args.json_out, {
+        "bench": "sim_pressure", "points": args.point_list, "routers": {k: v[0] for k, v in args.routers.items()},
+        "grid": grid, "geo_mean": {k: geo_mean([c["ratio"] for c in v]) for k, v in grid.items()},
+        "base_run": str(args.base_run), "profile": args.profile, "seed": args.seed,
+        "wall_s": time.perf_counter() - started})
+    print(f"wrote {args.json_out} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
