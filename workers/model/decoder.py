@@ -17,8 +17,8 @@ from torch import nn
 
 from workers.config import ModelConfig
 from workers.model.attention.base import AttentionBackend
-from workers.model.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
 from workers.model.hf_loader import load_hf_weights
+from workers.model.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
 from workers.model.lightning import LightningAttention
 from workers.model.moe import SparseMoE
 from workers.model.recurrent import GatedLinearAttention

@@ -49,7 +49,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():  # ascending, as HF sums them
+        for expert in torch.unique(ids).tolist():  # ascending, as HF sums them
             token, slot = (ids == expert).nonzero(as_tuple=True)
             y = self.experts(expert, x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))

@@ -127,6 +127,28 @@ def test_greedy_generation_equals_transformers_and_a_second_turn_resumes(
         assert cached == 0 and engine.stats()["prefix_unresumable_tokens"] > 0
 
 
+def test_batched_sequences_each_generate_transformers_tokens(ckpt: tuple[Path, Any], cfg: ModelConfig,
+                                                            model: CausalLM) -> None:
+    """Three prompts, the third arriving while the others decode: prefill chunks and decode tokens
+    of several sequences share steps (and the experts' routing), each still as transformers alone."""
+    prompts = [PROMPT[:13], PROMPT[5:], PROMPT[::-1][:19]]
+    engine = _engine(cfg, model, chunked_prefill_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", prompt, params)
+        out[f"r{i}"] = []
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            engine.add_request("r2", prompts[2], params)
+            out["r2"] = []
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+    assert [out[f"r{i}"] for i in range(3)] == [hf_greedy(ckpt[1], p, 10) for p in prompts]
+
+
 def _rewrite(src: Path, dst: Path, edit: Any) -> Path:
     """A copy of the checkpoint in ``src`` whose tensors went through ``edit(dict)``."""
     shutil.copytree(src, dst)
