@@ -183,6 +183,18 @@ def test_slopes_come_from_the_checkpoint_else_from_the_formula(ckpt: tuple[Path,
     _assert_close(_runner_logits(cfg, build_model(cfg, torch.device("cpu")), PROMPT, [27]), hf_logits(ckpt[1], PROMPT))
 
 
+def test_layer_types_absent_take_transformers_default(ckpt: tuple[Path, Any], tmp_path: Path) -> None:
+    from transformers import MiniMaxConfig
+
+    shutil.copytree(ckpt[0], tmp_path / "c")
+    hf = json.loads((tmp_path / "c" / "config.json").read_text())
+    del hf["layer_types"]
+    (tmp_path / "c" / "config.json").write_text(json.dumps(hf))
+    expected = MiniMaxConfig.from_pretrained(tmp_path / "c").layer_types
+    assert list(config_from_hf(tmp_path / "c").layer_types or ()) == expected == [
+        "full_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
 CONFIG_REFUSALS = [
     ({"sliding_window": 16}, "sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
