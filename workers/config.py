@@ -4,15 +4,27 @@ limits (``EngineConfig``). Both are frozen: built once at startup, then only rea
 Presets carry deterministic random weights (seeded), so a demo, a load test or a benchmark needs
 no download. ``tiny`` runs on two CPU cores; the others have the shapes of common checkpoints.
 ``demo`` is tiny with a scripted next token (``workers.engine.demo_sampler``): readable answers
-through the same engine, ``mesh up``'s default.
+through the same engine, ``mesh up``'s default. A checkpoint's config.json becomes a
+``ModelConfig`` in ``workers.hf_config``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
+
+LINEAR_ATTENTION_KINDS = ("gated", "lightning")
+
+
+@dataclass(frozen=True)
+class ResidualFactors:
+    """MiniMax's residual (``*_alpha_factor``, ``*_beta_factor``): the residual is the *normed*
+    input of a block and its output is ``alpha * residual + beta * block(residual)``; one
+    (alpha, beta) pair after each kind of mixer and one after the MLP."""
+
+    full_attention: tuple[float, float] = (1.0, 1.0)
+    linear_attention: tuple[float, float] = (1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,17 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_chunk: int = 64  # tokens per closed-form segment of the prefill scan
+    # The layer around the recurrent scan: "gated" (gated linear attention: q, k L2-normed, a
+    # learned per-token decay, silu(z) gate) or "lightning" (MiniMax-Text-01: silu on q, k, v,
+    # a constant decay per head and layer, sigmoid gate from the layer input).
+    linear_attention: str = "gated"
+    # Sparse MoE MLP (``workers.model.moe``): num_experts experts of intermediate_size each, the
+    # top num_experts_per_tok per token; 0 experts: a dense SwiGLU.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    residual_factors: ResidualFactors | None = None  # None: Llama's pre-norm residual stream
+    # Whose weight names ``workers.model.hf_loader`` reads: "llama" (Llama, Qwen2, Mistral) or "minimax".
+    hf_architecture: str = "llama"
     # The demo preset: each next token is the next byte of a scripted answer
     # (``workers.engine.demo_sampler``), not a sample of the logits; the forward pass still runs.
     demo_script: bool = False
@@ -63,6 +86,14 @@ class ModelConfig:
                 raise ValueError(f"unknown layer types {sorted(bad)} (full_attention, linear_attention)")
             if self.is_hybrid and min(self.linear_num_heads, self.linear_key_dim, self.linear_value_dim) < 1:
                 raise ValueError("a hybrid model needs linear_num_heads, linear_key_dim and linear_value_dim")
+        if self.linear_attention not in LINEAR_ATTENTION_KINDS:
+            raise ValueError(f"unknown linear_attention {self.linear_attention!r} ({', '.join(LINEAR_ATTENTION_KINDS)})")
+        if self.linear_attention == "lightning" and self.linear_key_dim != self.linear_value_dim:
+            raise ValueError("lightning attention has one head dim: linear_key_dim must equal linear_value_dim")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must lie in [1, {self.num_experts}]")
+        if self.hf_architecture not in ("llama", "minimax"):
+            raise ValueError(f"unknown hf_architecture {self.hf_architecture!r} (llama, minimax)")
 
     @property
     def attention_layers(self) -> list[int]:
@@ -99,8 +130,14 @@ class ModelConfig:
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
         mlp = 3 * h * i + 2 * h
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * i + h) + 2 * h  # experts and the router's row each
         hk, hv = self.linear_num_heads * self.linear_key_dim, self.linear_num_heads * self.linear_value_dim
-        linear = h * (2 * hk + 2 * hv + self.linear_num_heads) + hv * h + 2 * self.linear_num_heads + self.linear_value_dim
+        if self.linear_attention == "lightning":
+            linear = h * (2 * hk + hv) + 2 * hv * h + hv  # qkv, output gate and out, norm
+        else:
+            linear = (h * (2 * hk + 2 * hv + self.linear_num_heads) + hv * h + 2 * self.linear_num_heads
+                      + self.linear_value_dim)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (len(self.attention_layers) * (attn + mlp) + len(self.recurrent_layers) * (linear + mlp)
                 + emb + h)
@@ -167,59 +204,6 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
     return replace(PRESETS[name], **overrides)
-
-
-def config_from_hf(path: str | Path, dtype: str | None = None) -> ModelConfig:
-    """A ``ModelConfig`` from a Hugging Face directory's ``config.json`` (Llama or Qwen2)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    hf = json.loads(cfg_file.read_text())
-    arch = (hf.get("architectures") or [""])[0]
-    model_type = hf.get("model_type", "")
-    if model_type not in ("llama", "qwen2", "mistral") and arch not in (
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
-    ):
-        raise ValueError(f"unsupported architecture {arch or model_type!r} (Llama, Qwen2, Mistral)")
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-    rope_theta = hf.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type") or scaling.get("type")
-        if kind == "llama3":
-            rope_scaling = tuple(sorted((k, v) for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta")))
-        elif kind not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    torch_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    tokenizer = str(path) if (path / "tokenizer.json").is_file() else "byte"
-    return ModelConfig(
-        name=path.name,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        max_position_embeddings=hf.get("max_position_embeddings", 8192),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=str(torch_dtype).removeprefix("torch."),
-        tokenizer=tokenizer,
-        eos_token_id=eos,
-        path=str(path),
-    )
 
 
 @dataclass(frozen=True)

@@ -258,10 +258,12 @@ class ModelRunner:
     # j - 2's event, so a launch may be enqueued while the previous one still runs.
 
     def _use_graphs(self) -> bool:
-        # Hybrid models run eagerly: their state slots are not graph inputs yet. The demo preset too:
+        # Hybrid models run eagerly: their state slots are not graph inputs yet. MoE models too: their
+        # experts are picked on the host (``workers.model.moe``). The demo preset too:
         # a graph step samples on the device (greedy argmax), and its script is chosen on the host.
         return (self.config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton"
-                and not self.model_config.is_hybrid and not self.model_config.demo_script)
+                and not self.model_config.is_hybrid and not self.model_config.num_experts
+                and not self.model_config.demo_script)
 
     def _graph_sizes(self) -> list[int]:
         top = min(self.config.max_graph_batch_size, self.config.max_num_seqs)

@@ -1,37 +1,73 @@
-"""A Llama/Qwen2-style decoder, its deterministic random init, and a loader for a local HF
-directory (``config.json`` + ``*.safetensors``).
+"""The decoder (Llama/Qwen2, the hybrid presets, MiniMax-Text-01) and its deterministic random
+init; ``build_model`` loads a local HF directory through ``workers.model.hf_loader``.
 
-Parameter names follow HF's (``model.layers.N.self_attn...``) except for two packed matrices:
-``qkv_proj`` = rows of q_proj, k_proj, v_proj and ``gate_up_proj`` = rows of gate_proj, up_proj;
-``load_hf_weights`` copies each HF shard into its rows.
+Parameter names follow HF's (``model.layers.N.self_attn...``) except for packed matrices:
+``qkv_proj`` = rows of q_proj, k_proj, v_proj, ``gate_up_proj`` = rows of gate_proj, up_proj (an
+expert's: w1, w3), and a recurrent layer's mixer is ``linear_attn``; the loader maps the names.
+One layer shape serves every model: a mixer (full attention or a recurrent layer) and an MLP
+(dense SwiGLU or sparse MoE), each behind an RMSNorm, with a pre-norm or MiniMax's scaled residual.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from workers.config import ModelConfig
 from workers.model.attention.base import AttentionBackend
+from workers.model.hf_loader import load_hf_weights
 from workers.model.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SwiGLU
+from workers.model.lightning import LightningAttention
+from workers.model.moe import SparseMoE
 from workers.model.recurrent import GatedLinearAttention
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class DecoderLayer(nn.Module):
+def _mlp(cfg: ModelConfig) -> nn.Module:
+    if cfg.num_experts:
+        return SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class _Block(nn.Module):
+    """A mixer (attention or recurrent) and an MLP, each behind an RMSNorm, and the residual
+    around them. A layer returns ``(x, residual)``: the next norm's input is their sum.
+
+    Pre-norm (Llama; ``residual_factors`` None): the residual is the running sum of the layer
+    inputs. MiniMax: the residual is the *normed* input of each part, and each part's output is
+    ``alpha * residual + beta * part(residual)``."""
+
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.mlp = _mlp(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        f = cfg.residual_factors
+        self.factors = None if f is None else (getattr(f, kind), f.mlp)
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None,
+             mix: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.factors is None:
+            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.post_attention_layernorm(mix(h), residual)
+            return self.mlp(h), residual
+        (attn_alpha, attn_beta), (mlp_alpha, mlp_beta) = self.factors
+        h, _ = self.input_layernorm(x, residual)
+        h, _ = self.post_attention_layernorm(attn_beta * mix(h), attn_alpha * h)
+        return mlp_beta * self.mlp(h), mlp_alpha * h
+
+
+class DecoderLayer(_Block):
     is_attention = True
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
-        super().__init__()
+        super().__init__(cfg, "full_attention")
         self.self_attn = Attention(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, rotary
         )
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -42,37 +78,34 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self._run(x, residual, lambda h: self.self_attn(positions, h, kv_cache, meta, backend))
 
 
-class RecurrentDecoderLayer(nn.Module):
-    """A hybrid model's recurrent layer: gated linear attention in place of self-attention
-    (HF Qwen3-Next's name ``linear_attn``), the same MLP and norms."""
+class RecurrentDecoderLayer(_Block):
+    """A hybrid model's recurrent layer: a linear-attention mixer in place of self-attention
+    (HF Qwen3-Next's name ``linear_attn``; MiniMax's ``self_attn`` is renamed at load)."""
 
     is_attention = False
 
-    def __init__(self, cfg: ModelConfig, recurrent_index: int) -> None:
-        super().__init__()
-        self.linear_attn = GatedLinearAttention(
-            cfg.hidden_size, cfg.linear_num_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_chunk,
-            cfg.rms_norm_eps, recurrent_index,
-        )
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def __init__(self, cfg: ModelConfig, layer: int, recurrent_index: int) -> None:
+        super().__init__(cfg, "linear_attention")
+        self.linear_attn: GatedLinearAttention | LightningAttention
+        if cfg.linear_attention == "lightning":
+            self.linear_attn = LightningAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_key_dim,
+                                                  cfg.linear_chunk, layer, cfg.num_layers, recurrent_index)
+        else:
+            self.linear_attn = GatedLinearAttention(
+                cfg.hidden_size, cfg.linear_num_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_chunk,
+                cfg.rms_norm_eps, recurrent_index,
+            )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata, cu_seqlens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if meta.recurrent is None:
+        recurrent = meta.recurrent
+        if recurrent is None:
             raise ValueError("a recurrent layer needs RecurrentMetadata (state slots)")
-        h, residual = self.input_layernorm(x, residual)
-        h = self.linear_attn(h, meta.num_prefill_tokens, cu_seqlens, meta.recurrent)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self._run(x, residual, lambda h: self.linear_attn(h, meta.num_prefill_tokens, cu_seqlens, recurrent))
 
 
 class Model(nn.Module):
@@ -86,7 +119,7 @@ class Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         recurrent = cfg.recurrent_layers
         self.layers = nn.ModuleList(
-            RecurrentDecoderLayer(cfg, recurrent.index(i)) if i in recurrent else DecoderLayer(cfg, rotary)
+            RecurrentDecoderLayer(cfg, i, recurrent.index(i)) if i in recurrent else DecoderLayer(cfg, rotary)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -138,12 +171,14 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Causal
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
-    # Buffers are not materialized by to_empty: rebuild the RoPE table on the device in fp32.
+    # Buffers are not materialized by to_empty: rebuild the RoPE table (and the slopes) on the device in fp32.
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling).to(device)
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.rotary = rotary
+        elif isinstance(layer.linear_attn, LightningAttention):
+            layer.linear_attn.reset_slopes()  # a checkpoint's slope_rate, if any, is loaded over them
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if cfg.path:
@@ -166,78 +201,3 @@ def random_init(model: CausalLM, seed: int) -> None:
             p.copy_(torch.empty(p.shape, device=device).uniform_(0.02, 0.1, generator=gen).log())
         else:
             p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(std))
-
-
-# HF name suffix -> (our name suffix, shard index) for the packed matrices.
-_PACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
-@torch.no_grad()
-def load_hf_weights(model: CausalLM, path: str | Path) -> None:
-    """Copy every tensor of ``path/*.safetensors`` into ``model``; raise on a missing one."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    cfg = model.config
-    shard_rows = {
-        "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
-    loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                if "rotary_emb" in hf_name:
-                    continue
-                tensor = f.get_tensor(hf_name)
-                target, rows = _target(hf_name, shard_rows)
-                if target not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r} in {file.name}")
-                dst = params[target]
-                if rows is not None:
-                    dst = dst.narrow(0, rows[0], rows[1])
-                    loaded.add(f"{target}#{rows[0]}")
-                else:
-                    loaded.add(target)
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-                dst.copy_(tensor.to(dst.dtype))
-    _check_loaded(params, loaded, shard_rows, cfg.tie_word_embeddings)
-
-
-def _target(hf_name: str, shard_rows: dict[str, list[int]]) -> tuple[str, tuple[int, int] | None]:
-    """Our parameter name for an HF tensor, and (row offset, rows) when it is a packed shard."""
-    for hf_part, (ours, shard) in _PACKED.items():
-        if f".{hf_part}." in hf_name:
-            sizes = shard_rows[ours]
-            return hf_name.replace(hf_part, ours), (sum(sizes[:shard]), sizes[shard])
-    return hf_name, None
-
-
-def _check_loaded(
-    params: dict[str, nn.Parameter], loaded: set[str], shard_rows: dict[str, list[int]], tied: bool
-) -> None:
-    missing = []
-    for name in params:
-        if name == "lm_head.weight" and tied:
-            continue
-        packed = next((p for p in shard_rows if name.endswith(p + ".weight") or name.endswith(p + ".bias")), None)
-        if packed is None:
-            if name not in loaded:
-                missing.append(name)
-            continue
-        sizes = shard_rows[packed]
-        # qkv bias has all three shards; gate_up has no bias.
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        missing += [f"{name}#{o}" for o in offsets if f"{name}#{o}" not in loaded]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

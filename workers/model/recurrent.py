@@ -16,6 +16,10 @@ same recurrence, held to each other by tests:
   operations whether a step ends there or not;
 - ``decode_step``: one token for a batch of states (``recurrent_triton.decode_step`` on CUDA).
 
+``scan_step`` runs them over one engine step's tokens, slot by slot; the mixers around it differ
+in how q, k, v and g come from the layer input and how o goes back: ``GatedLinearAttention``
+here (the presets), ``workers.model.lightning.LightningAttention`` (MiniMax-Text-01).
+
 Ownership: the state tensor ``[recurrent layers, slots, heads, d_k, d_v]`` belongs to the model
 runner; ``RecurrentMetadata`` names, per sequence of a step, the slot it reads and writes, and
 where mid-step snapshots go (the block manager's ``StateCheckpoints`` plans the slots).
@@ -121,8 +125,44 @@ def decode_step(
     return torch.einsum("bhk,bhkv->bhv", q.float(), s), s
 
 
+def scan_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, num_prefill_tokens: int,
+              cu_seqlens: list[int], meta: RecurrentMetadata, layer_index: int, chunk: int) -> torch.Tensor:
+    """The recurrence over one step's tokens for one layer (row ``layer_index`` of the state
+    tensor): each prefill sequence scans from its slot's state (zero at position 0) and writes
+    back its final state and its snapshots; the decode tokens advance their slots one step.
+    q, k [T, H, dk], v [T, H, dv], g [T, H]; returns o [T, H, dv] float32."""
+    states = meta.states[layer_index]
+    outs = []
+    for i, slot in enumerate(meta.prefill_slots):
+        lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
+        start = meta.prefill_starts[i]
+        s0 = states[slot] if start else torch.zeros_like(states[slot])
+        snaps = meta.prefill_snaps[i] if meta.prefill_snaps else []
+        o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, chunk, start, [off for off, _ in snaps])
+        states[slot] = s
+        for (_, dest), st in zip(snaps, taken, strict=True):
+            states[dest] = st
+        outs.append(o)
+    if meta.decode_slots is not None and meta.decode_slots.numel():
+        p = num_prefill_tokens
+        outs.append(_decode(q[p:], k[p:], v[p:], g[p:], states, meta.decode_slots))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+            slots: torch.Tensor) -> torch.Tensor:
+    if states.is_cuda:
+        from workers.model import recurrent_triton
+
+        if recurrent_triton.available():
+            return recurrent_triton.decode_step(q, k, v, g, states, slots)
+    o, s = decode_step(q, k, v, g, states.index_select(0, slots))
+    states.index_copy_(0, slots, s)
+    return o
+
+
 class GatedLinearAttention(nn.Module):
-    """The recurrent mixer of a hybrid layer (in place of self-attention)."""
+    """The recurrent mixer of the presets' hybrid layers (in place of self-attention)."""
 
     def __init__(self, hidden: int, num_heads: int, key_dim: int, value_dim: int, chunk: int, eps: float,
                  layer_index: int) -> None:
@@ -148,35 +188,7 @@ class GatedLinearAttention(nn.Module):
     def forward(self, x: torch.Tensor, num_prefill_tokens: int, cu_seqlens: list[int],
                 meta: RecurrentMetadata) -> torch.Tensor:
         q, k, v, z, g = self._project(x)
-        states = meta.states[self.layer_index]
-        outs = []
-        for i, slot in enumerate(meta.prefill_slots):
-            lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
-            start = meta.prefill_starts[i]
-            s0 = states[slot] if start else torch.zeros_like(states[slot])
-            snaps = meta.prefill_snaps[i] if meta.prefill_snaps else []
-            o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, self.chunk, start,
-                                     [off for off, _ in snaps])
-            states[slot] = s
-            for (_, dest), st in zip(snaps, taken, strict=True):
-                states[dest] = st
-            outs.append(o)
-        if meta.decode_slots is not None and meta.decode_slots.numel():
-            p = num_prefill_tokens
-            outs.append(self._decode(q[p:], k[p:], v[p:], g[p:], states, meta.decode_slots))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = scan_step(q, k, v, g, num_prefill_tokens, cu_seqlens, meta, self.layer_index, self.chunk)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         o = o.view(x.shape[0], -1).to(x.dtype) * F.silu(z)
         return self.out_proj(o)
-
-    @staticmethod
-    def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
-        if states.is_cuda:
-            from workers.model import recurrent_triton
-
-            if recurrent_triton.available():
-                return recurrent_triton.decode_step(q, k, v, g, states, slots)
-        o, s = decode_step(q, k, v, g, states.index_select(0, slots))
-        states.index_copy_(0, slots, s)
-        return o

@@ -86,8 +86,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
     from dataclasses import replace
 
     from mesh.request.tokenizer import load_tokenizer
-    from workers.config import EngineConfig, config_from_hf, get_preset
+    from workers.config import EngineConfig, get_preset
     from workers.engine.llm_engine import AsyncLLMEngine, LLMEngine
+    from workers.hf_config import config_from_hf
 
     if args.model:
         model_config = config_from_hf(args.model, dtype=args.dtype)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.config import EngineConfig, config_from_hf
+from workers.config import EngineConfig
 from workers.engine.block_manager import BlockManager
 from workers.engine.model_runner import ModelRunner
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import SamplingParams, Sequence
+from workers.hf_config import config_from_hf
 
 SMALL = dict(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
