@@ -10,11 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.support.chunked_logits import assert_logits_close, chunked_logits
 from workers.config import EngineConfig
-from workers.engine.block_manager import BlockManager
 from workers.engine.model_runner import ModelRunner
-from workers.engine.scheduler import ScheduledBatch
-from workers.engine.sequence import SamplingParams, Sequence
 from workers.hf_config import config_from_hf
 
 SMALL = dict(
@@ -43,28 +41,9 @@ def _hf_logits(model, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-unt
 
 
 def _engine_logits(path: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits at every position, computed chunk by chunk through the paged cache: a chunk of
-    length 1 takes the decode kernel, longer ones the prefill kernel over the cached prefix."""
     cfg = config_from_hf(path, dtype="float32")
     runner = ModelRunner(cfg, EngineConfig(device="cpu", num_kv_blocks=64, block_size=BLOCK, cpu_threads=1))
-    bm = BlockManager(runner.num_blocks, BLOCK)
-    seq = Sequence("r", tokens, SamplingParams(max_tokens=1), BLOCK, key_seed=1)
-    bm.allocate(seq)
-    out = []
-    for n in chunks:
-        batch = ScheduledBatch(decodes=[seq]) if n == 1 else ScheduledBatch(prefills=[(seq, n)])
-        inputs = runner.prepare(batch)
-        with torch.inference_mode():
-            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-            out.append(runner.model.compute_logits(hidden))
-        seq.num_computed_tokens += n
-    return torch.cat(out)
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    rel = (ours - ref).norm() / ref.norm()
-    assert rel < 1e-5, f"relative error {rel:.2e}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    return chunked_logits(runner, BLOCK, tokens, chunks)
 
 
 CASES = {
@@ -87,10 +66,10 @@ def test_logits_match_hf_in_one_prefill_chunks_and_decode(case: str, tmp_path: P
     hf = _save(model_cls, make_config(), tmp_path, seed=len(case))
     tokens = torch.randint(0, SMALL["vocab_size"], (27,), generator=torch.Generator().manual_seed(7)).tolist()
     ref = _hf_logits(hf, tokens)
-    _assert_close(_engine_logits(tmp_path, tokens, [27]), ref)
+    assert_logits_close(_engine_logits(tmp_path, tokens, [27]), ref)
     # 9 + 6 tokens of prefill (the second chunk reads 9 cached tokens, across a partial
     # block), then 12 decode steps.
-    _assert_close(_engine_logits(tmp_path, tokens, [9, 6] + [1] * 12), ref)
+    assert_logits_close(_engine_logits(tmp_path, tokens, [9, 6] + [1] * 12), ref)
 
 
 def test_loader_maps_every_tensor_and_reads_config(tmp_path: Path) -> None:

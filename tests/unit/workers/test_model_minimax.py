@@ -16,13 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.chunked_logits import assert_logits_close, chunked_logits
 from tests.support.minimax import build_minimax, hf_greedy, hf_logits
 from workers.config import EngineConfig, ModelConfig
-from workers.engine.block_manager import BlockManager
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner
-from workers.engine.scheduler import ScheduledBatch
-from workers.engine.sequence import SamplingParams, Sequence
+from workers.engine.sequence import SamplingParams
 from workers.hf_config import config_from_hf
 from workers.model.decoder import CausalLM, build_model
 from workers.model.lightning import decay_tables
@@ -48,29 +47,9 @@ def model(cfg: ModelConfig) -> CausalLM:
 
 
 def _runner_logits(cfg: ModelConfig, model: CausalLM, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits at every position, chunk by chunk: a chunk of 1 token is a decode step (paged
-    attention, one recurrent step from the slot), a longer one a prefill over the cached prefix."""
     runner = ModelRunner(cfg, EngineConfig(device="cpu", num_kv_blocks=64, block_size=BS, cpu_threads=1,
                                            max_num_seqs=2, num_state_checkpoints=0), model)
-    bm = BlockManager(runner.num_blocks, BS)
-    bm.enable_states(2, 0, 0)
-    seq = Sequence("r", tokens, SamplingParams(max_tokens=1), BS, key_seed=1)
-    bm.allocate(seq)
-    out = []
-    for n in chunks:
-        batch = ScheduledBatch(decodes=[seq]) if n == 1 else ScheduledBatch(prefills=[(seq, n)])
-        inputs = runner.prepare(batch)
-        with torch.inference_mode():
-            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-            out.append(runner.model.compute_logits(hidden))
-        seq.num_computed_tokens += n
-    return torch.cat(out)
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    rel = (ours - ref).norm() / ref.norm()
-    assert rel < 1e-5, f"relative error {rel:.2e}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    return chunked_logits(runner, BS, tokens, chunks, recurrent_slots=2)
 
 
 def test_config_maps_the_hybrid_shape(cfg: ModelConfig) -> None:
@@ -84,9 +63,9 @@ def test_config_maps_the_hybrid_shape(cfg: ModelConfig) -> None:
 def test_logits_match_transformers_in_one_prefill_chunks_and_decode(ckpt: tuple[Path, Any], cfg: ModelConfig,
                                                                     model: CausalLM) -> None:
     ref = hf_logits(ckpt[1], PROMPT)  # HF's blocked prefill: blocks of 8 tokens
-    _assert_close(_runner_logits(cfg, model, PROMPT, [27]), ref)
+    assert_logits_close(_runner_logits(cfg, model, PROMPT, [27]), ref)
     # 9 + 6 prefill tokens (the second chunk resumes the state and reads 9 cached K/V), 12 decodes
-    _assert_close(_runner_logits(cfg, model, PROMPT, [9, 6] + [1] * 12), ref)
+    assert_logits_close(_runner_logits(cfg, model, PROMPT, [9, 6] + [1] * 12), ref)
 
 
 def _engine(cfg: ModelConfig, model: CausalLM, **kw: Any) -> LLMEngine:
@@ -175,12 +154,12 @@ def test_slopes_come_from_the_checkpoint_else_from_the_formula(ckpt: tuple[Path,
     ref = hf_logits(MiniMaxForCausalLM.from_pretrained(doubled).eval(), PROMPT)
     ours = _runner_logits(config_from_hf(doubled, dtype="float32"),
                           build_model(config_from_hf(doubled, dtype="float32"), torch.device("cpu")), PROMPT, [27])
-    _assert_close(ours, ref)
+    assert_logits_close(ours, ref)
     assert (ref - hf_logits(ckpt[1], PROMPT)).abs().max() > 1e-2  # the slopes matter
 
     bare = _rewrite(ckpt[0], tmp_path / "bare", lambda t: [t.pop(n) for n in list(t) if "decay" in n or "slope" in n])
     cfg = config_from_hf(bare, dtype="float32")
-    _assert_close(_runner_logits(cfg, build_model(cfg, torch.device("cpu")), PROMPT, [27]), hf_logits(ckpt[1], PROMPT))
+    assert_logits_close(_runner_logits(cfg, build_model(cfg, torch.device("cpu")), PROMPT, [27]), hf_logits(ckpt[1], PROMPT))
 
 
 def test_layer_types_absent_take_transformers_default(ckpt: tuple[Path, Any], tmp_path: Path) -> None:
