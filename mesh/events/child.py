@@ -5,8 +5,9 @@ it). It connects a PAIR socket to ``link`` (the gateway binds it), says hello, a
 owns every stream's SUB socket (connected to a worker's PUB, or the gateway's one bound SUB,
 demultiplexed by topic with ``mesh.events.bound.Demux``): it receives each frame and prepares it
 (``mesh.events.prepare``: split, digested, decoded, keyed) and sends the gateway, after every poll
-round, one message of every frame prepared in it (``F`` + pickled ``[(sid, [Prepared as a
-tuple, ...]), ...]``). It also forwards each SUB socket's connection events (``C``), when they
+round, one message of every frame prepared in it (``F``: ``_message``; each frame a ``Prepared``
+pickled as a tuple, which the gateway keeps as bytes, never scanned by its garbage collector,
+until it applies it). It also forwards each SUB socket's connection events (``C``), when they
 changed the bound socket's unknown-topic counts (``U``), and its log records (``L``: logged
 again by the gateway, through its own handlers).
 
@@ -23,11 +24,13 @@ here is the process's main thread's.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
 import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,7 @@ import zmq
 import zmq.utils.monitor
 
 from mesh.events.bound import Demux
+from mesh.events.ops import Prepared
 from mesh.events.prepare import Preparer
 
 log = logging.getLogger("mesh.events.subscriber")
@@ -61,10 +65,10 @@ class _Routed:
 
     sid: int
     preparer: Preparer
-    out: dict[int, list[tuple[Any, ...]]]
+    out: dict[int, list[tuple[bytes, int]]]
 
     def put(self, frames: list[bytes]) -> bool:
-        self.out.setdefault(self.sid, []).append(tuple(self.preparer.prepare(frames)))
+        self.out.setdefault(self.sid, []).append(_packed(self.preparer.prepare(frames)))
         return True
 
     def wake(self) -> None:
@@ -84,7 +88,7 @@ class _Child:
     by_monitor: dict[zmq.Socket[bytes], int] = field(default_factory=dict)
     bound: zmq.Socket[bytes] | None = None
     demux: Demux | None = None
-    out: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    out: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # sid -> (pickled frame, size)
     unknown_sent: dict[str, int] = field(default_factory=dict)
     stopped: bool = False
 
@@ -117,11 +121,11 @@ class _Child:
             sub.bind(address)
         except zmq.ZMQError as exc:
             sub.close(linger=0)
-            self.send(b"B", (None, exc.errno, str(exc)))
+            self.tell(b"B", (None, exc.errno, str(exc)))
             return
         self.bound, self.demux = sub, Demux(address)
         self.poller.register(sub, zmq.POLLIN)
-        self.send(b"B", (sub.getsockopt_string(zmq.LAST_ENDPOINT), 0, ""))
+        self.tell(b"B", (sub.getsockopt_string(zmq.LAST_ENDPOINT), 0, ""))
 
     def _add_own(self, sid: int, endpoint: str, topic: str, rcvhwm: int, model: str, block_size: int | None,
                  max_frame_bytes: int) -> None:
@@ -169,14 +173,17 @@ class _Child:
             elif sock in self.by_sock:
                 self._drain(self.by_sock[sock])
         if self.out:
-            self.send(b"F", list(self.out.items()))
+            self.send(b"F", *_message(self.out))
             self.out.clear()  # (the same dict: ``_Routed`` sinks hold it)
 
-    def send(self, kind: bytes, body: object) -> None:
+    def tell(self, kind: bytes, body: object) -> None:
+        self.send(kind, pickle.dumps(body, pickle.HIGHEST_PROTOCOL))
+
+    def send(self, kind: bytes, *parts: bytes) -> None:
         """One message to the gateway; dropped when it has not read for ``_SEND_TIMEOUT_MS`` (lost
         frames are gaps there, repaired by replay)."""
         try:
-            self.link.send_multipart([kind, pickle.dumps(body, pickle.HIGHEST_PROTOCOL)])
+            self.link.send_multipart([kind, *parts])
         except zmq.Again:
             log.warning("kv events: the gateway has not read for %d ms; a message (%s) was dropped",
                         _SEND_TIMEOUT_MS, kind.decode())
@@ -189,7 +196,7 @@ class _Child:
         prepare = stream.preparer.prepare
         try:
             for _ in range(_ROUND):
-                batch.append(tuple(prepare(stream.sub.recv_multipart(zmq.NOBLOCK))))
+                batch.append(_packed(prepare(stream.sub.recv_multipart(zmq.NOBLOCK))))
         except zmq.Again:
             pass
         if not batch:
@@ -205,12 +212,12 @@ class _Child:
 
     def _connection(self, monitor: zmq.Socket[bytes]) -> None:
         event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
-        self.send(b"C", (self.by_monitor[monitor], event))
+        self.tell(b"C", (self.by_monitor[monitor], event))
 
     def report_unknown(self) -> None:
         if self.demux is not None and self.demux.unknown != self.unknown_sent:
             self.unknown_sent = dict(self.demux.unknown)
-            self.send(b"U", self.unknown_sent)
+            self.tell(b"U", self.unknown_sent)
 
     def close(self) -> None:
         for sid in list(self.own):
@@ -218,6 +225,20 @@ class _Child:
         if self.bound is not None:
             self.bound.close(linger=0)
         self.link.close(linger=0)
+
+
+def _message(out: dict[int, list[tuple[bytes, int]]]) -> list[bytes]:
+    """One round's frames as an ``F`` message's parts: ``[sid, count]`` pairs, each frame's end
+    offset in the blob and its payload size (u64 arrays), the blob of every pickled frame."""
+    counts = array("Q", [x for sid, frames in out.items() for x in (sid, len(frames))])
+    blobs = [blob for frames in out.values() for blob, _ in frames]
+    ends = array("Q", itertools.accumulate(map(len, blobs)))
+    sizes = array("Q", [size for frames in out.values() for _, size in frames])
+    return [counts.tobytes(), ends.tobytes(), sizes.tobytes(), b"".join(blobs)]
+
+
+def _packed(frame: Prepared) -> tuple[bytes, int]:
+    return pickle.dumps(tuple(frame), pickle.HIGHEST_PROTOCOL), frame.size
 
 
 class _LinkHandler(logging.Handler):
@@ -228,7 +249,7 @@ class _LinkHandler(logging.Handler):
         self.child = child
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.child.send(b"L", (record.levelno, record.name, record.getMessage()))
+        self.child.tell(b"L", (record.levelno, record.name, record.getMessage()))
 
 
 def main(link: str, parent_pid: int) -> None:

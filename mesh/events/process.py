@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mesh.events.inbox import Inbox
+from mesh.events.inbox import Inbox, Item
 from mesh.events.ops import Prepared
 
 log = logging.getLogger("mesh.events.subscriber")
@@ -185,16 +186,18 @@ class ProcessReceiver:
     # ------------------------------------------------------------------ the link
     async def _read(self, link: zmq.asyncio.Socket) -> None:
         while True:
-            kind, body = await link.recv_multipart()
+            kind, *parts = await link.recv_multipart()
             try:
-                self._dispatch(kind, body)
+                self._dispatch(kind, parts)
             except Exception:  # one bad message must not end the link: every stream would go quiet
                 log.exception("kv events: a message of the receiver process could not be handled")
 
-    def _dispatch(self, kind: bytes, body: bytes) -> None:
+    def _dispatch(self, kind: bytes, parts: list[bytes]) -> None:
         if kind == b"F":
-            self._frames(body)
-        elif kind == b"C":
+            self._frames(parts)
+            return
+        body = parts[0]
+        if kind == b"C":
             self._on_connection(*pickle.loads(body))
         elif kind == b"U":
             self._on_unknown(pickle.loads(body))
@@ -204,17 +207,26 @@ class ProcessReceiver:
         elif kind == b"B" and self._bound is not None and not self._bound.done():
             self._bound.set_result(pickle.loads(body))
 
-    def _frames(self, body: bytes) -> None:
-        make = Prepared._make
-        for sid, items in pickle.loads(body):
+    def _frames(self, parts: list[bytes]) -> None:
+        """Each frame into its stream's inbox as ``(pickled Prepared, size)`` (``unpack`` on take);
+        the message's layout is ``mesh.events.child._message``'s."""
+        counts, ends, sizes = (array("Q", part).tolist() for part in parts[:3])
+        blob, at, start = parts[3], 0, 0
+        for i in range(0, len(counts), 2):
+            sid, n = counts[i], counts[i + 1]
             inbox = self._inboxes.get(sid)
-            if inbox is None:
-                continue  # removed since
-            for t in items:
-                if not inbox.add(make(t), t[1]) and sid not in self._paused and self._told[sid][0] == "own":
-                    self._paused.add(sid)  # over budget: the child leaves its frames in ZMQ's queue
-                    self._send(("pause", sid))
-            inbox.wake()
+            if inbox is not None:  # (else removed since)
+                for j in range(at, at + n):
+                    end, size = ends[j], sizes[j]
+                    if not inbox.add((blob[start:end], size), size) and sid not in self._paused \
+                            and self._told[sid][0] == "own":
+                        self._paused.add(sid)  # over budget: the child leaves its frames in ZMQ's queue
+                        self._send(("pause", sid))
+                    start = end
+                inbox.wake()
+            else:
+                start = ends[at + n - 1] if n else start
+            at += n
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
@@ -241,3 +253,13 @@ class ProcessReceiver:
             except (RuntimeError, OSError) as exc:
                 log.error("kv events: the receiver process could not be restarted: %s; trying again", exc)
                 await asyncio.sleep(MAX_RESTART_S)
+
+
+def unpack(item: Item) -> Prepared:
+    """A frame as an inbox of this receiver holds it -> the ``Prepared`` frame."""
+    return Prepared._make(pickle.loads(item[0]))
+
+
+def packed(frame: Prepared) -> Item:
+    """``frame`` as an inbox of this receiver holds it (markers put by the gateway itself)."""
+    return pickle.dumps(tuple(frame), pickle.HIGHEST_PROTOCOL), frame.size

@@ -51,7 +51,7 @@ from mesh.events.inbox import Inbox, Item, Receiver
 from mesh.events.limits import SubscriberLimits
 from mesh.events.ops import LOST, Prepared
 from mesh.events.pacer import Pacer
-from mesh.events.process import ProcessReceiver
+from mesh.events.process import ProcessReceiver, packed, unpack
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
 from mesh.events.sockets import cancel, close_stream, connection_event, monitor_sub, watch_connection
 from mesh.events.stream import Payload, Stream, Verdict, WorkerEvents, digest_of, offset_endpoint, split_frame
@@ -63,7 +63,7 @@ __all__ = ["MAX_REPLAY_TRIES", "MAX_RETRY_S", "KvEventSubscriber", "LogLimiter",
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
-_LOST = Prepared(-2, 0, 0, 0.0, None, [], 0, 0, LOST)  # put in every inbox when the receiver process died
+_LOST = packed(Prepared(-2, 0, 0, 0.0, None, [], 0, 0, LOST))  # put in every inbox when the receiver process died
 
 
 def _parsed(frames: Item) -> tuple[int, Payload] | None:
@@ -74,7 +74,7 @@ def _parsed(frames: Item) -> tuple[int, Payload] | None:
 
 
 def _prepared_size(item: Item) -> int:
-    return item[1]  # type: ignore[no-any-return]  # ``Prepared.size``
+    return item[1]  # type: ignore[no-any-return]  # ``mesh.events.process.packed``: (pickled frame, size)
 
 
 class KvEventSubscriber(Recovery):
@@ -423,6 +423,8 @@ class KvEventSubscriber(Recovery):
 
     async def _on_live(self, stream: Stream, frames: Item) -> None:
         h = stream.health
+        if self._child is not None:
+            frames = unpack(frames)
         if type(frames) is Prepared and frames.error == LOST:
             return await self._receiver_lost(stream)
         parsed = _parsed(frames)
