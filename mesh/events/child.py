@@ -106,9 +106,7 @@ class _Child:
         elif op == "remove":
             self._remove(msg[1])
         elif op in ("pause", "resume"):
-            stream = self.own.get(msg[1])
-            if stream is not None:
-                stream.paused = op == "pause"
+            self._pause(msg[1], op == "pause")
         elif op == "stop":
             self.stopped = True
 
@@ -146,13 +144,25 @@ class _Child:
         self.poller.register(sub, zmq.POLLIN)
         self.poller.register(monitor, zmq.POLLIN)
 
+    def _pause(self, sid: int, paused: bool) -> None:
+        """A paused socket is not polled (not read: ZMQ drops the flood past its HWM, seen later
+        as a gap) until resumed."""
+        stream = self.own.get(sid)
+        if stream is None or stream.paused == paused:
+            return
+        stream.paused = paused
+        if paused:
+            self.poller.unregister(stream.sub)
+        else:
+            self.poller.register(stream.sub, zmq.POLLIN)
+
     def _remove(self, sid: int) -> None:
         stream = self.own.pop(sid, None)
         if stream is None:
             if self.demux is not None:
                 self.demux.routes = {t: r for t, r in self.demux.routes.items() if getattr(r, "sid", None) != sid}
             return
-        for sock in (stream.sub, stream.monitor):
+        for sock in (stream.monitor,) if stream.paused else (stream.sub, stream.monitor):
             self.poller.unregister(sock)
         del self.by_sock[stream.sub], self.by_monitor[stream.monitor]
         stream.sub.disable_monitor()
@@ -190,8 +200,6 @@ class _Child:
 
     def _drain(self, sid: int) -> None:
         stream = self.own[sid]
-        if stream.paused:
-            return  # left in ZMQ's queue until the gateway reset the stream
         batch = self.out.setdefault(sid, [])
         prepare = stream.preparer.prepare
         try:
