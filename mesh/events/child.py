@@ -90,6 +90,7 @@ class _Child:
     demux: Demux | None = None
     out: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # sid -> (pickled frame, size)
     unknown_sent: dict[str, int] = field(default_factory=dict)
+    pending: dict[int, list[int]] = field(default_factory=dict)  # sid -> connection events not told yet
     stopped: bool = False
 
     # -- control --
@@ -182,9 +183,15 @@ class _Child:
                 self._connection(sock)
             elif sock in self.by_sock:
                 self._drain(self.by_sock[sock])
+        # a lost connection is told after every frame received before it (ZMQ reports it while
+        # its queue may still hold them): the gateway meets it in order (``stream.lost``)
+        told = [sid for sid in self.pending if sid not in self.own or self.own[sid].paused or self._drain(sid)]
         if self.out:
             self.send(b"F", *_message(self.out))
             self.out.clear()  # (the same dict: ``_Routed`` sinks hold it)
+        for sid in told:
+            for event in self.pending.pop(sid):
+                self.tell(b"C", (sid, event))
 
     def tell(self, kind: bytes, body: object) -> None:
         self.send(kind, pickle.dumps(body, pickle.HIGHEST_PROTOCOL))
@@ -198,17 +205,20 @@ class _Child:
             log.warning("kv events: the gateway has not read for %d ms; a message (%s) was dropped",
                         _SEND_TIMEOUT_MS, kind.decode())
 
-    def _drain(self, sid: int) -> None:
+    def _drain(self, sid: int) -> bool:
+        """Receive and prepare up to ``_ROUND`` frames; whether the socket's queue is empty."""
         stream = self.own[sid]
         batch = self.out.setdefault(sid, [])
         prepare = stream.preparer.prepare
+        empty = False
         try:
             for _ in range(_ROUND):
                 batch.append(_packed(prepare(stream.sub.recv_multipart(zmq.NOBLOCK))))
         except zmq.Again:
-            pass
+            empty = True
         if not batch:
             del self.out[sid]
+        return empty
 
     def _drain_bound(self) -> None:
         assert self.bound is not None and self.demux is not None
@@ -220,7 +230,11 @@ class _Child:
 
     def _connection(self, monitor: zmq.Socket[bytes]) -> None:
         event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
-        self.tell(b"C", (self.by_monitor[monitor], event))
+        sid = self.by_monitor[monitor]
+        if event == zmq.EVENT_DISCONNECTED or sid in self.pending:
+            self.pending.setdefault(sid, []).append(event)  # told in order once its queue is drained
+        else:
+            self.tell(b"C", (sid, event))
 
     def report_unknown(self) -> None:
         if self.demux is not None and self.demux.unknown != self.unknown_sent:

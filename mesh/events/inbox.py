@@ -58,7 +58,7 @@ class Inbox:
     """One stream's frames between the receiver thread and the loop, bounded by a budget."""
 
     __slots__ = ("max_frames", "max_bytes", "frames", "in_frames", "in_bytes", "out_frames", "out_bytes",
-                 "overflows", "handled", "dropped", "size_of", "_event", "_loop", "_waiting")
+                 "overflows", "handled", "dropped", "size_of", "marked", "_event", "_loop", "_waiting")
 
     def __init__(self, max_frames: int, max_bytes: int, size_of: Callable[[Item], int] | None = None) -> None:
         if max_frames < 1 or max_bytes < 1:
@@ -68,6 +68,7 @@ class Inbox:
         self.frames: deque[Item] = deque()
         self.in_frames = self.in_bytes = self.overflows = self.dropped = 0  # the thread's
         self.out_frames = self.out_bytes = self.handled = 0  # the loop's
+        self.marked = False  # a marker was ever put (``discard`` then keeps markers)
         self._loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
         self._waiting = False
@@ -114,9 +115,10 @@ class Inbox:
         dropped. (The thread appends nothing while overflowed: the deque is the loop's to swap.)"""
         if not self.overflowed():
             raise RuntimeError("discard() is for an overflowed inbox only")
-        n = self.in_frames - self.out_frames
-        self.frames = deque()
-        self.out_frames, self.out_bytes = self.in_frames, self.in_bytes
+        kept = deque(i for i in self.frames if i[-1] == 0 and i in _MARKERS) if self.marked else deque()
+        n = self.in_frames - self.out_frames - len(kept)
+        self.frames = kept  # (markers stay: the stream's task must still meet them)
+        self.out_frames, self.out_bytes = self.in_frames - len(kept), self.in_bytes
         self.handled = self.overflows
         return n
 
@@ -142,7 +144,11 @@ class Inbox:
         return True
 
     def mark(self, item: Item) -> None:
-        """Append a marker (no payload) whatever the budget: the stream's task meets it in order."""
+        """Append a marker (an item of ``size_of`` 0, registered with ``marker``) whatever the
+        budget: the stream's task meets it in order, even after a ``discard``."""
+        if item not in _MARKERS:
+            raise ValueError("not a registered marker")
+        self.marked = True
         self.frames.append(item)
         self.in_frames += 1
 
@@ -152,6 +158,17 @@ class Inbox:
             self._waiting = False
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 self._loop.call_soon_threadsafe(self._event.set)
+
+
+_MARKERS: list[Item] = []
+
+
+def marker(item: Item) -> Item:
+    """Register ``item`` (its last element 0: no payload bytes) as a marker ``Inbox.mark`` may put."""
+    if item[-1] != 0:
+        raise ValueError("a marker carries no payload bytes")
+    _MARKERS.append(item)
+    return item
 
 
 class Sink(Protocol):

@@ -47,7 +47,7 @@ from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch, apply_ops
 from mesh.events.bound import Demux
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
-from mesh.events.inbox import Inbox, Item, Receiver
+from mesh.events.inbox import Inbox, Item, Receiver, marker
 from mesh.events.limits import SubscriberLimits
 from mesh.events.ops import LOST, Prepared
 from mesh.events.pacer import Pacer
@@ -63,7 +63,10 @@ __all__ = ["MAX_REPLAY_TRIES", "MAX_RETRY_S", "KvEventSubscriber", "LogLimiter",
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
-_LOST = packed(Prepared(-2, 0, 0, 0.0, None, [], 0, 0, LOST))  # put in every inbox when the receiver process died
+_LOST = marker(packed(Prepared(-2, 0, 0, 0.0, None, [], 0, 0, LOST)))  # put in every inbox when the receiver process died
+# put in a stream's inbox when the receiver process's SUB socket lost its connection: met in order,
+# after the frames received before it (those are no proof of a reconnected publisher's continuity)
+_DISCONNECTED = marker(packed(Prepared(-3, 0, 0, 0.0, None, [], 0, 0, "disconnected")))
 
 
 def _parsed(frames: Item) -> tuple[int, Payload] | None:
@@ -425,8 +428,11 @@ class KvEventSubscriber(Recovery):
         h = stream.health
         if self._child is not None:
             frames = unpack(frames)
-        if type(frames) is Prepared and frames.error == LOST:
-            return await self._receiver_lost(stream)
+        if type(frames) is Prepared and frames.seq < -1:  # a marker
+            if frames.error == LOST:
+                return await self._receiver_lost(stream)
+            stream.lost = True  # the connection dropped after the frames before this one
+            return self._notify(stream)
         parsed = _parsed(frames)
         if parsed is None:
             h.bump(h.dropped, "malformed")
@@ -521,7 +527,16 @@ class KvEventSubscriber(Recovery):
     # ------------------------------------------------------------------ the receiver process
     def _child_connection(self, sid: int, event: int) -> None:
         stream = self._sids.get(sid)
-        if stream is not None:
+        if stream is None:
+            return
+        if event == zmq.EVENT_DISCONNECTED and stream.inbox is not None:
+            h = stream.health
+            h.connected = False  # unhealthy at once; ``lost`` in order (``_DISCONNECTED``)
+            h.disconnects += 1
+            stream.inbox.mark(_DISCONNECTED)
+            stream.inbox.wake()
+            self._notify(stream)
+        else:
             connection_event(stream, event, self._notify)
 
     def _child_unknown(self, unknown: dict[str, int]) -> None:
