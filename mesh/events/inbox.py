@@ -9,6 +9,10 @@ briefly after every ``_ROUND`` frames so that a flood never holds the GIL for lo
 an overflowed inbox is not read until the loop reset its stream: ZMQ drops the flood in its own
 queue (past its HWM), at no cost to the gateway.
 
+With ``index.ingest_process`` the receiver process (``mesh.events.process``) fills the same inboxes
+from the loop itself, with prepared frames kept as bytes (``Inbox(size_of=...)`` reads their payload
+size); ``mark`` puts a marker the stream's task meets in order (a lost connection, a dead child).
+
 The budget: an inbox whose backlog (frames received, not yet taken) exceeds ``max_frames`` or
 ``max_bytes`` overflows: the thread receives no further frame of it until the loop has noticed
 (``Inbox.overflowed``), discarded the backlog and reset the stream (``KvEventSubscriber``: the

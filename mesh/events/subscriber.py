@@ -46,14 +46,15 @@ from prometheus_client import CollectorRegistry
 from mesh.core.index import PrefixIndex
 from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch, apply_ops
 from mesh.events.bound import Demux
+from mesh.events.child_streams import ChildStreams, prepared_size
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
-from mesh.events.inbox import Inbox, Item, Receiver, marker
+from mesh.events.inbox import Inbox, Item, Receiver
 from mesh.events.limits import SubscriberLimits
 from mesh.events.ops import LOST, Prepared
 from mesh.events.pacer import Pacer
-from mesh.events.process import ProcessReceiver, packed, unpack
+from mesh.events.process import ProcessReceiver, unpack
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
-from mesh.events.sockets import cancel, close_stream, connection_event, monitor_sub, watch_connection
+from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
 from mesh.events.stream import Payload, Stream, Verdict, WorkerEvents, digest_of, offset_endpoint, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
 from policies.base import target_id
@@ -63,10 +64,6 @@ __all__ = ["MAX_REPLAY_TRIES", "MAX_RETRY_S", "KvEventSubscriber", "LogLimiter",
 log = logging.getLogger(__name__)
 
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
-_LOST = marker(packed(Prepared(-2, 0, 0, 0.0, None, [], 0, 0, LOST)))  # put in every inbox when the receiver process died
-# put in a stream's inbox when the receiver process's SUB socket lost its connection: met in order,
-# after the frames received before it (those are no proof of a reconnected publisher's continuity)
-_DISCONNECTED = marker(packed(Prepared(-3, 0, 0, 0.0, None, [], 0, 0, "disconnected")))
 
 
 def _parsed(frames: Item) -> tuple[int, Payload] | None:
@@ -76,11 +73,7 @@ def _parsed(frames: Item) -> tuple[int, Payload] | None:
     return split_frame(frames)
 
 
-def _prepared_size(item: Item) -> int:
-    return item[1]  # type: ignore[no-any-return]  # ``mesh.events.process.packed``: (pickled frame, size)
-
-
-class KvEventSubscriber(Recovery):
+class KvEventSubscriber(Recovery, ChildStreams):
     """Subscribes to every configured worker's KV events and keeps ``index`` in step.
 
     ``on_health(target, healthy)`` is called when a stream's health flips; ``on_reset(target,
@@ -159,24 +152,9 @@ class KvEventSubscriber(Recovery):
         self._receiver.add(sub, self._demux)  # the receiver thread's socket from here on
         log.info("kv events: bound %s for the workers whose publishers connect to the gateway", self.bound_address)
 
-    async def _open_bound_child(self, bind: str) -> None:
-        assert self._child is not None
-        self.bound_address = await self._child.bind(bind, self.limits.rcvhwm)  # raises ZMQError as a bind here would
-        self._demux = Demux(bind)  # here: the unknown-topic counts the child reports, for the metric
-        if self._registry is not None:
-            self._registry.register(self._demux)
-        log.info("kv events: bound %s (in the receiver process) for the workers whose publishers connect to the "
-                 "gateway", self.bound_address)
-
     def _new_inbox(self) -> Inbox:
         return Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes,
-                     _prepared_size if self._child is not None else None)
-
-    def _sid(self, stream: Stream) -> int:
-        self._next_sid += 1
-        self._sids[self._next_sid] = stream
-        self._sid_of[stream.health.target] = self._next_sid
-        return self._next_sid
+                     prepared_size if self._child is not None else None)
 
     def add_worker(self, spec: WorkerEvents) -> list[str]:
         """Start one stream per data-parallel rank (needs a running loop). Returns the targets."""
@@ -305,38 +283,6 @@ class KvEventSubscriber(Recovery):
                 log.error("kv events %s: socket error %s", stream.health.target, exc)
         finally:
             demux.unroute(inbox)
-            self._forget_sid(stream)
-            self._set_running(stream, False)
-            close_stream(stream, None)
-            stream.inbox = None
-
-    def _forget_sid(self, stream: Stream) -> None:
-        sid = self._sid_of.pop(stream.health.target, None)
-        if sid is not None:
-            del self._sids[sid]
-            if self._child is not None:
-                self._child.remove(sid)
-
-    async def _run_child(self, stream: Stream) -> None:
-        """A stream of its own SUB socket in the receiver process, connected to the worker's PUB
-        (its connection events come from there: ``_child_connection``)."""
-        h = stream.health
-        assert h.endpoint and self._child is not None
-        try:
-            inbox = stream.inbox = self._new_inbox()
-            # ZMQ's queue holds no more than the budget (as ``_run_own``'s)
-            self._child.add_own(self._sid(stream), inbox, h.endpoint, stream.spec.topic,
-                                min(self.limits.rcvhwm, self.limits.max_backlog_frames), stream.spec.model,
-                                stream.spec.block_size, self.limits.max_frame_bytes)
-            await self._child.start()  # the child is up and was told: the SUB connects before the replay
-            self._set_running(stream, True)
-            if h.replay_endpoint:
-                await self._recover(stream, "connect")
-            await self._receive(stream, inbox)
-        except zmq.ZMQError as exc:
-            if not self._closed:
-                log.error("kv events %s: socket error %s", h.target, exc)
-        finally:
             self._forget_sid(stream)
             self._set_running(stream, False)
             close_stream(stream, None)
@@ -523,42 +469,6 @@ class KvEventSubscriber(Recovery):
             self._reset(stream, "undecodable")
             return None
         return batch
-
-    # ------------------------------------------------------------------ the receiver process
-    def _child_connection(self, sid: int, event: int) -> None:
-        stream = self._sids.get(sid)
-        if stream is None:
-            return
-        if event == zmq.EVENT_DISCONNECTED and stream.inbox is not None:
-            h = stream.health
-            h.connected = False  # unhealthy at once; ``lost`` in order (``_DISCONNECTED``)
-            h.disconnects += 1
-            stream.inbox.mark(_DISCONNECTED)
-            stream.inbox.wake()
-            self._notify(stream)
-        else:
-            connection_event(stream, event, self._notify)
-
-    def _child_unknown(self, unknown: dict[str, int]) -> None:
-        if self._demux is not None:
-            self._demux.unknown = unknown
-
-    def _child_lost(self) -> None:
-        """The receiver process died: each stream learns it in order, from its inbox."""
-        for stream in self._sids.values():
-            if stream.inbox is not None:
-                stream.inbox.mark(_LOST)
-                stream.inbox.wake()
-
-    async def _receiver_lost(self, stream: Stream) -> None:
-        """What the dead child held (frames received, the connection) is gone: reset, rebuild."""
-        h = stream.health
-        h.connected = False
-        stream.lost = False
-        self._reset(stream, "receiver_lost", forget_seq=True)
-        self._notify(stream)
-        if h.replay_endpoint:
-            await self._recover(stream, "receiver_lost")
 
     # ------------------------------------------------------------------ state changes
     def _reset(self, stream: Stream, reason: str, *, forget_seq: bool = False) -> None:
