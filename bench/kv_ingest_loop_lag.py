@@ -65,7 +65,7 @@ async def run(rate: float, streams: int, seconds: float, process: bool = False) 
     marks: list[tuple[str, float]] = []
     gc.callbacks.append(lambda phase, info: marks.append((phase, time.perf_counter())))
     lags: list[float] = []
-    child = sub._child.pid if sub._child is not None else None
+    child = sub.receiver_pid
     cpu0, child0 = time.process_time(), _cpu_s(child)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -79,10 +79,6 @@ async def run(rate: float, streams: int, seconds: float, process: bool = False) 
     resets = sum(sum(h.resets.values()) for h in sub.health().values())
     if pub is not None:
         pub.join(30)
-    if os.environ.get("BENCH_VERBOSE"):
-        for h in sub.health().values():
-            print(h.target, "batches", h.batches, "gaps", h.gaps, "resets", h.resets, "dropped", h.dropped,
-                  "backlog", sub._backlog(h.target), "sent", sent.value)
     await sub.stop()
     return {"lag_p50_ms": pct(lags, 0.5), "lag_p99_ms": pct(lags, 0.99), "lag_max_ms": max(lags),
             "gc_max_ms": max(pauses or [0.0]), "applied": applied, "resets": resets, "keys": len(index),

@@ -52,6 +52,11 @@ class ChildStreams:
     _demux: Demux | None
     _registry: CollectorRegistry | None
 
+    @property
+    def receiver_pid(self) -> int | None:
+        """The receiver process's pid (None: the receiver thread, or between two children)."""
+        return self._child.pid if self._child is not None else None
+
     def _new_inbox(self) -> Inbox:
         raise NotImplementedError
 

@@ -91,14 +91,14 @@ async def test_a_killed_receiver_process_is_restarted_loudly_and_its_streams_reb
         for p in prompts[:4]:
             pub.publish(encode_events(engine.serve(p), "map", "array3", "uint", rng))
         await caught_up(sub, target, pub)
-        assert sub._child is not None
-        first = sub._child.pid
+        first = sub.receiver_pid
         assert first is not None
         with caplog.at_level(logging.ERROR, logger="mesh.events.subscriber"):
             os.kill(first, signal.SIGKILL)
             await wait_until(lambda: sub.health()[target].resets.get("receiver_lost", 0) == 1)
-            await wait_until(lambda: sub._child is not None and sub._child.pid not in (None, first))
+            await wait_until(lambda: sub.receiver_pid not in (None, first))
         assert any("receiver process" in r.getMessage() and "exited" in r.getMessage() for r in caplog.records)
+        second = sub.receiver_pid
         await wait_until(lambda: sub.health()[target].connected)  # the new child's SUB socket ...
         await nudge_until(pub, lambda: sub.health()[target].last_seq == pub.seq - 1, rng)  # ... and joined
         for p in prompts[4:]:
@@ -109,7 +109,7 @@ async def test_a_killed_receiver_process_is_restarted_loudly_and_its_streams_reb
     finally:
         await sub.stop()
         pub.close()
-    assert sub._child is not None and sub._child.pid is None  # a clean stop ends the child
+    assert sub.receiver_pid is None and second is not None and not _alive(second)  # a clean stop ends the child
 
 
 _GATEWAY = textwrap.dedent("""
@@ -121,7 +121,7 @@ _GATEWAY = textwrap.dedent("""
         sub = KvEventSubscriber(PrefixIndex(), process=True)
         await sub.start()
         sub.add_worker(WorkerEvents("w", "tcp://127.0.0.1:9", model="m"))
-        print(sub._child.pid, flush=True)
+        print(sub.receiver_pid, flush=True)
         await asyncio.sleep(60)
 
     asyncio.run(main())
