@@ -103,8 +103,9 @@ class ProcessReceiver:
         self._tasks = [loop.create_task(self._read(link), name="kv-events-link"),
                        loop.create_task(self._watch(proc), name="kv-events-child")]
         self._ready = True
-        if self._bind_msg is not None:
+        if self._bind_msg is not None:  # a restarted child: the same address again, nobody awaits it
             self._bound = loop.create_future()
+            self._bound.add_done_callback(_rebound)
             self._send(self._bind_msg)
         for msg in self._told.values():
             self._send(msg)
@@ -253,6 +254,12 @@ class ProcessReceiver:
             except (RuntimeError, OSError) as exc:
                 log.error("kv events: the receiver process could not be restarted: %s; trying again", exc)
                 await asyncio.sleep(MAX_RESTART_S)
+
+
+def _rebound(done: asyncio.Future[tuple[str | None, int, str]]) -> None:
+    if not done.cancelled() and done.result()[0] is None:
+        log.error("kv events: the restarted receiver process could not bind the gateway's endpoint again (%s): "
+                  "the workers whose publishers connect to it are not heard from", done.result()[2])
 
 
 def unpack(item: Item) -> Prepared:

@@ -196,6 +196,7 @@ class KvEventSubscriber(Recovery, ChildStreams):
             stream = self._streams.pop(tid)
             if self._demux is not None and stream.inbox is not None:
                 self._demux.unroute(stream.inbox)  # (its task may be cancelled before it ever ran)
+            self._forget_sid(stream)  # (likewise: the receiver process routes it from ``add_worker`` on)
             await cancel(stream.task)
             if clear_index:
                 self.index.clear_target(tid)

@@ -4,6 +4,7 @@ restarted loudly and its streams reset and rebuilt; the child ends with the gate
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -99,8 +100,8 @@ async def test_a_killed_receiver_process_is_restarted_loudly_and_its_streams_reb
             await wait_until(lambda: sub.receiver_pid not in (None, first))
         assert any("receiver process" in r.getMessage() and "exited" in r.getMessage() for r in caplog.records)
         second = sub.receiver_pid
-        await wait_until(lambda: sub.health()[target].connected)  # the new child's SUB socket ...
-        await nudge_until(pub, lambda: sub.health()[target].last_seq == pub.seq - 1, rng)  # ... and joined
+        await wait_until(lambda: sub.health()[target].replays.get("ok", 0) >= 2 and not sub.health()[target].recovering)
+        await _live(sub, target, pub, rng)  # the new child's SUB socket joined
         for p in prompts[4:]:
             pub.publish(encode_events(engine.serve(p), "map", "array3", "uint", rng))
         await caught_up(sub, target, pub)
@@ -110,6 +111,46 @@ async def test_a_killed_receiver_process_is_restarted_loudly_and_its_streams_reb
         await sub.stop()
         pub.close()
     assert sub.receiver_pid is None and second is not None and not _alive(second)  # a clean stop ends the child
+
+
+async def test_a_restarted_receiver_process_binds_the_gateways_endpoint_again() -> None:
+    """The bound socket (its port left to ZMQ) is bound again, at the same port, by the new child:
+    a connecting publisher is heard from again, its stream rebuilt from replay."""
+    rng = random.Random(24)
+    sub = KvEventSubscriber(PrefixIndex(), SubscriberLimits(replay_timeout_s=5.0), bind="tcp://127.0.0.1:*", process=True)
+    await sub.start()
+    assert sub.bound_address is not None
+    pub = Publisher(connect=sub.bound_address, topic=b"kv@a@toy")
+    engine = ToyEngine(rng)
+    prompts = [p for c in sessions(rng, 2, 3) for p in c]
+    try:
+        (target,) = sub.add_worker(WorkerEvents("a", None, pub.replay_endpoint, model=MODEL, block_size=BS))
+        await nudge_until(pub, lambda: sub.health()[target].last_seq == pub.seq - 1 and sub.healthy(target), rng)
+        first = sub.receiver_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await wait_until(lambda: sub.health()[target].resets.get("receiver_lost", 0) == 1)
+        await wait_until(lambda: sub.receiver_pid not in (None, first) and sub.health()[target].replays.get("ok", 0) >= 2
+                         and not sub.health()[target].recovering)
+        await _live(sub, target, pub, rng)
+        for p in prompts:
+            pub.publish(encode_events(engine.serve(p), "map", "array3", "uint", rng))
+        await caught_up(sub, target, pub)
+        check_index(sub.index, target, engine, prompts)
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+async def _live(sub: KvEventSubscriber, target: str, pub: Publisher, rng: random.Random) -> None:
+    """Publish empty batches until one is applied after it was published (a live one: the replay
+    after the loss is over, so a batch that arrives joins live, or by the gap it shows)."""
+    for _ in range(300):
+        pub.publish(encode_events([], "map", "array3", "uint", rng))
+        await asyncio.sleep(0.02)
+        if sub.health()[target].last_seq == pub.seq - 1 and sub.healthy(target):
+            return
+    raise AssertionError("the new receiver process never received a live batch")
 
 
 _GATEWAY = textwrap.dedent("""
