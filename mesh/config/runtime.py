@@ -79,11 +79,12 @@ DEFAULT_MAX_KEYS = 1_000_000
 class IndexConfig(ConfigModel):
     max_keys: int = Field(DEFAULT_MAX_KEYS, ge=0, description="Bound on the prefix index's keys (KV blocks over all workers); 0 = unbounded. Least recently stored or matched leaves go first.")
     speculative_ttl_s: float = Field(2.0, ge=0, description="A routed request's prompt blocks count as cached on its worker for this long, until the engine's KV events confirm them (0: off).")
-    # KV event ingestion (``mesh.events.pacer``, ``mesh.events.inbox``)
+    # KV event ingestion (``mesh.events.pacer``, ``mesh.events.inbox``, ``mesh.events.process``)
     ingest_slice_ms: float = Field(0.5, gt=0, le=100, description="KV event work runs on the gateway's loop in slices this long, so a request's callbacks wait at most one slice behind it.")
     ingest_share: float = Field(0.5, gt=0, le=1, description="The share of the gateway's loop KV event work may take while events pour in (a rest follows each slice); a flood past it piles up in the stream's backlog.")
     max_backlog_frames: int = Field(10_000, ge=1, description="A stream's backlog budget: past this many frames received and not applied, the stream is reset (its backlog dropped, its index entries rebuilt from replay; a WARNING and mesh_kv_events_resets_total{reason=\"backlog\"}).")
     max_backlog_bytes: int = Field(64 << 20, ge=1, description="The same budget in payload bytes (never below one frame of the largest size accepted, 16 MiB).")
+    ingest_process: bool = Field(False, description="Receive, decode and key KV events in a child process of the gateway (mesh.events.child), which hands the loop decoded, keyed frames: only index mutation stays on the loop. Off: a thread of the gateway receives, and the loop decodes and keys. A child that dies is restarted (an ERROR) and its streams reset and rebuilt from replay.")
 
 
 class DisaggConfig(ConfigModel):

@@ -201,6 +201,7 @@ class PrefixIndex:
         tier: Tier = Tier.GPU,
         *,
         keys: Sequence[int] | None = None,
+        keyed_from: int | None = None,
     ) -> int:
         """Apply an engine's BlockStored; returns the number of blocks applied.
 
@@ -215,7 +216,10 @@ class PrefixIndex:
 
         ``keys``: the blocks' router keys when the caller already has them (they must equal
         ``block_keys(token_ids, block_size, <the parent's key or seed>)``; not rechecked), so
-        hashing can run elsewhere (benchmarks measure the index alone with it).
+        hashing can run elsewhere (benchmarks measure the index alone with it). With
+        ``keyed_from`` they are only a proposal, chained from that key by a keyer that cannot see
+        the index (``mesh.events.prepare``): used when it is this store's parent key, else the
+        store is keyed here (keys are a function of the tokens and the parent key alone).
         """
         n = len(engine_hashes)
         if n == 0:
@@ -228,7 +232,7 @@ class PrefixIndex:
         parent_key = self._parent_key(emap, parent_engine_hash, seed)
         if parent_key is None:
             return 0
-        if keys is None:
+        if keys is None or (keyed_from is not None and keyed_from != parent_key):
             keys = block_keys(token_ids, block_size, parent_key)
         elif len(keys) != n:
             raise ValueError(f"BlockStored has {n} blocks but {len(keys)} keys were given")

@@ -23,6 +23,7 @@ from mesh.core.index import PrefixIndex
 from mesh.core.keys import namespace_seed
 from mesh.core.lookahead import event_keys, lookahead_seed
 from mesh.events.health import LogLimiter
+from mesh.events.ops import Keyed, Op, event_of
 from mesh.events.stream import Stream
 from mesh.events.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, Event, GroupFilter, LazyBatch, decode_events
 from policies.base import Tier
@@ -31,6 +32,7 @@ from policies.base import Tier
 TIERS = {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "HOST": Tier.CPU, "CPU_PINNED": Tier.CPU}
 SLICE_EVENT_BYTES = 8 << 10
 SLICE_BLOCKS = 256
+SLICE_OPS = 32  # prepared events (``apply_ops``) between pauses: their decode and keying are done
 MAX_SEEDS = 4096  # cached (model, LoRA) seeds; LoRA names come from the publisher, unbounded in number
 
 
@@ -87,11 +89,25 @@ async def apply_batch(index: PrefixIndex, stream: Stream, batch: LazyBatch, seed
         h.bump(h.events, "malformed", part.malformed)
 
 
-def apply_event(index: PrefixIndex, stream: Stream, ev: Event, seeds: Seeds, logs: LogLimiter) -> Iterator[None]:
-    """Apply one event; yields between slices of ``SLICE_BLOCKS`` blocks."""
+async def apply_ops(index: PrefixIndex, stream: Stream, ops: Sequence[Op], seeds: Seeds, logs: LogLimiter,
+                    pause: Callable[[], Awaitable[None]] = _yield) -> None:
+    """Apply a prepared frame's events in order (``mesh.events.prepare``: decoded, stores keyed
+    where their parent's key was known there), as ``apply_batch`` applies the same frame."""
+    for i, op in enumerate(ops):
+        if i and not i % SLICE_OPS:
+            await pause()
+        ev, keyed = event_of(op)
+        for _ in apply_event(index, stream, ev, seeds, logs, keyed):
+            await pause()
+
+
+def apply_event(index: PrefixIndex, stream: Stream, ev: Event, seeds: Seeds, logs: LogLimiter,
+                keyed: Keyed | None = None) -> Iterator[None]:
+    """Apply one event; yields between slices of ``SLICE_BLOCKS`` blocks. ``keyed``: a store's
+    proposed keys (``mesh.events.ops``), used by the index only if chained from its parent key."""
     h = stream.health
     if type(ev) is BlockStored:
-        yield from _stored(index, stream, ev, seeds, logs)
+        yield from _stored(index, stream, ev, seeds, logs, keyed)
     elif type(ev) is AllBlocksCleared:
         index.apply_cleared(h.target)
         stream.filter = GroupFilter()
@@ -100,7 +116,8 @@ def apply_event(index: PrefixIndex, stream: Stream, ev: Event, seeds: Seeds, log
         yield from _removed(index, stream, cast("BlockRemoved", ev), logs)
 
 
-def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, logs: LogLimiter) -> Iterator[None]:
+def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, logs: LogLimiter,
+            keyed: Keyed | None = None) -> Iterator[None]:
     h = stream.health
     spec = stream.spec
     tier = TIERS.get(ev.medium)
@@ -121,6 +138,7 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, l
         return
     seed = seeds.get(spec.model, ev.lora_name, ev.cache_salt)
     keys: Sequence[int] | None = None
+    keyed_from: int | None = None  # set: ``keys`` are proposed, chained from it
     if tokens:
         la = _lookahead(index, stream, ev, logs)
         if la is None:
@@ -130,6 +148,8 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, l
             keys = _lookahead_keys(index, stream, ev, bs, seed)
             if keys is None:
                 return
+        elif keyed is not None:
+            keyed_from, keys = keyed
     parent, done, invalid = ev.parent_block_hash, 0, False
     for a in range(0, len(hashes), SLICE_BLOCKS):
         if a:
@@ -139,7 +159,8 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, l
             done += index.apply_stored(h.target, hashes[a:b] if a or b < len(hashes) else hashes,
                                        parent if not a else hashes[a - 1],
                                        tokens[a * bs : b * bs] if tokens and (a or b < len(hashes)) else tokens,
-                                       bs, seed, tier, keys=None if keys is None else keys[a:b])
+                                       bs, seed, tier, keys=None if keys is None else keys[a:b],
+                                       keyed_from=_keyed_from(keyed_from, keys, a))
         except ValueError:  # a bad token id: the rest of the chain cannot be keyed either
             invalid = True
             break
@@ -150,6 +171,13 @@ def _stored(index: PrefixIndex, stream: Stream, ev: BlockStored, seeds: Seeds, l
     h.bump(h.blocks, "stored", done)
     if done < len(hashes):
         h.bump(h.blocks, "skipped", len(hashes) - done)
+
+
+def _keyed_from(first: int | None, keys: Sequence[int] | None, a: int) -> int | None:
+    """The key proposed keys of the slice from block ``a`` chain from (None: not proposed)."""
+    if first is None or keys is None:
+        return None
+    return keys[a - 1] if a else first
 
 
 def _lookahead(index: PrefixIndex, stream: Stream, ev: BlockStored, logs: LogLimiter) -> int | None:

@@ -9,6 +9,10 @@ briefly after every ``_ROUND`` frames so that a flood never holds the GIL for lo
 an overflowed inbox is not read until the loop reset its stream: ZMQ drops the flood in its own
 queue (past its HWM), at no cost to the gateway.
 
+With ``index.ingest_process`` the receiver process (``mesh.events.process``) fills the same inboxes
+from the loop itself, with prepared frames kept as bytes (``Inbox(size_of=...)`` reads their payload
+size); ``mark`` puts a marker the stream's task meets in order (a lost connection, a dead child).
+
 The budget: an inbox whose backlog (frames received, not yet taken) exceeds ``max_frames`` or
 ``max_bytes`` overflows: the thread receives no further frame of it until the loop has noticed
 (``Inbox.overflowed``), discarded the backlog and reset the stream (``KvEventSubscriber``: the
@@ -30,8 +34,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import zmq
 
@@ -49,21 +53,26 @@ _POLL_MS = 20  # how long the thread waits for frames before it looks at hand-ov
 # nothing to a full collection (as lists, 10,000-frame backlogs made pauses of 7-12 ms; as tuples
 # under 1.5 ms, ``bench/kv_ingest_loop_lag.py`` at 30,000 events/s over 4 streams).
 Frame = tuple[bytes, ...]
+# What an inbox holds: received frames (the thread's), or ``mesh.events.ops.Prepared`` frames (the
+# receiver process's, put by ``mesh.events.process`` on the loop).
+Item = tuple[Any, ...]
 
 
 class Inbox:
     """One stream's frames between the receiver thread and the loop, bounded by a budget."""
 
     __slots__ = ("max_frames", "max_bytes", "frames", "in_frames", "in_bytes", "out_frames", "out_bytes",
-                 "overflows", "handled", "dropped", "_event", "_loop", "_waiting")
+                 "overflows", "handled", "dropped", "size_of", "marked", "_event", "_loop", "_waiting")
 
-    def __init__(self, max_frames: int, max_bytes: int) -> None:
+    def __init__(self, max_frames: int, max_bytes: int, size_of: Callable[[Item], int] | None = None) -> None:
         if max_frames < 1 or max_bytes < 1:
             raise ValueError("an inbox needs a budget of at least one frame and one byte")
         self.max_frames, self.max_bytes = max_frames, max_bytes
-        self.frames: deque[Frame] = deque()
+        self.size_of = size_of or _size  # an item's payload bytes (a frame's: its last part)
+        self.frames: deque[Item] = deque()
         self.in_frames = self.in_bytes = self.overflows = self.dropped = 0  # the thread's
         self.out_frames = self.out_bytes = self.handled = 0  # the loop's
+        self.marked = False  # a marker was ever put (``discard`` then keeps markers)
         self._loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
         self._waiting = False
@@ -81,17 +90,17 @@ class Inbox:
     def overflowed(self) -> bool:
         return self.overflows != self.handled
 
-    def take(self) -> Frame | None:
+    def take(self) -> Item | None:
         """The oldest frame, None when empty (never waits)."""
         try:
             frames = self.frames.popleft()
         except IndexError:
             return None
         self.out_frames += 1
-        self.out_bytes += _size(frames)
+        self.out_bytes += self.size_of(frames)
         return frames
 
-    async def get(self) -> Frame:
+    async def get(self) -> Item:
         """The oldest frame; waits for one."""
         while True:
             frames = self.take()
@@ -110,28 +119,42 @@ class Inbox:
         dropped. (The thread appends nothing while overflowed: the deque is the loop's to swap.)"""
         if not self.overflowed():
             raise RuntimeError("discard() is for an overflowed inbox only")
-        n = self.in_frames - self.out_frames
-        self.frames = deque()
-        self.out_frames, self.out_bytes = self.in_frames, self.in_bytes
+        kept = deque(i for i in self.frames if i[-1] == 0 and i in _MARKERS) if self.marked else deque()
+        n = self.in_frames - self.out_frames - len(kept)
+        self.frames = kept  # (markers stay: the stream's task must still meet them)
+        self.out_frames, self.out_bytes = self.in_frames - len(kept), self.in_bytes
         self.handled = self.overflows
         return n
 
     # -- the thread's side --
     def put(self, frames: list[bytes]) -> bool:
         """Append a received frame; False when it was dropped (over budget, or overflowed)."""
+        return self.add(tuple(frames), _size(frames))
+
+    def add(self, item: Item, size: int) -> bool:
+        """Append ``item`` of ``size`` payload bytes (``size_of(item)``); False when it was
+        dropped (over budget, or overflowed)."""
         if self.overflows != self.handled:
             self.dropped += 1
             return False
-        size = _size(frames)
         if (self.in_frames - self.out_frames >= self.max_frames
                 or self.in_bytes - self.out_bytes + size > self.max_bytes):
             self.overflows += 1
             self.dropped += 1
             return False
-        self.frames.append(tuple(frames))
+        self.frames.append(item)
         self.in_frames += 1
         self.in_bytes += size
         return True
+
+    def mark(self, item: Item) -> None:
+        """Append a marker (an item of ``size_of`` 0, registered with ``marker``) whatever the
+        budget: the stream's task meets it in order, even after a ``discard``."""
+        if item not in _MARKERS:
+            raise ValueError("not a registered marker")
+        self.marked = True
+        self.frames.append(item)
+        self.in_frames += 1
 
     def wake(self) -> None:
         """Wake the loop's waiting ``get`` (from the thread; once per round, not per frame)."""
@@ -139,6 +162,17 @@ class Inbox:
             self._waiting = False
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 self._loop.call_soon_threadsafe(self._event.set)
+
+
+_MARKERS: list[Item] = []
+
+
+def marker(item: Item) -> Item:
+    """Register ``item`` (its last element 0: no payload bytes) as a marker ``Inbox.mark`` may put."""
+    if item[-1] != 0:
+        raise ValueError("a marker carries no payload bytes")
+    _MARKERS.append(item)
+    return item
 
 
 class Sink(Protocol):
@@ -152,7 +186,7 @@ class Sink(Protocol):
     def overflowed(self) -> bool: ...
 
 
-def _size(frames: Sequence[bytes]) -> int:
+def _size(frames: Sequence[Any]) -> int:
     return len(frames[-1]) if frames else 0
 
 

@@ -6,7 +6,8 @@ and starts and stops it in the gateway's lifespan. Ownership:
 - ``KvIngest`` owns the gateway's one ``mesh.events.subscriber.KvEventSubscriber`` (created on the
   gateway's loop in ``start``, stopped in ``stop``) and is the only code that subscribes or
   unsubscribes workers. The subscriber's ``mesh_kv_events_*`` metrics live on the app's
-  ``CollectorRegistry``.
+  ``CollectorRegistry``. With ``index.ingest_process`` the subscriber's receiver process
+  (``mesh.events.process``) starts in ``start`` and ends in ``stop``.
 - Registry listeners run synchronously (config load, admin API, reload) while streams are loop
   tasks, so a listener only wakes the keeper task, which reconciles subscriptions one change at a
   time: a worker with ``kv_events`` and a known model namespace is subscribed (one stream per DP
@@ -114,7 +115,8 @@ class KvIngest:
                                   slice_s=cfg.ingest_slice_ms / 1000, share=cfg.ingest_share,
                                   replay_timeout_s=ev.replay_idle_timeout_s, replay_total_s=ev.max_replay_s)
         self.subscriber = KvEventSubscriber(self.index, limits, registry=self.metrics.registry, bind=ev.bind,
-                                            on_health=self._on_health, on_reset=self._on_reset)
+                                            on_health=self._on_health, on_reset=self._on_reset,
+                                            process=cfg.ingest_process)
         await self.subscriber.start()  # binds kv_events.bind (a port in use fails the start, loudly)
         await self.reconcile()  # static workers are subscribed before the first request
         self._task = asyncio.get_running_loop().create_task(self._keep(), name="mesh-kv-ingest")

@@ -20,7 +20,7 @@ import logging
 import zmq.asyncio
 
 from mesh.events.health import LogLimiter
-from mesh.events.inbox import Frame, Inbox
+from mesh.events.inbox import Inbox, Item
 from mesh.events.limits import SubscriberLimits
 from mesh.events.pacer import Pacer
 from mesh.events.sockets import ReplayLimits, fetch_replay
@@ -127,7 +127,7 @@ class Recovery:
         return await fetch_replay(self._ctx, stream, start, limits, self._logs)
 
     @staticmethod
-    async def _next(stream: Stream, inbox: Inbox, loop: asyncio.AbstractEventLoop) -> Frame | None:
+    async def _next(stream: Stream, inbox: Inbox, loop: asyncio.AbstractEventLoop) -> Item | None:
         """The next frame; None when a failed replay's retry comes due first."""
         if not stream.replay_due:
             return await inbox.get()

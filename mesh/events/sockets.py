@@ -56,16 +56,20 @@ def monitor_sub(sub: zmq.Socket[bytes], topic: str, rcvhwm: int, ctx: zmq.asynci
 
 async def watch_connection(stream: Stream, monitor: zmq.asyncio.Socket, notify: Callable[[Stream], None]) -> None:
     """Track the SUB connection: down = unhealthy, and the next frame must prove continuity."""
-    h = stream.health
     while True:
-        event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"]
-        if event == zmq.EVENT_DISCONNECTED:
-            h.connected = False
-            h.disconnects += 1
-            stream.lost = True
-        elif event == zmq.EVENT_CONNECTED:
-            h.connected = True
-        notify(stream)
+        connection_event(stream, zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"], notify)
+
+
+def connection_event(stream: Stream, event: int, notify: Callable[[Stream], None]) -> None:
+    """One event of the SUB socket's monitor (here, or forwarded by the receiver process)."""
+    h = stream.health
+    if event == zmq.EVENT_DISCONNECTED:
+        h.connected = False
+        h.disconnects += 1
+        stream.lost = True
+    elif event == zmq.EVENT_CONNECTED:
+        h.connected = True
+    notify(stream)
 
 
 def close_stream(stream: Stream, monitor: zmq.asyncio.Socket | None) -> None:

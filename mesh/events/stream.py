@@ -28,9 +28,23 @@ import zmq.asyncio
 from mesh.config.workers import bound_topics
 from mesh.events.health import StreamHealth
 from mesh.events.inbox import Inbox
+from mesh.events.ops import Prepared
 from mesh.events.wire import DecodeError, GroupFilter, decode_lazy
 
 digest = xxhash.xxh3_64_intdigest
+Payload = bytes | Prepared  # a frame's payload as received, or as the receiver process prepared it
+
+
+def digest_of(payload: Payload) -> int:
+    return payload.digest if isinstance(payload, Prepared) else digest(payload)
+
+
+def _ts_of(payload: Payload) -> float:
+    """The batch's publisher time (-inf when it has none)."""
+    if isinstance(payload, Prepared):
+        return payload.ts
+    batch = decode_lazy(payload)  # the envelope only: its ts
+    return -math.inf if isinstance(batch, DecodeError) else batch.ts
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +109,10 @@ class Stream:
         self.replay_failures = 0
         self.retry_at = 0.0
 
-    def remember(self, seq: int, payload: bytes, window: int) -> None:
+    def remember(self, seq: int, payload: Payload, window: int) -> None:
         if seq not in self.digests:
             self.order.append(seq)
-        self.digests[seq] = digest(payload)
+        self.digests[seq] = digest_of(payload)
         while len(self.order) > window:
             self.digests.pop(self.order.popleft(), None)
 
@@ -108,7 +122,7 @@ class Stream:
         self.digests.clear()
         self.order.clear()
 
-    def classify(self, seq: int, payload: bytes) -> Verdict:
+    def classify(self, seq: int, payload: Payload) -> Verdict:
         """The verdict on a live frame at ``seq``; counts gaps, duplicates and stale frames."""
         h = self.health
         last = h.last_seq
@@ -121,7 +135,7 @@ class Stream:
             return Verdict.GAP
         return Verdict.RESTART if self._restarted_at(seq, payload) else Verdict.OLD
 
-    def _restarted_at(self, seq: int, payload: bytes) -> bool:
+    def _restarted_at(self, seq: int, payload: Payload) -> bool:
         """A frame at or below the last applied seq: a duplicate, a stale frame, or a restart.
 
         Same seq, same payload digest: a duplicate. Same seq, another payload: a restart. Seq
@@ -131,12 +145,11 @@ class Stream:
         h = self.health
         known = self.digests.get(seq)
         if known is not None:
-            if known == digest(payload):
+            if known == digest_of(payload):
                 h.duplicates += 1
                 return False
             return True
-        batch = decode_lazy(payload)  # the envelope only: its ts
-        if not isinstance(batch, DecodeError) and batch.ts > self.last_ts:
+        if _ts_of(payload) > self.last_ts:
             return True
         h.stale += 1
         return False

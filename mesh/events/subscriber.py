@@ -17,7 +17,10 @@ targets are reset: the index may then miss blocks the worker holds, never claim 
 A stream is not trusted from the moment it needs a replay until one completed; a failed one is
 retried (``mesh.events.recovery``).
 Off the request loop: a receiver thread (``mesh.events.inbox``) receives every stream's frames
-into the stream's bounded inbox; a stream whose backlog exceeds its budget (``max_backlog_frames``
+into the stream's bounded inbox; or, with ``process=True``, a receiver process
+(``mesh.events.child``, run by ``mesh.events.process``) owns the SUB sockets and puts each frame
+there decoded and keyed (``mesh.events.prepare``), leaving only index mutation to the loop (a
+child that dies is restarted and every stream reset: reason ``receiver_lost``); a stream whose backlog exceeds its budget (``max_backlog_frames``
 or ``max_backlog_bytes``: ingestion cannot keep up) is reset (reason ``backlog``, a loud,
 rate-limited WARNING), its backlog discarded, and rebuilt from replay like any lost batch.
 Ownership: the stream tasks run on the gateway's event loop and are the only writers of the index
@@ -41,15 +44,18 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from mesh.core.index import PrefixIndex
-from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch
+from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch, apply_ops
 from mesh.events.bound import Demux
+from mesh.events.child_streams import ChildStreams, prepared_size
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
-from mesh.events.inbox import Frame, Inbox, Receiver
+from mesh.events.inbox import Inbox, Item, Receiver
 from mesh.events.limits import SubscriberLimits
+from mesh.events.ops import LOST, Prepared
 from mesh.events.pacer import Pacer
+from mesh.events.process import ProcessReceiver, unpack
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
 from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
-from mesh.events.stream import Stream, Verdict, WorkerEvents, digest, offset_endpoint, split_frame
+from mesh.events.stream import Payload, Stream, Verdict, WorkerEvents, digest_of, offset_endpoint, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
 from policies.base import target_id
 
@@ -60,7 +66,14 @@ log = logging.getLogger(__name__)
 _MAX_SEEDS = MAX_SEEDS  # the bound of the (model, LoRA) seed cache (``mesh.events.apply.Seeds``)
 
 
-class KvEventSubscriber(Recovery):
+def _parsed(frames: Item) -> tuple[int, Payload] | None:
+    """``(seq, payload)`` of a live frame (a prepared one is its own payload); None if malformed."""
+    if type(frames) is Prepared:
+        return None if frames.error == "malformed" else (frames.seq, frames)
+    return split_frame(frames)
+
+
+class KvEventSubscriber(Recovery, ChildStreams):
     """Subscribes to every configured worker's KV events and keeps ``index`` in step.
 
     ``on_health(target, healthy)`` is called when a stream's health flips; ``on_reset(target,
@@ -78,6 +91,7 @@ class KvEventSubscriber(Recovery):
         on_health: Callable[[str, bool], None] | None = None,
         on_reset: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        process: bool = False,
     ) -> None:
         self.index = index
         self.limits = limits
@@ -90,6 +104,12 @@ class KvEventSubscriber(Recovery):
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self._receiver = Receiver()
+        # with ``process``: the receiver process in the thread's place (started by ``start``)
+        self._child = ProcessReceiver(self._ctx, on_connection=self._child_connection, on_lost=self._child_lost,
+                                      on_unknown=self._child_unknown) if process else None
+        self._sids: dict[int, Stream] = {}  # the receiver process's stream ids
+        self._sid_of: dict[str, int] = {}  # target -> sid
+        self._next_sid = 0
         self._streams: dict[str, Stream] = {}  # target -> stream
         self._by_worker: dict[str, list[str]] = {}
         self._seeds = Seeds()
@@ -105,8 +125,13 @@ class KvEventSubscriber(Recovery):
     async def start(self, workers: Iterable[WorkerEvents] = ()) -> None:
         """Bind the gateway's endpoint when ``bind`` is set (raises ZMQError when it cannot: a
         port in use), then subscribe ``workers``."""
+        if self._child is not None:
+            await self._child.start()
         if self.bind is not None and self._demux is None:
-            self._open_bound(self.bind)
+            if self._child is not None:
+                await self._open_bound_child(self.bind)
+            else:
+                self._open_bound(self.bind)
         for w in workers:
             self.add_worker(w)
 
@@ -126,6 +151,10 @@ class KvEventSubscriber(Recovery):
             self._registry.register(self._demux)
         self._receiver.add(sub, self._demux)  # the receiver thread's socket from here on
         log.info("kv events: bound %s for the workers whose publishers connect to the gateway", self.bound_address)
+
+    def _new_inbox(self) -> Inbox:
+        return Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes,
+                     prepared_size if self._child is not None else None)
 
     def add_worker(self, spec: WorkerEvents) -> list[str]:
         """Start one stream per data-parallel rank (needs a running loop). Returns the targets."""
@@ -150,8 +179,12 @@ class KvEventSubscriber(Recovery):
             )
             stream = Stream(spec, health)
             if spec.endpoint is None and self._demux is not None:  # routed now: frames sent from here on are its
-                stream.inbox = Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
-                self._demux.route(spec.bound_topics(), stream.inbox)
+                stream.inbox = self._new_inbox()
+                if self._child is not None:
+                    self._child.add_bound(self._sid(stream), stream.inbox, spec.bound_topics(), spec.model,
+                                          spec.block_size, self.limits.max_frame_bytes)
+                else:
+                    self._demux.route(spec.bound_topics(), stream.inbox)
             stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"kv-events-{tid}")
             self._streams[tid] = stream
             targets.append(tid)
@@ -163,6 +196,7 @@ class KvEventSubscriber(Recovery):
             stream = self._streams.pop(tid)
             if self._demux is not None and stream.inbox is not None:
                 self._demux.unroute(stream.inbox)  # (its task may be cancelled before it ever ran)
+            self._forget_sid(stream)  # (likewise: the receiver process routes it from ``add_worker`` on)
             await cancel(stream.task)
             if clear_index:
                 self.index.clear_target(tid)
@@ -175,6 +209,8 @@ class KvEventSubscriber(Recovery):
         for worker in list(self._by_worker):
             await self.remove_worker(worker, clear_index=False)
         await asyncio.get_running_loop().run_in_executor(None, self._receiver.stop)
+        if self._child is not None:
+            await self._child.stop()
         if self._registry is not None:
             for collector in (self._collector, self._demux):
                 if collector is not None:
@@ -248,12 +284,15 @@ class KvEventSubscriber(Recovery):
                 log.error("kv events %s: socket error %s", stream.health.target, exc)
         finally:
             demux.unroute(inbox)
+            self._forget_sid(stream)
             self._set_running(stream, False)
             close_stream(stream, None)
             stream.inbox = None
 
     async def _run_own(self, stream: Stream) -> None:
         """A stream of its own SUB socket, connected to the worker's PUB."""
+        if self._child is not None:
+            return await self._run_child(stream)
         h = stream.health
         assert h.endpoint
         sub = self._sync_ctx.socket(zmq.SUB)
@@ -326,12 +365,22 @@ class KvEventSubscriber(Recovery):
                        "events arrive faster than the gateway applies them; the stream is reset and rebuilt "
                        "from replay", h.target, frames, size, self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
         self._reset(stream, "backlog", forget_seq=True)
+        sid = self._sid_of.get(h.target)
+        if self._child is not None and sid is not None:
+            self._child.resume(sid)  # its socket is read again
         if h.replay_endpoint:
             await self._recover(stream, "backlog")
 
-    async def _on_live(self, stream: Stream, frames: Frame) -> None:
+    async def _on_live(self, stream: Stream, frames: Item) -> None:
         h = stream.health
-        parsed = split_frame(frames)
+        if self._child is not None:
+            frames = unpack(frames)
+        if type(frames) is Prepared and frames.seq < -1:  # a marker
+            if frames.error == LOST:
+                return await self._receiver_lost(stream)
+            stream.lost = True  # the connection dropped after the frames before this one
+            return self._notify(stream)
+        parsed = _parsed(frames)
         if parsed is None:
             h.bump(h.dropped, "malformed")
             self._bad(stream)
@@ -358,11 +407,11 @@ class KvEventSubscriber(Recovery):
                 await self._recover(stream, "restart")
         if h.last_seq is None or seq > h.last_seq:
             await self._apply_frame(stream, seq, payload)
-        elif stream.digests.get(seq) == digest(payload):
+        elif stream.digests.get(seq) == digest_of(payload):
             h.duplicates += 1  # the replay already carried it
 
     # ------------------------------------------------------------------ applying
-    async def _apply_frame(self, stream: Stream, seq: int, payload: bytes) -> None:
+    async def _apply_frame(self, stream: Stream, seq: int, payload: Payload) -> None:
         """Apply one frame, in slices: the envelope is decoded at once (one pass over the bytes,
         no event objects), then events are decoded and applied in order (``apply_batch``). The
         stream task awaits this, so the next frame is never applied before this one is done;
@@ -383,24 +432,36 @@ class KvEventSubscriber(Recovery):
             h.bump(h.events, "rank_mismatch")
         stream.applying = True
         try:
-            await apply_batch(self.index, stream, batch, self._seeds, self._logs, self.pacer.turn)
+            if type(batch) is Prepared:
+                await apply_ops(self.index, stream, batch.ops, self._seeds, self._logs, self.pacer.turn)
+                if batch.unknown:
+                    h.bump(h.events, "unknown", batch.unknown)
+                if batch.malformed:
+                    h.bump(h.events, "malformed", batch.malformed)
+            else:
+                await apply_batch(self.index, stream, batch, self._seeds, self._logs, self.pacer.turn)  # type: ignore[arg-type]
         finally:
             stream.applying = False
         h.batches += 1  # counted once whole: a frame in progress is not an applied batch
 
-    def _admit(self, stream: Stream, seq: int, payload: bytes) -> LazyBatch | None:
-        """The frame's envelope; None when it is oversized or undecodable (its events are lost:
-        the stream's targets are reset, to stop claiming anything)."""
+    def _admit(self, stream: Stream, seq: int, payload: Payload) -> LazyBatch | Prepared | None:
+        """The frame's envelope (or the prepared frame); None when it is oversized or undecodable
+        (its events are lost: the stream's targets are reset, to stop claiming anything)."""
         h = stream.health
-        if len(payload) > self.limits.max_frame_bytes:
+        size = payload.size if type(payload) is Prepared else len(payload)
+        if size > self.limits.max_frame_bytes:
             h.bump(h.dropped, "oversized")
             self._logs.log(logging.WARNING, (h.target, "oversized"),
                            "kv events %s: seq %d is %d bytes, over max_frame_bytes %d: dropped as lost",
-                           h.target, seq, len(payload), self.limits.max_frame_bytes)
+                           h.target, seq, size, self.limits.max_frame_bytes)
             self._bad(stream)
             self._reset(stream, "oversized")
             return None
-        batch = decode_lazy(payload)
+        if type(payload) is Prepared:
+            batch: LazyBatch | Prepared | DecodeError = (
+                payload if payload.error is None else DecodeError(payload.error.removeprefix("undecodable: ")))
+        else:
+            batch = decode_lazy(payload)  # type: ignore[arg-type]
         if isinstance(batch, DecodeError):
             h.decode_errors += 1
             self._logs.log(logging.WARNING, (h.target, "undecodable"), "kv events %s: seq %d undecodable: %s",

@@ -2,7 +2,8 @@
 gateway): a worker whose publisher connects and sends is "live"; one configured for the bound
 endpoint that serves requests while nothing of its topic arrives is reported blind, naming the
 bound endpoint and the fix; frames of a topic naming no worker are counted on ``/metrics`` and
-warned about in the log. The publishers are the vLLM-style fake of ``tests/fakes/kv_publisher.py``
+warned about in the log; with the receiver thread and with the receiver process
+(``index.ingest_process``). The publishers are the vLLM-style fake of ``tests/fakes/kv_publisher.py``
 (a PUB that connects); the workers' HTTP side is the echo worker."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from tests.fakes.kv_publisher import Publisher, encode_events
@@ -20,8 +22,9 @@ from tests.procs import PYTHON, ProcessGroup, free_port, wait_http, wait_until
 ADMIN = {"authorization": "Bearer adm"}
 
 
-def test_connecting_publishers_live_a_silent_one_blind_an_unknown_topic_counted(procs: ProcessGroup,
-                                                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "receiver-process"])
+def test_connecting_publishers_live_a_silent_one_blind_an_unknown_topic_counted(procs: ProcessGroup, tmp_path: Path,
+                                                                                  process: bool) -> None:
     rng = random.Random(31)
     bind = free_port()
     echoes = {name: procs.start([PYTHON, "-m", "mesh.echo_worker", "--port", str(port), "--name", name, "--model", "tiny"],
@@ -35,6 +38,7 @@ def test_connecting_publishers_live_a_silent_one_blind_an_unknown_topic_counted(
         "workers": [{"name": name, "url": proc.url, "models": ["tiny"], "kv_events": {}} for name, proc in echoes.items()],
         "health": {"interval_s": 0.5},
         "policy": "round_robin",
+        "index": {"ingest_process": process},  # the receiver process binds kv_events.bind
     }))
     gateway = procs.gateway(config, port=free_port(), ready_path="/health")
     live = Publisher(connect=f"tcp://127.0.0.1:{bind}", topic=b"kv@live@tiny", with_replay=False)
