@@ -93,7 +93,7 @@ def _transfer(src_engine: LLMEngine, dst_engine: LLMEngine, prompt: list[int], m
         b = dst_engine.runner.kv_cache[:, :, held[h:]].cpu()
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     reg.consumer_done("t", "decode")
-    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
     return dst, held
 
 
@@ -110,7 +110,7 @@ def test_tiny_fp32_disaggregated_equals_mixed(decode_prefix_tokens: int) -> None
     out = decode.generate([prompt], greedy)[0]
     assert out == ref
     ops.unpin(held)
-    assert ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
     assert decode.block_manager.num_used_blocks == 0
     decode.block_manager.check()
 
