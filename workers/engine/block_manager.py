@@ -457,8 +457,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, on the GPU and in the CPU pool; only when no block is in use
-        and no swap is queued. Emits AllBlocksCleared (which covers both tiers)."""
-        if self.num_used_blocks or self.swaps:
+        and no swap is queued (nor, on a hybrid model, a state checkpoint pinned by a transfer).
+        Emits AllBlocksCleared (which covers both tiers)."""
+        if self.num_used_blocks or self.swaps or (self.states is not None and self.states.pins):
             return False
         for block in self.blocks:
             block.clear()

@@ -159,7 +159,8 @@ def test_a_prefill_is_cut_back_to_its_deepest_checkpoint(model: torch.nn.Module)
 
 def test_a_pinned_checkpoint_outlives_lru_eviction(model: torch.nn.Module) -> None:
     """A transfer's checkpoint stays while pinned though newer ones evict every other; with the
-    whole pool pinned no checkpoint is taken (and none is overwritten)."""
+    whole pool pinned no checkpoint is taken (and none is overwritten); a pinned checkpoint
+    refuses a prefix-cache reset as a pinned block does."""
     a = _engine(model, state_checkpoint_prompt_end=True, num_state_checkpoints=2)
     src = _Direct(a)
     first = _prompt(40, seed=8)
@@ -175,9 +176,10 @@ def test_a_pinned_checkpoint_outlives_lru_eviction(model: torch.nn.Module) -> No
     saved = other.num_saved
     a.generate([_prompt(40, seed=20)], ONE)
     assert other.num_saved == saved and set(other.pool) == {pinned.state_key, free_key}
-    other.unpin(free_key)
     reg.cancel("t")
-    assert src.ops.leak_check() == NO_PINS
+    assert a.block_manager.num_used_blocks == 0 and not a.reset_prefix_cache()  # a checkpoint is still pinned
+    other.unpin(free_key)
+    assert src.ops.leak_check() == NO_PINS and a.reset_prefix_cache() and not other.pool
 
 
 def test_state_pulls_and_imports_refuse_what_they_cannot_serve(model: torch.nn.Module) -> None:
