@@ -39,7 +39,8 @@ PD_POLICY = {
         },
     },
 }
-LEAK_KEYS = ("leaked_blocks", "pinned_blocks", "transfers_active", "admission_pending", "admission_pending_bytes")
+LEAK_KEYS = ("leaked_blocks", "pinned_blocks", "pinned_states", "transfers_active", "admission_pending",
+             "admission_pending_bytes")
 
 
 @dataclass
@@ -51,8 +52,8 @@ class Worker:
     host: str
 
 
-def worker_command(port: int, role: str, host: str = "127.0.0.1", *extra: str) -> list[str]:
-    return [sys.executable, "-m", "workers.server.cli", "--preset", MODEL, "--host", host, "--port", str(port),
+def worker_command(port: int, role: str, host: str = "127.0.0.1", *extra: str, model: str = MODEL) -> list[str]:
+    return [sys.executable, "-m", "workers.server.cli", "--preset", model, "--host", host, "--port", str(port),
             "--num-kv-blocks", "256", "--cpu-threads", "1", "--log-level", "warning", "--role", role, *extra]
 
 
@@ -74,6 +75,7 @@ def wait_healthy(url: str, proc: Proc, timeout_s: float = 120.0) -> None:
 class Cluster:
     group: ProcessGroup
     workers: dict[str, Worker] = field(default_factory=dict)
+    model: str = MODEL  # the preset its workers start with (``extra`` may name another) and serve
 
     def start(self, name: str, role: str, *extra: str, host: str = "127.0.0.1", prefix: list[str] | None = None,
               faults: bool = True, secret: str | None = SECRET) -> Worker:
@@ -83,7 +85,8 @@ class Cluster:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                **({"MESH_KV_TRANSFER_FAULTS": "1"} if faults else {}),
                SECRET_ENV: secret or ""}
-        proc = self.group.start((prefix or []) + worker_command(port, role, host, *extra), name=name, port=port, env=env)
+        command = worker_command(port, role, host, *extra, model=self.model)
+        proc = self.group.start((prefix or []) + command, name=name, port=port, env=env)
         w = Worker(name, Role(role), f"http://{host}:{port}", proc, host)
         self.workers[name] = w
         return w
@@ -98,19 +101,20 @@ class Cluster:
 
     def router(self, names: list[str] | None = None) -> Router:
         targets = {
-            w.name: TargetState(id=w.name, worker=w.name, url=w.url, role=w.role, models=frozenset({MODEL}), block_size=BS)
+            w.name: TargetState(id=w.name, worker=w.name, url=w.url, role=w.role, models=frozenset({self.model}),
+                                block_size=BS)
             for w in self.workers.values() if (names is None or w.name in names) and w.role is not Role.MIXED
         }
         return Router(create_policy(PD_POLICY), targets)
 
 
-def request_info(prompt: list[int], max_tokens: int) -> RequestInfo:
-    keys = block_keys(prompt, BS, namespace_seed(MODEL))
-    return RequestInfo(model=MODEL, block_keys=keys, block_size=BS, prompt_tokens=len(prompt), max_tokens=max_tokens)
+def request_info(prompt: list[int], max_tokens: int, model: str = MODEL) -> RequestInfo:
+    keys = block_keys(prompt, BS, namespace_seed(model))
+    return RequestInfo(model=model, block_keys=keys, block_size=BS, prompt_tokens=len(prompt), max_tokens=max_tokens)
 
 
-def completion(prompt: list[int], max_tokens: int = 16, stream: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def completion(prompt: list[int], max_tokens: int = 16, stream: bool = False, model: str = MODEL) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -141,7 +145,7 @@ async def relay(router: Router, body: dict[str, Any], *, path: str = "/v1/comple
     """One request through ``relay_disaggregated``; the whole body read and parsed."""
     if info is None:
         prompt = body["prompt"] if isinstance(body.get("prompt"), list) else [1] * 64
-        info = request_info(prompt, body.get("max_tokens", 16))
+        info = request_info(prompt, body.get("max_tokens", 16), body.get("model", MODEL))
     decision = decision or router.decide(info, time.monotonic())
     async with httpx.AsyncClient() as client:
         resp = await relay_disaggregated(client, router, info, body, decision, path=path, stats=stats, queue=queue,

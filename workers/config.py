@@ -226,6 +226,9 @@ class EngineConfig:
     # resumes only where attention blocks and a checkpoint both exist. 0 checkpoints: off.
     num_state_checkpoints: int = 256
     state_checkpoint_interval: int = 512
+    # Also checkpoint each prompt at its last full block before the last token: where a decode
+    # worker resumes a transferred request (on by default on a prefill worker, ``--role prefill``).
+    state_checkpoint_prompt_end: bool = False
     # CPU offload tier (``workers.offload.kv_offload``): blocks of host memory (pinned on CUDA) that keep
     # evicted prefix blocks for restore instead of recompute; 0: off.
     cpu_offload_blocks: int = 0

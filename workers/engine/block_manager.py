@@ -135,13 +135,14 @@ class BlockManager:
         self.states: StateCheckpoints | None = None
         self.num_unresumable_tokens = 0  # attention-block hits dropped for want of a checkpoint
 
-    def enable_states(self, max_num_seqs: int, num_checkpoints: int, interval: int) -> StateCheckpoints:
+    def enable_states(self, max_num_seqs: int, num_checkpoints: int, interval: int,
+                      prompt_end: bool = False) -> StateCheckpoints:
         """Make this a hybrid model's block manager (before any allocation). Its attention blocks
         are announced as group 0 of kind full_attention, checkpoints as the recurrent group."""
         if self.cpu is not None:
             raise ValueError("the CPU offload tier does not hold recurrent state: hybrid models run without it")
         self.states = StateCheckpoints(max_num_seqs, num_checkpoints if self.enable_prefix_caching else 0,
-                                       interval, self.block_size)
+                                       interval, self.block_size, prompt_end)
         return self.states
 
     # ---- capacity -------------------------------------------------------------------------
@@ -456,8 +457,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, on the GPU and in the CPU pool; only when no block is in use
-        and no swap is queued. Emits AllBlocksCleared (which covers both tiers)."""
-        if self.num_used_blocks or self.swaps:
+        and no swap is queued (nor, on a hybrid model, a state checkpoint pinned by a transfer).
+        Emits AllBlocksCleared (which covers both tiers)."""
+        if self.num_used_blocks or self.swaps or (self.states is not None and self.states.pins):
             return False
         for block in self.blocks:
             block.clear()

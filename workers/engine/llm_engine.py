@@ -66,7 +66,7 @@ class LLMEngine:
             CpuKVCache(self.runner.kv_cache, config.cpu_offload_blocks) if config.cpu_offload_blocks else None)
         if model_config.is_hybrid:
             self.block_manager.enable_states(config.max_num_seqs, config.num_state_checkpoints,
-                                             config.checkpoint_interval_tokens)
+                                             config.checkpoint_interval_tokens, config.state_checkpoint_prompt_end)
         self.scheduler = Scheduler(config, self.block_manager)
         # Async decode: while a graph decode step runs on the device, the next one is scheduled
         # and enqueued, and the finished one is booked (the host's ~0.3-1 ms per step overlaps

@@ -104,6 +104,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, str, dict[str, Any]]:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         cpu_offload_blocks=args.cpu_offload_blocks,
         num_state_checkpoints=args.state_checkpoints, state_checkpoint_interval=args.state_checkpoint_interval,
+        state_checkpoint_prompt_end=args.role == "prefill",  # hybrid: the state a decode worker resumes from
         device=args.device, attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
         cpu_threads=args.cpu_threads, seed=args.seed, served_model_name=name,
         worker_name=args.worker_name or f"{args.host}:{args.port}",

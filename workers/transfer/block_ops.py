@@ -1,12 +1,19 @@
 """Engine-thread block operations of a KV transfer: pin, unpin, gather, import (from host pages
-or straight from a peer's cache), CPU save, leak check. **Engine thread only**: the block manager
-and the paged cache belong to that thread (``workers.transfer.kv_transfer.TransferEngine.call`` runs these).
+or straight from a peer's cache), CPU save, leak check; on a hybrid model the same for the
+recurrent state (a checkpoint of ``workers.engine.state_checkpoints``). **Engine thread only**:
+the block manager, the paged cache and the state slots belong to that thread
+(``workers.transfer.kv_transfer.TransferEngine.call`` runs these).
 
 Ownership: a block pinned here holds one reference in the block manager, counted in
 ``BlockOps.pins``; every pin has exactly one owner (a prefill ``Transfer`` in
 ``workers.transfer.registry``, or a decode request's ``Hold``) that unpins it exactly once.
 ``BlockOps.leak_check`` proves it: every block's reference count must equal the references of
 running sequences plus its pins.
+
+A hybrid model's transfer also pins the checkpoint at the end of its last block (the state a
+decode worker resumes from): ``pin_export`` cuts a prefill's prefix back to the deepest block
+holding one, ``import_state`` files a received state as a checkpoint. The checkpoint's pin has
+the same owner as the blocks' and is dropped with them (``unpin_state``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class PinnedPrefix:
     block_ids: tuple[int, ...]
     keys: tuple[int, ...]
     token_ids: tuple[tuple[int, ...], ...]
+    state_key: int | None = None  # hybrid models: the pinned checkpoint (the last block's key)
 
 
 class BlockOps:
@@ -45,6 +53,8 @@ class BlockOps:
         self.pins: Counter[int] = Counter()  # block id -> references held by transfer pins
         self.num_imported = 0
         self.num_import_reused = 0  # blocks already cached when their import arrived
+        self.num_states_imported = 0  # hybrid models: transferred states filed as checkpoints
+        self.num_states_reused = 0  # states already checkpointed here when their import arrived
 
     # -- pins --
 
@@ -224,6 +234,70 @@ class BlockOps:
         self._publish()
         return done
 
+    # -- recurrent state (hybrid models) --
+
+    def pin_export(self, keys: Sequence[int], token_blocks: Sequence[Sequence[int]], seed: int) -> PinnedPrefix:
+        """``pin_prefix`` for a prefill's transfer. On a hybrid model it is cut back to the deepest
+        pinned block holding a state checkpoint, and that checkpoint is pinned too (none: nothing
+        is pinned, the decode side computes the whole prompt)."""
+        pinned = self.pin_prefix(keys, token_blocks, seed)
+        states = self.bm.states
+        if states is None:
+            return pinned
+        n = len(pinned.block_ids)
+        while n and pinned.keys[n - 1] not in states:
+            n -= 1
+        self.unpin(pinned.block_ids[n:])
+        if not n:
+            return PinnedPrefix((), (), ())
+        states.pin(pinned.keys[n - 1])
+        return PinnedPrefix(pinned.block_ids[:n], pinned.keys[:n], pinned.token_ids[:n], pinned.keys[n - 1])
+
+    def pin_state(self, key: int) -> bool:
+        """Pin the checkpoint under ``key`` if this worker holds one."""
+        return self.bm.states is not None and self.bm.states.pin(key)
+
+    def unpin_state(self, key: int) -> None:
+        if self.bm.states is None:
+            raise RuntimeError("unpin of a recurrent state on a model without one")
+        self.bm.states.unpin(key)
+
+    def gather_state(self, key: int) -> np.ndarray:
+        """The pinned checkpoint under ``key`` as uint8 ``[state_bytes]`` on the host."""
+        states, slots = self.bm.states, self.engine.runner.states
+        if states is None or slots is None or not states.pins[key]:
+            raise RuntimeError(f"gather of checkpoint {key:#x} that holds no pin")
+        self.engine.run_swaps()  # a queued copy into it (an end-of-turn promotion) lands first
+        state = slots[:, states.slot_of(key)].contiguous()
+        host = state.cpu() if state.device.type != "cpu" else state
+        return host.view(torch.uint8).reshape(-1).numpy()
+
+    def import_state(self, key: int, parent: int | None, tokens: Sequence[int], index: int, salt: str | None,
+                     data: np.ndarray) -> int:
+        """File a transferred state (uint8 ``[state_bytes]``: the state after block ``index`` of
+        the chain, whose key is ``key``) as a checkpoint and pin it; returns ``key``. The block
+        must be in this worker's prefix cache (the caller holds it pinned). A checkpoint already
+        filed under ``key`` is pinned instead. On ``TransferError`` nothing was filed or pinned."""
+        states, slots = self.bm.states, self.engine.runner.states
+        if states is None or slots is None or data.nbytes != self.layout.state_bytes:
+            raise TransferError(409, "kv_layout_mismatch", f"a {data.nbytes}-byte recurrent state for a worker "
+                                f"whose state is {self.layout.state_bytes} bytes")
+        if key not in self.bm.cached:
+            raise TransferError(409, "kv_state_orphan", f"state {key:#x} arrived without its block")
+        if states.pin(key):
+            self.num_states_reused += 1
+            return key
+        self.engine.run_swaps()  # queued copies read their slots before this write may reuse one
+        slot = states.file(key, parent, list(tokens), salt_extra_keys(salt, index, 1))
+        if slot is None:
+            raise TransferError(507, "kv_no_space", "every recurrent-state checkpoint is pinned", True)
+        state = torch.from_numpy(np.ascontiguousarray(data)).view(torch.float32).reshape(slots[:, slot].shape)
+        slots[:, slot].copy_(state.to(slots.device))
+        states.pin(key)
+        self.num_states_imported += 1
+        self._publish()
+        return key
+
     # -- accounting --
 
     def leak_check(self) -> dict[str, int]:
@@ -232,4 +306,6 @@ class BlockOps:
         for seq in self.engine.scheduler.running:
             held.update(seq.block_table)
         leaked = sum(abs(b.ref_count - held.get(b.block_id, 0)) for b in self.bm.blocks)
-        return {"leaked_blocks": leaked, "pinned_blocks": sum(self.pins.values())}
+        states = self.bm.states
+        return {"leaked_blocks": leaked, "pinned_blocks": sum(self.pins.values()),
+                "pinned_states": sum(states.pins.values()) if states is not None else 0}

@@ -11,6 +11,10 @@
   pulls exactly the blocks its own prefix cache lacks, imports them (prefix cache + KV events),
   tells the prefill worker it is done, and then runs as an ordinary request whose prompt is
   cached. Its pins are dropped when the response ends (the sequence holds its own references).
+- Hybrid models: the transfer also carries the recurrent state at the end of its last block (a
+  pinned checkpoint on the prefill side). A decode worker without that checkpoint pulls it
+  (``pull_state``) and files it as its own checkpoint, pinned like the blocks; the ordinary
+  request then resumes from it (the engine copies it into the request's state slot).
 - ``n`` > 1: the prefill computes the prompt's KV once (one sequence, one transfer, whatever
   ``n``); the decode side runs the ``n`` choices, each admitted on the transferred prompt.
 - ``POST /kv_transfer/pull`` (streamed binary) and a raw TCP port serve the blocks; on one host
@@ -35,7 +39,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +63,15 @@ from workers.transfer.auth import SECRET_ENV, SIGNATURE, sign, verify
 from workers.transfer.disagg_config import TransferConfig, transfer_config
 from workers.transfer.kv_ipc import PeerCaches, export_cache, lease_blocks
 from workers.transfer.kv_layout import Layout, TransferError
-from workers.transfer.kv_transfer import Faults, PullRequest, TransferEngine, pull_blocks, serve_pull, serve_tcp
+from workers.transfer.kv_transfer import (
+    Faults,
+    PullRequest,
+    TransferEngine,
+    pull_blocks,
+    pull_state,
+    serve_pull,
+    serve_tcp,
+)
 from workers.transfer.registry import Admission, Ticket, TransferRegistry
 
 log = logging.getLogger(__name__)
@@ -78,6 +90,7 @@ class Hold:
 
     engine: TransferEngine
     block_ids: list[int] = field(default_factory=list)
+    state_keys: list[int] = field(default_factory=list)  # hybrid models: pinned state checkpoints
     released: bool = False
 
     def release(self) -> None:
@@ -85,6 +98,8 @@ class Hold:
             self.released = True
             if self.block_ids:
                 self.engine.submit(self.engine.ops.unpin, tuple(self.block_ids))
+            for key in self.state_keys:
+                self.engine.submit(self.engine.ops.unpin_state, key)
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,8 @@ class DecodeCounters:
     blocks_pulled: int = 0
     blocks_local: int = 0  # found in this worker's own prefix cache: not pulled
     blocks_copied_ipc: int = 0  # of blocks_pulled: copied GPU to GPU from a same-host peer
+    states_pulled: int = 0  # hybrid models: recurrent states pulled
+    states_local: int = 0  # hybrid models: already checkpointed here, not pulled
     bytes_pulled: int = 0
     pull_retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # error code -> count
@@ -120,7 +137,7 @@ class DisaggService:
         self.engine_id = uuid.uuid4().hex
         self._leak: dict[str, int] | None = None  # the last leak check (``stats``) and when it ran
         self._leak_at = 0.0
-        self.registry = TransferRegistry(self._unpin, config.ttl_s)
+        self.registry = TransferRegistry(self._unpin, config.ttl_s, self._unpin_state)
         # With a CPU offload tier the multi-connector rule is real: a prefill's transferred blocks
         # are also saved to the CPU tier, and freed only when the decode pull AND that save are done.
         self.cpu_offload = engine.engine.block_manager.cpu is not None
@@ -152,6 +169,9 @@ class DisaggService:
     def _unpin(self, block_ids: tuple[int, ...]) -> None:
         if block_ids:
             self.engine.submit(self.engine.ops.unpin, block_ids)
+
+    def _unpin_state(self, key: int) -> None:
+        self.engine.submit(self.engine.ops.unpin_state, key)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -225,7 +245,8 @@ class DisaggService:
         keys: tuple[int, ...] = ()
         if pinned is not None and pinned.block_ids:
             tid = uuid.uuid4().hex
-            self.registry.add(tid, pinned.block_ids, pinned.keys, self.consumers, time.monotonic())
+            self.registry.add(tid, pinned.block_ids, pinned.keys, self.consumers, time.monotonic(),
+                              state_key=pinned.state_key)
             keys = pinned.keys
             if self.cpu_offload:
                 self._start_cpu_save(tid, pinned.block_ids, pinned.keys)
@@ -332,8 +353,9 @@ class DisaggService:
             hold.block_ids += own.block_ids
             h = len(own.block_ids)
             self.decode.blocks_local += h
-            if h < n:
-                await self._pull(params, chain, h, hold)
+            need_state = await self._hold_local_state(chain, hold)
+            if h < n or need_state:
+                await self._pull(params, chain, h, hold, need_state)
         except BaseException:
             hold.release()
             raise
@@ -341,9 +363,21 @@ class DisaggService:
             self._background(self._release_remote(params, "decode", "ok"))
         return hold
 
-    async def _pull(self, params: dict[str, Any], chain: Chain, h: int, hold: Hold) -> None:
+    async def _hold_local_state(self, chain: Chain, hold: Hold) -> bool:
+        """Hybrid models: pin this worker's own checkpoint at the end of the chain if it has one;
+        True when the state must be pulled."""
+        if self.layout.state is None or not chain.keys:
+            return False
+        key = chain.keys[-1]
+        if await self.engine.call(self.engine.ops.pin_state, key):
+            hold.state_keys.append(key)
+            self.decode.states_local += 1
+            return False
+        return True
+
+    async def _pull(self, params: dict[str, Any], chain: Chain, h: int, hold: Hold, need_state: bool = False) -> None:
         n = len(chain.keys)
-        nbytes = (n - h) * self.layout.block_bytes
+        nbytes = (n - h) * self.layout.block_bytes + (self.layout.state_bytes if need_state else 0)
         if self.admission.too_large(nbytes):
             raise TransferError(413, "kv_transfer_too_large",
                                 f"{nbytes} bytes of KV exceed this worker's inbound bound {self.admission.max_bytes}")
@@ -351,21 +385,47 @@ class DisaggService:
         if ticket is None:
             raise TransferError(429, "kv_admission_full", "too many pending inbound KV transfers; retry later", True)
         try:
-            peer_kv = self._peer_cache(params)
-            if peer_kv is not None:
-                try:
-                    await self._copy_from_peer(params, peer_kv, chain, h, hold)
-                    return
-                except (TransferError, RuntimeError) as exc:  # the network path still works
-                    if isinstance(exc, TransferError) and not exc.retryable:
-                        raise
-                    self._count(exc.code if isinstance(exc, TransferError) else "kv_ipc_failed")
-                    log.warning("peer copy of %s failed (%r): pulling the rest over the network",
-                                params.get("transfer_id"), exc)
-            # invariant: hold.block_ids are exactly the chain's first len(hold.block_ids) blocks
-            await self._pull_over_network(params, chain, len(hold.block_ids), hold)
+            if h < n:
+                await self._pull_blocks(params, chain, h, hold)
+            if need_state:  # after its block: a checkpoint is filed only under a cached block
+                await self._pull_state(params, chain, hold)
         finally:
             ticket.release()
+
+    async def _pull_blocks(self, params: dict[str, Any], chain: Chain, h: int, hold: Hold) -> None:
+        peer_kv = self._peer_cache(params)
+        if peer_kv is not None:
+            try:
+                await self._copy_from_peer(params, peer_kv, chain, h, hold)
+                return
+            except (TransferError, RuntimeError) as exc:  # the network path still works
+                if isinstance(exc, TransferError) and not exc.retryable:
+                    raise
+                self._count(exc.code if isinstance(exc, TransferError) else "kv_ipc_failed")
+                log.warning("peer copy of %s failed (%r): pulling the rest over the network",
+                            params.get("transfer_id"), exc)
+        # invariant: hold.block_ids are exactly the chain's first len(hold.block_ids) blocks
+        await self._pull_over_network(params, chain, len(hold.block_ids), hold)
+
+    async def _pull_state(self, params: dict[str, Any], chain: Chain, hold: Hold) -> None:
+        """The recurrent state at the end of the chain, pulled over the network (also after a
+        peer copy of the blocks) and filed as this worker's checkpoint, pinned in ``hold``."""
+        i = len(chain.keys) - 1
+        for attempt in range(self.config.pull_attempts):
+            try:
+                data = await pull_state(params, chain.keys[i], self.layout, http=self.http,
+                                        timeout=self.config.pull_timeout_s)
+                await settled(self.engine, hold.state_keys.append, self.engine.ops.import_state, chain.keys[i],
+                              chain.keys[i - 1] if i else None, chain.blocks[i], i, chain.salt, data)
+                self.decode.states_pulled += 1
+                self.decode.bytes_pulled += data.nbytes
+                return
+            except TransferError as exc:
+                if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
+                    raise
+                self.decode.pull_retries += 1
+                self._count(exc.code)
+                log.warning("state pull of %s failed (%s), retrying", params.get("transfer_id"), exc)
 
     def _peer_cache(self, params: dict[str, Any]) -> Any:
         """The prefill worker's KV cache mapped over CUDA IPC, or None (use the network). Only
@@ -442,15 +502,20 @@ class DisaggService:
             **self.admission.stats(),
             "leaked_blocks": leak["leaked_blocks"],
             "pinned_blocks": leak["pinned_blocks"],
+            "pinned_states": leak["pinned_states"],
             "prefills": self.prefills,
             "decode_requests": d.requests,
             "decode_blocks_pulled": d.blocks_pulled,
             "decode_blocks_local": d.blocks_local,
             "decode_blocks_copied_ipc": d.blocks_copied_ipc,
+            "decode_states_pulled": d.states_pulled,
+            "decode_states_local": d.states_local,
             "decode_bytes_pulled": d.bytes_pulled,
             "decode_pull_retries": d.pull_retries,
             "blocks_imported": self.engine.ops.num_imported,
             "blocks_import_reused": self.engine.ops.num_import_reused,
+            "states_imported": self.engine.ops.num_states_imported,
+            "states_import_reused": self.engine.ops.num_states_reused,
             "cpu_saves_ok": self.cpu_saves["ok"],
             "cpu_saves_partial": self.cpu_saves["partial"],
             "cpu_saves_failed": self.cpu_saves["failed"],
@@ -476,15 +541,21 @@ _COUNTERS = frozenset({
     "transfers_released_by_timeout", "transfers_released_by_cancel", "transfer_duplicate_releases",
     "transfer_late_pulls", "admission_admitted", "admission_refused", "prefills", "decode_requests",
     "decode_blocks_pulled", "decode_blocks_local", "decode_blocks_copied_ipc", "decode_bytes_pulled", "decode_pull_retries",
-    "blocks_imported", "blocks_import_reused", "cpu_saves_ok", "cpu_saves_partial", "cpu_saves_failed",
+    "decode_states_pulled", "decode_states_local", "blocks_imported", "blocks_import_reused", "states_imported",
+    "states_import_reused", "cpu_saves_ok", "cpu_saves_partial", "cpu_saves_failed",
 })
 
 
 async def settled_import(engine: TransferEngine, hold: Hold, fn: Any, *args: Any) -> None:
-    """Run an import on the engine thread; its pins join ``hold`` even when the calling task is
-    cancelled meanwhile (the import may already be running there). Every cancel, however many,
-    waits for the import to end, so no pin leaks and a peer copy never outlives its read lease;
-    the cancel is then re-raised."""
+    """``settled`` for a block import: its pinned block ids join ``hold``."""
+    await settled(engine, hold.block_ids.extend, fn, *args)
+
+
+async def settled(engine: TransferEngine, keep: Callable[[Any], None], fn: Any, *args: Any) -> None:
+    """Run an import on the engine thread; its result (what it pinned) goes to ``keep`` even when
+    the calling task is cancelled meanwhile (the import may already be running there). Every
+    cancel, however many, waits for the import to end, so no pin leaks and a peer copy never
+    outlives its read lease; the cancel is then re-raised."""
     call = asyncio.ensure_future(engine.call(fn, *args))
     cancelled = False
     while not call.done():
@@ -495,7 +566,7 @@ async def settled_import(engine: TransferEngine, hold: Hold, fn: Any, *args: Any
         except Exception:  # noqa: BLE001 (re-raised below)
             break
     if not call.cancelled() and call.exception() is None:
-        hold.block_ids += call.result()
+        keep(call.result())
     if cancelled:
         raise asyncio.CancelledError
     call.result()  # the import's own error
@@ -762,10 +833,11 @@ def build_app(args: argparse.Namespace) -> tuple[Any, DisaggService, str, dict[s
 
     config = transfer_config(args)
     base, tokenizer, name, info = build(args)
-    if base.engine.model_config.is_hybrid and config.role != "mixed":
-        # the KV transfer moves attention K/V only: a decode worker would resume without the state
-        raise ValueError(f"--role {config.role}: a hybrid model (recurrent layers) runs as a mixed worker only; "
-                         "the KV transfer does not move recurrent state")
+    states = base.engine.block_manager.states
+    if states is not None and not states.num_checkpoints and config.role != "mixed":
+        # a transferred prefix resumes only at a state checkpoint: without any, nothing would move
+        raise ValueError(f"--role {config.role}: a hybrid model (recurrent layers) moves its recurrent state as a "
+                         "checkpoint; it needs --state-checkpoints > 0 and the prefix cache")
     engine = TransferEngine(base.engine)  # base was never started: only its LLMEngine is kept
     info = {**info, "role": config.role, "kv_transfer": {"transport": config.transport, "layout": engine.layout.to_dict()}}
     app = create_app(engine, tokenizer, name, info, content_format=info["chat_template_content_format"])

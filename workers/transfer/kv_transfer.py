@@ -5,8 +5,10 @@ own prefix cache (its KV events then announce them, so the router's index learns
 Pieces (one job each):
 - ``workers.transfer.kv_layout``: ``Layout`` (what both sides must share) and ``TransferError``.
 - The wire format (``encode_header`` / ``block_head`` / ``FrameReader``): a header, then per
-  block ``key u64 | xxh3_64 u64 | payload``, then a trailer with the block count. Identical over
-  HTTP (``POST /kv_transfer/pull``, a streamed binary body) and raw TCP.
+  block ``key u64 | xxh3_64 u64 | payload``, then (a pull with ``state``, hybrid models) one
+  frame of the same shape holding the recurrent state at the end of the transfer's last block
+  (its key: that block's), then a trailer with the block count. Identical over HTTP
+  (``POST /kv_transfer/pull``, a streamed binary body) and raw TCP.
 - ``workers.transfer.block_ops.BlockOps``: everything that touches the block manager or the paged cache
   (engine thread only).
 - ``TransferEngine``: ``AsyncLLMEngine`` plus a queue of calls run on the engine thread, and the
@@ -242,7 +244,8 @@ class FrameReader:
             raise TransferError(502, "kv_transfer_corrupt", "bad stream header", True)
         return self.header
 
-    async def blocks(self, expected_keys: Sequence[int], block_bytes: int) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
+    async def blocks(self, expected_keys: Sequence[int], block_bytes: int,
+                     trailer: bool = True) -> AsyncIterator[tuple[int, list[int], np.ndarray]]:
         n = len(expected_keys)
         per_chunk = max(1, self.chunk_bytes // block_bytes)
         i = 0
@@ -258,6 +261,21 @@ class FrameReader:
                     raise TransferError(502, "kv_transfer_corrupt", f"block {i + j}: checksum mismatch", True)
             yield i, list(expected_keys[i : i + k]), data
             i += k
+        if trailer:
+            await self.read_trailer(n)
+
+    async def read_state(self, key: int, nbytes: int) -> np.ndarray:
+        """The recurrent-state frame (uint8 ``[nbytes]``), verified like a block's."""
+        got, cs = _BLOCK.unpack(await self._take(_BLOCK.size))
+        if got != key:
+            raise TransferError(502, "kv_transfer_corrupt", f"state: key {got:#x}, expected {key:#x}", True)
+        data = np.empty(nbytes, dtype=np.uint8)
+        await self.source.readinto(data.data)
+        if checksum(data.data) != cs:
+            raise TransferError(502, "kv_transfer_corrupt", "state: checksum mismatch", True)
+        return data
+
+    async def read_trailer(self, n: int) -> None:
         end, count = _TRAIL.unpack(await self._take(_TRAIL.size))
         if end != END or count != n:
             raise TransferError(502, "kv_transfer_truncated", f"bad trailer ({end!r}, {count} of {n} blocks)", True)
@@ -279,7 +297,7 @@ class TransferEngine(AsyncLLMEngine):
     ``expect_export(rid, ...)`` before ``generate`` marks a request whose KV will be pulled: in
     the step that finishes it (on the engine thread, before any later step may evict) its full
     prompt blocks (all but the block of the last token, which the decode side recomputes) are
-    pinned. ``take_export`` hands the pin to its owner; ``drop_export`` undoes it on any path
+    pinned; on a hybrid model with the state checkpoint at their end (``BlockOps.pin_export``). ``take_export`` hands the pin to its owner; ``drop_export`` undoes it on any path
     that will not (cancel, error): exactly one of the two ends every ``expect_export``.
     """
 
@@ -347,6 +365,8 @@ class TransferEngine(AsyncLLMEngine):
             exp = self._exports.pop(request_id, None)
         if exp is not None and exp.pinned is not None and exp.pinned.block_ids:
             self.submit(self.ops.unpin, exp.pinned.block_ids)
+        if exp is not None and exp.pinned is not None and exp.pinned.state_key is not None:
+            self.submit(self.ops.unpin_state, exp.pinned.state_key)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         if isinstance(item, RequestOutput) and item.finished and item.finish_reason != "abort":
@@ -362,7 +382,7 @@ class TransferEngine(AsyncLLMEngine):
         tokens = exp.prompt_ids[: n * bs]
         keys = block_keys(tokens, bs, exp.seed)
         blocks = [tokens[i * bs : (i + 1) * bs] for i in range(n)]
-        return self.ops.pin_prefix(keys, blocks, exp.seed)
+        return self.ops.pin_export(keys, blocks, exp.seed)
 
 
 # ---- faults (tests only) ----------------------------------------------------------------------
@@ -388,6 +408,7 @@ class PullRequest:
     first_block: int
     num_blocks: int
     layout: Layout
+    state: bool = False  # also the recurrent state at the end of the transfer (hybrid models)
 
     @classmethod
     def parse(cls, d: Any) -> PullRequest:
@@ -399,12 +420,16 @@ class PullRequest:
             raise TransferError(400, "kv_pull_invalid", f"bad pull request: {exc!r}") from exc
         if first < 0 or n < 0:
             raise TransferError(400, "kv_pull_invalid", "first_block and num_blocks must be >= 0")
-        return cls(tid, first, n, Layout.from_dict(d.get("layout")))
+        state = d.get("state", False)
+        if not isinstance(state, bool):
+            raise TransferError(400, "kv_pull_invalid", "state must be a boolean")
+        return cls(tid, first, n, Layout.from_dict(d.get("layout")), state)
 
 
 async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, faults: Faults,
                      chunk_bytes: int = 8 << 20) -> AsyncIterator[Any]:
-    """The frames of one pull (bytes-like items: per block its 16-byte head, then its payload).
+    """The frames of one pull (bytes-like items: per block its 16-byte head, then its payload;
+    with ``req.state`` the state frame after the blocks).
 
     The read lease is taken and returned inside the generator, so a stream that never starts
     holds nothing. A transfer released before the read starts yields an error header (a late
@@ -423,13 +448,14 @@ async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, fa
     faults.truncate -= truncate
     try:
         stop = req.first_block + req.num_blocks
-        if stop > t.num_blocks:
-            yield encode_header({"error": {"status": 416, "code": "kv_pull_range",
-                                           "message": f"blocks [{req.first_block}, {stop}) of {t.num_blocks}"}})
+        error = _pull_refusal(t, req, stop)
+        if error is not None:
+            yield encode_header({"error": error})
             return
         layout = {**engine.layout.to_dict(), **faults.layout_override}
         yield encode_header({"transfer_id": t.transfer_id, "layout": layout, "first_block": req.first_block,
-                             "num_blocks": req.num_blocks, "block_bytes": engine.layout.block_bytes})
+                             "num_blocks": req.num_blocks, "block_bytes": engine.layout.block_bytes,
+                             "state_bytes": engine.layout.state_bytes if req.state else 0})
         limit = req.num_blocks // 2 if truncate else req.num_blocks
         per_chunk = max(1, chunk_bytes // engine.layout.block_bytes)
         sent = 0
@@ -444,15 +470,36 @@ async def serve_pull(engine: TransferEngine, registry: Any, req: PullRequest, fa
                 payload: Any = data[j]
                 head = block_head(t.keys[i + j], payload)
                 if corrupt:
-                    payload = bytearray(payload.tobytes())
-                    payload[len(payload) // 2] ^= 0xFF
-                    corrupt = False
+                    payload, corrupt = _flipped(payload), False
                 yield head
                 yield memoryview(payload)
                 sent += 1
+        if req.state:
+            if truncate:
+                return  # truncated before the state: no trailer
+            state: Any = await engine.call(engine.ops.gather_state, t.state_key)
+            head = block_head(t.state_key, state)
+            yield head
+            yield memoryview(_flipped(state) if corrupt else state)
         yield encode_trailer(sent)
     finally:
         registry.end_read(t)
+
+
+def _pull_refusal(t: Any, req: PullRequest, stop: int) -> dict[str, Any] | None:
+    """The error header of a pull this transfer cannot serve, or None."""
+    if stop > t.num_blocks:
+        return {"status": 416, "code": "kv_pull_range", "message": f"blocks [{req.first_block}, {stop}) of {t.num_blocks}"}
+    if req.state and t.state_key is None:
+        return {"status": 409, "code": "kv_state_missing", "message": f"transfer {t.transfer_id} carries no recurrent state"}
+    return None
+
+
+def _flipped(payload: Any) -> bytearray:
+    """``payload`` with one byte flipped (the ``corrupt`` fault)."""
+    out = bytearray(payload.tobytes())
+    out[len(out) // 2] ^= 0xFF
+    return out
 
 
 # ---- receiver -------------------------------------------------------------------------------
@@ -496,6 +543,28 @@ def _remote_error(status: int, text: str) -> TransferError:
     return TransferError(status, code, message, retryable=status >= 500 and status != 507)
 
 
+async def _open_pull(params: dict[str, Any], body: dict[str, Any], layout: Layout, http: Any, timeout: float,
+                     chunk_bytes: int) -> FrameReader:
+    """Send one pull request (TCP or HTTP, as ``params`` say) and read its checked header."""
+    host = str(params["remote_host"])
+    source: Any
+    if params.get("transport") == "tcp" and params.get("remote_tcp_port"):
+        source = await _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
+    else:
+        url = f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull"
+        source = ChunkSource(_http_source(http, url, body, timeout))
+    reader = FrameReader(source, chunk_bytes)
+    try:
+        header = check_header(await reader.read_header(), layout)
+        if (header.get("block_bytes") != layout.block_bytes or header.get("num_blocks") != body["num_blocks"]
+                or header.get("state_bytes", 0) != (layout.state_bytes if body.get("state") else 0)):
+            raise TransferError(502, "kv_transfer_corrupt", "header does not match the pull request", True)
+    except BaseException:
+        await source.aclose()
+        raise
+    return reader
+
+
 async def pull_blocks(
     params: dict[str, Any],
     first_block: int,
@@ -510,22 +579,26 @@ async def pull_blocks(
     transfer (``params``: the prefill's ``kv_transfer_params``). Raises ``TransferError``."""
     body = {"transfer_id": params["transfer_id"], "first_block": first_block, "num_blocks": len(keys),
             "layout": layout.to_dict()}
-    host = str(params["remote_host"])
-    source: Any
-    if params.get("transport") == "tcp" and params.get("remote_tcp_port"):
-        source = await _tcp_source(host, int(params["remote_tcp_port"]), body, timeout)
-    else:
-        url = f"http://{_host_for_url(host)}:{int(params['remote_port'])}/kv_transfer/pull"
-        source = ChunkSource(_http_source(http, url, body, timeout))
-    reader = FrameReader(source, chunk_bytes)
+    reader = await _open_pull(params, body, layout, http, timeout, chunk_bytes)
     try:
-        header = check_header(await reader.read_header(), layout)
-        if header.get("block_bytes") != layout.block_bytes or header.get("num_blocks") != len(keys):
-            raise TransferError(502, "kv_transfer_corrupt", "header does not match the pull request", True)
         async for chunk in reader.blocks(keys, layout.block_bytes):
             yield chunk
     finally:
-        await source.aclose()
+        await reader.source.aclose()
+
+
+async def pull_state(params: dict[str, Any], key: int, layout: Layout, *, http: Any, timeout: float) -> np.ndarray:
+    """The verified recurrent state (uint8 ``[layout.state_bytes]``) at the end of a remote
+    transfer whose last block's key is ``key``. Raises ``TransferError``."""
+    body = {"transfer_id": params["transfer_id"], "first_block": 0, "num_blocks": 0, "layout": layout.to_dict(),
+            "state": True}
+    reader = await _open_pull(params, body, layout, http, timeout, 8 << 20)
+    try:
+        data = await reader.read_state(key, layout.state_bytes)
+        await reader.read_trailer(0)
+        return data
+    finally:
+        await reader.source.aclose()
 
 
 def check_header(header: dict[str, Any], layout: Layout) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Ownership of KV blocks in flight between workers: no I/O, no clock (``now`` is passed in).
 
 Prefill side, ``TransferRegistry`` (the multi-connector rule): the blocks of a finished prefill
-stay pinned (one reference held by the transfer) until **every** consumer named at creation is
+(and, on a hybrid model, the checkpoint of its recurrent state at their end) stay pinned (one reference held by the transfer) until **every** consumer named at creation is
 done (the decode pull; a CPU save when offload is on), or the transfer is cancelled, or its
 deadline passes. Whatever comes first releases, and releases **exactly once**: a second release
 of the same transfer only counts as a duplicate. A release that happens while a reader is still
@@ -41,6 +41,7 @@ class Transfer:
     pending: set[str]  # consumers not done yet
     created: float
     deadline: float
+    state_key: int | None = None  # hybrid models: the pinned state checkpoint (keys[-1])
     readers: int = 0  # pulls streaming the blocks out right now
     released_by: Release | None = None  # set once; the unpin may wait for readers
     unpinned: bool = False
@@ -62,13 +63,15 @@ class RegistryCounters:
 
 class TransferRegistry:
     """Prefill-side transfers. ``unpin(block_ids)`` hands the blocks back to the block manager
-    (it must be non-blocking: the engine thread does the work); it is called exactly once per
-    transfer, never while a reader holds it."""
+    and ``unpin_state(key)`` a transfer's state checkpoint (both must be non-blocking: the engine
+    thread does the work); they are called exactly once per transfer, never while a reader holds it."""
 
-    def __init__(self, unpin: Callable[[tuple[int, ...]], None], ttl_s: float = 30.0) -> None:
+    def __init__(self, unpin: Callable[[tuple[int, ...]], None], ttl_s: float = 30.0,
+                 unpin_state: Callable[[int], None] | None = None) -> None:
         if ttl_s <= 0:
             raise ValueError(f"transfer ttl must be positive, got {ttl_s}")
         self._unpin = unpin
+        self._unpin_state = unpin_state
         self.ttl_s = ttl_s
         self._live: dict[str, Transfer] = {}  # not yet unpinned
         self.counters = RegistryCounters()
@@ -83,14 +86,18 @@ class TransferRegistry:
         consumers: Iterable[str],
         now: float,
         ttl_s: float | None = None,
+        state_key: int | None = None,
     ) -> Transfer:
-        """Take ownership of pinned blocks. With no consumer the blocks are released at once."""
+        """Take ownership of pinned blocks (and of a pinned state checkpoint: ``state_key``, the
+        last block's key). With no consumer they are released at once."""
         if transfer_id in self._live:
             raise ValueError(f"duplicate transfer id {transfer_id!r}")
         bids, ks = tuple(block_ids), tuple(keys)
         if len(bids) != len(ks):
             raise ValueError("block_ids and keys must have the same length")
-        t = Transfer(transfer_id, bids, ks, set(consumers), now, now + (ttl_s or self.ttl_s))
+        if state_key is not None and (self._unpin_state is None or not ks or state_key != ks[-1]):
+            raise ValueError("a transfer's state is the checkpoint of its last block, on a registry that unpins states")
+        t = Transfer(transfer_id, bids, ks, set(consumers), now, now + (ttl_s or self.ttl_s), state_key)
         self._live[transfer_id] = t
         self.counters.created += 1
         self.counters.pinned_blocks_total += len(bids)
@@ -171,6 +178,8 @@ class TransferRegistry:
         t.unpinned = True
         del self._live[t.transfer_id]
         self._unpin(t.block_ids)
+        if t.state_key is not None and self._unpin_state is not None:
+            self._unpin_state(t.state_key)
 
     # ---- views -----------------------------------------------------------------------------
 
@@ -185,7 +194,8 @@ class TransferRegistry:
 
     def describe(self, now: float) -> list[dict[str, object]]:
         """The live transfers (debugging and tests)."""
-        return [{"transfer_id": t.transfer_id, "num_blocks": t.num_blocks, "pending": sorted(t.pending),
+        return [{"transfer_id": t.transfer_id, "num_blocks": t.num_blocks, "state": t.state_key is not None,
+                 "pending": sorted(t.pending),
                  "readers": t.readers, "released_by": t.released_by.value if t.released_by else None,
                  "expires_in_s": round(t.deadline - now, 3)} for t in self._live.values()]
 
@@ -195,6 +205,7 @@ class TransferRegistry:
             "transfers_created": c.created,
             "transfers_active": self.active,
             "transfer_pinned_blocks": self.pinned_blocks,
+            "transfer_pinned_states": sum(t.state_key is not None for t in self._live.values()),
             "transfer_pinned_blocks_total": c.pinned_blocks_total,
             "transfers_released_by_consumer": c.released[Release.CONSUMER],
             "transfers_released_by_timeout": c.released[Release.TIMEOUT],

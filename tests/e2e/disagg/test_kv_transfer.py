@@ -115,14 +115,14 @@ def test_pulled_blocks_decode_to_the_same_greedy_tokens() -> None:
     assert sum(len(k) for _, k, _ in chunks) == len(keys) == 9
     assert len(chunks) == 3  # bounded chunks of 4 blocks
     held = _import(dst, chunks, keys, blocks, 0)
-    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": len(keys)}
+    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": len(keys), "pinned_states": 0}
     out = b.generate([prompt], GREEDY)[0]
     assert out == ref
     assert b.scheduler.stats.prompt_hit_tokens == len(keys) * BS  # only the tail was computed
     dst.unpin(held)
     reg.consumer_done("t", "decode")
     for ops in (dst, src.ops):
-        assert ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+        assert ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
     assert a.block_manager.num_used_blocks == 0 and b.block_manager.num_used_blocks == 0
     a.block_manager.check()
     b.block_manager.check()
@@ -197,7 +197,7 @@ def test_corrupt_or_truncated_streams_are_detected(fault: str, code: str) -> Non
     assert reg.active == 1  # a failed pull does not release: the decode side may pull again
     assert len(asyncio.run(_pull(src, reg, 0, keys))) == 3  # the fault was one-shot
     reg.cancel("t")
-    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
 
 
 def test_wrong_key_in_the_stream_is_refused() -> None:
@@ -237,7 +237,7 @@ def test_late_pull_after_cancel_is_gone() -> None:
         asyncio.run(_pull(src, reg, 0, keys))
     assert err.value.status == 410 and err.value.code == "kv_transfer_gone"
     assert reg.stats()["transfer_late_pulls"] == 1
-    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert src.ops.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
 
 
 def test_prefill_blocks_are_pinned_in_the_finishing_step() -> None:
@@ -256,7 +256,7 @@ def test_prefill_blocks_are_pinned_in_the_finishing_step() -> None:
             assert pinned is not None and seed == SEED
             assert list(pinned.keys) == _chain(prompt)[0]  # 6 blocks: (100 - 1) // 16
             state = await engine.call(engine.ops.leak_check)
-            assert state == {"leaked_blocks": 0, "pinned_blocks": 6}
+            assert state == {"leaked_blocks": 0, "pinned_blocks": 6, "pinned_states": 0}
             await engine.call(engine.ops.unpin, pinned.block_ids)
             engine.expect_export("r2", prompt, None)  # dropped after finishing: unpinned
             async for _ in engine.generate("r2", prompt, ONE):
@@ -269,7 +269,7 @@ def test_prefill_blocks_are_pinned_in_the_finishing_step() -> None:
             assert engine.take_export("r3") == (None, SEED)
             await asyncio.sleep(0.1)
             state = await engine.call(engine.ops.leak_check)
-            assert state == {"leaked_blocks": 0, "pinned_blocks": 0}
+            assert state == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
             assert await engine.call(lambda: engine.engine.block_manager.num_used_blocks) == 0
         finally:
             engine.shutdown()
@@ -309,10 +309,10 @@ def test_an_import_cancelled_twice_mid_run_still_hands_its_pins_to_the_hold() ->
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert len(hold.block_ids) == len(keys)  # the import ended and its pins are held
-            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": len(keys)}
+            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": len(keys), "pinned_states": 0}
             hold.release()
             await asyncio.sleep(0.1)
-            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": 0}
+            assert await engine.call(engine.ops.leak_check) == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
         finally:
             engine.shutdown()
 
@@ -333,14 +333,14 @@ def test_a_peer_copy_imports_the_peers_pages_and_stops_at_the_lease_deadline() -
     with pytest.raises(TransferError) as late:
         dst.import_from_peer(keys, blocks, SEED, None, peer_kv, list(pinned.block_ids), None, time.monotonic() - 1)
     assert (late.value.code, late.value.retryable) == ("kv_lease_expired", True)
-    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0} and b.block_manager.num_used_blocks == 0
+    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0} and b.block_manager.num_used_blocks == 0
     held = dst.import_from_peer(keys, blocks, SEED, None, peer_kv, list(pinned.block_ids), None, time.monotonic() + 60)
     for mine, theirs in zip(held, pinned.block_ids, strict=True):
         assert np.array_equal(b.runner.kv_cache[:, :, mine].numpy(), peer_kv[:, :, theirs].numpy())
     assert b.generate([prompt], GREEDY)[0] == ref
     assert b.scheduler.stats.prompt_hit_tokens == len(keys) * BS
     dst.unpin(held)
-    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0}
+    assert dst.leak_check() == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
 
 
 def test_a_peer_export_must_describe_this_workers_page_layout() -> None:

@@ -310,6 +310,6 @@ async def test_async_loop_waits_for_the_unpin_then_serves_the_request(model: tor
         te.submit(te.ops.unpin, pinned.block_ids)
         assert await asyncio.wait_for(task, 30) == "length"
         assert got == _reference(model, prompt)
-        assert (await te.call(te.ops.leak_check)) == {"leaked_blocks": 0, "pinned_blocks": 0}
+        assert (await te.call(te.ops.leak_check)) == {"leaked_blocks": 0, "pinned_blocks": 0, "pinned_states": 0}
     finally:
         te.shutdown()

@@ -229,12 +229,13 @@ def test_checkpoint_events_and_lru_eviction(model: torch.nn.Module) -> None:
     assert eng.stats()["state_checkpoints_evicted"] == 1
 
 
-def test_a_hybrid_worker_refuses_a_disaggregated_role() -> None:
-    """The KV transfer moves attention K/V only: a hybrid prefill or decode worker is refused at start."""
+def test_a_hybrid_worker_without_checkpoints_refuses_a_disaggregated_role() -> None:
+    """A transferred hybrid prefix resumes only at a state checkpoint: a prefill or decode worker
+    without any is refused at start (the KV transfer would move nothing it could resume from)."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-m", "workers.server.cli", "--preset", "tiny-hybrid", "--role", "decode",
-                           "--device", "cpu", "--num-kv-blocks", "16", "--cpu-threads", "1"],
+                           "--device", "cpu", "--num-kv-blocks", "16", "--cpu-threads", "1", "--state-checkpoints", "0"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "runs as a mixed worker only" in done.stderr, done.stderr[-500:]
+    assert done.returncode == 2 and "needs --state-checkpoints > 0" in done.stderr, done.stderr[-500:]

@@ -55,6 +55,31 @@ def test_release_waits_for_the_reader_then_a_late_pull_is_refused() -> None:
     assert reg.stats()["transfers_released_by_cancel"] == 1 and reg.stats()["transfer_late_pulls"] == 1
 
 
+def test_a_state_checkpoint_is_unpinned_once_with_its_blocks_after_the_last_reader() -> None:
+    """A hybrid transfer's state pin follows its blocks': deferred while a reader streams, then
+    released exactly once whatever releases the transfer again."""
+    unpins, states = Unpins(), list[int]()
+    reg = TransferRegistry(unpins, ttl_s=5, unpin_state=states.append)
+    reg.add("t", [4, 5], [14, 15], ["decode"], now=0.0, state_key=15)
+    assert reg.stats()["transfer_pinned_states"] == 1 and reg.describe(0.0)[0]["state"] is True
+    t = reg.begin_read("t")
+    assert reg.consumer_done("t", "decode")
+    assert states == [] and unpins.calls == []
+    reg.end_read(t)
+    assert not reg.cancel("t") and reg.expire(100.0) == 0
+    assert (unpins.calls, states) == ([(4, 5)], [15])
+    assert reg.stats()["transfer_pinned_states"] == 0
+
+
+def test_a_state_must_be_the_last_blocks_on_a_registry_that_unpins_states() -> None:
+    with_states = TransferRegistry(Unpins(), unpin_state=lambda key: None)
+    for bad in ([], [1]):  # no block, or not the last block's key
+        with pytest.raises(ValueError):
+            with_states.add("t", bad, [10 + b for b in bad], ["decode"], now=0.0, state_key=99)
+    with pytest.raises(ValueError):
+        TransferRegistry(Unpins()).add("t", [1], [11], ["decode"], now=0.0, state_key=11)
+
+
 def test_no_consumer_releases_at_once() -> None:
     unpins = Unpins()
     reg = TransferRegistry(unpins)
