@@ -16,6 +16,10 @@ same recurrence, held to each other by tests:
   operations whether a step ends there or not;
 - ``decode_step``: one token for a batch of states (``recurrent_triton.decode_step`` on CUDA).
 
+``chunk_prefill`` runs ``chunk_scan`` for every prefill sequence of a step against the state
+tensor (reads each sequence's slot, writes its final state back and its snapshots into their
+slots); ``recurrent_triton.chunk_prefill`` is the same function as one Triton launch on CUDA.
+
 Ownership: the state tensor ``[recurrent layers, slots, heads, d_k, d_v]`` belongs to the model
 runner; ``RecurrentMetadata`` names, per sequence of a step, the slot it reads and writes, and
 where mid-step snapshots go (the block manager's ``StateCheckpoints`` plans the slots).
@@ -112,6 +116,38 @@ def chunk_scan(
     return out, cur, [after[o] if o in after else s0 for o in snap_at]
 
 
+def chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: list[int],
+    starts: list[int],
+    snaps: list[list[tuple[int, int]]],
+    chunk: int,
+) -> torch.Tensor:
+    """The prefill sequences of a step: sequence i is tokens ``[cu_seqlens[i], cu_seqlens[i+1])``
+    of q, k [T, H, dk], v [T, H, dv], g [T, H] at absolute positions from ``starts[i]``; its state
+    starts from ``states[slots[i]]`` (from zero where ``starts[i]`` is 0) and ends there; each
+    ``(offset, dest)`` of ``snaps[i]`` writes the state after ``offset`` tokens into
+    ``states[dest]``. ``states`` is one layer's ``[slots, H, dk, dv]`` float32. Returns o
+    [cu_seqlens[len(slots)], H, dv] float32."""
+    outs = []
+    for i, slot in enumerate(slots):
+        lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
+        s0 = states[slot] if starts[i] else torch.zeros_like(states[slot])
+        seq_snaps = snaps[i] if snaps else []
+        o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, chunk, starts[i],
+                                 [off for off, _ in seq_snaps])
+        for (_, dest), st in zip(seq_snaps, taken, strict=True):  # first: a snapshot at 0 is a view of the slot
+            states[dest] = st
+        states[slot] = s
+        outs.append(o)
+    return torch.cat(outs) if outs else v.new_zeros((0, *v.shape[1:]), dtype=torch.float32)
+
+
 def decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,17 +186,8 @@ class GatedLinearAttention(nn.Module):
         q, k, v, z, g = self._project(x)
         states = meta.states[self.layer_index]
         outs = []
-        for i, slot in enumerate(meta.prefill_slots):
-            lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
-            start = meta.prefill_starts[i]
-            s0 = states[slot] if start else torch.zeros_like(states[slot])
-            snaps = meta.prefill_snaps[i] if meta.prefill_snaps else []
-            o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, self.chunk, start,
-                                     [off for off, _ in snaps])
-            states[slot] = s
-            for (_, dest), st in zip(snaps, taken, strict=True):
-                states[dest] = st
-            outs.append(o)
+        if meta.prefill_slots:
+            outs.append(self._prefill(q, k, v, g, states, cu_seqlens, meta))
         if meta.decode_slots is not None and meta.decode_slots.numel():
             p = num_prefill_tokens
             outs.append(self._decode(q[p:], k[p:], v[p:], g[p:], states, meta.decode_slots))
@@ -168,6 +195,17 @@ class GatedLinearAttention(nn.Module):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         o = o.view(x.shape[0], -1).to(x.dtype) * F.silu(z)
         return self.out_proj(o)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+                 cu_seqlens: list[int], meta: RecurrentMetadata) -> torch.Tensor:
+        scan = chunk_prefill
+        if states.is_cuda:
+            from workers.model import recurrent_triton
+
+            if recurrent_triton.available():
+                scan = recurrent_triton.chunk_prefill
+        return scan(q, k, v, g, states, cu_seqlens, meta.prefill_slots, meta.prefill_starts, meta.prefill_snaps,
+                    self.chunk)
 
     @staticmethod
     def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,

@@ -1,14 +1,32 @@
-"""Triton kernel of the recurrent layer's decode step (``workers.model.recurrent.decode_step``).
+"""Triton kernels of the recurrent layer (``workers.model.recurrent``): the decode step and the
+chunked prefill scan, float32 state and accumulation as the torch reference.
 
-One program per (sequence, head, d_v tile): it reads the sequence's state tile ``S[slot, h, :,
-tile]`` in place from the state tensor, applies ``S = exp(g) S + k^T v``, writes it back and
-stores ``o = q S`` for the tile. The state never leaves its slot (no gather/scatter copies);
-float32 throughout, as the torch reference. Tested against the reference in
-``tests/gpu/test_recurrent_gpu.py`` (and under ``TRITON_INTERPRET=1`` where triton is installed).
+Decode (``decode_step``): one program per (sequence, head, d_v tile) reads the sequence's state
+tile ``S[slot, h, :, tile]`` in place from the state tensor, applies ``S = exp(g) S + k^T v``,
+writes it back and stores ``o = q S`` for the tile.
+
+Prefill (``chunk_prefill``, the interface of ``recurrent.chunk_prefill``): one program per
+(sequence, head, d_v tile) of a batch of variable-length sequences (``cu_seqlens``) walks the
+sequence's segments in order, its state tile held in registers: the segments of the torch
+``chunk_scan`` (boundaries at absolute multiples of the chunk and at snapshot offsets), each as
+
+    o   = ((q k^T) * exp(b_t - b_s) [s <= t]) v  +  (q S) * exp(b_t)
+    S  <- exp(b_L) S + (k * exp(b_L - b_s))^T v           (b: the segment's cumsum of g)
+
+It reads the initial state from the sequence's slot (zero where the sequence starts at position
+0), stores each snapshot the step plans into its destination slot when a segment ends at its
+offset, and the final state back into the slot. Programs of different sequences run at once, so
+a step's destination slots must be distinct from every slot another sequence of the step reads
+(the slot layout of ``workers.engine.state_checkpoints`` guarantees it).
+
+The states never leave their slots (no gather/scatter copies). Tested against the torch
+reference in ``tests/gpu/test_recurrent_gpu.py`` and ``tests/gpu/test_recurrent_prefill_gpu.py``,
+and under ``TRITON_INTERPRET=1`` in ``tests/unit/workers/test_recurrent_triton.py``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -75,5 +93,115 @@ def decode_step(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         states.stride(0), states.stride(1), states.stride(2), o.stride(0), o.stride(1),
         DK=dk, DV=dv, BK=bk, BV=bv,
+    )
+    return o
+
+
+SNAP_END = 2**62  # the sentinel after a sequence's last snapshot offset
+
+
+@_jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, s_ptr, seq_ptr, snap_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
+    stride_ss, stride_sh, stride_sk, snap_w, chunk,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    lo = tl.load(seq_ptr + n * 4)  # first token row, tokens, slot, absolute start position
+    t_len = tl.load(seq_ptr + n * 4 + 1)
+    slot = tl.load(seq_ptr + n * 4 + 2)
+    start = tl.load(seq_ptr + n * 4 + 3)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = tile * BV + tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    m2 = mk[:, None] & mv[None, :]
+    s_tile = s_ptr + h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
+    s = tl.where(start > 0, tl.load(s_tile + slot * stride_ss, mask=m2, other=0.0), 0.0)  # start 0: zero
+    snaps = snap_ptr + n * snap_w * 2  # row n: offsets (ascending, then SNAP_END), then their slots
+    j = tl.zeros([], tl.int64)
+    nxt = tl.load(snaps)
+    pos = tl.zeros([], tl.int64)
+    while nxt == pos:  # snapshots at offset 0: the initial state
+        tl.store(s_tile + tl.load(snaps + snap_w + j) * stride_ss, s, mask=m2)
+        j += 1
+        nxt = tl.load(snaps + j)
+    while pos < t_len:
+        end = tl.minimum(tl.minimum(t_len, ((start + pos) // chunk + 1) * chunk - start), nxt)
+        rows = lo + pos + rt
+        valid = rt < end - pos
+        mq = valid[:, None] & mk[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + rk[None, :], mask=mq, other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + rk[None, :], mask=mq, other=0.0)
+        mo = valid[:, None] & mv[None, :]
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=mo, other=0.0)
+        g = tl.load(g_ptr + rows * stride_gt + h, mask=valid, other=0.0)  # a pad: no decay
+        b = tl.cumsum(g, axis=0)
+        b_last = tl.sum(g, axis=0)
+        causal = rt[:, None] >= rt[None, :]
+        decay = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+        w = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
+        o = tl.dot(w, v, input_precision="ieee") + tl.dot(q, s, input_precision="ieee") * tl.exp(b)[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
+        kd = k * tl.exp(b_last - b)[:, None]
+        s = s * tl.exp(b_last) + tl.dot(tl.trans(kd), v, input_precision="ieee")
+        pos = end
+        while nxt == pos:  # snapshots at this segment's end (several may share an offset)
+            tl.store(s_tile + tl.load(snaps + snap_w + j) * stride_ss, s, mask=m2)
+            j += 1
+            nxt = tl.load(snaps + j)
+    tl.store(s_tile + slot * stride_ss, s, mask=m2)
+
+
+def _prefill_tables(cu_seqlens: list[int], slots: list[int], starts: list[int],
+                    snaps: list[list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One host-to-device copy: per sequence (first row, tokens, slot, start), and its snapshot
+    offsets (ascending, ``SNAP_END`` after the last) followed by their destination slots."""
+    n = len(slots)
+    width = 1 + max((len(s) for s in snaps), default=0)
+    seqs = np.empty((n, 4), dtype=np.int64)
+    table = np.full((n, 2, width), SNAP_END, dtype=np.int64)
+    for i, slot in enumerate(slots):
+        lo, t_len = cu_seqlens[i], cu_seqlens[i + 1] - cu_seqlens[i]
+        seqs[i] = (lo, t_len, slot, starts[i])
+        offs = [o for o, _ in snaps[i]] if snaps else []
+        if offs != sorted(offs) or any(not 0 <= o <= t_len for o in offs):
+            raise ValueError(f"snapshot offsets of sequence {i} must ascend within [0, {t_len}]: {offs}")
+        table[i, 0, : len(offs)] = offs
+        table[i, 1, : len(offs)] = [d for _, d in snaps[i]]
+    packed = torch.from_numpy(np.concatenate([seqs.ravel(), table.ravel()])).to(device, non_blocking=True)
+    return packed[: 4 * n], packed[4 * n :], width
+
+
+def chunk_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+    cu_seqlens: list[int], slots: list[int], starts: list[int], snaps: list[list[tuple[int, int]]], chunk: int,
+    *, block_v: int | None = None, num_warps: int | None = None,
+) -> torch.Tensor:
+    """``recurrent.chunk_prefill`` as one launch: q, k [T, H, dk], v [T, H, dv], g [T, H];
+    ``states`` [slots, H, dk, dv] float32 (contiguous in its last dim), read and written in place;
+    returns o [cu_seqlens[len(slots)], H, dv] float32. ``block_v`` and ``num_warps`` override the
+    tile width of d_v and the warps per program (the benchmark's sweep)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    heads = q.shape[1]
+    if states.dtype != torch.float32 or states.stride(-1) != 1:
+        raise ValueError("states must be float32 with a contiguous last dim")
+    total = cu_seqlens[len(slots)] if slots else 0
+    q, k, v, g = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v, g))
+    o = torch.empty(total, heads, dv, dtype=torch.float32, device=q.device)
+    if not slots:
+        return o
+    seqs, table, width = _prefill_tables(cu_seqlens, slots, starts, snaps, q.device)
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = block_v or max(16, min(triton.next_power_of_2(dv), 32))
+    grid = (len(slots), heads, triton.cdiv(dv, bv))
+    _prefill_kernel[grid](
+        q, k, v, g, o, states, seqs, table,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        o.stride(0), o.stride(1), states.stride(0), states.stride(1), states.stride(2), width, chunk,
+        DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(chunk)), BK=bk, BV=bv, num_warps=num_warps or 4,
     )
     return o
