@@ -14,7 +14,7 @@ full-attention layer, bf16 weights, float32 states), in one run:
 * the recurrent prefill scan (``--parts prefill``): the Triton ``chunk_prefill`` against the
   torch one (a ``chunk_scan`` per sequence) on batches of 1 to 16 sequences up to 8k tokens,
   from nonzero states at mid-chunk positions, with a snapshot per sequence; and a sweep of the
-  kernel's d_v tile and warps.
+  kernel's tiles, warps and dot precision.
 
     python3 bench/hybrid.py [--json bench/results/hybrid.json] [--quick] [--parts kernel,prefill,zero,resume]
 """
@@ -147,7 +147,10 @@ PREFILL_CASES = {  # name: sequence lengths of one step
     "1x1024": [1024], "1x8192": [8192], "4x2048": [2048] * 4, "16x1024": [1024] * 16,
     "16 mixed 1-8k": [random.Random(16).randrange(1, 8193) for _ in range(16)], "64x128": [128] * 64,
 }
-PREFILL_TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]  # (block_v, num_warps) swept
+# swept: (pass 1 d_k tile, d_v tile, warps, pass 2 d_v tile, warps), the dots' input precision
+PREFILL_TILES = [((64, 64, 4, 32, 8), "ieee"), ((64, 64, 8, 32, 8), "ieee"), ((32, 64, 4, 32, 8), "ieee"),
+                 ((64, 32, 4, 32, 8), "ieee"), ((64, 64, 4, 64, 8), "ieee"), ((64, 64, 4, 32, 4), "ieee"),
+                 ((64, 64, 4, 16, 4), "ieee"), ((64, 64, 4, 32, 8), "tf32x3")]
 
 
 def _time_cuda(fn: Any, reps: int) -> float:
@@ -181,9 +184,9 @@ def prefill_kernel(reps: int = 10) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"case": name, "sequences": n, "tokens": t,
                                "torch_us": _time_cuda(lambda: chunk_prefill(*args), max(3, reps // 3))}
         row["triton_us"] = _time_cuda(lambda: recurrent_triton.chunk_prefill(*args), reps)
-        row["tiles_us"] = {f"bv{bv}_w{w}": _time_cuda(
-            lambda bv=bv, w=w: recurrent_triton.chunk_prefill(*args, block_v=bv, num_warps=w), reps)
-            for bv, w in PREFILL_TILES}
+        row["tiles_us"] = {"_".join(map(str, tiles)) + f"_{prec}": _time_cuda(
+            lambda t=tiles, p=prec: recurrent_triton.chunk_prefill(*args, tiles=t, precision=p), reps)
+            for tiles, prec in PREFILL_TILES}
         row["speedup"] = row["torch_us"] / row["triton_us"]
         row["triton_Mtok_s"] = t / row["triton_us"]
         row["best_tile"] = min(row["tiles_us"], key=row["tiles_us"].get)

@@ -101,90 +101,145 @@ SNAP_END = 2**62  # the sentinel after a sequence's last snapshot offset
 
 
 @_jit
-def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, s_ptr, seq_ptr, snap_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, snap_w, chunk,
+def _prefill_state_kernel(
+    k_ptr, v_ptr, g_ptr, s_ptr, h_ptr, seq_ptr, seg_ptr, snap_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ss, stride_sh, stride_sk,
+    stride_hs, stride_hh, stride_hk, snap_w,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    """Pass 1, one program per (sequence, head, d_k x d_v tile): the state along the sequence's
+    segments; ``h[seg]`` gets the state each segment starts from, snapshots and the final state
+    go to their slots."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
-    lo = tl.load(seq_ptr + n * 4)  # first token row, tokens, slot, absolute start position
-    t_len = tl.load(seq_ptr + n * 4 + 1)
-    slot = tl.load(seq_ptr + n * 4 + 2)
-    start = tl.load(seq_ptr + n * 4 + 3)
+    tiles_v = tl.cdiv(DV, BV)
+    rk = (tl.program_id(2) // tiles_v) * BK + tl.arange(0, BK)
+    rv = (tl.program_id(2) % tiles_v) * BV + tl.arange(0, BV)
     rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = tile * BV + tl.arange(0, BV)
     mk, mv = rk < DK, rv < DV
     m2 = mk[:, None] & mv[None, :]
+    seg0 = tl.load(seq_ptr + n * 4)  # first segment, segments, slot, absolute start position
+    nseg = tl.load(seq_ptr + n * 4 + 1)
+    slot = tl.load(seq_ptr + n * 4 + 2)
+    start = tl.load(seq_ptr + n * 4 + 3)
     s_tile = s_ptr + h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
+    h_tile = h_ptr + h * stride_hh + rk[:, None] * stride_hk + rv[None, :]
     s = tl.where(start > 0, tl.load(s_tile + slot * stride_ss, mask=m2, other=0.0), 0.0)  # start 0: zero
     snaps = snap_ptr + n * snap_w * 2  # row n: offsets (ascending, then SNAP_END), then their slots
     j = tl.zeros([], tl.int64)
     nxt = tl.load(snaps)
-    pos = tl.zeros([], tl.int64)
-    while nxt == pos:  # snapshots at offset 0: the initial state
+    while nxt == 0:  # snapshots at offset 0: the initial state
         tl.store(s_tile + tl.load(snaps + snap_w + j) * stride_ss, s, mask=m2)
         j += 1
         nxt = tl.load(snaps + j)
-    while pos < t_len:
-        end = tl.minimum(tl.minimum(t_len, ((start + pos) // chunk + 1) * chunk - start), nxt)
-        rows = lo + pos + rt
-        valid = rt < end - pos
-        mq = valid[:, None] & mk[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + rk[None, :], mask=mq, other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + rk[None, :], mask=mq, other=0.0)
-        mo = valid[:, None] & mv[None, :]
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=mo, other=0.0)
+    for i in range(seg0, seg0 + nseg):
+        row = tl.load(seg_ptr + i * 3)  # first token row, tokens, offset of its end in the sequence
+        rows = row + rt
+        valid = rt < tl.load(seg_ptr + i * 3 + 1)
+        end = tl.load(seg_ptr + i * 3 + 2)
+        tl.store(h_tile + i * stride_hs, s, mask=m2)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + rk[None, :], mask=valid[:, None] & mk[None, :],
+                    other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=valid[:, None] & mv[None, :],
+                    other=0.0)
         g = tl.load(g_ptr + rows * stride_gt + h, mask=valid, other=0.0)  # a pad: no decay
         b = tl.cumsum(g, axis=0)
         b_last = tl.sum(g, axis=0)
-        causal = rt[:, None] >= rt[None, :]
-        decay = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
-        w = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        o = tl.dot(w, v, input_precision="ieee") + tl.dot(q, s, input_precision="ieee") * tl.exp(b)[:, None]
-        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
         kd = k * tl.exp(b_last - b)[:, None]
-        s = s * tl.exp(b_last) + tl.dot(tl.trans(kd), v, input_precision="ieee")
-        pos = end
-        while nxt == pos:  # snapshots at this segment's end (several may share an offset)
+        s = s * tl.exp(b_last) + tl.dot(tl.trans(kd), v, input_precision=PRECISION)
+        while nxt == end:  # snapshots at this segment's end (several may share an offset)
             tl.store(s_tile + tl.load(snaps + snap_w + j) * stride_ss, s, mask=m2)
             j += 1
             nxt = tl.load(snaps + j)
     tl.store(s_tile + slot * stride_ss, s, mask=m2)
 
 
-def _prefill_tables(cu_seqlens: list[int], slots: list[int], starts: list[int],
-                    snaps: list[list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One host-to-device copy: per sequence (first row, tokens, slot, start), and its snapshot
-    offsets (ascending, ``SNAP_END`` after the last) followed by their destination slots."""
+@_jit
+def _prefill_output_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seg_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
+    stride_hs, stride_hh, stride_hk,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Pass 2, one program per (segment, head, d_v tile): the segment's outputs, intra-segment
+    attention with decay weights plus its start state ``h[seg]`` read by every token."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    rows = tl.load(seg_ptr + i * 3) + rt
+    valid = rt < tl.load(seg_ptr + i * 3 + 1)
+    mq = valid[:, None] & mk[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + rk[None, :], mask=mq, other=0.0)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + rk[None, :], mask=mq, other=0.0)
+    mo = valid[:, None] & mv[None, :]
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=mo, other=0.0)
+    g = tl.load(g_ptr + rows * stride_gt + h, mask=valid, other=0.0)
+    s = tl.load(h_ptr + i * stride_hs + h * stride_hh + rk[:, None] * stride_hk + rv[None, :],
+                mask=mk[:, None] & mv[None, :], other=0.0)
+    b = tl.cumsum(g, axis=0)
+    decay = tl.exp(tl.where(rt[:, None] >= rt[None, :], b[:, None] - b[None, :], float("-inf")))
+    w = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    o = tl.dot(w, v, input_precision=PRECISION) + tl.dot(q, s, input_precision=PRECISION) * tl.exp(b)[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
+
+
+def _segments(t_len: int, start: int, offs: list[int], chunk: int) -> np.ndarray:
+    """Offsets where the segments of ``chunk_scan`` end: absolute multiples of ``chunk``, the
+    snapshot offsets inside the sequence, and its end."""
+    first = (-start) % chunk or chunk
+    cuts = np.arange(first, t_len, chunk, dtype=np.int64)
+    inner = [o for o in offs if 0 < o < t_len]
+    ends = np.union1d(cuts, np.array(inner, dtype=np.int64)) if inner else cuts
+    return np.append(ends, t_len) if t_len else ends
+
+
+def _prefill_tables(cu_seqlens: list[int], starts: list[int], slots: list[int],
+                    snaps: list[list[tuple[int, int]]], chunk: int, device: torch.device,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """One host-to-device copy: per sequence (first segment, segments, slot, start); per segment
+    (first token row, tokens, end offset in its sequence); per sequence its snapshot offsets
+    (ascending, ``SNAP_END`` after the last) followed by their destination slots."""
     n = len(slots)
     width = 1 + max((len(s) for s in snaps), default=0)
     seqs = np.empty((n, 4), dtype=np.int64)
     table = np.full((n, 2, width), SNAP_END, dtype=np.int64)
+    segs = []
+    num = 0
     for i, slot in enumerate(slots):
         lo, t_len = cu_seqlens[i], cu_seqlens[i + 1] - cu_seqlens[i]
-        seqs[i] = (lo, t_len, slot, starts[i])
         offs = [o for o, _ in snaps[i]] if snaps else []
         if offs != sorted(offs) or any(not 0 <= o <= t_len for o in offs):
             raise ValueError(f"snapshot offsets of sequence {i} must ascend within [0, {t_len}]: {offs}")
+        ends = _segments(t_len, starts[i], offs, chunk)
+        begins = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+        segs.append(np.stack([lo + begins, ends - begins, ends], axis=1))
+        seqs[i] = (num, len(ends), slot, starts[i])
+        num += len(ends)
         table[i, 0, : len(offs)] = offs
         table[i, 1, : len(offs)] = [d for _, d in snaps[i]]
-    packed = torch.from_numpy(np.concatenate([seqs.ravel(), table.ravel()])).to(device, non_blocking=True)
-    return packed[: 4 * n], packed[4 * n :], width
+    seg = np.concatenate(segs).astype(np.int64).ravel()
+    packed = torch.from_numpy(np.concatenate([seqs.ravel(), seg, table.ravel()])).to(device, non_blocking=True)
+    a, b = 4 * n, 4 * n + len(seg)
+    return packed[:a], packed[a:b], packed[b:], width, num
 
 
 def chunk_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
     cu_seqlens: list[int], slots: list[int], starts: list[int], snaps: list[list[tuple[int, int]]], chunk: int,
-    *, block_v: int | None = None, num_warps: int | None = None,
+    *, tiles: tuple[int, int, int, int, int] | None = None, precision: str = "ieee",
 ) -> torch.Tensor:
-    """``recurrent.chunk_prefill`` as one launch: q, k [T, H, dk], v [T, H, dv], g [T, H];
-    ``states`` [slots, H, dk, dv] float32 (contiguous in its last dim), read and written in place;
-    returns o [cu_seqlens[len(slots)], H, dv] float32. ``block_v`` and ``num_warps`` override the
-    tile width of d_v and the warps per program (the benchmark's sweep)."""
+    """``recurrent.chunk_prefill`` in two launches: q, k [T, H, dk], v [T, H, dv], g [T, H];
+    ``states`` [slots, H, dk, dv] float32 (contiguous in its last dim), read and written in
+    place; returns o [cu_seqlens[len(slots)], H, dv] float32. Pass 1 walks each sequence's
+    segments with the state (parallel over sequences, heads and state tiles) and keeps each
+    segment's start state in a buffer of segments x heads x d_k x d_v float32; pass 2 computes
+    every segment's outputs at once. ``tiles`` overrides (pass 1 d_k tile, d_v tile, warps,
+    pass 2 d_v tile, warps), ``precision`` the dots' input precision (the benchmark's sweep)."""
     dk, dv = q.shape[-1], v.shape[-1]
     heads = q.shape[1]
     if states.dtype != torch.float32 or states.stride(-1) != 1:
@@ -194,14 +249,23 @@ def chunk_prefill(
     o = torch.empty(total, heads, dv, dtype=torch.float32, device=q.device)
     if not slots:
         return o
-    seqs, table, width = _prefill_tables(cu_seqlens, slots, starts, snaps, q.device)
+    seqs, segs, table, width, num = _prefill_tables(cu_seqlens, starts, slots, snaps, chunk, q.device)
+    hbuf = torch.empty(max(num, 1), heads, dk, dv, dtype=torch.float32, device=q.device)
     bk = max(16, triton.next_power_of_2(dk))
-    bv = block_v or max(16, min(triton.next_power_of_2(dv), 32))
-    grid = (len(slots), heads, triton.cdiv(dv, bv))
-    _prefill_kernel[grid](
-        q, k, v, g, o, states, seqs, table,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        o.stride(0), o.stride(1), states.stride(0), states.stride(1), states.stride(2), width, chunk,
-        DK=dk, DV=dv, BT=max(16, triton.next_power_of_2(chunk)), BK=bk, BV=bv, num_warps=num_warps or 4,
+    bt = max(16, triton.next_power_of_2(chunk))
+    sk, sv, sw, ov, ow = tiles or (min(bk, 64), max(16, min(triton.next_power_of_2(dv), 64)), 4,
+                                   max(16, min(triton.next_power_of_2(dv), 32)), 8)
+    _prefill_state_kernel[(len(slots), heads, triton.cdiv(dk, sk) * triton.cdiv(dv, sv))](
+        k, v, g, states, hbuf, seqs, segs, table,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        states.stride(0), states.stride(1), states.stride(2), hbuf.stride(0), hbuf.stride(1), hbuf.stride(2), width,
+        DK=dk, DV=dv, BT=bt, BK=sk, BV=sv, PRECISION=precision, num_warps=sw,
     )
+    if num:
+        _prefill_output_kernel[(num, heads, triton.cdiv(dv, ov))](
+            q, k, v, g, hbuf, o, segs,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            o.stride(0), o.stride(1), hbuf.stride(0), hbuf.stride(1), hbuf.stride(2),
+            DK=dk, DV=dv, BT=bt, BK=bk, BV=ov, PRECISION=precision, num_warps=ow,
+        )
     return o
