@@ -51,7 +51,8 @@ def _plan(lens: list[int], chunk: int, seed: int) -> tuple[list[int], list[int],
     return slots, starts, snaps, cu
 
 
-def _run_both(lens: list[int], chunk: int, h: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _run_both(lens: list[int], chunk: int, h: int, dk: int, dv: int, seed: int,
+              precision: str = "ieee") -> tuple[torch.Tensor, ...]:
     q, k, v, g = _batch(lens, h, dk, dv, seed)
     slots, starts, snaps, cu = _plan(lens, chunk, seed)
     states = torch.randn(6 * len(lens) + 8, h, dk, dv, device=DEV)
@@ -59,7 +60,7 @@ def _run_both(lens: list[int], chunk: int, h: int, dk: int, dv: int, seed: int) 
         if not start:
             states[slot] = float("nan")  # a sequence starting at position 0 must not read its slot
     got, ref = states.clone(), states.clone()
-    o = recurrent_triton.chunk_prefill(q, k, v, g, got, cu, slots, starts, snaps, chunk)
+    o = recurrent_triton.chunk_prefill(q, k, v, g, got, cu, slots, starts, snaps, chunk, precision=precision)
     ref_o = chunk_prefill(q, k, v, g, ref, cu, slots, starts, snaps, chunk)
     written = set(slots) | {d for s in snaps for _, d in s}
     others = torch.tensor([i not in written for i in range(states.shape[0])], device=DEV)
@@ -77,9 +78,11 @@ CASES = [  # (lengths, chunk, heads, d_k, d_v)
 ]
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 @pytest.mark.parametrize(("lens", "chunk", "h", "dk", "dv"), CASES, ids=[f"{len(c[0])}seq-max{max(c[0])}-c{c[1]}-{c[3]}x{c[4]}" for c in CASES])
-def test_prefill_kernel_matches_torch_chunk_scan(lens: list[int], chunk: int, h: int, dk: int, dv: int) -> None:
-    o, ref_o, got, ref = _run_both(lens, chunk, h, dk, dv, seed=sum(lens) + dk)
+def test_prefill_kernel_matches_torch_chunk_scan(lens: list[int], chunk: int, h: int, dk: int, dv: int,
+                                                 precision: str) -> None:
+    o, ref_o, got, ref = _run_both(lens, chunk, h, dk, dv, seed=sum(lens) + dk, precision=precision)
     torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, equal_nan=True)
 

@@ -188,14 +188,21 @@ def _prefill_output_kernel(
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
 
 
-def _segments(t_len: int, start: int, offs: list[int], chunk: int) -> np.ndarray:
-    """Offsets where the segments of ``chunk_scan`` end: absolute multiples of ``chunk``, the
-    snapshot offsets inside the sequence, and its end."""
-    first = (-start) % chunk or chunk
-    cuts = np.arange(first, t_len, chunk, dtype=np.int64)
-    inner = [o for o in offs if 0 < o < t_len]
-    ends = np.union1d(cuts, np.array(inner, dtype=np.int64)) if inner else cuts
-    return np.append(ends, t_len) if t_len else ends
+def _segments(lens: np.ndarray, starts: np.ndarray, offs: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The segments of ``chunk_scan`` for every sequence at once, as (sequence, end offset)
+    sorted: ends at absolute multiples of ``chunk``, at the snapshot offsets inside a sequence
+    and at its end (none for an empty sequence)."""
+    first = (-starts) % chunk
+    first[first == 0] = chunk
+    count = np.maximum(0, -(-(lens - first) // chunk))  # chunk multiples strictly inside
+    seq = np.repeat(np.arange(len(lens)), count)
+    step = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    inner = [(i, o) for i, row in enumerate(offs) for o in row if 0 < o < lens[i]]
+    nonempty = np.flatnonzero(lens > 0)
+    seq = np.concatenate([seq, [i for i, _ in inner], nonempty]).astype(np.int64)
+    end = np.concatenate([first[seq[: len(step)]] + step * chunk, [o for _, o in inner], lens[nonempty]])
+    pairs = np.unique(np.stack([seq, end.astype(np.int64)], axis=1), axis=0)  # sorted by sequence, then end
+    return pairs[:, 0], pairs[:, 1]
 
 
 def _prefill_tables(cu_seqlens: list[int], starts: list[int], slots: list[int],
@@ -205,27 +212,27 @@ def _prefill_tables(cu_seqlens: list[int], starts: list[int], slots: list[int],
     (first token row, tokens, end offset in its sequence); per sequence its snapshot offsets
     (ascending, ``SNAP_END`` after the last) followed by their destination slots."""
     n = len(slots)
-    width = 1 + max((len(s) for s in snaps), default=0)
-    seqs = np.empty((n, 4), dtype=np.int64)
+    cu = np.asarray(cu_seqlens[: n + 1], dtype=np.int64)
+    lens, start = np.diff(cu), np.asarray(starts, dtype=np.int64)
+    offs = [[o for o, _ in row] for row in snaps] if snaps else [[] for _ in slots]
+    for i, row in enumerate(offs):
+        if row != sorted(row) or any(not 0 <= o <= lens[i] for o in row):
+            raise ValueError(f"snapshot offsets of sequence {i} must ascend within [0, {lens[i]}]: {row}")
+    seq, end = _segments(lens, start, offs, chunk)
+    count = np.bincount(seq, minlength=n)
+    first = np.cumsum(count) - count
+    begin = np.where(np.arange(len(seq)) == first[seq], 0, np.roll(end, 1))  # a sequence's first starts at 0
+    segs = np.stack([cu[seq] + begin, end - begin, end], axis=1)
+    width = 1 + max(map(len, offs), default=0)
     table = np.full((n, 2, width), SNAP_END, dtype=np.int64)
-    segs = []
-    num = 0
-    for i, slot in enumerate(slots):
-        lo, t_len = cu_seqlens[i], cu_seqlens[i + 1] - cu_seqlens[i]
-        offs = [o for o, _ in snaps[i]] if snaps else []
-        if offs != sorted(offs) or any(not 0 <= o <= t_len for o in offs):
-            raise ValueError(f"snapshot offsets of sequence {i} must ascend within [0, {t_len}]: {offs}")
-        ends = _segments(t_len, starts[i], offs, chunk)
-        begins = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
-        segs.append(np.stack([lo + begins, ends - begins, ends], axis=1))
-        seqs[i] = (num, len(ends), slot, starts[i])
-        num += len(ends)
-        table[i, 0, : len(offs)] = offs
-        table[i, 1, : len(offs)] = [d for _, d in snaps[i]]
-    seg = np.concatenate(segs).astype(np.int64).ravel()
-    packed = torch.from_numpy(np.concatenate([seqs.ravel(), seg, table.ravel()])).to(device, non_blocking=True)
-    a, b = 4 * n, 4 * n + len(seg)
-    return packed[:a], packed[a:b], packed[b:], width, num
+    for i, row in enumerate(offs):
+        table[i, 0, : len(row)] = row
+        table[i, 1, : len(row)] = [d for _, d in snaps[i]]
+    seqs = np.stack([first, count, np.asarray(slots, dtype=np.int64), start], axis=1)
+    packed = torch.from_numpy(np.concatenate([seqs.ravel(), segs.ravel(), table.ravel()]).astype(np.int64))
+    packed = packed.to(device, non_blocking=True)
+    a, b = 4 * n, 4 * n + segs.size
+    return packed[:a], packed[a:b], packed[b:], width, len(seq)
 
 
 def chunk_prefill(

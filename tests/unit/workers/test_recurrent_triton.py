@@ -146,3 +146,23 @@ def test_prefill_split_at_a_snapshot_is_bit_identical() -> None:
     o2 = recurrent_triton.chunk_prefill(q[19:], k[19:], v[19:], g[19:], two, [0, 31], [1], [24], [[]], 16)
     assert torch.equal(torch.cat([o1, o2]), o)
     assert torch.equal(two[1], one[1])
+
+
+def test_prefill_segments_are_chunk_scans() -> None:
+    """The kernel's segment table (built for a whole batch at once) cuts every sequence where
+    ``chunk_scan`` does: at absolute chunk multiples, at snapshot offsets inside it, at its end."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n, chunk = rng.randrange(1, 6), rng.choice([1, 4, 16, 64])
+        lens = [rng.choice([0, 1, rng.randrange(1, 300)]) for _ in range(n)]
+        starts = [rng.choice([0, chunk * rng.randrange(1, 5), rng.randrange(1, 500)]) for _ in range(n)]
+        snaps = [[(o, 9) for o in sorted(rng.choices(range(t + 1), k=rng.randrange(0, 4)))] for t in lens]
+        cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        seqs, segs, _, _, _ = recurrent_triton._prefill_tables(cu, starts, list(range(n)), snaps, chunk,
+                                                               torch.device("cpu"))
+        seq_rows, seg_rows = seqs.view(n, 4).tolist(), segs.view(-1, 3).tolist()
+        for i, t_len in enumerate(lens):
+            cuts = {o for o, _ in snaps[i] if 0 < o < t_len} | set(range((-starts[i]) % chunk or chunk, t_len, chunk))
+            bounds = [0, *sorted(cuts), t_len] if t_len else [0]
+            first, count = seq_rows[i][:2]
+            assert seg_rows[first:first + count] == [[cu[i] + a, b - a, b] for a, b in zip(bounds, bounds[1:])]
