@@ -147,10 +147,11 @@ PREFILL_CASES = {  # name: sequence lengths of one step
     "1x1024": [1024], "1x8192": [8192], "4x2048": [2048] * 4, "16x1024": [1024] * 16,
     "16 mixed 1-8k": [random.Random(16).randrange(1, 8193) for _ in range(16)], "64x128": [128] * 64,
 }
-# swept: (pass 1 d_k tile, d_v tile, warps, pass 2 d_v tile, warps), the dots' input precision
-PREFILL_TILES = [((64, 64, 4, 32, 8), "ieee"), ((64, 64, 8, 32, 8), "ieee"), ((32, 64, 4, 32, 8), "ieee"),
-                 ((64, 32, 4, 32, 8), "ieee"), ((64, 64, 4, 64, 8), "ieee"), ((64, 64, 4, 32, 4), "ieee"),
-                 ((64, 64, 4, 16, 4), "ieee"), ((64, 64, 4, 32, 8), "tf32x3")]
+# swept: (pass 1 d_k tile, d_v tile, warps, pass 2 d_v tile, d_v tiles per program, warps), dot precision
+PREFILL_TILES = [((64, 64, 4, 32, 1, 8), "ieee"), ((32, 64, 4, 32, 1, 8), "ieee"), ((64, 32, 4, 32, 1, 8), "ieee"),
+                 ((64, 64, 4, 32, 2, 8), "ieee"), ((64, 64, 4, 32, 4, 8), "ieee"), ((64, 64, 4, 32, 4, 4), "ieee"),
+                 ((64, 64, 4, 32, 1, 8), "tf32x3"), ((32, 64, 4, 32, 4, 8), "tf32x3"),
+                 ((64, 64, 4, 32, 4, 8), "tf32x3")]
 
 
 def _time_cuda(fn: Any, reps: int) -> float:

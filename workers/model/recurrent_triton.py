@@ -161,31 +161,34 @@ def _prefill_output_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
     stride_hs, stride_hh, stride_hk,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Pass 2, one program per (segment, head, d_v tile): the segment's outputs, intra-segment
-    attention with decay weights plus its start state ``h[seg]`` read by every token."""
+    """Pass 2, one program per (segment, head, ``TILES`` d_v tiles): the segment's outputs,
+    intra-segment attention with decay weights (``q k^T`` once for its tiles) plus its start
+    state ``h[seg]`` read by every token."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
-    rv = tl.program_id(2) * BV + tl.arange(0, BV)
-    mk, mv = rk < DK, rv < DV
+    mk = rk < DK
     rows = tl.load(seg_ptr + i * 3) + rt
     valid = rt < tl.load(seg_ptr + i * 3 + 1)
     mq = valid[:, None] & mk[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + rk[None, :], mask=mq, other=0.0)
     k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + rk[None, :], mask=mq, other=0.0)
-    mo = valid[:, None] & mv[None, :]
-    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=mo, other=0.0)
     g = tl.load(g_ptr + rows * stride_gt + h, mask=valid, other=0.0)
-    s = tl.load(h_ptr + i * stride_hs + h * stride_hh + rk[:, None] * stride_hk + rv[None, :],
-                mask=mk[:, None] & mv[None, :], other=0.0)
     b = tl.cumsum(g, axis=0)
     decay = tl.exp(tl.where(rt[:, None] >= rt[None, :], b[:, None] - b[None, :], float("-inf")))
     w = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-    o = tl.dot(w, v, input_precision=PRECISION) + tl.dot(q, s, input_precision=PRECISION) * tl.exp(b)[:, None]
-    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
+    for t in tl.static_range(TILES):
+        rv = (tl.program_id(2) * TILES + t) * BV + tl.arange(0, BV)
+        mv = rv < DV
+        mo = valid[:, None] & mv[None, :]
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + rv[None, :], mask=mo, other=0.0)
+        s = tl.load(h_ptr + i * stride_hs + h * stride_hh + rk[:, None] * stride_hk + rv[None, :],
+                    mask=mk[:, None] & mv[None, :], other=0.0)
+        o = tl.dot(w, v, input_precision=PRECISION) + tl.dot(q, s, input_precision=PRECISION) * tl.exp(b)[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o, mask=mo)
 
 
 def _segments(lens: np.ndarray, starts: np.ndarray, offs: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +241,7 @@ def _prefill_tables(cu_seqlens: list[int], starts: list[int], slots: list[int],
 def chunk_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
     cu_seqlens: list[int], slots: list[int], starts: list[int], snaps: list[list[tuple[int, int]]], chunk: int,
-    *, tiles: tuple[int, int, int, int, int] | None = None, precision: str = "ieee",
+    *, tiles: tuple[int, int, int, int, int, int] | None = None, precision: str = "ieee",
 ) -> torch.Tensor:
     """``recurrent.chunk_prefill`` in two launches: q, k [T, H, dk], v [T, H, dv], g [T, H];
     ``states`` [slots, H, dk, dv] float32 (contiguous in its last dim), read and written in
@@ -246,7 +249,8 @@ def chunk_prefill(
     segments with the state (parallel over sequences, heads and state tiles) and keeps each
     segment's start state in a buffer of segments x heads x d_k x d_v float32; pass 2 computes
     every segment's outputs at once. ``tiles`` overrides (pass 1 d_k tile, d_v tile, warps,
-    pass 2 d_v tile, warps), ``precision`` the dots' input precision (the benchmark's sweep)."""
+    pass 2 d_v tile, d_v tiles per program, warps), ``precision`` the dots' input precision (the
+    benchmark's sweep)."""
     dk, dv = q.shape[-1], v.shape[-1]
     heads = q.shape[1]
     if states.dtype != torch.float32 or states.stride(-1) != 1:
@@ -260,8 +264,8 @@ def chunk_prefill(
     hbuf = torch.empty(max(num, 1), heads, dk, dv, dtype=torch.float32, device=q.device)
     bk = max(16, triton.next_power_of_2(dk))
     bt = max(16, triton.next_power_of_2(chunk))
-    sk, sv, sw, ov, ow = tiles or (min(bk, 64), max(16, min(triton.next_power_of_2(dv), 64)), 4,
-                                   max(16, min(triton.next_power_of_2(dv), 32)), 8)
+    sk, sv, sw, ov, ot, ow = tiles or (min(bk, 64), max(16, min(triton.next_power_of_2(dv), 64)), 4,
+                                       max(16, min(triton.next_power_of_2(dv), 32)), 1, 8)
     _prefill_state_kernel[(len(slots), heads, triton.cdiv(dk, sk) * triton.cdiv(dv, sv))](
         k, v, g, states, hbuf, seqs, segs, table,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
@@ -269,10 +273,10 @@ def chunk_prefill(
         DK=dk, DV=dv, BT=bt, BK=sk, BV=sv, PRECISION=precision, num_warps=sw,
     )
     if num:
-        _prefill_output_kernel[(num, heads, triton.cdiv(dv, ov))](
+        _prefill_output_kernel[(num, heads, triton.cdiv(triton.cdiv(dv, ov), ot))](
             q, k, v, g, hbuf, o, segs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
             o.stride(0), o.stride(1), hbuf.stride(0), hbuf.stride(1), hbuf.stride(2),
-            DK=dk, DV=dv, BT=bt, BK=bk, BV=ov, PRECISION=precision, num_warps=ow,
+            DK=dk, DV=dv, BT=bt, BK=bk, BV=ov, TILES=ot, PRECISION=precision, num_warps=ow,
         )
     return o

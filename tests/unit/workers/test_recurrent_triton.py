@@ -166,3 +166,17 @@ def test_prefill_segments_are_chunk_scans() -> None:
             bounds = [0, *sorted(cuts), t_len] if t_len else [0]
             first, count = seq_rows[i][:2]
             assert seg_rows[first:first + count] == [[cu[i] + a, b - a, b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_prefill_kernel_tiles_per_program() -> None:
+    """Pass 2 with several d_v tiles per program (the last one partly past d_v) and other state
+    tiles in pass 1 computes the same outputs and states."""
+    lens = [1, 40, 23]
+    q, k, v, g = _batch(lens, 2, 16, 40, seed=4)
+    slots, starts, snaps, cu = _plan(lens, 16, 4)
+    states = torch.randn(80, 2, 16, 40)
+    base, tiled = states.clone(), states.clone()
+    o = recurrent_triton.chunk_prefill(q, k, v, g, base, cu, slots, starts, snaps, 16)
+    o2 = recurrent_triton.chunk_prefill(q, k, v, g, tiled, cu, slots, starts, snaps, 16, tiles=(16, 32, 4, 16, 2, 4))
+    torch.testing.assert_close(o2, o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tiled, base, rtol=1e-6, atol=1e-6)
