@@ -5,19 +5,23 @@ Decode (``decode_step``): one program per (sequence, head, d_v tile) reads the s
 tile ``S[slot, h, :, tile]`` in place from the state tensor, applies ``S = exp(g) S + k^T v``,
 writes it back and stores ``o = q S`` for the tile.
 
-Prefill (``chunk_prefill``, the interface of ``recurrent.chunk_prefill``): one program per
-(sequence, head, d_v tile) of a batch of variable-length sequences (``cu_seqlens``) walks the
-sequence's segments in order, its state tile held in registers: the segments of the torch
-``chunk_scan`` (boundaries at absolute multiples of the chunk and at snapshot offsets), each as
+Prefill (``chunk_prefill``, the interface of ``recurrent.chunk_prefill``): a batch of
+variable-length sequences (``cu_seqlens``) cut into the segments of the torch ``chunk_scan``
+(boundaries at absolute multiples of the chunk and at snapshot offsets; the host builds the
+table), each segment in closed form (b: the segment's cumsum of g, L its last token):
 
     o   = ((q k^T) * exp(b_t - b_s) [s <= t]) v  +  (q S) * exp(b_t)
-    S  <- exp(b_L) S + (k * exp(b_L - b_s))^T v           (b: the segment's cumsum of g)
+    S  <- exp(b_L) S + (k * exp(b_L - b_s))^T v
 
-It reads the initial state from the sequence's slot (zero where the sequence starts at position
-0), stores each snapshot the step plans into its destination slot when a segment ends at its
-offset, and the final state back into the slot. Programs of different sequences run at once, so
-a step's destination slots must be distinct from every slot another sequence of the step reads
-(the slot layout of ``workers.engine.state_checkpoints`` guarantees it).
+Pass 1 (``_prefill_state_kernel``), one program per (sequence, head, d_k x d_v tile), walks the
+sequence's segments in order with its state tile in registers: it reads the initial state from
+the sequence's slot (zero where the sequence starts at position 0), stores the state each
+segment starts from into ``h[segment]``, each snapshot the step plans into its destination slot
+when a segment ends at its offset, and the final state back into the slot. Pass 2
+(``_prefill_output_kernel``), one program per (segment, head, d_v tiles), computes the outputs
+of every segment at once from ``h``. Programs of different sequences run at once, so a step's
+destination slots must be distinct from every slot another sequence of the step reads (the slot
+layout of ``workers.engine.state_checkpoints`` guarantees it).
 
 The states never leave their slots (no gather/scatter copies). Tested against the torch
 reference in ``tests/gpu/test_recurrent_gpu.py`` and ``tests/gpu/test_recurrent_prefill_gpu.py``,
