@@ -10,9 +10,13 @@ full-attention layer, bf16 weights, float32 states), in one run:
   turn 2 is turn 1's prompt and reply plus 2 new tokens; resumed = on the engine that ran turn 1
   (attention blocks and its end-of-turn checkpoint), recomputed = a fresh engine without a prefix
   cache; at 8k and 32k contexts;
-* the recurrent decode step: the Triton kernel against the torch reference at batch 64.
+* the recurrent decode step: the Triton kernel against the torch reference at batch 64;
+* the recurrent prefill scan (``--parts prefill``): the Triton ``chunk_prefill`` against the
+  torch one (a ``chunk_scan`` per sequence) on batches of 1 to 16 sequences up to 8k tokens,
+  from nonzero states at mid-chunk positions, with a snapshot per sequence; and a sweep of the
+  kernel's tiles, warps and dot precision.
 
-    python3 bench/hybrid.py [--json bench/results/hybrid.json] [--quick]
+    python3 bench/hybrid.py [--json bench/results/hybrid.json] [--quick] [--parts kernel,prefill,zero,resume]
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _table import print_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 from workers.config import EngineConfig, get_preset  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sequence import SamplingParams  # noqa: E402
 from workers.model import recurrent_triton  # noqa: E402
 from workers.model.decoder import build_model  # noqa: E402
-from workers.model.recurrent import decode_step  # noqa: E402
+from workers.model.recurrent import chunk_prefill, decode_step  # noqa: E402
 
 PRESET = "hybrid-0.5b"
 
@@ -137,11 +143,69 @@ def decode_kernel(b: int = 64, reps: int = 200) -> dict[str, Any]:
     return {"batch": b, "heads": h, "d_k": dk, "d_v": dv, **out}
 
 
+PREFILL_CASES = {  # name: sequence lengths of one step
+    "1x1024": [1024], "1x8192": [8192], "4x2048": [2048] * 4, "16x1024": [1024] * 16,
+    "16 mixed 1-8k": [random.Random(16).randrange(1, 8193) for _ in range(16)], "64x128": [128] * 64,
+}
+# swept: (pass 1 d_k tile, d_v tile, warps, pass 2 d_v tile, d_v tiles per program, warps), dot precision
+PREFILL_TILES = [((64, 64, 4, 32, 1, 8), "ieee"), ((32, 64, 4, 32, 1, 8), "ieee"), ((64, 32, 4, 32, 1, 8), "ieee"),
+                 ((64, 64, 4, 32, 2, 8), "ieee"), ((64, 64, 4, 32, 4, 8), "ieee"), ((64, 64, 4, 32, 4, 4), "ieee"),
+                 ((64, 64, 4, 32, 1, 8), "tf32x3"), ((32, 64, 4, 32, 4, 8), "tf32x3"),
+                 ((64, 64, 4, 32, 4, 8), "tf32x3")]
+
+
+def _time_cuda(fn: Any, reps: int) -> float:
+    """Median of ``reps`` timed calls in microseconds (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def prefill_kernel(reps: int = 10) -> list[dict[str, Any]]:
+    cfg = get_preset(PRESET)
+    h, dk, dv, chunk = cfg.linear_num_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_chunk
+    rows = []
+    for name, lens in PREFILL_CASES.items():
+        n, t = len(lens), sum(lens)
+        q = torch.nn.functional.normalize(torch.randn(t, h, dk, device="cuda"), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(t, h, dk, device="cuda"), dim=-1)
+        v, g = torch.randn(t, h, dv, device="cuda"), -torch.rand(t, h, device="cuda")
+        states = torch.randn(3 * n, h, dk, dv, device="cuda")
+        cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        slots, starts = list(range(n)), [100 + 7 * i for i in range(n)]
+        snaps = [[(t_len // 2, n + i)] if t_len > 1 else [] for i, t_len in enumerate(lens)]
+        args = (q, k, v, g, states, cu, slots, starts, snaps, chunk)
+        row: dict[str, Any] = {"case": name, "sequences": n, "tokens": t,
+                               "torch_us": _time_cuda(lambda: chunk_prefill(*args), max(3, reps // 3))}
+        row["triton_us"] = _time_cuda(lambda: recurrent_triton.chunk_prefill(*args), reps)
+        row["tiles_us"] = {"_".join(map(str, tiles)) + f"_{prec}": _time_cuda(
+            lambda t=tiles, p=prec: recurrent_triton.chunk_prefill(*args, tiles=t, precision=p), reps)
+            for tiles, prec in PREFILL_TILES}
+        row["speedup"] = row["torch_us"] / row["triton_us"]
+        row["triton_Mtok_s"] = t / row["triton_us"]
+        row["best_tile"] = min(row["tiles_us"], key=row["tiles_us"].get)
+        rows.append(row)
+    print_table(f"recurrent prefill scan, {h} heads x {dk} x {dv}, chunk {chunk}: Triton vs torch",
+                ["case", "tokens", "torch us", "triton us", "speedup", "Mtok/s", "best tile (us)"],
+                [[r["case"], str(r["tokens"]), f"{r['torch_us']:.0f}", f"{r['triton_us']:.0f}", f"{r['speedup']:.1f}x",
+                  f"{r['triton_Mtok_s']:.2f}", f"{r['best_tile']} ({r['tiles_us'][r['best_tile']]:.0f})"]
+                 for r in rows], left=("case",))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer requests and repetitions, 8k context only")
-    ap.add_argument("--parts", default="kernel,zero,resume", help="which measurements (kernel, zero, resume)")
+    ap.add_argument("--parts", default="kernel,prefill,zero,resume",
+                    help="which measurements (kernel, prefill, zero, resume)")
     ap.add_argument("--reps", type=int, default=3, help="alternating repetitions of the zero-reuse runs")
     ap.add_argument("--modes", default="off,interval_512,every_block", help="zero-reuse modes to run")
     args = ap.parse_args()
@@ -152,6 +216,9 @@ def main() -> None:
     if "kernel" in parts:
         res["decode_kernel"] = decode_kernel()
         print(json.dumps(res["decode_kernel"]), flush=True)
+    if "prefill" in parts:
+        res["prefill_kernel"] = prefill_kernel()
+        print(json.dumps(res["prefill_kernel"]), flush=True)
     if "zero" in parts:
         res["zero_reuse"] = zero_reuse(model, 16 if args.quick else 32, 1024, 128, 2 if args.quick else args.reps,
                                        set(args.modes.split(",")))

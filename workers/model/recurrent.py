@@ -16,6 +16,10 @@ same recurrence, held to each other by tests:
   operations whether a step ends there or not;
 - ``decode_step``: one token for a batch of states (``recurrent_triton.decode_step`` on CUDA).
 
+``chunk_prefill`` runs ``chunk_scan`` for every prefill sequence of a step against the state
+tensor (reads each sequence's slot, writes its final state back and its snapshots into their
+slots); ``recurrent_triton.chunk_prefill`` is the same function as one Triton launch on CUDA.
+
 ``scan_step`` runs them over one engine step's tokens, slot by slot; the mixers around it differ
 in how q, k, v and g come from the layer input and how o goes back: ``GatedLinearAttention``
 here (the presets), ``workers.model.lightning.LightningAttention`` (MiniMax-Text-01).
@@ -28,6 +32,7 @@ where mid-step snapshots go (the block manager's ``StateCheckpoints`` plans the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +121,38 @@ def chunk_scan(
     return out, cur, [after[o] if o in after else s0 for o in snap_at]
 
 
+def chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: list[int],
+    starts: list[int],
+    snaps: list[list[tuple[int, int]]],
+    chunk: int,
+) -> torch.Tensor:
+    """The prefill sequences of a step: sequence i is tokens ``[cu_seqlens[i], cu_seqlens[i+1])``
+    of q, k [T, H, dk], v [T, H, dv], g [T, H] at absolute positions from ``starts[i]``; its state
+    starts from ``states[slots[i]]`` (from zero where ``starts[i]`` is 0) and ends there; each
+    ``(offset, dest)`` of ``snaps[i]`` writes the state after ``offset`` tokens into
+    ``states[dest]``. ``states`` is one layer's ``[slots, H, dk, dv]`` float32. Returns o
+    [cu_seqlens[len(slots)], H, dv] float32."""
+    outs = []
+    for i, slot in enumerate(slots):
+        lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
+        s0 = states[slot] if starts[i] else torch.zeros_like(states[slot])
+        seq_snaps = snaps[i] if snaps else []
+        o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, chunk, starts[i],
+                                 [off for off, _ in seq_snaps])
+        for (_, dest), st in zip(seq_snaps, taken, strict=True):  # first: a snapshot at 0 is a view of the slot
+            states[dest] = st
+        states[slot] = s
+        outs.append(o)
+    return torch.cat(outs) if outs else v.new_zeros((0, *v.shape[1:]), dtype=torch.float32)
+
+
 def decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,20 +170,23 @@ def scan_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     q, k [T, H, dk], v [T, H, dv], g [T, H]; returns o [T, H, dv] float32."""
     states = meta.states[layer_index]
     outs = []
-    for i, slot in enumerate(meta.prefill_slots):
-        lo, hi = cu_seqlens[i], cu_seqlens[i + 1]
-        start = meta.prefill_starts[i]
-        s0 = states[slot] if start else torch.zeros_like(states[slot])
-        snaps = meta.prefill_snaps[i] if meta.prefill_snaps else []
-        o, s, taken = chunk_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0, chunk, start, [off for off, _ in snaps])
-        states[slot] = s
-        for (_, dest), st in zip(snaps, taken, strict=True):
-            states[dest] = st
-        outs.append(o)
+    if meta.prefill_slots:
+        outs.append(_prefill(states)(q, k, v, g, states, cu_seqlens, meta.prefill_slots, meta.prefill_starts,
+                                     meta.prefill_snaps, chunk))
     if meta.decode_slots is not None and meta.decode_slots.numel():
         p = num_prefill_tokens
         outs.append(_decode(q[p:], k[p:], v[p:], g[p:], states, meta.decode_slots))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill(states: torch.Tensor) -> Any:
+    """The prefill scan for ``states``' device: the Triton kernel on CUDA, else the torch one."""
+    if states.is_cuda:
+        from workers.model import recurrent_triton
+
+        if recurrent_triton.available():
+            return recurrent_triton.chunk_prefill
+    return chunk_prefill
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, states: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.model.recurrent import chunk_scan, decode_step, naive_scan
+from workers.model.recurrent import chunk_prefill, chunk_scan, decode_step, naive_scan
 
 
 def _inputs(t: int, h: int = 3, dk: int = 8, dv: int = 5, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -48,3 +48,26 @@ def test_split_prefill_then_decode_matches_naive() -> None:
         outs.append(o[1:])
     torch.testing.assert_close(torch.cat(outs), ref_o, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s, ref_s, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_prefill_runs_each_sequence_against_its_slot() -> None:
+    """A batch of three prefill sequences against one state tensor: each starts from its slot
+    (from zero at position 0), ends there, and writes its snapshots; no other slot changes."""
+    lens, starts, slots = [1, 20, 37], [0, 5, 13], [3, 0, 5]
+    snaps = [[], [(7, 7), (16, 8)], [(3, 9), (3, 6)]]
+    q, k, v, g, _ = _inputs(sum(lens), seed=2)
+    states = torch.randn(10, 3, 8, 5)
+    states[3] = float("nan")  # starts at 0: never read
+    got = states.clone()
+    cu = [0, 1, 21, 58]
+    o = chunk_prefill(q, k, v, g, got, cu, slots, starts, snaps, 8)
+    for i, slot in enumerate(slots):
+        lo, hi = cu[i], cu[i + 1]
+        s0 = states[slot] if starts[i] else torch.zeros_like(states[slot])
+        ref_o, ref_s = naive_scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], s0)
+        torch.testing.assert_close(o[lo:hi], ref_o, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[slot], ref_s, rtol=1e-4, atol=1e-4)
+        for off, dest in snaps[i]:
+            want = naive_scan(q[lo:lo + off], k[lo:lo + off], v[lo:lo + off], g[lo:lo + off], s0)[1]
+            torch.testing.assert_close(got[dest], want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[[1, 2, 4]], states[[1, 2, 4]])
