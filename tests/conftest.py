@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.procs` under any runner
+# Triton kernels built in this suite run under Triton's interpreter (on the CPU): the variable is
+# read when a kernel is defined, so it is set before any test module imports one
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.procs import ProcessGroup, free_port  # noqa: E402
 

@@ -69,6 +69,8 @@ def test_streamed_and_whole_answers_come_from_the_decode_worker_one_room_each(pr
         streamed = httpx.post(gateway.url + path, json={**body, "stream": True}, timeout=30)
         assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
         assert streamed_text(streamed) == want and streamed.text.rstrip().endswith("data: [DONE]")
+    # SGLang's legs run concurrently: the prefill leg may finish after the client has its answer
+    wait_until(lambda: fake_state(p0)["served"] == 4, what="the prefill worker's four legs served")
     prefill, decode = fake_state(p0), fake_state(d0)
     assert (prefill["posts"], decode["posts"] - 1) == (4, 4)  # the decode worker's refused one above
     assert (prefill["served"], decode["served"], prefill["refused"], decode["refused"]) == (4, 4, 0, 1)

@@ -1,8 +1,8 @@
 """The recurrent layer's Triton kernels on the CPU under the Triton interpreter
 (``TRITON_INTERPRET=1``, set here before the kernels are built): the chunked prefill scan over a
 batch of variable-length sequences against the token-by-token reference and the torch
-``chunk_prefill``, and the decode step against ``decode_step``. Skipped where triton is not
-installed (the default CPU environment); ``tests/gpu`` runs the same kernels compiled."""
+``chunk_prefill``, and the decode step against ``decode_step``. The test extra installs triton
+(``tests/conftest.py`` sets the variable first); ``tests/gpu`` runs the same kernels compiled."""
 
 from __future__ import annotations
 
