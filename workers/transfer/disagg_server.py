@@ -421,11 +421,7 @@ class DisaggService:
                 self.decode.bytes_pulled += data.nbytes
                 return
             except TransferError as exc:
-                if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
-                    raise
-                self.decode.pull_retries += 1
-                self._count(exc.code)
-                log.warning("state pull of %s failed (%s), retrying", params.get("transfer_id"), exc)
+                self._retry_or_raise(exc, attempt, params, "retrying")
 
     def _peer_cache(self, params: dict[str, Any]) -> Any:
         """The prefill worker's KV cache mapped over CUDA IPC, or None (use the network). Only
@@ -466,11 +462,16 @@ class DisaggService:
                     self.decode.bytes_pulled += data.nbytes
                 return
             except TransferError as exc:
-                if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
-                    raise
-                self.decode.pull_retries += 1
-                self._count(exc.code)
-                log.warning("pull of %s failed (%s), resuming at block %d", params.get("transfer_id"), exc, done)
+                self._retry_or_raise(exc, attempt, params, f"resuming at block {done}")
+
+    def _retry_or_raise(self, exc: TransferError, attempt: int, params: dict[str, Any], then: str) -> None:
+        """A failed pull: re-raised when it is not retryable or the attempts are spent, else
+        counted and logged (``then``: what the next attempt does)."""
+        if not exc.retryable or attempt + 1 >= self.config.pull_attempts:
+            raise exc
+        self.decode.pull_retries += 1
+        self._count(exc.code)
+        log.warning("pull of %s failed (%s), %s", params.get("transfer_id"), exc, then)
 
     def _count(self, code: str) -> None:
         self.decode.failures[code] = self.decode.failures.get(code, 0) + 1
