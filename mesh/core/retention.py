@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from policies.base import TargetState
 
 REPLAN_S = 0.1
+# How often ``refresh`` drops idle sessions from every plan: a scan of all active sessions, so
+# seldom next to ``active_s`` (30 s by default) rather than at every decision
+REFRESH_S = 1.0
 RETENTION_HEADER = "x-mesh-retention"  # the hint's header, sent by the gateway, read by the bundled worker
 SPILL = "spill"  # its one value: evict this request's blocks first
 
@@ -87,10 +90,10 @@ class RetentionPlanner:
         return False
 
     def refresh(self, targets: Mapping[str, TargetState], now: float) -> None:
-        """Every ``REPLAN_S`` at most: sessions idle past ``active_s`` leave every plan, and each
+        """Every ``REFRESH_S`` at most: sessions idle past ``active_s`` leave every plan, and each
         target's ``session_blocks`` is set from its plan (a target no request reached since
         its sessions went idle must not look full)."""
-        if now - self._refreshed_at < REPLAN_S:
+        if now - self._refreshed_at < REFRESH_S:
             return
         self._refreshed_at = now
         for tid, plan in self._plans.items():

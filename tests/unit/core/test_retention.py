@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.core.retention import REPLAN_S, RetentionPlanner
+from mesh.core.retention import REFRESH_S, REPLAN_S, RetentionPlanner
 from policies.base import TargetState
 
 TARGETS: dict[str, TargetState] = {}  # the router's targets, as the planner updates their footprints
@@ -76,8 +76,8 @@ def test_session_footprints_follow_commits_moves_and_idle_expiry() -> None:
     assert (w0.session_blocks, w1.session_blocks) == (35, 55)
     plan.refresh(TARGETS, 11.5)  # a idle since 1.0, b since 2.0: a is dropped
     assert (w0.session_blocks, w1.session_blocks) == (0, 55)
-    plan.refresh(TARGETS, 11.5 + REPLAN_S / 2)  # rate-limited: nothing recomputed
-    plan.refresh(TARGETS, 12.5)
+    plan.refresh(TARGETS, 11.5 + REFRESH_S / 2)  # rate-limited: nothing recomputed
+    plan.refresh(TARGETS, 11.5 + REFRESH_S)
     assert w1.session_blocks == 0
 
 
