@@ -333,7 +333,8 @@ def test_a_decode_worker_refusing_admission_does_not_move_the_session(procs: Pro
         port = free_port()
         fakes[name] = procs.start([PYTHON, str(script), name, role, str(port)], name=name, port=port)
         wait_http(fakes[name].url + "/count", proc=fakes[name])
-    config = {"server": {"admin_key": "adm"}, "policy": PD_POLICY, "health": {"interval_s": 60},
+    # seeded: the decode ties are drawn from the router's RNG, and unseeded all six could go to d1
+    config = {"server": {"admin_key": "adm"}, "policy": PD_POLICY, "health": {"interval_s": 60}, "seed": 7,
               "workers": [{"name": n, "url": fakes[n].url, "models": ["m"], "role": "prefill" if n == "p0" else "decode"}
                           for n in roles]}
     path = procs.log_dir / "pd_full.yaml"
