@@ -263,7 +263,9 @@ def test_serve_flags_turn_discovery_on_over_the_file(procs: ProcessGroup, cluste
     cluster.gw = procs.start_http([PYTHON, "-m", "mesh.commands.serve", "--config", str(path), "--port", str(port),
                                    "--service-discovery", "--selector", "app=other", "--service-discovery-namespace", "ml",
                                    "--service-discovery-port", "http"], name="gateway", port=port)
-    wait_until(lambda: cluster.healthy() == {"other-0"}, timeout_s=15, what="the flags' selector watched")
+    # healthy, and its models known (a worker is healthy before its /v1/models answer is read)
+    wait_until(lambda: {w["name"] for w in cluster.view()["workers"] if w["healthy"] and "echo" in w["models"]}
+               == {"other-0"}, timeout_s=15, what="the flags' selector watched")
     assert cluster.served_by(2) == {"other-0"}
 
 
