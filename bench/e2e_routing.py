@@ -644,6 +644,8 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-threads", type=int, help="worker --cpu-threads (CPU runs)")
     ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for every worker (repeatable), e.g. --worker-arg=--no-cuda-graphs")
+    ap.add_argument("--warmup-s", type=float, default=15.0,
+                    help="untimed round-robin traffic on fresh workers before the first run (default 15; 0: none)")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for workers / a router")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="per-request timeout (default 300)")
     ap.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines (default 10)")
@@ -822,6 +824,8 @@ def _run_config(m: _Matrix, ci: int) -> None:
         f"{infos[0].get('block_size')}, {infos[0].get('attention_backend')} attention, model {model}")
     if args.calibrate:
         m.payload.setdefault("calibration", []).append(calibrate_workers(m.procs, workers, args, kv, cpu))
+    if args.warmup_s > 0:
+        warm_up(m, workers, model, kv, cpu)
     for conc in args.conc_list:
         run_s = _point_run_s(m, len(m.configs) - ci - 1, kv, cpu, conc)
         if run_s is None:
@@ -831,6 +835,21 @@ def _run_config(m: _Matrix, ci: int) -> None:
         _run_point(m, point, workers, model)
     for w in workers:
         m.procs.stop(w)
+
+
+def warm_up(m: _Matrix, workers: list[Proc], model: str, kv: int, cpu: int) -> None:
+    """Untimed traffic through round robin before the first measured run: fresh workers compile their
+    kernels and grow their allocators on the first requests of each shape, and without this the
+    first router of a configuration paid for it (TTFT up to 1.6x its later repeat). Not recorded;
+    ``run_one`` resets the prefix caches before every measured run."""
+    args = m.args
+    t0 = time.monotonic()
+    row = run_one(m.procs, SPECS["round_robin"], workers, m.prep, args, model, max(m.args.conc_list), args.warmup_s,
+                  f"kv{kv}-cpu{cpu}-warmup")
+    if not row.get("ok"):
+        raise BenchError(f"warm-up failed: {row.get('error')}")
+    m.budget.startup_s[-1] += time.monotonic() - t0  # the budget sizes runs from the startup it saw
+    log(f"warmed up in {time.monotonic() - t0:.0f} s ({row['requests']} requests through round robin, not recorded)")
 
 
 def _point_run_s(m: _Matrix, starts_left: int, kv: int, cpu: int, conc: int) -> float | None:

@@ -21,7 +21,8 @@ from tests.procs import PYTHON, REPO
 BENCH = REPO / "bench" / "e2e_routing.py"
 TINY = ["--preset", "tiny", "--device", "cpu", "--workers", "2", "--kv-blocks", "512", "--cpu-blocks", "0",
         "--concurrency", "2", "--sessions", "2", "--max-turns", "3", "--prompt-scale", "64",
-        "--max-model-len", "8192", "--cpu-threads", "1", "--startup-timeout", "120", "--progress-s", "2"]
+        "--max-model-len", "8192", "--cpu-threads", "1", "--startup-timeout", "120", "--progress-s", "2",
+        "--warmup-s", "2"]
 
 
 def bench(tmp: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], dict]:
@@ -66,6 +67,9 @@ def test_the_bench_runs_every_router_on_real_workers(tmp_path: Path) -> None:
     assert routers["mesh_default"]["ttft_p99_vs_sglang"] > 0
     assert "mean/sglang" in proc.stdout and "mesh_default" in proc.stdout  # the point's table
     assert "kv512-cpu0-c2-r0 mesh_default: 6/6 requests" in proc.stderr  # progress lines
+    # the fresh workers were warmed up through round robin first, and that run is not in the results
+    assert "kv512-cpu0-warmup round_robin:" in proc.stderr and "warmed up in" in proc.stderr
+    assert [r["repeat"] for r in point["runs"] if r["router"] == "round_robin"] == [0]
 
 
 def test_a_worker_that_cannot_start_is_named_with_its_log(tmp_path: Path) -> None:
