@@ -38,6 +38,7 @@ import zmq
 import zmq.utils.monitor
 
 from mesh.events.bound import Demux
+from mesh.events.held import HeldEvents
 from mesh.events.ops import Prepared
 from mesh.events.prepare import Preparer
 
@@ -90,7 +91,7 @@ class _Child:
     demux: Demux | None = None
     out: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # sid -> (pickled frame, size)
     unknown_sent: dict[str, int] = field(default_factory=dict)
-    pending: dict[int, list[int]] = field(default_factory=dict)  # sid -> connection events not told yet
+    held: HeldEvents[int] = field(default_factory=HeldEvents)  # by sid: connection events not told yet
     stopped: bool = False
 
     # -- control --
@@ -183,15 +184,14 @@ class _Child:
                 self._connection(sock)
             elif sock in self.by_sock:
                 self._drain(self.by_sock[sock])
-        # a lost connection is told after every frame received before it (ZMQ reports it while
-        # its queue may still hold them): the gateway meets it in order (``stream.lost``)
-        told = [sid for sid in self.pending if sid not in self.own or self.own[sid].paused or self._drain(sid)]
+        # a lost connection is told after every frame received before it (``mesh.events.held``):
+        # they go in this round's ``F`` message, before it
+        told = self.held.due(self._drained)
         if self.out:
             self.send(b"F", *_message(self.out))
             self.out.clear()  # (the same dict: ``_Routed`` sinks hold it)
-        for sid in told:
-            for event in self.pending.pop(sid):
-                self.tell(b"C", (sid, event))
+        for sid, event in told:
+            self.tell(b"C", (sid, event))
 
     def tell(self, kind: bytes, body: object) -> None:
         self.send(kind, pickle.dumps(body, pickle.HIGHEST_PROTOCOL))
@@ -204,6 +204,11 @@ class _Child:
         except zmq.Again:
             log.warning("kv events: the gateway has not read for %d ms; a message (%s) was dropped",
                         _SEND_TIMEOUT_MS, kind.decode())
+
+    def _drained(self, sid: int) -> bool:
+        """Whether ``sid``'s socket holds no frame received before its held connection events
+        (a removed or paused socket's frames are not read: they go with it, or as a gap)."""
+        return sid not in self.own or self.own[sid].paused or self._drain(sid)
 
     def _drain(self, sid: int) -> bool:
         """Receive and prepare up to ``_ROUND`` frames; whether the socket's queue is empty."""
@@ -231,9 +236,7 @@ class _Child:
     def _connection(self, monitor: zmq.Socket[bytes]) -> None:
         event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
         sid = self.by_monitor[monitor]
-        if event == zmq.EVENT_DISCONNECTED or sid in self.pending:
-            self.pending.setdefault(sid, []).append(event)  # told in order once its queue is drained
-        else:
+        if not self.held.hold(sid, event):  # (else told in order once its queue is drained)
             self.tell(b"C", (sid, event))
 
     def report_unknown(self) -> None:

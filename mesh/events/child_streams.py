@@ -119,7 +119,7 @@ class ChildStreams:
         finally:
             self._forget_sid(stream)
             self._set_running(stream, False)
-            close_stream(stream, None)
+            close_stream(stream)
             stream.inbox = None
 
     def _child_connection(self, sid: int, event: int) -> None:
@@ -127,14 +127,9 @@ class ChildStreams:
         if stream is None:
             return
         if event == zmq.EVENT_DISCONNECTED and stream.inbox is not None:
-            h = stream.health
-            h.connected = False  # unhealthy at once; ``lost`` in order (``_DISCONNECTED``)
-            h.disconnects += 1
-            stream.inbox.mark(_DISCONNECTED)
+            stream.inbox.mark(_DISCONNECTED)  # ``lost`` in order; the flags flip at once
             stream.inbox.wake()
-            self._notify(stream)
-        else:
-            connection_event(stream, event, self._notify)
+        connection_event(stream, event, self._notify)
 
     def _child_unknown(self, unknown: dict[str, int]) -> None:
         if self._demux is not None:

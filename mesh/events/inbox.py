@@ -7,7 +7,10 @@ GIL) and appends the frames to the stream's ``Inbox``; the gateway's loop takes 
 decoding and no index work: its share of the GIL is a few microseconds a frame, and it sleeps
 briefly after every ``_ROUND`` frames so that a flood never holds the GIL for long. The socket of
 an overflowed inbox is not read until the loop reset its stream: ZMQ drops the flood in its own
-queue (past its HWM), at no cost to the gateway.
+queue (past its HWM), at no cost to the gateway. A socket handed over with a ``Watch`` has its
+connection monitor read by the thread too: a lost connection is held until the socket's queue was
+drained (``mesh.events.held``), then marked in the inbox (``DISCONNECTED``), after every frame
+received before it, and told to the loop (``Watch.tell``: the health flags flip at once).
 
 With ``index.ingest_process`` the receiver process (``mesh.events.process``) fills the same inboxes
 from the loop itself, with prepared frames kept as bytes (``Inbox(size_of=...)`` reads their payload
@@ -22,8 +25,10 @@ counted (``dropped``); nothing is dropped silently.
 Ownership (single writer per field, no lock on the hot path): the thread writes ``in_frames``,
 ``in_bytes``, ``overflows`` and ``dropped`` and appends to ``frames``; the loop writes
 ``out_frames``, ``out_bytes`` and ``handled`` and pops from ``frames`` (a deque: append and popleft
-are atomic), and replaces ``frames`` only while overflowed, when the thread appends nothing. Sockets move between threads only through ``Receiver.add``/``remove`` (a locked
-hand-over queue), and the thread alone closes a socket it was handed.
+are atomic), and replaces ``frames`` only while overflowed, when the thread appends nothing; markers
+are put by whoever appends the frames (the thread; the loop for the receiver process). Sockets
+move between threads only through ``Receiver.add``/``remove`` (a locked hand-over queue), and the
+thread alone closes a socket it was handed (a ``Watch``'s monitor too).
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
+import zmq.utils.monitor
+
+from mesh.events.held import HeldEvents
 
 log = logging.getLogger("mesh.events.subscriber")
 
@@ -119,7 +128,7 @@ class Inbox:
         dropped. (The thread appends nothing while overflowed: the deque is the loop's to swap.)"""
         if not self.overflowed():
             raise RuntimeError("discard() is for an overflowed inbox only")
-        kept = deque(i for i in self.frames if i[-1] == 0 and i in _MARKERS) if self.marked else deque()
+        kept = deque(i for i in self.frames if not i[-1] and i in _MARKERS) if self.marked else deque()
         n = self.in_frames - self.out_frames - len(kept)
         self.frames = kept  # (markers stay: the stream's task must still meet them)
         self.out_frames, self.out_bytes = self.in_frames - len(kept), self.in_bytes
@@ -149,7 +158,8 @@ class Inbox:
 
     def mark(self, item: Item) -> None:
         """Append a marker (an item of ``size_of`` 0, registered with ``marker``) whatever the
-        budget: the stream's task meets it in order, even after a ``discard``."""
+        budget: the stream's task meets it in order, even after a ``discard``. (From the side that
+        appends the frames: ``in_frames`` is its.)"""
         if item not in _MARKERS:
             raise ValueError("not a registered marker")
         self.marked = True
@@ -168,11 +178,16 @@ _MARKERS: list[Item] = []
 
 
 def marker(item: Item) -> Item:
-    """Register ``item`` (its last element 0: no payload bytes) as a marker ``Inbox.mark`` may put."""
-    if item[-1] != 0:
+    """Register ``item`` (its last element 0 or empty: no payload bytes) as a marker ``Inbox.mark``
+    may put; the stream's task knows it by identity."""
+    if item[-1]:
         raise ValueError("a marker carries no payload bytes")
     _MARKERS.append(item)
     return item
+
+
+# put by the receiver thread after the frames a lost connection's socket received before it
+DISCONNECTED: Frame = marker((b"mesh:disconnected", b""))
 
 
 class Sink(Protocol):
@@ -190,30 +205,44 @@ def _size(frames: Sequence[Any]) -> int:
     return len(frames[-1]) if frames else 0
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Watch:
+    """A SUB socket's connection monitor, read by the receiver thread with the socket's frames."""
+
+    monitor: zmq.Socket[bytes]  # a PAIR connected to the SUB socket's monitor (``mesh.events.sockets.monitor_sub``)
+    inbox: Inbox  # the socket's inbox, where a lost connection is marked in order
+    tell: Callable[[int], None]  # each connection event, called on the thread (a disconnect once marked)
+
+
+Sock = zmq.Socket[bytes]
+Change = tuple[Sock, Sink | None, Watch | None]  # a socket handed over (None: to remove and close)
+
+
 class Receiver:
     """The thread that receives every stream's frames into its inbox (started on first use)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changes: list[tuple[zmq.Socket[bytes], Sink | None]] = []  # None: remove and close
+        self._changes: list[Change] = []
         self._thread: threading.Thread | None = None
         self._stop = False
 
-    def add(self, sock: zmq.Socket[bytes], inbox: Sink) -> None:
-        """Hand ``sock`` (connected, options set) to the thread; the caller never touches it again."""
+    def add(self, sock: Sock, inbox: Sink, watch: Watch | None = None) -> None:
+        """Hand ``sock`` (connected, options set) and its ``watch`` (``watch.inbox`` is ``inbox``)
+        to the thread; the caller never touches them again."""
         with self._lock:
-            self._changes.append((sock, inbox))
+            self._changes.append((sock, inbox, watch))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mesh-kv-receiver", daemon=True)
                 self._thread.start()
 
-    def remove(self, sock: zmq.Socket[bytes]) -> None:
+    def remove(self, sock: Sock) -> None:
         """Ask the thread to stop receiving from ``sock`` and close it (within ``_POLL_MS``)."""
         with self._lock:
             if self._thread is None:
                 sock.close(linger=0)
                 return
-            self._changes.append((sock, None))
+            self._changes.append((sock, None, None))
 
     def stop(self) -> None:
         """Close every socket and end the thread (joins it)."""
@@ -224,70 +253,127 @@ class Receiver:
             thread.join(5.0)
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        inboxes: dict[zmq.Socket[bytes], Sink] = {}
+        socks = _Sockets()
         try:
             while not self._stop:
-                self._hand_over(poller, inboxes, self._changed())
-                if not inboxes:
+                socks.hand_over(self._changed())
+                if not socks.inboxes:
                     time.sleep(_POLL_MS / 1000)
                     continue
-                n = 0
-                ready = poller.poll(_POLL_MS)
-                each = max(1, _ROUND // max(1, len(ready)))  # one budget a round, shared fairly
-                for sock, _ in ready:
-                    inbox = inboxes[sock]
-                    if inbox.overflowed():  # left in ZMQ's queue (dropped there past its HWM, at no cost
-                        inbox.wake()        # here) until the loop has reset the stream
-                        continue
-                    n += self._drain(sock, inbox, each)
+                n = socks.receive()
                 if n >= _ROUND:
                     time.sleep(_NAP_S)
-                elif n == 0 and any(i.overflowed() for i in inboxes.values()):
+                elif n == 0 and any(i.overflowed() for i in socks.inboxes.values()):
                     time.sleep(_POLL_MS / 1000)  # only overflowed streams are ready: wait for the loop
         except Exception:  # a receiver that dies must say so: every stream goes quiet
             log.exception("kv events receiver thread failed; KV events are no longer received")
         finally:
             with self._lock:
-                self._hand_over(poller, inboxes, self._changes)
+                socks.hand_over(self._changes)
                 self._changes = []
-                for sock in inboxes:
-                    _close(sock)
+                socks.close()
                 self._thread = None
 
-    def _changed(self) -> list[tuple[zmq.Socket[bytes], Sink | None]]:
+    def _changed(self) -> list[Change]:
         with self._lock:
             changes, self._changes = self._changes, []
         return changes
 
-    @staticmethod
-    def _hand_over(poller: zmq.Poller, inboxes: dict[zmq.Socket[bytes], Sink],
-                   changes: list[tuple[zmq.Socket[bytes], Sink | None]]) -> None:
-        for sock, inbox in changes:
-            if inbox is None:
-                if sock in inboxes:
-                    poller.unregister(sock)
-                    del inboxes[sock]
-                _close(sock)
-            else:
-                inboxes[sock] = inbox
-                poller.register(sock, zmq.POLLIN)
 
-    @staticmethod
-    def _drain(sock: zmq.Socket[bytes], inbox: Sink, most: int) -> int:
+class _Sockets:
+    """The receiver thread's sockets and one poll round over them (the thread's alone)."""
+
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self.inboxes: dict[Sock, Sink] = {}
+        self.watches: dict[Sock, Watch] = {}  # SUB socket -> its monitor
+        self.watched: dict[Sock, Sock] = {}  # monitor -> its SUB socket
+        self.held: HeldEvents[Sock] = HeldEvents()
+
+    def hand_over(self, changes: list[Change]) -> None:
+        for sock, inbox, watch in changes:
+            if inbox is not None:
+                self.inboxes[sock] = inbox
+                self.poller.register(sock, zmq.POLLIN)
+                if watch is not None:
+                    self.watches[sock], self.watched[watch.monitor] = watch, sock
+                    self.poller.register(watch.monitor, zmq.POLLIN)
+                continue
+            if sock in self.inboxes:
+                self.poller.unregister(sock)
+                del self.inboxes[sock]
+            watch = self.watches.pop(sock, None)
+            _close(sock)
+            if watch is not None:
+                self.poller.unregister(watch.monitor)
+                del self.watched[watch.monitor]
+                watch.monitor.close(linger=0)
+
+    def receive(self) -> int:
+        """One poll round: frames received (each ready socket's share of ``_ROUND``), connection
+        events read and told once their socket is drained. Returns the frames received."""
         n = 0
+        ready = self.poller.poll(_POLL_MS)
+        each = max(1, _ROUND // max(1, len(ready)))  # one budget a round, shared fairly
+        for sock, _ in ready:
+            sub = self.watched.get(sock)
+            if sub is not None:
+                self._connection(sub, sock)
+                continue
+            inbox = self.inboxes[sock]
+            if inbox.overflowed():  # left in ZMQ's queue (dropped there past its HWM, at no cost
+                inbox.wake()        # here) until the loop has reset the stream
+                continue
+            n += _drain(sock, inbox, each)[0]
+        for sub, event in self.held.due(self._drained):
+            self._tell(sub, event)
+        return n
+
+    def _connection(self, sub: Sock, monitor: Sock) -> None:
         try:
-            while n < most:
-                n += 1
-                if not inbox.put(sock.recv_multipart(zmq.NOBLOCK)):
-                    break  # over budget: the loop resets the stream
+            while True:
+                event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                if not self.held.hold(sub, event):  # (else told once the socket's queue is drained)
+                    self._tell(sub, event)
         except zmq.Again:
             pass
-        except zmq.ZMQError as exc:
-            log.warning("kv events receive failed: %s", exc)
-        if n:
-            inbox.wake()
-        return n
+
+    def _drained(self, sub: Sock) -> bool:
+        """Whether ``sub``'s queue holds no frame received before its held connection events (an
+        overflowed stream's frames are not read: past its reset they are a gap)."""
+        inbox = self.inboxes.get(sub)
+        return inbox is None or inbox.overflowed() or _drain(sub, inbox, _ROUND)[1]
+
+    def _tell(self, sub: Sock, event: int) -> None:
+        watch = self.watches.get(sub)
+        if watch is None:
+            return  # removed since
+        if event == zmq.EVENT_DISCONNECTED:
+            watch.inbox.mark(DISCONNECTED)
+            watch.inbox.wake()
+        watch.tell(event)
+
+    def close(self) -> None:
+        self.hand_over([(sock, None, None) for sock in list(self.inboxes)])
+
+
+def _drain(sock: Sock, inbox: Sink, most: int) -> tuple[int, bool]:
+    """Receive up to ``most`` frames into ``inbox``: how many, and whether the queue was left empty."""
+    n, empty = 0, False
+    try:
+        while n < most:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            n += 1
+            if not inbox.put(frames):
+                break  # over budget: the loop resets the stream
+    except zmq.Again:
+        empty = True
+    except zmq.ZMQError as exc:  # nothing more to receive from it (a held event is not kept waiting)
+        log.warning("kv events receive failed: %s", exc)
+        empty = True
+    if n:
+        inbox.wake()
+    return n, empty
 
 
 def _close(sock: zmq.Socket[bytes]) -> None:

@@ -1,17 +1,18 @@
 """The ZMQ side of a KV event stream: the SUB socket and its monitor, and the replay socket.
 
-The SUB socket receives live frames (in the receiver thread, ``mesh.events.inbox``); its monitor
-(a socket of the loop) reports the connection going down (the stream is
-unhealthy and the next frame must prove continuity) and coming back. The replay socket (a
+The SUB socket receives live frames and its monitor reports the connection going down (the stream
+is unhealthy at once, and the first frame after those received before it must prove continuity)
+and coming back, both read by the receiver thread (``mesh.events.inbox``), which tells the loop
+each connection event after the frames received before it (``mesh.events.held``). The replay socket (a
 DEALER, opened on a stream's first replay and kept) asks the publisher's ROUTER for every kept
 batch from a seq: ``[b"", start]`` -> ``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``
 per batch, then an end marker whose seq is -1. A replay is bounded in batches and bytes (ZMQ
 itself refuses a message over ``max_message_bytes``) and in time: it fails when the publisher
 sends nothing for ``idle_s`` (the wait extends with every batch, so a big buffer is rebuilt
 whole, however long it takes) or past ``max_s`` in all; a failed one closes the socket, so
-late replies never mix into the next replay. Ownership: each stream task owns its monitor and replay
-sockets and closes them when it ends, and hands its SUB socket to the receiver thread, which
-closes it; the ``zmq.asyncio.Context`` is the subscriber's.
+late replies never mix into the next replay. Ownership: each stream task owns its replay socket
+and closes it when it ends, and hands its SUB socket and monitor to the receiver thread, which
+closes them; the ``zmq.asyncio.Context`` is the subscriber's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
-import zmq.utils.monitor
 
 from mesh.events.health import LogLimiter
 from mesh.events.stream import Stream, split_frame
@@ -41,42 +41,35 @@ class ReplayLimits:
     max_message_bytes: int  # one message; ZMQ drops the connection over it
 
 
-def monitor_sub(sub: zmq.Socket[bytes], topic: str, rcvhwm: int, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
-    """Set the SUB socket's options and subscription; returns its connection monitor, a socket
-    of the loop's context (the SUB socket itself is received from by ``mesh.events.inbox``)."""
+def monitor_sub(sub: zmq.Socket[bytes], topic: str, rcvhwm: int) -> zmq.Socket[bytes]:
+    """Set the SUB socket's options and subscription; returns its connection monitor, a PAIR of
+    the same context (both are read by the receiver thread, ``mesh.events.inbox.Watch``)."""
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.RCVHWM, rcvhwm)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
     addr = f"inproc://mesh-kv-monitor-{id(sub)}"
     sub.monitor(addr, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-    monitor = ctx.socket(zmq.PAIR)
+    monitor: zmq.Socket[bytes] = sub.context.socket(zmq.PAIR)
     monitor.connect(addr)
     return monitor
 
 
-async def watch_connection(stream: Stream, monitor: zmq.asyncio.Socket, notify: Callable[[Stream], None]) -> None:
-    """Track the SUB connection: down = unhealthy, and the next frame must prove continuity."""
-    while True:
-        connection_event(stream, zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())["event"], notify)
-
-
 def connection_event(stream: Stream, event: int, notify: Callable[[Stream], None]) -> None:
-    """One event of the SUB socket's monitor (here, or forwarded by the receiver process)."""
+    """One event of the SUB socket's monitor, told by the receiver (thread or process): the
+    health flags flip at once. A disconnect's ``Stream.lost`` is not set here: the stream's task
+    sets it when it meets the disconnect's marker, after the frames received before it."""
     h = stream.health
     if event == zmq.EVENT_DISCONNECTED:
         h.connected = False
         h.disconnects += 1
-        stream.lost = True
     elif event == zmq.EVENT_CONNECTED:
         h.connected = True
     notify(stream)
 
 
-def close_stream(stream: Stream, monitor: zmq.asyncio.Socket | None) -> None:
-    """Close the loop's sockets of ``stream`` (the monitor, the replay socket); its SUB socket is
-    the receiver thread's to close (``mesh.events.inbox.Receiver.remove``)."""
-    if monitor is not None:
-        monitor.close(linger=0)
+def close_stream(stream: Stream) -> None:
+    """Close the loop's socket of ``stream`` (the replay socket); its SUB socket and monitor are
+    the receiver's to close (``mesh.events.inbox.Receiver.remove``)."""
     if stream.dealer is not None:
         stream.dealer.close(linger=0)
         stream.dealer = None

@@ -102,7 +102,7 @@ class Stream:
         self.order: deque[int] = deque()
         self.last_ts = -math.inf  # publisher time of the newest batch applied
         self.reported_healthy: bool | None = None
-        self.lost = False  # the connection dropped since the last frame (set by the socket monitor)
+        self.lost = False  # the connection dropped since the last frame (set when its inbox's marker is met)
         # A replay is needed and has not completed (running, or failed and waiting to be retried at
         # ``retry_at``, loop time): the stream is not trusted meanwhile.
         self.replay_due = False

@@ -48,13 +48,13 @@ from mesh.events.apply import MAX_SEEDS, Seeds, apply_batch, apply_ops
 from mesh.events.bound import Demux
 from mesh.events.child_streams import ChildStreams, prepared_size
 from mesh.events.health import HealthCollector, LogLimiter, StreamHealth
-from mesh.events.inbox import Inbox, Item, Receiver
+from mesh.events.inbox import DISCONNECTED, Inbox, Item, Receiver, Watch
 from mesh.events.limits import SubscriberLimits
 from mesh.events.ops import LOST, Prepared
 from mesh.events.pacer import Pacer
 from mesh.events.process import ProcessReceiver, unpack
 from mesh.events.recovery import MAX_REPLAY_TRIES, MAX_RETRY_S, Recovery
-from mesh.events.sockets import cancel, close_stream, monitor_sub, watch_connection
+from mesh.events.sockets import cancel, close_stream, connection_event, monitor_sub
 from mesh.events.stream import Payload, Stream, Verdict, WorkerEvents, digest_of, offset_endpoint, split_frame
 from mesh.events.wire import DecodeError, GroupFilter, LazyBatch, decode_lazy
 from policies.base import target_id
@@ -286,7 +286,7 @@ class KvEventSubscriber(Recovery, ChildStreams):
             demux.unroute(inbox)
             self._forget_sid(stream)
             self._set_running(stream, False)
-            close_stream(stream, None)
+            close_stream(stream)
             stream.inbox = None
 
     async def _run_own(self, stream: Stream) -> None:
@@ -296,18 +296,16 @@ class KvEventSubscriber(Recovery, ChildStreams):
         h = stream.health
         assert h.endpoint
         sub = self._sync_ctx.socket(zmq.SUB)
-        monitor: zmq.asyncio.Socket | None = None
-        watcher: asyncio.Task[None] | None = None
+        monitor: zmq.Socket[bytes] | None = None
         handed = False
         try:
             # ZMQ's queue holds no more than the budget: what queues there while the stream is
             # being reset is dropped by ZMQ (seen as a gap), not received to be discarded
-            monitor = monitor_sub(sub, stream.spec.topic, min(self.limits.rcvhwm, self.limits.max_backlog_frames), self._ctx)
-            watcher = asyncio.get_running_loop().create_task(watch_connection(stream, monitor, self._notify))
+            monitor = monitor_sub(sub, stream.spec.topic, min(self.limits.rcvhwm, self.limits.max_backlog_frames))
             sub.connect(h.endpoint)
             inbox = stream.inbox = Inbox(self.limits.max_backlog_frames, self.limits.max_backlog_bytes)
-            self._receiver.add(sub, inbox)  # from here on the receiver thread's socket
-            handed = True
+            self._receiver.add(sub, inbox, Watch(monitor, inbox, self._connection_teller(stream)))
+            handed = True  # from here on the receiver thread's sockets
             self._set_running(stream, True)
             if h.replay_endpoint:
                 await self._recover(stream, "connect")
@@ -319,13 +317,29 @@ class KvEventSubscriber(Recovery, ChildStreams):
                 log.error("kv events %s: socket error %s", h.target, exc)
         finally:
             self._set_running(stream, False)
-            await cancel(watcher)
             if handed:
-                self._receiver.remove(sub)
+                self._receiver.remove(sub)  # (and its monitor)
             else:
                 sub.close(linger=0)
-            close_stream(stream, monitor)
+                if monitor is not None:
+                    monitor.close(linger=0)
+            close_stream(stream)
             stream.inbox = None
+
+    def _connection_teller(self, stream: Stream) -> Callable[[int], None]:
+        """How the receiver thread tells the loop ``stream``'s connection events (a disconnect
+        once its marker is in the inbox): applied on the loop while the stream runs."""
+        loop = asyncio.get_running_loop()
+
+        def connection(event: int) -> None:
+            if stream.inbox is not None:  # (else the stream ended since)
+                connection_event(stream, event, self._notify)
+
+        def tell(event: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(connection, event)
+
+        return tell
 
     async def _receive(self, stream: Stream, inbox: Inbox) -> None:
         pacer = self.pacer
@@ -375,11 +389,12 @@ class KvEventSubscriber(Recovery, ChildStreams):
         h = stream.health
         if self._child is not None:
             frames = unpack(frames)
-        if type(frames) is Prepared and frames.seq < -1:  # a marker
-            if frames.error == LOST:
-                return await self._receiver_lost(stream)
-            stream.lost = True  # the connection dropped after the frames before this one
-            return self._notify(stream)
+            if frames.seq < -1:  # a marker
+                if frames.error == LOST:
+                    return await self._receiver_lost(stream)
+                return self._lost(stream)
+        elif frames is DISCONNECTED:
+            return self._lost(stream)
         parsed = _parsed(frames)
         if parsed is None:
             h.bump(h.dropped, "malformed")
@@ -389,7 +404,7 @@ class KvEventSubscriber(Recovery, ChildStreams):
         if h.bound and not h.connected:
             self._heard(stream)
         if stream.lost:
-            stream.lost = False  # cleared first: a disconnect during the check sets it again
+            stream.lost = False  # (a disconnect during the check comes as another marker, after this frame)
             if h.last_seq is not None:
                 await self._after_reconnect(stream)
             self._notify(stream)
@@ -472,6 +487,12 @@ class KvEventSubscriber(Recovery, ChildStreams):
         return batch
 
     # ------------------------------------------------------------------ state changes
+    def _lost(self, stream: Stream) -> None:
+        """The connection dropped after the frames met before its marker: the next frame must
+        prove continuity (``_after_reconnect``)."""
+        stream.lost = True
+        self._notify(stream)
+
     def _reset(self, stream: Stream, reason: str, *, forget_seq: bool = False) -> None:
         h = stream.health
         h.bump(h.resets, reason)

@@ -8,7 +8,8 @@ import time
 import pytest
 import zmq
 
-from mesh.events.inbox import Inbox, Receiver
+from mesh.events.inbox import DISCONNECTED, Inbox, Receiver, Watch
+from mesh.events.sockets import monitor_sub
 from tests.procs import free_port
 
 
@@ -109,4 +110,45 @@ async def test_the_receiver_leaves_an_overflowed_stream_in_zmq_until_it_is_disca
         receiver.remove(sub)
         await asyncio.get_running_loop().run_in_executor(None, receiver.stop)
         pub.close(linger=0)
+        ctx.term()
+
+
+async def test_a_lost_connection_is_marked_after_every_frame_received_before_it() -> None:
+    """The monitor reports the disconnect while the SUB socket's queue may still hold frames the
+    publisher sent before closing: the thread drains them into the inbox first, then marks the
+    loss there and only then tells it."""
+    ctx = zmq.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 10_000)  # closed with every frame sent
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sub = ctx.socket(zmq.SUB)
+    monitor = monitor_sub(sub, "", 100_000)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    receiver = Receiver()
+    inbox = Inbox(max_frames=100_000, max_bytes=1 << 30)
+    told: list[tuple[int, bool]] = []  # (event, whether the inbox ended with the marker then)
+    receiver.add(sub, inbox, Watch(monitor, inbox, lambda e: told.append((e, bool(inbox.frames) and inbox.frames[-1] is DISCONNECTED))))
+    try:
+        deadline = time.monotonic() + 10
+        while inbox.backlog == 0:  # ZMQ's slow joiner: publish until the first frame arrives
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"hello"])
+            await asyncio.sleep(0.02)
+        for i in range(1, 2001):
+            pub.send_multipart([b"", i.to_bytes(8, "big"), b"payload" * 20])
+        pub.close()
+        deadline = time.monotonic() + 10
+        while (zmq.EVENT_DISCONNECTED, True) not in told:
+            assert time.monotonic() < deadline and (zmq.EVENT_DISCONNECTED, False) not in told
+            await asyncio.sleep(0.01)
+        assert told[0] == (zmq.EVENT_CONNECTED, False)
+        items = [inbox.take() for _ in range(inbox.backlog)]
+        assert items[-1] is DISCONNECTED and inbox.backlog == 0 and inbox.backlog_bytes == 0
+        seqs = [int.from_bytes(f[1], "big") for f in items[:-1] if f is not None]
+        assert seqs[-2000:] == list(range(1, 2001))  # every frame sent, in order, before the marker
+    finally:
+        receiver.remove(sub)
+        await asyncio.get_running_loop().run_in_executor(None, receiver.stop)
+        assert sub.closed and monitor.closed  # the thread closed the sockets it was handed
         ctx.term()

@@ -17,7 +17,10 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mesh.core.index import PrefixIndex
+from mesh.events.inbox import DISCONNECTED
 from mesh.events.limits import SubscriberLimits
+from mesh.events.process import unpack
+from mesh.events.stream import split_frame
 from mesh.events.subscriber import KvEventSubscriber, WorkerEvents, offset_endpoint
 from tests.fakes.kv_publisher import BATCH_LAYOUTS, BS, EVENT_LAYOUTS, HASH_MODES, MODEL, Publisher, encode_events
 from tests.support.kv_events import ToyEngine, caught_up, check_index, nudge_until, sessions, subscribed, wait_until
@@ -72,6 +75,73 @@ async def test_gap_is_repaired_by_replay(reply_layout: str) -> None:
     finally:
         await sub.stop()
         pub.close()
+
+
+@pytest.mark.parametrize("process", [False, True])
+async def test_frames_received_before_a_disconnect_are_applied_before_the_stream_is_lost(process: bool) -> None:
+    """The publisher sends frames and goes away while the stream task is held back with them
+    queued in the inbox: each is applied as the continuation it is, and only then is the stream
+    lost (untrusted, its next frame to prove continuity). A disconnect that overtook them reset
+    the stream (``stream_lost``, no replay socket) and dropped the blocks applied before."""
+    rng = random.Random(12)
+    pub = Publisher(with_replay=False)
+    index = PrefixIndex()
+    sub = make_sub(index, process=process)
+    gate, held = asyncio.Event(), asyncio.Event()
+    seen: list[int | str] = []
+    on_live = sub._on_live
+
+    armed = False
+
+    async def gated(stream: Any, item: Any) -> None:  # once armed, the stream task waits at its next frame
+        if armed and not held.is_set():
+            held.set()
+            await gate.wait()
+        seen.append(_seq_of(item, process))
+        await on_live(stream, item)
+
+    sub._on_live = gated  # type: ignore[method-assign]
+    try:
+        await sub.start()
+        (target,) = sub.add_worker(WorkerEvents("w", pub.endpoint, None, model=MODEL, block_size=BS))
+        await subscribed(sub, target, pub, rng)
+        engine = ToyEngine(rng)
+        prompts = [p for c in sessions(rng, 2, 4) for p in c]
+        for p in prompts[:3]:
+            pub.publish(encode_events(engine.serve(p), "map", "array3", "uint", rng))
+        await caught_up(sub, target, pub)
+        armed, seen[:] = True, []
+        first = pub.seq
+        for p in prompts[3:]:
+            pub.publish(encode_events(engine.serve(p), "map", "array3", "uint", rng))
+        inbox = sub._streams[target].inbox
+        assert inbox is not None
+        await wait_until(lambda: held.is_set() and inbox.backlog == pub.seq - first - 1)  # all received
+        pub.close()
+        h = sub.health()[target]
+        await wait_until(lambda: h.disconnects == 1)
+        assert not sub.healthy(target)  # unhealthy at once
+        gate.set()
+        await wait_until(lambda: sub.settled(target))  # (the marker was put before ``disconnects`` moved)
+        assert h.resets == {} and h.last_seq == pub.seq - 1  # no spurious reset (``stream_lost``)
+        assert seen == [*range(first, pub.seq), "lost"]  # every frame, then the lost connection
+        check_index(index, target, engine, prompts)
+        assert sub._streams[target].lost and not sub.healthy(target)
+    finally:
+        await sub.stop()
+        pub.close()
+
+
+def _seq_of(item: Any, process: bool) -> int | str:
+    """A frame's seq as the stream task meets it, or ``"lost"`` for the lost connection's marker."""
+    if process:
+        seq = unpack(item).seq
+        return "lost" if seq < -1 else seq
+    if item is DISCONNECTED:
+        return "lost"
+    parsed = split_frame(item)
+    assert parsed is not None
+    return parsed[0]
 
 
 async def test_publisher_restart_resets_and_rebuilds_from_replay() -> None:
