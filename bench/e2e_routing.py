@@ -2,7 +2,8 @@
 
 Per worker configuration (GPU KV blocks x CPU tier), N bundled workers are started once
 (``python -m mesh worker --preset P --device D --num-kv-blocks K --cpu-offload-blocks C`` with
-their KV event streams bound); then, per load level (concurrent sessions) and repeat, every
+their KV event streams bound) and warmed up (``--warmup-s`` of round robin, not recorded); then,
+per load level (concurrent sessions) and repeat, every
 router in turn runs the same replay cold (every worker's prefix cache reset on both tiers, a new
 router process):
 
