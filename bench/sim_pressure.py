@@ -7,6 +7,7 @@ each router's TTFT mean as a ratio to sglang-router's algorithm (``cache_aware``
 ids) at the same point, its hit rate, and the geometric mean of its ratios over the grid.
 
     python bench/sim_pressure.py                       # the default grid: 14 points, ~1 min
+    python bench/sim_pressure.py --workers-per-device 1   # the same cluster with a GPU per worker
     python bench/sim_pressure.py --points 2000/24,3000/24 \\
         --variant 'prev={"name":"session_sticky","params":{"rehome_below":0,"spread_by":"sessions"}}'
 
@@ -35,11 +36,22 @@ from bench.sim_twin import PROFILE, RESULTS, prepare_workload
 
 GRID = "2000/24,1800/24,2400/24,2000/20,2000/28,4000/16,3000/16,2200/22,2600/24,2200/26,1600/20,3000/24,2000/16,5000/24"
 BASE_RUN = RESULTS / "e2e_high_s7.json"  # the GPU run whose workload settings the grid reuses
-ROUTERS: dict[str, tuple[Any, bool]] = {  # name -> (policy spec, session ids sent)
-    "sglang": ("cache_aware", False),
-    "mesh_default": ("session_sticky", True),
-    "mesh_kv_aware": ("kv_aware", False),
+ROUTERS: dict[str, tuple[Any, bool, bool]] = {  # name -> (policy spec, session ids sent, retention spill hint)
+    "sglang": ("cache_aware", False, True),
+    "mesh_default": ("session_sticky", True, True),
+    "mesh_kv_aware": ("kv_aware", False, True),
 }
+
+
+def variant_router(spec: Any) -> tuple[Any, bool, bool]:
+    """A ``--variant``: a policy spec (session ids sent, the retention hint on), or, as
+    ``bench/e2e_routing.py`` takes it, ``{"policy": SPEC, "config": {"retention": {"spill_hint": B}}}``."""
+    if not (isinstance(spec, dict) and "config" in spec):
+        return spec, True, True
+    if not spec.keys() <= {"policy", "config"} or not set(spec["config"]) <= {"retention"}:
+        raise ValueError("a variant with a config takes only policy and config.retention")
+    spill = spec["config"].get("retention", {}).get("spill_hint", True)
+    return spec.get("policy", "session_sticky"), True, bool(spill)
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -54,7 +66,7 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 class Twin:
     """The benchmark's workload prepared once; ``run`` simulates one router at one point."""
 
-    def __init__(self, base_run: Path, profile_path: str, run_s: float) -> None:
+    def __init__(self, base_run: Path, profile_path: str, run_s: float, workers_per_device: int = 0) -> None:
         from mesh.replay.sim_trace import plan_trace
         from simulator.profile import load_profile
 
@@ -66,26 +78,30 @@ class Twin:
                        for s in (True, False)}
         self.profile = load_profile(profile_path)
         self.run_s = run_s
+        # as on the GPU benchmark's one H200 unless told (1: a device per worker)
+        self.workers_per_device = workers_per_device or self.workers
 
-    def run(self, policy: Any, session_ids: bool, kv: int, conc: int, seed: int) -> dict[str, Any]:
+    def run(self, policy: Any, session_ids: bool, kv: int, conc: int, seed: int,
+            spill_hint: bool = True) -> dict[str, Any]:
         from simulator.engine import SimConfig, Simulator
         from simulator.profile import with_overrides
         from simulator.report import summarize
 
         prof = with_overrides(self.profile, kv_blocks=kv, **{"cpu.blocks": 0})
         config = SimConfig(workers=self.workers, profile=prof, concurrency=conc, horizon_s=self.run_s,
-                           workers_per_device=self.workers, seed=seed)
+                           workers_per_device=self.workers_per_device, seed=seed,
+                           spill_hint=spill_hint)
         return summarize(Simulator(self.traces[session_ids], policy, config).run())
 
 
-def run_grid(twin: Twin, routers: dict[str, tuple[Any, bool]], points: list[tuple[int, int]],
+def run_grid(twin: Twin, routers: dict[str, tuple[Any, bool, bool]], points: list[tuple[int, int]],
              seed: int, progress: Any) -> dict[str, list[dict[str, Any]]]:
     """Per router, per point: TTFT mean, p99, hit rate, moves, and the ratio to ``sglang``."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for name, (policy, sids) in routers.items():
+    for name, (policy, sids, spill) in routers.items():
         rows = []
         for kv, conc in points:
-            m = twin.run(policy, sids, kv, conc, seed)
+            m = twin.run(policy, sids, kv, conc, seed, spill)
             rows.append({"kv_blocks": kv, "concurrency": conc, "ttft_mean_ms": m["ttft_ms"]["mean"],
                          "ttft_p99_ms": m["ttft_ms"]["p99"], "hit_rate": m["hit_rate"],
                          "requests": m["requests"], "session_moves": m["router_session_moves"]})
@@ -123,6 +139,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--base-run", type=Path, default=BASE_RUN, help="GPU result whose workload settings to use")
     ap.add_argument("--profile", default=str(PROFILE), help="simulator profile")
     ap.add_argument("--run-s", type=float, default=30.0, help="seconds of closed-loop traffic per run (default 30)")
+    ap.add_argument("--workers-per-device", type=int, default=0,
+                    help="workers sharing one device (default 0: all of them, as the GPU benchmark's one H200; "
+                         "1: one GPU per worker, the profile's timings alone)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out", default=str(RESULTS / "sim_pressure.json"))
     ap.add_argument("--width", type=int, default=240)
@@ -131,9 +150,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for v in args.variant:
         name, _, spec = v.partition("=")
         try:
-            args.routers[name] = (json.loads(spec), True)
-        except json.JSONDecodeError:
-            ap.error(f"--variant takes NAME=POLICY_JSON, got {v!r}")
+            args.routers[name] = variant_router(json.loads(spec))
+        except (json.JSONDecodeError, ValueError):
+            ap.error(f"--variant takes NAME=POLICY_JSON or NAME={{policy, config: {{retention}}}}, got {v!r}")
     try:
         args.point_list = parse_points(args.points)
     except ValueError:
@@ -148,15 +167,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     started = time.perf_counter()
-    twin = Twin(args.base_run, args.profile, args.run_s)
+    twin = Twin(args.base_run, args.profile, args.run_s, args.workers_per_device)
     with Progress(transient=False) as bar:
         task = bar.add_task("simulating", total=len(args.routers) * len(args.point_list))
         grid = run_grid(twin, args.routers, args.point_list, args.seed, lambda: bar.advance(task))
     print_grid(grid, args.point_list, args.width)
     write_json(args.json_out, {
-        "bench": "sim_pressure", "points": args.point_list, "routers": {k: v[0] for k, v in args.routers.items()},
+        "bench": "sim_pressure", "points": args.point_list,
+        "routers": {k: {"policy": v[0], "session_ids": v[1], "spill_hint": v[2]} for k, v in args.routers.items()},
         "grid": grid, "geo_mean": {k: geo_mean([c["ratio"] for c in v]) for k, v in grid.items()},
         "base_run": str(args.base_run), "profile": args.profile, "seed": args.seed,
+        "workers_per_device": twin.workers_per_device,
         "wall_s": time.perf_counter() - started})
     print(f"wrote {args.json_out} ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -66,8 +66,7 @@ class KvAware(Policy):
         get = (cluster.overlaps(request) if request.block_keys else {}).get
         bs = max(request.block_size, 1)
         prompt = request.prompt_tokens / bs
-        scale, cpu_weight, model = self.prefill_load_scale, self.cpu_weight, request.model
-        dw = self.decode_weight
+        model = request.model
         costs: dict[str, float] = {}
         found: list[TargetState] = []
         full: list[str] = []
@@ -77,12 +76,7 @@ class KvAware(Policy):
             if not t.available or (t.models and model not in t.models):
                 continue
             found.append(t)
-            tbs = t.block_size or bs
-            ov = get(t.id) if t.index_healthy else None
-            new = t.prefill_tokens / tbs + prompt
-            if ov is not None:
-                new -= ov.gpu_blocks + cpu_weight * ov.cpu_blocks
-            costs[t.id] = (scale * new if new > 0 else 0.0) + dw * t.decode_tokens / tbs
+            costs[t.id] = self.cost(t, prompt, get(t.id), bs)
             if t.at_admission_limit:
                 full.append(t.id)
         if not costs:
@@ -99,6 +93,16 @@ class KvAware(Policy):
             f"{best.cpu_blocks} CPU of {len(request.block_keys)} blocks"
         )
         return Decision(pick, reason, scores, used)
+
+    def cost(self, t: TargetState, prompt_blocks: float, overlap: Overlap | None, block_size: int) -> float:
+        """The module docstring's cost of ``t`` for a prompt of ``prompt_blocks`` blocks (of
+        ``block_size`` tokens) with ``overlap`` cached there; an unhealthy stream's overlap
+        earns nothing. ``_decide_lean`` inlines the same formula."""
+        tbs = t.block_size or block_size
+        new = t.prefill_tokens / tbs + prompt_blocks
+        if overlap is not None and t.index_healthy:
+            new -= overlap.gpu_blocks + self.cpu_weight * overlap.cpu_blocks
+        return (self.prefill_load_scale * new if new > 0 else 0.0) + self.decode_weight * t.decode_tokens / tbs
 
     def _decide_lean(self, request: RequestInfo, cluster: ClusterView) -> Decision:
         """The request path (no explanation, argmin): the decision of ``decide``'s general path,

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from policies import registry
-from policies.base import ClusterView, Decision, NoCandidate, Policy, RequestInfo, TargetState
+from policies.base import ClusterView, Decision, NoCandidate, Overlap, Policy, RequestInfo, TargetState
 from policies.params import number
 from policies.registry import PluginError, register
 
@@ -71,7 +72,9 @@ class SessionSticky(Policy):
     ``sessions``: no further cut; ``kv_room``: the least context in flight),
     ``rehome_below`` (0.5: a session whose prompt extends its last one, and whose home holds less
     than this share of that one's blocks, moves to a target with room for its footprint, if
-    there is one; 0: never).
+    there is one; 0: never), ``rebalance_margin`` (0: off; M > 0, with ``inner: kv_aware``: a
+    session moves when its request's kv_aware cost at home exceeds another target's by more than M
+    whole prompts, e.g. 1: its home's queue outweighs recomputing the prompt elsewhere).
     A target at its own admission ceiling (``TargetState.max_in_flight``) is over the ceiling too.
 
     Example::
@@ -91,6 +94,7 @@ class SessionSticky(Policy):
         session_slack: int = 1,
         spread_by: str = "footprint",
         rehome_below: float = 0.5,
+        rebalance_margin: float = 0.0,
     ) -> None:
         spec = default_inner() if inner is None else inner
         self.inner: Policy = registry.create("policy", spec)
@@ -105,6 +109,13 @@ class SessionSticky(Policy):
             raise PluginError(f"policy 'session_sticky': spread_by must be one of {', '.join(SPREAD_BY)}, got {spread_by!r}")
         self.spread_by = spread_by
         self.rehome_below = number(OWNER, "rehome_below", rehome_below, 0.0, 1.0)
+        self.rebalance_margin = number(OWNER, "rebalance_margin", rebalance_margin, 0.0)
+        # the inner policy's cost of a request at a target (kv_aware's), for rebalancing
+        self._inner_cost: Callable[[TargetState, float, Overlap | None, int], float] | None = \
+            getattr(self.inner, "cost", None)
+        if self.rebalance_margin > 0 and not callable(self._inner_cost):
+            raise PluginError(f"{OWNER}: rebalance_margin needs an inner policy with a cost (kv_aware), "
+                              f"got {self.inner.name!r}")
         # session -> (full blocks, last block's key) of its last prompt routed here (``on_routed``):
         # what its home should hold at a next turn that extends it; bounded, oldest forgotten
         # first (a forgotten session never rehomes)
@@ -128,10 +139,10 @@ class SessionSticky(Policy):
             state = next((t for t in cluster.targets if t.id == bound), None)
             refusal = self._why_not(request, state, usable, ceiling) if state is not None else _gone(cluster, bound)
             if refusal is None:
-                roomy = self._rehome_candidates(request, cluster, bound, under)
-                if not roomy:
+                move = None if state is None else self._move_for(request, cluster, state, under)
+                if move is None:
                     return self._bound(request, cluster, bound)
-                refusal, under = "evicted at home, room elsewhere", roomy
+                refusal, under = move
             why = f"rebound: {refusal}"
         narrowed = under or [t for t in usable if t.id != bound] or usable
         if not narrowed:  # every target excluded (all at their admission limit) or none serves the model
@@ -143,6 +154,32 @@ class SessionSticky(Policy):
         d = self.inner.decide(request, view)
         d.reason = f"{why} ({d.reason})"
         return d
+
+    def _move_for(self, request: RequestInfo, cluster: ClusterView, home: TargetState,
+                  under: list[TargetState]) -> tuple[str, list[TargetState]] | None:
+        """Why a session its home can serve should move anyway, and where to; None: it stays."""
+        roomy = self._rehome_candidates(request, cluster, home.id, under)
+        if roomy:
+            return "evicted at home, room elsewhere", roomy
+        cheaper = self._cheaper_elsewhere(request, cluster, home, under)
+        if cheaper:
+            return f"queued at home, cheaper elsewhere by over {self.rebalance_margin:g} prompts", cheaper
+        return None
+
+    def _cheaper_elsewhere(self, request: RequestInfo, cluster: ClusterView, home: TargetState,
+                           under: list[TargetState]) -> list[TargetState]:
+        """With ``rebalance_margin`` > 0: the targets of ``under`` where the inner ``kv_aware``
+        cost of this request (its wait for a first token, prefix credit included) is lower than at
+        home by more than ``rebalance_margin`` times the whole prompt: waiting at home costs more
+        than recomputing the prompt there would."""
+        cost = self._inner_cost
+        if self.rebalance_margin <= 0 or cost is None or not under:
+            return []
+        get = cluster.overlaps(request).get
+        bs = max(request.block_size, 1)
+        prompt = request.prompt_tokens / bs
+        limit = cost(home, prompt, get(home.id), bs) - self.rebalance_margin * prompt
+        return [t for t in under if cost(t, prompt, get(t.id), bs) < limit]
 
     def _rehome_candidates(self, request: RequestInfo, cluster: ClusterView, bound: str,
                            under: list[TargetState]) -> list[TargetState]:
@@ -240,6 +277,7 @@ class SessionSticky(Policy):
             "session_slack": self.session_slack,
             "spread_by": self.spread_by,
             "rehome_below": self.rehome_below,
+            "rebalance_margin": self.rebalance_margin,
         }
 
 

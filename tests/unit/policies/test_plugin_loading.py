@@ -157,7 +157,7 @@ EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml")) + sorted((EXAMPLES / "plugins").
 def test_every_example_is_here() -> None:
     names = {p.name for p in EXAMPLE_FILES}
     assert {"round_robin.yaml", "cache_aware.yaml", "kv_aware.yaml", "session_sticky.yaml", "pipeline.yaml",
-            "pipeline_pd.yaml", "my_scorer.yaml"} <= names
+            "pipeline_pd.yaml", "my_scorer.yaml", "gpu_per_worker.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)

@@ -394,3 +394,38 @@ def test_a_prompt_that_does_not_extend_the_last_one_is_no_eviction() -> None:
     home, _, _ = go(router, turn("s", SYSTEM + list(range(200, 240))), 0.0)
     # the session's context was rewritten (a compaction): home matches only the system prompt
     assert go(router, turn("s", SYSTEM + list(range(300, 340))), 1.0)[:2] == (home, "bound")
+
+
+def _queued_at_home(queued_blocks: int, **params: object) -> tuple[str, str, str, Router]:
+    """A session bound home with its whole conversation cached there, then ``queued_blocks`` of
+    other requests' prefill queued at home. Returns (home, the next turn's target, its reason)."""
+    router, targets, index, _ = setup(["a", "b", "c"], inner="kv_aware", **params)
+    convo = SYSTEM + list(range(200, 240))  # 44 blocks; the next turn's prompt is 45
+    home, _, _ = go(router, turn("s", convo), 0.0)
+    index.store(home, convo)
+    targets[home].prefill_tokens = 16 * queued_blocks
+    target, reason, _ = go(router, turn("s", convo + [1]), 1.0)
+    return home, target, reason, router
+
+
+def test_a_session_queued_at_home_moves_where_its_wait_is_shorter_by_the_margin() -> None:
+    # home: 200 queued + 1 uncached block; elsewhere: the whole 45-block prompt, nothing queued
+    home, target, reason, router = _queued_at_home(200, rebalance_margin=1)
+    assert target != home and reason.startswith("rebound: queued at home, cheaper elsewhere by over 1 prompts")
+    assert router.session_moves == 1
+
+
+def test_a_session_stays_home_while_its_queue_is_within_the_margin() -> None:
+    home, target, reason, router = _queued_at_home(80, rebalance_margin=1)  # 81 at home, 45 + 45 elsewhere
+    assert (target, reason) == (home, "bound") and router.session_moves == 0
+
+
+def test_rebalancing_is_off_by_default() -> None:
+    home, target, reason, _ = _queued_at_home(5000)
+    assert (target, reason) == (home, "bound")
+
+
+@pytest.mark.parametrize("params", [{"rebalance_margin": -1}, {"rebalance_margin": 1, "inner": FALLBACK_INNER}])
+def test_bad_rebalance_params_are_refused(params: dict[str, object]) -> None:
+    with pytest.raises(PluginError, match="rebalance_margin"):
+        create("policy", {"name": "session_sticky", "params": params})
