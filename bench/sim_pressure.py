@@ -8,13 +8,16 @@ ids) at the same point, its hit rate, and the geometric mean of its ratios over 
 
     python bench/sim_pressure.py                       # the default grid: 14 points, ~1 min
     python bench/sim_pressure.py --workers-per-device 1   # the same cluster with a GPU per worker
+    python bench/sim_pressure.py --seeds 5                # each point over 5 jittered runs
     python bench/sim_pressure.py --points 2000/24,3000/24 \\
         --variant 'prev={"name":"session_sticky","params":{"rehome_below":0,"spread_by":"sessions"}}'
 
 Routers: ``sglang`` (the reference), ``mesh_default`` (the gateway's default, session ids and
 its retention hint), ``mesh_kv_aware`` (no session ids), and each ``--variant NAME=POLICY_SPEC``
-(session ids sent). The simulator is deterministic for a given seed, and small changes move
-single points by +-10% (which session a miss hits first cascades): read the grid, not a point.
+(session ids sent). The simulator is deterministic, and small changes move single points by
++-10% or more (which session a miss hits first cascades): read the grid, not a point, and with
+``--seeds N`` each point is N runs, seed k > 0 with the think times jittered (``--jitter``), each
+ratio the geometric mean over them (the JSON keeps their range).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 import argparse
 import json
 import math
+import random
+import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 from bench._table import print_table
@@ -81,8 +87,21 @@ class Twin:
         # as on the GPU benchmark's one H200 unless told (1: a device per worker)
         self.workers_per_device = workers_per_device or self.workers
 
+    def trace(self, session_ids: bool, seed: int, jitter: float) -> Any:
+        """The workload; for ``seed`` > 0 with every think time (a dependency's delay) scaled by
+        a lognormal factor of sigma ``jitter`` drawn from ``seed``: the GPU's own step-time noise
+        moves which session a miss hits first, and the twin is deterministic, so a grid read over
+        several such seeds is a distribution rather than one draw of it."""
+        base = self.traces[session_ids]
+        if seed == 0 or jitter <= 0:
+            return base
+        rng = random.Random(seed)
+        requests = [replace(r, deps=tuple((i, kind, delay * rng.lognormvariate(0.0, jitter))
+                                          for i, kind, delay in r.deps)) for r in base.requests]
+        return replace(base, requests=requests)
+
     def run(self, policy: Any, session_ids: bool, kv: int, conc: int, seed: int,
-            spill_hint: bool = True) -> dict[str, Any]:
+            spill_hint: bool = True, jitter: float = 0.0) -> dict[str, Any]:
         from simulator.engine import SimConfig, Simulator
         from simulator.profile import with_overrides
         from simulator.report import summarize
@@ -91,26 +110,36 @@ class Twin:
         config = SimConfig(workers=self.workers, profile=prof, concurrency=conc, horizon_s=self.run_s,
                            workers_per_device=self.workers_per_device, seed=seed,
                            spill_hint=spill_hint)
-        return summarize(Simulator(self.traces[session_ids], policy, config).run())
+        return summarize(Simulator(self.trace(session_ids, seed, jitter), policy, config).run())
 
 
 def run_grid(twin: Twin, routers: dict[str, tuple[Any, bool, bool]], points: list[tuple[int, int]],
-             seed: int, progress: Any) -> dict[str, list[dict[str, Any]]]:
-    """Per router, per point: TTFT mean, p99, hit rate, moves, and the ratio to ``sglang``."""
-    out: dict[str, list[dict[str, Any]]] = {}
+             seeds: list[int], jitter: float, progress: Any) -> dict[str, list[dict[str, Any]]]:
+    """Per router, per point, over ``seeds``: TTFT mean, p99, hit rate and moves (means), and the
+    ratio to ``sglang`` (the geometric mean of each seed's ratio to sglang's run of that seed,
+    with their range)."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
     for name, (policy, sids, spill) in routers.items():
-        rows = []
+        runs[name] = []
         for kv, conc in points:
-            m = twin.run(policy, sids, kv, conc, seed, spill)
-            rows.append({"kv_blocks": kv, "concurrency": conc, "ttft_mean_ms": m["ttft_ms"]["mean"],
-                         "ttft_p99_ms": m["ttft_ms"]["p99"], "hit_rate": m["hit_rate"],
-                         "requests": m["requests"], "session_moves": m["router_session_moves"]})
-            progress()
+            ms = []
+            for seed in seeds:
+                ms.append(twin.run(policy, sids, kv, conc, seed, spill, jitter))
+                progress()
+            runs[name].append(ms)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, per_point in runs.items():
+        rows = []
+        for (kv, conc), ms, refs in zip(points, per_point, runs["sglang"], strict=True):
+            ratios = [m["ttft_ms"]["mean"] / r["ttft_ms"]["mean"] for m, r in zip(ms, refs, strict=True)]
+            rows.append({"kv_blocks": kv, "concurrency": conc, "ratio": geo_mean(ratios),
+                         "ratio_range": [min(ratios), max(ratios)],
+                         "ttft_mean_ms": statistics.fmean(m["ttft_ms"]["mean"] for m in ms),
+                         "ttft_p99_ms": statistics.fmean(m["ttft_ms"]["p99"] for m in ms),
+                         "hit_rate": statistics.fmean(m["hit_rate"] for m in ms),
+                         "requests": sum(m["requests"] for m in ms),
+                         "session_moves": sum(m["router_session_moves"] for m in ms)})
         out[name] = rows
-    ref = out["sglang"]
-    for rows in out.values():
-        for row, base in zip(rows, ref, strict=True):
-            row["ratio"] = row["ttft_mean_ms"] / base["ttft_mean_ms"]
     return out
 
 
@@ -142,7 +171,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workers-per-device", type=int, default=0,
                     help="workers sharing one device (default 0: all of them, as the GPU benchmark's one H200; "
                          "1: one GPU per worker, the profile's timings alone)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="runs per router and point (default 1: the unperturbed workload; seed k > 0 "
+                         "jitters the think times by --jitter); ratios are geometric means over them")
+    ap.add_argument("--jitter", type=float, default=0.2, help="sigma of the lognormal think-time factor (default 0.2)")
     ap.add_argument("--json", dest="json_out", default=str(RESULTS / "sim_pressure.json"))
     ap.add_argument("--width", type=int, default=240)
     args = ap.parse_args(argv)
@@ -169,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     twin = Twin(args.base_run, args.profile, args.run_s, args.workers_per_device)
     with Progress(transient=False) as bar:
-        task = bar.add_task("simulating", total=len(args.routers) * len(args.point_list))
-        grid = run_grid(twin, args.routers, args.point_list, args.seed, lambda: bar.advance(task))
+        task = bar.add_task("simulating", total=len(args.routers) * len(args.point_list) * args.seeds)
+        grid = run_grid(twin, args.routers, args.point_list, list(range(args.seeds)), args.jitter,
+                        lambda: bar.advance(task))
     print_grid(grid, args.point_list, args.width)
     write_json(args.json_out, {
         "bench": "sim_pressure", "points": args.point_list,
         "routers": {k: {"policy": v[0], "session_ids": v[1], "spill_hint": v[2]} for k, v in args.routers.items()},
         "grid": grid, "geo_mean": {k: geo_mean([c["ratio"] for c in v]) for k, v in grid.items()},
-        "base_run": str(args.base_run), "profile": args.profile, "seed": args.seed,
+        "base_run": str(args.base_run), "profile": args.profile, "seeds": args.seeds, "jitter": args.jitter,
         "workers_per_device": twin.workers_per_device,
         "wall_s": time.perf_counter() - started})
     print(f"wrote {args.json_out} ({time.perf_counter() - started:.0f} s)")

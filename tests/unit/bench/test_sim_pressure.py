@@ -16,7 +16,7 @@ def test_the_grid_runs_every_router_and_a_rebalancing_variant_moves_sessions(tmp
     out = tmp_path / "grid.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "sim_pressure.py"), "--points", "2600/24", "--run-s", "10",
-         "--workers-per-device", "1", "--variant", f"rebalance={REBALANCE}", "--json", str(out)],
+         "--workers-per-device", "1", "--seeds", "2", "--variant", f"rebalance={REBALANCE}", "--json", str(out)],
         check=False, capture_output=True, text=True, cwd=REPO, timeout=300)
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "sim_pressure.py"), "--variant", 'x={"config":{"admission":{}}}'],
                          check=False, capture_output=True, text=True, cwd=REPO, timeout=60)
@@ -27,7 +27,9 @@ def test_the_grid_runs_every_router_and_a_rebalancing_variant_moves_sessions(tmp
     assert report["routers"]["rebalance"]["spill_hint"] is False and report["routers"]["mesh_default"]["spill_hint"]
     grid = report["grid"]
     assert set(grid) == {"sglang", "mesh_default", "mesh_kv_aware", "rebalance"}
-    assert grid["sglang"][0]["ratio"] == 1.0
+    assert grid["sglang"][0]["ratio"] == 1.0 and report["seeds"] == 2
+    lo, hi = grid["mesh_kv_aware"][0]["ratio_range"]  # a jittered seed plays out differently
+    assert lo < hi and lo <= grid["mesh_kv_aware"][0]["ratio"] <= hi
     for rows in grid.values():
         assert rows[0]["requests"] > 0 and rows[0]["ttft_mean_ms"] > 0
     # the default keeps sessions home at this point; rebalancing moves some off a queued home
