@@ -13,6 +13,15 @@ from mesh.events.sockets import monitor_sub
 from tests.procs import free_port
 
 
+async def joined(pub: zmq.Socket, inbox: Inbox) -> None:
+    """Past ZMQ's slow joiner: publish a hello until the first frame reaches ``inbox``."""
+    deadline = time.monotonic() + 10
+    while inbox.backlog == 0:
+        assert time.monotonic() < deadline
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), b"hello"])
+        await asyncio.sleep(0.02)
+
+
 async def test_an_inbox_keeps_order_and_counts_what_is_received_and_taken() -> None:
     inbox = Inbox(max_frames=10, max_bytes=1 << 20)
     for i in range(3):
@@ -61,11 +70,7 @@ async def test_the_receiver_thread_fills_inboxes_and_wakes_the_loop_then_closes_
     inbox = Inbox(max_frames=100_000, max_bytes=1 << 30)
     receiver.add(sub, inbox)
     try:
-        deadline = time.monotonic() + 10
-        while inbox.backlog == 0:  # ZMQ's slow joiner: publish until the first frame arrives
-            assert time.monotonic() < deadline
-            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"hello"])
-            await asyncio.sleep(0.02)
+        await joined(pub, inbox)
         while inbox.take() is not None:
             pass
         for i in range(1, 501):
@@ -130,11 +135,7 @@ async def test_a_lost_connection_is_marked_after_every_frame_received_before_it(
     told: list[tuple[int, bool]] = []  # (event, whether the inbox ended with the marker then)
     receiver.add(sub, inbox, Watch(monitor, inbox, lambda e: told.append((e, bool(inbox.frames) and inbox.frames[-1] is DISCONNECTED))))
     try:
-        deadline = time.monotonic() + 10
-        while inbox.backlog == 0:  # ZMQ's slow joiner: publish until the first frame arrives
-            assert time.monotonic() < deadline
-            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"hello"])
-            await asyncio.sleep(0.02)
+        await joined(pub, inbox)
         for i in range(1, 2001):
             pub.send_multipart([b"", i.to_bytes(8, "big"), b"payload" * 20])
         pub.close()
