@@ -2,7 +2,7 @@
 
 One module-scoped cluster: six real ``redis-server --cluster-enabled yes`` processes (three
 masters, a replica each; ``cluster-node-timeout`` 1 s, so a replica takes a dead master's slots
-within seconds), made a cluster by ``redis-cli --cluster create``. In front of three real echo
+within seconds; ``cluster-require-full-coverage no``, so the other masters answer meanwhile), made a cluster by ``redis-cli --cluster create``. In front of three real echo
 workers, two real gateway processes with ``state: {backend: redis, cluster: true}``:
 
 - a session's second turn through the other replica lands on the same worker (``bound``), and the
@@ -83,7 +83,10 @@ class Cluster:
             data.mkdir()
             cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--save", "",
                    "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                   "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0"]
+                   "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0",
+                   # the live masters keep serving their slots while one is down (Redis' default
+                   # refuses every slot from the master's FAIL until its replica takes over)
+                   "--cluster-require-full-coverage", "no"]
             self.nodes[port] = self.procs.start(cmd, name=f"redis-cluster-{port}", port=port)
         for port in self.ports:
             wait_until(lambda port=port: self._pings(port), what=f"redis-server {port} answering PING")
