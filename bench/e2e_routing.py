@@ -845,7 +845,7 @@ def warm_up(m: _Matrix, workers: list[Proc], model: str, kv: int, cpu: int) -> N
     ``run_one`` resets the prefix caches before every measured run."""
     args = m.args
     t0 = time.monotonic()
-    row = run_one(m.procs, SPECS["round_robin"], workers, m.prep, args, model, max(m.args.conc_list), args.warmup_s,
+    row = run_one(m.procs, SPECS["round_robin"], workers, m.prep, args, model, max(args.conc_list), args.warmup_s,
                   f"kv{kv}-cpu{cpu}-warmup")
     if not row.get("ok"):
         raise BenchError(f"warm-up failed: {row.get('error')}")

@@ -38,26 +38,27 @@ from dataclasses import replace
 from typing import Any
 
 from bench._table import print_table
-from bench.sim_twin import PROFILE, RESULTS, prepare_workload
+from bench.sim_twin import PROFILE, RESULTS, SimSpec, prepare_workload, router_sim_spec
 
 GRID = "2000/24,1800/24,2400/24,2000/20,2000/28,4000/16,3000/16,2200/22,2600/24,2200/26,1600/20,3000/24,2000/16,5000/24"
 BASE_RUN = RESULTS / "e2e_high_s7.json"  # the GPU run whose workload settings the grid reuses
-ROUTERS: dict[str, tuple[Any, bool, bool]] = {  # name -> (policy spec, session ids sent, retention spill hint)
-    "sglang": ("cache_aware", False, True),
-    "mesh_default": ("session_sticky", True, True),
-    "mesh_kv_aware": ("kv_aware", False, True),
+ROUTERS: dict[str, SimSpec] = {
+    "sglang": SimSpec("cache_aware", False),
+    "mesh_default": SimSpec("session_sticky", True),
+    "mesh_kv_aware": SimSpec("kv_aware", False),
 }
 
 
-def variant_router(spec: Any) -> tuple[Any, bool, bool]:
-    """A ``--variant``: a policy spec (session ids sent, the retention hint on), or, as
-    ``bench/e2e_routing.py`` takes it, ``{"policy": SPEC, "config": {"retention": {"spill_hint": B}}}``."""
-    if not (isinstance(spec, dict) and "config" in spec):
-        return spec, True, True
-    if not spec.keys() <= {"policy", "config"} or not set(spec["config"]) <= {"retention"}:
-        raise ValueError("a variant with a config takes only policy and config.retention")
-    spill = spec["config"].get("retention", {}).get("spill_hint", True)
-    return spec.get("policy", "session_sticky"), True, bool(spill)
+def variant_router(name: str, spec: Any) -> SimSpec:
+    """A ``--variant`` as ``bench/e2e_routing.py`` takes it (a policy spec, or ``{"policy": SPEC,
+    "config": {"retention": {"spill_hint": B}}}``), simulated as ``bench/sim_twin.py`` does; a
+    ValueError for what the twin does not model."""
+    from bench.e2e_routing import _variant_spec
+
+    sim = router_sim_spec(_variant_spec(name, spec))
+    if sim.skip:
+        raise ValueError(sim.skip)
+    return sim
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -113,18 +114,18 @@ class Twin:
         return summarize(Simulator(self.trace(session_ids, seed, jitter), policy, config).run())
 
 
-def run_grid(twin: Twin, routers: dict[str, tuple[Any, bool, bool]], points: list[tuple[int, int]],
+def run_grid(twin: Twin, routers: dict[str, SimSpec], points: list[tuple[int, int]],
              seeds: list[int], jitter: float, progress: Any) -> dict[str, list[dict[str, Any]]]:
     """Per router, per point, over ``seeds``: TTFT mean, p99, hit rate and moves (means), and the
     ratio to ``sglang`` (the geometric mean of each seed's ratio to sglang's run of that seed,
     with their range)."""
     runs: dict[str, list[list[dict[str, Any]]]] = {}
-    for name, (policy, sids, spill) in routers.items():
+    for name, spec in routers.items():
         runs[name] = []
         for kv, conc in points:
             ms = []
             for seed in seeds:
-                ms.append(twin.run(policy, sids, kv, conc, seed, spill, jitter))
+                ms.append(twin.run(spec.policy, spec.session_ids, kv, conc, seed, spec.spill_hint, jitter))
                 progress()
             runs[name].append(ms)
     out: dict[str, list[dict[str, Any]]] = {}
@@ -182,9 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for v in args.variant:
         name, _, spec = v.partition("=")
         try:
-            args.routers[name] = variant_router(json.loads(spec))
-        except (json.JSONDecodeError, ValueError):
-            ap.error(f"--variant takes NAME=POLICY_JSON or NAME={{policy, config: {{retention}}}}, got {v!r}")
+            args.routers[name] = variant_router(name, json.loads(spec))
+        except ValueError as exc:  # json.JSONDecodeError is one too
+            ap.error(f"--variant takes NAME=POLICY_JSON or NAME={{policy, config: {{retention}}}}, got {v!r} ({exc})")
     try:
         args.point_list = parse_points(args.points)
     except ValueError:
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print_grid(grid, args.point_list, args.width)
     write_json(args.json_out, {
         "bench": "sim_pressure", "points": args.point_list,
-        "routers": {k: {"policy": v[0], "session_ids": v[1], "spill_hint": v[2]} for k, v in args.routers.items()},
+        "routers": {k: {"policy": v.policy, "session_ids": v.session_ids, "spill_hint": v.spill_hint}
+                    for k, v in args.routers.items()},
         "grid": grid, "geo_mean": {k: geo_mean([c["ratio"] for c in v]) for k, v in grid.items()},
         "base_run": str(args.base_run), "profile": args.profile, "seeds": args.seeds, "jitter": args.jitter,
         "workers_per_device": twin.workers_per_device,

@@ -66,7 +66,6 @@ class SimSpec:
 def sim_spec(name: str, config: dict[str, Any]) -> SimSpec:
     """The simulated system of GPU router ``name`` in a run of ``config`` (its ``--variant`` list)."""
     from bench.e2e_routing import SPECS, _variant_spec
-    from mesh.commands.simulate import default_policy
 
     specs = dict(SPECS)
     for variant in config.get("variant") or []:
@@ -75,6 +74,13 @@ def sim_spec(name: str, config: dict[str, Any]) -> SimSpec:
     spec = specs.get(name)
     if spec is None:
         return SimSpec(None, True, skip=f"router {name!r} unknown to bench/e2e_routing.py")
+    return router_sim_spec(spec)
+
+
+def router_sim_spec(spec: Any) -> SimSpec:
+    """What the twin simulates for one of ``bench/e2e_routing.py``'s ``RouterSpec``s."""
+    from mesh.commands.simulate import default_policy
+
     if spec.kind == "sglang":  # sglang-router reads no session header
         return SimSpec("cache_aware", False)
     retention = dict(spec.config.get("retention") or {})
