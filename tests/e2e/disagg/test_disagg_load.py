@@ -92,7 +92,9 @@ def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(clust
         # lease); on a loaded machine the largest may reach the 1 s request timeout first instead.
         wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before >= 1,
                    what="a stalled request answered by a decode worker")
-        wait_until(cluster.all_zero, timeout_s=15, what=f"leases ended at the timeout: {cluster.targets()}")
+        # the gateway builds keys for six 1.5-3.5M-token prompts on one loop: on a slow box the
+        # 1 s timeouts fire seconds late, so allow that; a lease that never ends still fails here
+        wait_until(cluster.all_zero, timeout_s=45, what="leases ended at the timeout")
     finally:
         for s in sockets:
             s.close()
