@@ -2,8 +2,9 @@
 
 Index mutation stays on the loop (the router writes speculative entries there too: one thread
 owns the index). Every stream task calls ``turn()`` before each unit of work (a frame, a slice of
-a large frame). A slice ends after ``slice_s`` of work (a turn after a pause, ``idle()`` or a gap
-longer than any unit of work, starts a fresh one: a rest is only ever owed for time worked), and
+a large frame). A slice ends after ``slice_s`` of work (a turn after a pause or ``idle()`` starts
+a fresh one: a rest is only ever owed for time worked; a gap longer than any unit of work yields
+once first, since a unit stretched by a starved CPU looks the same as a pause), and
 then the loop is left alone for long enough that event work uses at most ``share`` of the loop while a flood lasts (``slice_s`` work,
 then ``slice_s * (1 - share) / share`` rest; a rest shorter than ``_MIN_REST_S`` is a plain
 yield). A request's callbacks thus wait at most one slice behind event work, and a flood past what
@@ -42,8 +43,13 @@ class Pacer:
         if now < self._resume_at:  # another stream's rest: wait it out
             await asyncio.sleep(self._resume_at - now)
             self._fresh()
-        elif self._idle or now - self._last > self._gap_s:  # no event work since: a new slice
+        elif self._idle:  # the stream waited for frames (the loop ran meanwhile): a new slice
             self._start = now
+        elif now - self._last > self._gap_s:
+            # longer than any unit of event work: a pause nobody worked through, or a unit stretched
+            # by a starved CPU. No rest is owed for it, but the loop may not have run: yield once.
+            await asyncio.sleep(0)
+            self._fresh()
         elif now - self._start >= self.slice_s:
             worked = min(now - self._start, self._gap_s)  # never a rest for time nobody worked
             rest = worked * (1 - self.share) / self.share

@@ -80,3 +80,16 @@ async def test_a_pause_without_event_work_is_never_charged_as_work() -> None:
     for _ in range(10):
         await pacer.turn()
     assert time.perf_counter() - t < 0.05 and pacer.rested_s < 0.01
+
+
+async def test_units_stretched_past_the_gap_by_a_starved_cpu_still_let_the_loop_run() -> None:
+    """Every unit lasts longer than the pacer's gap (as when the OS or another thread holds the
+    CPU mid-unit): each turn looks like one after a pause, and must still give the loop a turn."""
+    pacer = Pacer(slice_s=0.0005, share=0.5)
+    ran: list[int] = []
+    loop = asyncio.get_running_loop()
+    for i in range(5):
+        loop.call_soon(ran.append, i)
+        await pacer.turn()
+        busy(0.004)  # past the 2 ms gap
+    assert len(ran) >= 4  # a callback queued before each turn ran by the next
