@@ -76,28 +76,46 @@ def cluster(module_procs: ProcessGroup) -> Iterator[Cluster]:
         yield Cluster(client, gateway, workers)
 
 
-def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(cluster: Cluster) -> None:
+STALL_TIMEOUT_S = 5.0  # long enough that a stalled request's decode answer is written on a loaded box
+
+
+@pytest.fixture(scope="module")
+def stall_cluster(cluster: Cluster, module_procs: ProcessGroup) -> Iterator[Cluster]:
+    """A second gateway in front of p0 and d0 alone, with a request timeout past what the relay
+    of a multi-MiB request takes on a busy machine (the first gateway's 1 s can pass first)."""
+    config = {"server": {"admin_key": "adm", "request_timeout_s": STALL_TIMEOUT_S}, "health": {"interval_s": 60},
+              "policy": PD_POLICY,
+              "workers": [{"name": n, "url": cluster.workers[n].url, "models": ["m"], "role": ROLES[n]} for n in ("p0", "d0")]}
+    path = module_procs.log_dir / "pd_stall.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway = module_procs.gateway(path, port=free_port(), name="gateway-stall", ready_path="/ready")
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        yield Cluster(client, gateway, cluster.workers)
+
+
+def test_a_client_that_stops_reading_holds_no_decode_load_past_the_timeout(stall_cluster: Cluster) -> None:
     # The relay wrote the decode worker's answer to a client that did not read it, with the
     # decode lease (in_flight, every context token) held until it did: forever for a client that
     # keeps its socket open. Several sizes, so that some answers lie past what the sockets and
     # the gateway's buffers absorb; one not streamed.
-    before = sum(cluster.served(d) for d in DECODERS)
+    c = stall_cluster
+    before = c.served("d0")
     sockets = []
     try:
         for mib, stream in [(1.5, True), (2, True), (2.5, True), (3, True), (3.5, True), (3.5, False)]:
             words = int(mib * (1 << 20)) // 8000
             body = {"model": "m", "prompt": " ".join(["x" * 7999] * words), "stream": stream, "max_tokens": words}
-            sockets.append(stalled_client(cluster.gateway.port, body))
-        # At least one answer written to a client that does not read it (the case that held the
-        # lease); on a loaded machine the largest may reach the 1 s request timeout first instead.
-        wait_until(lambda: sum(cluster.served(d) for d in DECODERS) - before >= 1,
-                   what="a stalled request answered by a decode worker")
+            sockets.append(stalled_client(c.gateway.port, body))
+        # answers written to clients that do not read them (the case that held the lease)
+        wait_until(lambda: c.served("d0") - before >= 1, timeout_s=STALL_TIMEOUT_S,
+                   what="a stalled request answered by the decode worker")
         # the gateway builds keys for six 1.5-3.5M-token prompts on one loop: on a slow box the
-        # 1 s timeouts fire seconds late, so allow that; a lease that never ends still fails here
-        wait_until(cluster.all_zero, timeout_s=45, what="leases ended at the timeout")
+        # timeouts fire seconds late, so allow that; a lease that never ends still fails here
+        wait_until(c.all_zero, timeout_s=STALL_TIMEOUT_S + 45, what="leases ended at the timeout")
     finally:
         for s in sockets:
             s.close()
+    assert c.served("d0") - before >= 1
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random) -> tuple[str, bytes]:
