@@ -10,7 +10,8 @@ One layer shape serves every model: a mixer (full attention or a recurrent layer
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -166,12 +167,11 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Causal
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are born in the model's dtype (no fp32 copy)
     try:
-        with torch.device("meta"):
+        with torch.device(device), _without_default_init():
             model = CausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
-    # Buffers are not materialized by to_empty: rebuild the RoPE table (and the slopes) on the device in fp32.
+    # Rebuilt outside the default dtype: the RoPE table (and the slopes) in fp32.
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling).to(device)
     for layer in model.model.layers:
@@ -186,6 +186,31 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Causal
     else:
         random_init(model, seed)
     return model.eval().requires_grad_(False)
+
+
+# torch.nn's default initializers (nn.Linear's and nn.Embedding's reset_parameters call them)
+_DEFAULT_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                  "xavier_normal_", "trunc_normal_", "constant_", "zeros_", "ones_")
+
+
+@contextmanager
+def _without_default_init() -> Iterator[None]:
+    """Modules are built with their parameters left as allocated: every one is written after
+    (``random_init`` or a checkpoint), so a default init would be a wasted pass over the weights.
+    Building on the meta device instead (no allocation) costs torch's lazy import of its compiler
+    stack at the first meta op: ~2.5 s of every worker's start."""
+    saved = {name: getattr(nn.init, name) for name in _DEFAULT_INITS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _left_as_allocated)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _left_as_allocated(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 @torch.no_grad()
