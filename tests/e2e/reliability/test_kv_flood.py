@@ -97,7 +97,9 @@ def test_requests_are_answered_and_memory_bounded_while_a_kv_event_flood_runs(pr
         wait_until(lambda: unpaced.popen.poll() is not None, timeout_s=60, what="the unpaced flood done")
     assert paced.popen.returncode == 0 and unpaced.popen.returncode == 0
     sent = int(paced.log_tail().split()[-1])
-    assert sent >= 100_000, sent  # the flood really ran at ~30k/s
+    # the flood really ran past what one stream applies (~5-10k/s here): 30k/s asked, and at least
+    # 12k/s reached on a busy box (the publisher shares its two cores with the gateway and the load)
+    assert sent >= 60_000, sent
     assert len(during) >= 20
     statuses = [s for s, _ in load.results]
     worst = max(t for _, t in load.results)
