@@ -673,7 +673,7 @@ def _variant_spec(name: str, spec: Any) -> RouterSpec:
     """A ``--variant``: a policy spec, or ``{"policy": SPEC, "worker": {FIELDS}, "config": {SECTIONS},
     "session_ids": BOOL}`` (e.g. ``{"worker": {"max_in_flight": 3}}``, ``{"config": {"admission": ...}}``)."""
     keys = {"policy", "worker", "config", "session_ids"}
-    if isinstance(spec, dict) and spec.keys() & (keys - {"policy"}):
+    if isinstance(spec, dict) and "name" not in spec and spec.keys() & keys:  # not a policy spec's map
         if not spec.keys() <= keys:
             raise ValueError(f"unknown keys {sorted(spec.keys() - keys)}")
         return RouterSpec(name, "mesh", spec.get("policy"), session_ids=bool(spec.get("session_ids", True)),
