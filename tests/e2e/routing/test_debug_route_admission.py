@@ -53,8 +53,11 @@ def test_debug_route_previews_without_drawing_the_policys_ties(procs: ProcessGro
         config.write_text(yaml.safe_dump({"server": {"admin_key": "adm"}, "policy": policy, "workers": workers}))
         gateway = procs.gateway(config, port=free_port())
         with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            admin = {"authorization": "Bearer adm"}
+            wait_until(lambda: sum(w["healthy"] for w in http.get("/workers", headers=admin).json()["workers"]) == 3,
+                       what="three healthy workers")
             shown, served = [], []
-            for _ in range(12):
+            for _ in range(24):  # all 24 ties drawn among two of three: p = 3 * (2/3)^24 < 2e-4
                 shown.append(http.post("/debug/route", json=body).json()["decision"]["target"])
                 http.post("/debug/route", json=body)  # a second look changes nothing either
                 served.append(http.post("/v1/completions", json=body).headers["x-mesh-worker"])
