@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -51,9 +51,11 @@ from mesh.gateway.proxy import Proxy
 from mesh.gateway.upstream import UpstreamPool
 from mesh.metrics import Metrics
 from mesh.request.prompt import PromptProcessor
-from mesh.state.redis_state import SharedSessionTable, SharedState, shared_session_table
 
 log = logging.getLogger("mesh.gateway.app")
+
+if TYPE_CHECKING:  # redis is imported with its backend only (``_session_table``)
+    from mesh.state.redis_state import SharedSessionTable, SharedState
 
 
 @dataclass(eq=False)
@@ -192,6 +194,8 @@ class MeshApp(FastAPI):
 
 def _session_table(config: MeshConfig) -> SessionTable:
     if config.state.backend == "redis":  # bindings shared by replicas (mesh.state.redis_state)
+        from mesh.state.redis_state import shared_session_table  # redis is imported for this backend only
+
         return shared_session_table(config)
     return SessionTable(idle_ttl_s=config.sessions.idle_ttl_s, max_sessions=config.sessions.max_sessions)
 
@@ -230,8 +234,11 @@ def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> 
         prompts=PromptProcessor(registry),
         ingest=KvIngest(index, registry, metrics, config.index, config.kv_events),
     )
-    if isinstance(sessions, SharedSessionTable):
-        gateway.shared = SharedState(sessions, registry.targets, metrics, config.state.load_sync_s)
+    if config.state.backend == "redis":
+        from mesh.state.redis_state import SharedState
+
+        gateway.shared = SharedState(cast("SharedSessionTable", sessions), registry.targets, metrics,
+                                     config.state.load_sync_s)
     registry.add_listener(_Housekeeper(gateway))
     registry.add_listener(metrics)  # a removed worker's labelled series leave /metrics with it
     registry.add_listener(gateway.prompts)  # a worker's tokenizer is loaded when it joins
