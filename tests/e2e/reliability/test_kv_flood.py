@@ -115,7 +115,9 @@ def test_requests_are_answered_and_memory_bounded_while_a_kv_event_flood_runs(pr
     assert metric(filled, "mesh_kv_events_resets_total", reason="backlog") == 0
     stored = metric(filled, "mesh_kv_events_blocks_total", op="stored")
     assert stored > MAX_KEYS, stored
-    assert metric(filled, "mesh_index_keys") == MAX_KEYS, [ln for ln in filled.splitlines() if "resets" in ln or "index" in ln or "blocks" in ln]
+    # full to its bound, less the requests' speculative entries that expired since the flood ended
+    assert 0.95 * MAX_KEYS <= metric(filled, "mesh_index_keys") <= MAX_KEYS, \
+        [ln for ln in filled.splitlines() if "resets" in ln or "index" in ln or "blocks" in ln]
     assert metric(filled, "mesh_index_evicted_total") >= stored - MAX_KEYS
     assert 0 < metric(text, "mesh_index_keys") <= MAX_KEYS
     assert rss_mb(gateway.pid) < 500
