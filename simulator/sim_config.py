@@ -29,7 +29,6 @@ class SimConfig:
     # sessions that do not fit their worker are evicted first once they end; False: off
     spill_hint: bool = True
     retention_fill: float = 0.9
-    retention_spill_room: bool = False
     retention_active_s: float = 30.0
     # hybrid models (recurrent layers beside attention): each worker keeps this many recurrent-state
     # checkpoints (0: not hybrid), one every ``hybrid_interval_blocks`` prompt blocks (0: none)

@@ -66,8 +66,6 @@ class RetentionConfig(ConfigModel):
 
     spill_hint: bool = Field(True, description="Mark requests of sessions that do not fit their worker's KV cache with x-mesh-retention: spill.")
     fill: float = Field(0.9, gt=0, le=1)  # share of a worker's KV capacity the kept sessions may fill
-    # the kept sessions leave room in that share for the largest spilled session's request
-    spill_room: bool = False
     active_s: PositiveFloat = 30.0  # a session idle this long stops counting
 
 

@@ -8,13 +8,10 @@ hits for most sessions at the cost of the few that did not fit.
 
 The planner keeps, per target, the footprint of each active session routed there (the blocks of
 its last prompt plus its output) in seniority order (first routed there first). The senior
-sessions whose footprints fit within ``fill`` of the target's KV capacity are kept (with
-``spill_room``, beside room for the largest of the others); a request of any other session is
-marked *spill*, and the gateway asks the worker to evict that request's blocks before any other
-once it ends (``x-mesh-retention: spill``; other workers ignore it). The bundled worker also
-admits a spilled request, while another runs, only once the blocks at its eviction front cover
-it: one spilled request at a time runs beside the kept sessions, in the room the plan left for
-it (``spill_room``) or in what it evicts of the kept sessions' least recent tails. A session stops counting once idle for ``active_s`` and leaves the
+sessions whose footprints fit within ``fill`` of the target's KV capacity are kept; a request of
+any other session is marked *spill*, and the gateway asks the worker to evict that request's
+blocks before any other once it ends (``x-mesh-retention: spill``; the bundled worker honours
+it, other workers ignore it). A session stops counting once idle for ``active_s`` and leaves the
 target's plan when it moves. Targets of unknown capacity spill nothing.
 
 The same plans give every target its *session footprint* (``TargetState.session_blocks``: the
@@ -55,8 +52,7 @@ class _TargetPlan:
 class RetentionPlanner:
     """Marks the requests of sessions that do not fit their target's cache (the module docstring)."""
 
-    def __init__(self, fill: float = 0.9, active_s: float = 30.0, spill_hint: bool = True,
-                 spill_room: bool = False) -> None:
+    def __init__(self, fill: float = 0.9, active_s: float = 30.0, spill_hint: bool = True) -> None:
         if not 0 < fill <= 1:
             raise ValueError(f"retention fill must be in (0, 1], got {fill}")
         if not active_s > 0:
@@ -64,7 +60,6 @@ class RetentionPlanner:
         self.fill = fill
         self.active_s = active_s
         self.spill_hint = spill_hint
-        self.spill_room = spill_room
         self._refreshed_at = float("-inf")
         self._plans: dict[str, _TargetPlan] = {}
         self._home: dict[str, str] = {}  # session -> the target whose plan holds it
@@ -136,25 +131,13 @@ class RetentionPlanner:
             del plan.seen[sid]
             self._home.pop(sid, None)
         budget = self.fill * capacity if capacity > 0 else float("inf")  # unknown capacity spills nothing
-        plan.spill = frozenset(_spilled(plan.blocks, budget, self.spill_room))
-        plan.planned_at = now
-        plan.capacity = capacity
-
-
-def _spilled(footprints: dict[str, int], budget: float, room_for_spilled: bool) -> list[str]:
-    """The sessions that do not fit: the senior ones (``footprints`` in seniority order) are kept
-    while they fit ``budget``; with ``room_for_spilled``, together with the largest spilled one,
-    whose request runs beside them (the room grows to the largest spilled footprint until no
-    larger one spills; the most senior session is kept whenever it fits alone)."""
-    room = 0
-    while True:
-        used, spill = 0, []
-        for sid, blocks in footprints.items():
-            if used + blocks + (room if used else 0) <= budget:
+        used = 0
+        spill = []
+        for sid, blocks in plan.blocks.items():
+            if used + blocks <= budget:
                 used += blocks
             else:
                 spill.append(sid)
-        largest = max((footprints[sid] for sid in spill), default=0)
-        if not room_for_spilled or largest <= room:
-            return spill
-        room = largest
+        plan.spill = frozenset(spill)
+        plan.planned_at = now
+        plan.capacity = capacity

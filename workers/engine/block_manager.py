@@ -98,7 +98,7 @@ class Swap(NamedTuple):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "key", "parent_key", "token_ids", "spilled")
+    __slots__ = ("block_id", "ref_count", "key", "parent_key", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -106,12 +106,9 @@ class Block:
         self.key: int | None = None  # set iff registered in the prefix cache
         self.parent_key: int | None = None  # the namespace seed for a chain's first block
         self.token_ids: tuple[int, ...] | None = None
-        # free, cached, and put at the eviction front by the retention hint (``free_seq``)
-        self.spilled = False
 
     def clear(self) -> None:
         self.key = self.parent_key = self.token_ids = None
-        self.spilled = False
 
 
 class BlockManager:
@@ -220,26 +217,6 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self._blocks_needed(seq, self._match(seq)) <= len(self.free)
 
-    def fits_eviction_front(self, seq: Sequence) -> bool:
-        """Whether allocating ``seq`` takes its fresh blocks from the eviction front alone (empty
-        blocks and the retention hint's spilled blocks), evicting no other request's prefix.
-        Costs one pass over at most that many blocks of the front."""
-        hits = self._match(seq)
-        need = seq.num_blocks - sum(1 for b, _ in hits if b >= 0)
-        if need <= 0:
-            return True
-        own = {b for b, _ in hits}  # revived, not taken: not room
-        room = 0
-        for bid in self.free:
-            block = self.blocks[bid]
-            if block.key is not None and not block.spilled:
-                return False
-            if bid not in own:
-                room += 1
-                if room >= need:
-                    return True
-        return False
-
     def allocate(self, seq: Sequence) -> int:
         """Give a waiting ``seq`` blocks for all its tokens, reusing its cached prefix (GPU hits
         revived, CPU hits restored into fresh blocks).
@@ -312,7 +289,6 @@ class BlockManager:
         block = self.blocks[bid]
         if block.ref_count == 0:
             del self.free[bid]  # revival: the content and the registration stay as they are
-            block.spilled = False
             self.num_revived += 1
         block.ref_count += 1
 
@@ -459,7 +435,6 @@ class BlockManager:
                 if block.key is None:
                     self.free.move_to_end(bid, last=False)  # nothing to keep: reuse first
                 elif spill:
-                    block.spilled = True
                     front.append(bid)
         if front:
             self._to_eviction_front(front)

@@ -9,12 +9,6 @@ One step schedules, in order:
    blocks allow. A prefix hit sets ``num_computed_tokens``, so only the uncached suffix is
    scheduled.
 
-   A request with the router's retention hint (``evict_first``: its session does not fit this
-   worker) waits while another such request runs and the eviction front (empty and spilled
-   blocks) cannot cover it, so that it evicts no prefix of the sessions the router keeps here;
-   the requests behind it go first. With no hinted request running it is admitted as any other
-   (nothing else would refill the front: it must not wait for ever).
-
 A sequence gets at most ``prefill_chunk`` new tokens per step. Requests that never fit at all
 are refused by ``LLMEngine.validate`` before they get here, so a waiting request always fits
 once enough running ones finish: the queue never deadlocks.
@@ -68,9 +62,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.stats = SchedulerStats()
-        # waiting requests the last admission held back for the eviction front (the module
-        # docstring); a step may be scheduled ahead past them until a hinted request ends
-        self.held = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -122,10 +113,10 @@ class Scheduler:
         gets the slot of the position after its last; a sequence that the in-flight token
         finishes (EOS, stop token) is computed in vain and dropped when that token arrives.
 
-        None when the step must be scheduled normally instead: requests wait that are not held
-        back for the eviction front (admission is the normal path's), the budget is smaller than the batch, or the free blocks do not cover
+        None when the step must be scheduled normally instead: requests wait (admission is the
+        normal path's), the budget is smaller than the batch, or the free blocks do not cover
         the new slots (the normal path preempts)."""
-        if len(self.waiting) > self.held:
+        if self.waiting:
             return None
         ahead = []
         for s in seqs:
@@ -159,13 +150,8 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
-        held: list[Sequence] = []
-        spill_running = any(s.evict_first for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.evict_first and spill_running and not bm.fits_eviction_front(seq):
-                held.append(self.waiting.popleft())
-                continue
             if not bm.can_allocate(seq):
                 break
             self.waiting.popleft()
@@ -173,12 +159,9 @@ class Scheduler:
             self._count_admission(seq, hit)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            spill_running = spill_running or seq.evict_first
             n = min(len(seq) - seq.num_computed_tokens, self.config.prefill_chunk, budget)
             self._add_to_batch(batch, seq, n)
             budget -= n
-        self.held = len(held) if not self.waiting else 0
-        self.waiting.extendleft(reversed(held))
 
     def _count_admission(self, seq: Sequence, hit: int) -> None:
         st = self.stats
@@ -253,11 +236,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free_seq(seq)
-            if seq.evict_first:
-                self.held = 0  # its blocks refill the eviction front: admit again first
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-            self.held = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -85,15 +85,3 @@ def test_without_the_hint_footprints_are_kept_and_nothing_is_marked() -> None:
     plan, w = RetentionPlanner(fill=0.5, spill_hint=False), target("w0", capacity=100)
     assert not any(plan.spill(s, w, 40, 0.0, TARGETS) for s in ("a", "b", "c"))
     assert w.session_blocks == 120 and plan.spilled == 0
-
-
-def test_with_spill_room_the_kept_sessions_leave_room_for_the_largest_spilled_one() -> None:
-    plan, w = RetentionPlanner(fill=1.0, spill_room=True), target(capacity=100)
-    assert [plan.spill(s, w, 30, 0.0, TARGETS) for s in ("a", "b")] == [False, False]  # 60 of 100
-    assert plan.spill("c", w, 50, 0.0, TARGETS) is True  # 110 > 100
-    # a and b (60) fit beside c's request (50)? no: b spills as well, and a keeps its place
-    assert plan.spill("a", w, 30, REPLAN_S, TARGETS) is False
-    assert plan.spilling("w0") == 2 and plan.spill("b", w, 30, REPLAN_S, TARGETS) is True
-    # the most senior session is kept whenever it fits alone, however large the spilled ones
-    plan.spill("huge", w, 90, REPLAN_S, TARGETS)
-    assert plan.spill("a", w, 30, 2 * REPLAN_S, TARGETS) is False
