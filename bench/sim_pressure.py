@@ -51,7 +51,7 @@ ROUTERS: dict[str, SimSpec] = {
 
 def variant_router(name: str, spec: Any) -> SimSpec:
     """A ``--variant`` as ``bench/e2e_routing.py`` takes it (a policy spec, or ``{"policy": SPEC,
-    "config": {"retention": {"spill_hint": B}}}``), simulated as ``bench/sim_twin.py`` does; a
+    "config": {"retention": {...}}}``), simulated as ``bench/sim_twin.py`` does; a
     ValueError for what the twin does not model."""
     from bench.e2e_routing import _variant_spec
 
@@ -102,7 +102,8 @@ class Twin:
         return replace(base, requests=requests)
 
     def run(self, policy: Any, session_ids: bool, kv: int, conc: int, seed: int,
-            spill_hint: bool = True, jitter: float = 0.0) -> dict[str, Any]:
+            retention: dict[str, Any] | None = None, jitter: float = 0.0) -> dict[str, Any]:
+        """One simulated run; ``retention``: ``SimConfig`` fields (``SimSpec.sim_retention``)."""
         from simulator.engine import SimConfig, Simulator
         from simulator.profile import with_overrides
         from simulator.report import summarize
@@ -110,7 +111,7 @@ class Twin:
         prof = with_overrides(self.profile, kv_blocks=kv, **{"cpu.blocks": 0})
         config = SimConfig(workers=self.workers, profile=prof, concurrency=conc, horizon_s=self.run_s,
                            workers_per_device=self.workers_per_device, seed=seed,
-                           spill_hint=spill_hint)
+                           **(retention or {}))
         return summarize(Simulator(self.trace(session_ids, seed, jitter), policy, config).run())
 
 
@@ -125,7 +126,7 @@ def run_grid(twin: Twin, routers: dict[str, SimSpec], points: list[tuple[int, in
         for kv, conc in points:
             ms = []
             for seed in seeds:
-                ms.append(twin.run(spec.policy, spec.session_ids, kv, conc, seed, spec.spill_hint, jitter))
+                ms.append(twin.run(spec.policy, spec.session_ids, kv, conc, seed, spec.sim_retention(), jitter))
                 progress()
             runs[name].append(ms)
     out: dict[str, list[dict[str, Any]]] = {}
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     print_grid(grid, args.point_list, args.width)
     write_json(args.json_out, {
         "bench": "sim_pressure", "points": args.point_list,
-        "routers": {k: {"policy": v.policy, "session_ids": v.session_ids, "spill_hint": v.spill_hint}
+        "routers": {k: {"policy": v.policy, "session_ids": v.session_ids, "spill_hint": v.spill_hint,
+                        "retention": dict(v.retention)}
                     for k, v in args.routers.items()},
         "grid": grid, "geo_mean": {k: geo_mean([c["ratio"] for c in v]) for k, v in grid.items()},
         "base_run": str(args.base_run), "profile": args.profile, "seeds": args.seeds, "jitter": args.jitter,

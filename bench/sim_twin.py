@@ -51,15 +51,29 @@ RESULTS = ROOT / "bench" / "results"
 @dataclass(frozen=True)
 class SimSpec:
     """What the twin simulates for one GPU router: a policy, whether session ids are sent, the
-    gateway's retention hint; ``skip``: why it cannot (None: it can)."""
+    gateway's ``retention`` settings (``config.retention``'s items); ``skip``: why it cannot
+    (None: it can)."""
 
     policy: Any
     session_ids: bool
-    spill_hint: bool = True
+    retention: tuple[tuple[str, Any], ...] = ()
     skip: str | None = None
 
+    @property
+    def spill_hint(self) -> bool:
+        return bool(dict(self.retention).get("spill_hint", True))
+
+    def sim_retention(self) -> dict[str, Any]:
+        """The ``SimConfig`` fields of ``retention``."""
+        return {RETENTION_FIELDS[k]: v for k, v in self.retention}
+
     def key(self) -> str:
-        return json.dumps([self.policy, self.session_ids, self.spill_hint], sort_keys=True)
+        return json.dumps([self.policy, self.session_ids, self.retention], sort_keys=True)
+
+
+# config.retention's keys -> the simulator's fields (simulator.sim_config.SimConfig)
+RETENTION_FIELDS = {"spill_hint": "spill_hint", "fill": "retention_fill", "active_s": "retention_active_s",
+                    "idle_factor": "retention_idle_factor"}
 
 
 # ============================================================================ routers
@@ -84,12 +98,12 @@ def router_sim_spec(spec: Any) -> SimSpec:
     if spec.kind == "sglang":  # sglang-router reads no session header
         return SimSpec("cache_aware", False)
     retention = dict(spec.config.get("retention") or {})
-    other = sorted(set(spec.config) - {"retention"})
+    other = [*sorted(set(spec.config) - {"retention"}), *(f"retention.{k}" for k in sorted(set(retention) - set(RETENTION_FIELDS)))]
     if spec.worker or other:
         what = ", ".join([*(f"worker.{k}" for k in spec.worker), *other])
         return SimSpec(spec.policy, spec.session_ids, skip=f"not modelled: {what}")
     policy = spec.policy if spec.policy is not None else default_policy()
-    return SimSpec(policy, spec.session_ids, bool(retention.get("spill_hint", True)))
+    return SimSpec(policy, spec.session_ids, tuple(sorted(retention.items())))
 
 
 # ============================================================================ workload
@@ -149,7 +163,7 @@ def simulate_router(prep: Any, spec: SimSpec, pt: Point, profile: Any) -> dict[s
     trace = plan_trace(prep.trace, prep.plan, prep.builder, int(c.get("block_size", 16)), session_ids=spec.session_ids)
     prof = with_overrides(profile, kv_blocks=p["kv_blocks"], **{"cpu.blocks": p["cpu_blocks"]})
     config = SimConfig(workers=workers, profile=prof, concurrency=p["concurrency"], horizon_s=p["run_s"] or None,
-                       workers_per_device=-(-workers // devices), spill_hint=spec.spill_hint)
+                       workers_per_device=-(-workers // devices), **spec.sim_retention())
     return summarize(Simulator(trace, spec.policy, config).run())
 
 

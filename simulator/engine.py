@@ -145,7 +145,8 @@ class Simulator:
         self.workers: list[WorkerModel] = []
         self._add_workers()
         self.by_id = {w.id: w for w in self.workers}
-        retention = RetentionPlanner(config.retention_fill, config.retention_active_s, spill_hint=config.spill_hint)
+        retention = RetentionPlanner(config.retention_fill, config.retention_active_s, spill_hint=config.spill_hint,
+                                     idle_factor=config.retention_idle_factor)
         self.router = Router(self.policy, self.targets, index=self.index, sessions=self.sessions,
                              speculative_ttl_s=config.speculative_ttl_s, retention=retention, seed=config.seed)
         self.progress = progress

@@ -30,6 +30,7 @@ class SimConfig:
     spill_hint: bool = True
     retention_fill: float = 0.9
     retention_active_s: float = 30.0
+    retention_idle_factor: float = 3.0
     # hybrid models (recurrent layers beside attention): each worker keeps this many recurrent-state
     # checkpoints (0: not hybrid), one every ``hybrid_interval_blocks`` prompt blocks (0: none)
     # and one at each request's end; hits and the router's matches end at checkpoints

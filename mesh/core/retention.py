@@ -11,8 +11,12 @@ its last prompt plus its output) in seniority order (first routed there first). 
 sessions whose footprints fit within ``fill`` of the target's KV capacity are kept; a request of
 any other session is marked *spill*, and the gateway asks the worker to evict that request's
 blocks before any other once it ends (``x-mesh-retention: spill``; the bundled worker honours
-it, other workers ignore it). A session stops counting once idle for ``active_s`` and leaves the
-target's plan when it moves. Targets of unknown capacity spill nothing.
+it, other workers ignore it). A session counts while a request of it runs and, once none does,
+for ``idle_factor`` times the longest think gap it has shown (from a request's end to its next
+request; sessions without one yet: the typical gap of all sessions), at least ``MIN_IDLE_S`` and
+at most ``active_s``: a session that ended, or paused for far longer than its turns, must not keep
+the room of the sessions still working. It leaves the target's plan when it moves. Targets of
+unknown capacity spill nothing.
 
 The same plans give every target its *session footprint* (``TargetState.session_blocks``: the
 blocks its active sessions need, whether they fit or not), which placement reads to tell a worker
@@ -32,6 +36,8 @@ from dataclasses import dataclass, field
 from policies.base import TargetState
 
 REPLAN_S = 0.1
+MIN_IDLE_S = 0.5  # the shortest idle time after which a session stops counting
+GAP_EWMA = 0.1  # weight of a new think gap in the typical gap of all sessions
 # How often ``refresh`` drops idle sessions from every plan: a scan of all active sessions, so
 # seldom next to ``active_s`` (30 s by default) rather than at every decision
 REFRESH_S = 1.0
@@ -42,7 +48,7 @@ SPILL = "spill"  # its one value: evict this request's blocks first
 @dataclass(slots=True)
 class _TargetPlan:
     blocks: dict[str, int] = field(default_factory=dict)  # session -> footprint, in seniority order
-    seen: dict[str, float] = field(default_factory=dict)  # session -> its last request's time
+    seen: dict[str, float] = field(default_factory=dict)  # session -> its last request's start
     spill: frozenset[str] = frozenset()
     planned_at: float = float("-inf")
     capacity: int = 0  # the capacity the plan was made for
@@ -52,24 +58,36 @@ class _TargetPlan:
 class RetentionPlanner:
     """Marks the requests of sessions that do not fit their target's cache (the module docstring)."""
 
-    def __init__(self, fill: float = 0.9, active_s: float = 30.0, spill_hint: bool = True) -> None:
+    def __init__(self, fill: float = 0.9, active_s: float = 30.0, spill_hint: bool = True,
+                 idle_factor: float = 3.0) -> None:
         if not 0 < fill <= 1:
             raise ValueError(f"retention fill must be in (0, 1], got {fill}")
         if not active_s > 0:
             raise ValueError(f"retention active_s must be > 0, got {active_s}")
+        if not idle_factor >= 0:
+            raise ValueError(f"retention idle_factor must be >= 0, got {idle_factor}")
         self.fill = fill
         self.active_s = active_s
         self.spill_hint = spill_hint
+        self.idle_factor = idle_factor  # 0: every session counts for active_s after its last request
         self._refreshed_at = float("-inf")
         self._plans: dict[str, _TargetPlan] = {}
         self._home: dict[str, str] = {}  # session -> the target whose plan holds it
+        # Idle time, per session of some plan: requests running; since when none runs; the
+        # longest think gap seen. Entries leave with the session (``_drop``).
+        self._running: dict[str, int] = {}
+        self._idle_since: dict[str, float] = {}
+        self._gap: dict[str, float] = {}
+        self._typical_gap: float | None = None  # over every session's gaps (GAP_EWMA)
         self.spilled = 0  # requests marked spill
 
     def spill(self, session_id: str, target: TargetState, blocks: int, now: float,
               targets: Mapping[str, TargetState]) -> bool:
         """Record a request of ``session_id`` routed to ``target`` (``blocks``: its footprint) and
         say whether its blocks should be evicted before others' once it ends. ``targets`` (the
-        router's) get their ``session_blocks`` updated: the session's old home and its new one."""
+        router's) get their ``session_blocks`` updated: the session's old home and its new one.
+        Pair every call with ``ended`` when the request ends."""
+        self._started(session_id, now)
         home = self._home.get(session_id)
         if home != target.id:
             if home is not None:
@@ -89,8 +107,44 @@ class RetentionPlanner:
             return True
         return False
 
+    def ended(self, session_id: str, now: float) -> None:
+        """A request of ``session_id`` ended: once none runs, the session is idle from ``now``."""
+        running = self._running.pop(session_id, 0) - 1
+        if running > 0:
+            self._running[session_id] = running
+        elif session_id in self._home:
+            self._idle_since[session_id] = now
+
+    def _started(self, session_id: str, now: float) -> None:
+        """A request of ``session_id`` starts: the think gap since its last one ended is measured."""
+        since = self._idle_since.pop(session_id, None)
+        if since is not None:
+            gap = now - since
+            self._gap[session_id] = max(self._gap.get(session_id, 0.0), gap)
+            typical = self._typical_gap
+            self._typical_gap = gap if typical is None else typical + GAP_EWMA * (gap - typical)
+        self._running[session_id] = self._running.get(session_id, 0) + 1
+
+    def _idle_out(self, session_id: str, started: float, now: float) -> bool:
+        """Whether ``session_id`` (its last request started at ``started``) stopped counting."""
+        if self._running.get(session_id):
+            return False
+        if self.idle_factor <= 0:
+            return now - started > self.active_s
+        since = self._idle_since.get(session_id, started)
+        gap = self._gap.get(session_id, self._typical_gap)
+        limit = self.active_s if gap is None else min(self.active_s, max(MIN_IDLE_S, self.idle_factor * gap))
+        return now - since > limit
+
+    def _drop(self, session_id: str) -> None:
+        """``session_id`` left every plan: its idle-time state goes with it (running requests
+        stay counted until they end)."""
+        self._home.pop(session_id, None)
+        self._idle_since.pop(session_id, None)
+        self._gap.pop(session_id, None)
+
     def refresh(self, targets: Mapping[str, TargetState], now: float) -> None:
-        """Every ``REFRESH_S`` at most: sessions idle past ``active_s`` leave every plan, and each
+        """Every ``REFRESH_S`` at most: idle sessions (the module docstring) leave every plan, and each
         target's ``session_blocks`` is set from its plan (a target no request reached since
         its sessions went idle must not look full)."""
         if now - self._refreshed_at < REFRESH_S:
@@ -107,7 +161,7 @@ class RetentionPlanner:
         plan = self._plans.pop(target, None)
         for sid in plan.blocks if plan is not None else ():
             if self._home.get(sid) == target:
-                del self._home[sid]
+                self._drop(sid)
 
     def spilling(self, target: str) -> int:
         """Sessions the target's current plan marks spill."""
@@ -124,12 +178,12 @@ class RetentionPlanner:
                 state.session_blocks = plan.total
 
     def _replan(self, plan: _TargetPlan, capacity: int, now: float) -> None:
-        """Drop sessions idle past ``active_s``; keep the senior ones that fit, spill the rest."""
-        idle = [sid for sid, t in plan.seen.items() if now - t > self.active_s]
+        """Drop idle sessions; keep the senior ones that fit, spill the rest."""
+        idle = [sid for sid, t in plan.seen.items() if self._idle_out(sid, t, now)]
         for sid in idle:
             plan.total -= plan.blocks.pop(sid)
             del plan.seen[sid]
-            self._home.pop(sid, None)
+            self._drop(sid)
         budget = self.fill * capacity if capacity > 0 else float("inf")  # unknown capacity spills nothing
         used = 0
         spill = []

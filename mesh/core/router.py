@@ -230,7 +230,7 @@ class Router:
         lease = Lease(target, uncached, request.prompt_tokens, self.policy, request, on_release=self.on_release)
         if self.retention is not None and request.session_id:
             lease.spill = self.retention.spill(request.session_id, target, request.footprint_blocks, now, self.targets)
-        if request.session_id and (self._touch is not None or self._end is not None):
+        if request.session_id and (self._touch is not None or self._end is not None or self.retention is not None):
             if self._end is not None:
                 self._begin(request.session_id, now)  # type: ignore[misc]
             lease.on_end = self._session_request_ended
@@ -276,6 +276,8 @@ class Router:
         the lease's target is refreshed (``touch``) unless that target left the registry
         meanwhile (its bindings were dropped with it: never bound again)."""
         target = lease.target
+        if self.retention is not None:
+            self.retention.ended(sid, now)
         if self._end is not None:
             self._end(sid, now)
         if self._touch is not None and self.targets.get(target.id) is target:

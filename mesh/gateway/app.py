@@ -202,7 +202,7 @@ def _session_table(config: MeshConfig) -> SessionTable:
 
 def _retention(config: MeshConfig) -> RetentionPlanner:
     r = config.retention
-    return RetentionPlanner(r.fill, r.active_s, spill_hint=r.spill_hint)
+    return RetentionPlanner(r.fill, r.active_s, spill_hint=r.spill_hint, idle_factor=r.idle_factor)
 
 
 def build_gateway(config: MeshConfig, config_path: str | Path | None = None) -> Gateway:
