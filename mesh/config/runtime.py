@@ -66,8 +66,8 @@ class RetentionConfig(ConfigModel):
 
     spill_hint: bool = Field(True, description="Mark requests of sessions that do not fit their worker's KV cache with x-mesh-retention: spill.")
     fill: float = Field(0.9, gt=0, le=1)  # share of a worker's KV capacity the kept sessions may fill
-    active_s: PositiveFloat = 30.0  # a session idle this long stops counting
-    # ... or idle this many times its longest think gap (request end to next request), if less; 0: active_s only
+    active_s: PositiveFloat = 30.0  # a session idle this long (no request running) stops counting
+    # a session idle this many times its longest think gap (request end to next request) stops counting, if sooner than active_s; 0: active_s only
     idle_factor: float = Field(3.0, ge=0)
 
 
