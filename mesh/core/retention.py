@@ -69,7 +69,7 @@ class RetentionPlanner:
         self.fill = fill
         self.active_s = active_s
         self.spill_hint = spill_hint
-        self.idle_factor = idle_factor  # 0: every session counts for active_s after its last request
+        self.idle_factor = idle_factor  # 0: a session counts for active_s after its last request started
         self._refreshed_at = float("-inf")
         self._plans: dict[str, _TargetPlan] = {}
         self._home: dict[str, str] = {}  # session -> the target whose plan holds it
