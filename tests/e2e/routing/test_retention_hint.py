@@ -1,10 +1,13 @@
 """Session-aware retention end to end: a real gateway in front of one bundled tiny worker whose KV
 cache holds two of three sessions. The junior session's requests carry ``x-mesh-retention: spill``
 (counted by the worker), and its blocks are evicted first: the senior sessions keep more of their
-prefixes than with the hint off, measured by the cached tokens the worker reports."""
+prefixes than with the hint off, measured by the cached tokens the worker reports. Sessions that
+finished stop holding room after three of their think gaps (``retention.idle_factor``), so a new
+session that fits beside the ones still working is not marked."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,14 +31,14 @@ def worker(module_procs: ProcessGroup) -> Iterator[str]:
     yield proc.url
 
 
-def _gateway(procs: ProcessGroup, worker: str, spill_hint: bool, path: Path) -> str:
+def _gateway(procs: ProcessGroup, worker: str, spill_hint: bool, path: Path, retention: dict[str, float] | None = None) -> str:
     path.write_text(yaml.safe_dump({
         "server": {"admin_key": "adm"},
         "workers": [{"name": "w0", "url": worker, "block_size": 16}],
         "health": {"interval_s": 0.3},
-        "retention": {"spill_hint": spill_hint, "fill": 0.9},
+        "retention": {"spill_hint": spill_hint, "fill": 0.9, **(retention or {})},
     }))
-    gw = procs.gateway(path, port=free_port(), name=f"gateway-hint-{spill_hint}", ready_path="/ready")
+    gw = procs.gateway(path, port=free_port(), name=f"gateway-{path.stem}-hint-{spill_hint}", ready_path="/ready")
     wait_until(lambda: httpx.get(gw.url + "/workers", headers={"authorization": "Bearer adm"}, timeout=5)
                .json()["workers"][0]["targets"][0].get("kv_capacity_blocks"), what="the worker's KV capacity known")
     return gw.url
@@ -77,3 +80,29 @@ def test_the_junior_session_spills_and_the_seniors_keep_their_prefixes(
     without = _senior_hits(_gateway(module_procs, worker, False, tmp_path / "nohint.yaml"), worker)
     assert _counter(worker, "mesh_worker_evict_first_requests") == spilled_before + 3
     assert with_hint - without >= 10 * 16, (with_hint, without)  # at least ten blocks more reused
+
+
+def _finished_sessions_then_new(url: str) -> None:
+    """Sessions a and b take two quick turns each and finish; after an idle time well past three
+    of their think gaps (measured from their turns' durations), session c's first turn."""
+    longest = 0.0
+    for turn in range(2):
+        for s in ("a", "b"):
+            started = time.monotonic()
+            _turn(url, s, turn)
+            longest = max(longest, time.monotonic() - started)
+    time.sleep(4 * longest + 1.0)  # a's gap is at most b's turn (and the client's overhead)
+    _turn(url, "c", 0)
+
+
+def test_a_finished_session_stops_holding_room_after_three_of_its_think_gaps(
+        module_procs: ProcessGroup, worker: str, tmp_path: Path) -> None:
+    def spilled_by(idle_factor: float, name: str) -> float:
+        path = tmp_path / f"{name}.yaml"
+        url = _gateway(module_procs, worker, True, path, retention={"idle_factor": idle_factor, "active_s": 120})
+        before = _counter(worker, "mesh_worker_evict_first_requests")
+        _finished_sessions_then_new(url)
+        return _counter(worker, "mesh_worker_evict_first_requests") - before
+
+    assert spilled_by(3.0, "gaps") == 0  # a and b left the plan: c fits
+    assert spilled_by(0.0, "active_s") == 1  # a and b count for active_s: c does not fit beside them
