@@ -126,6 +126,7 @@ async def test_a_lost_connection_is_marked_after_every_frame_received_before_it(
     port = free_port()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 10_000)  # closed with every frame sent
+    pub.setsockopt(zmq.SNDHWM, 0)  # and none dropped at the publisher (its default 1,000 drops on a slow I/O thread)
     pub.bind(f"tcp://127.0.0.1:{port}")
     sub = ctx.socket(zmq.SUB)
     monitor = monitor_sub(sub, "", 100_000)
