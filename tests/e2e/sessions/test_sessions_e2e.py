@@ -326,7 +326,9 @@ def test_a_session_leaves_a_worker_at_its_max_in_flight_and_says_so(cluster: Clu
     before = gw.metrics()
     _faults(cluster, "w1", token_delay_s=0.1)
     try:
-        resp = _stream(gw, prompt, "full-load")  # w1's one slot (max_in_flight: 1) taken
+        # w1's one slot (max_in_flight: 1) taken for 20 s: far past the 2 s the next request of
+        # "full" waits for its home (admission.home_wait_s) on a loaded box; closed below
+        resp = _stream(gw, prompt, "full-load", tokens=200)
         try:
             assert resp.headers["x-mesh-worker"] == "w1"
             route = gw.route(prompt, "full")
