@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -40,39 +41,65 @@ def _worker_command() -> list[str]:
         return [sys.executable, "-m", "workers.server.cli"]
 
 
-REPLAY_PORT = _free_port()
+BIND_RETRIES = 3  # a port picked free can be taken by another test process before the worker binds it
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[str]:
-    port = _free_port()
-    cmd = _worker_command() + [
-        "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_BLOCKS),
-        "--cpu-threads", "1", "--log-level", "warning",
-        "--kv-events-endpoint", f"tcp://*:{_free_port()}", "--kv-events-replay-endpoint", f"tcp://*:{REPLAY_PORT}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+@dataclass(frozen=True)
+class Worker:
+    url: str
+    replay_port: int  # the KV events replay (DEALER) endpoint
+
+
+def _start_worker() -> tuple[subprocess.Popen[str], Worker]:
+    """A tiny worker on free ports, healthy; started again on fresh ports when one was taken."""
+    for _ in range(BIND_RETRIES):
+        port, replay = _free_port(), _free_port()
+        cmd = _worker_command() + [
+            "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_BLOCKS),
+            "--cpu-threads", "1", "--log-level", "warning",
+            "--kv-events-endpoint", f"tcp://*:{_free_port()}", "--kv-events-replay-endpoint", f"tcp://*:{replay}",
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"worker exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+                out = proc.stdout.read() if proc.stdout else ""
+                if "already in use" in out:
+                    break  # another process took a port: fresh ones
+                pytest.fail(f"worker exited {proc.returncode}: {out}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
+                    return proc, Worker(url, replay)
             except httpx.HTTPError:
                 time.sleep(0.2)
         else:
+            _stop(proc)
             pytest.fail("worker did not become healthy")
-        yield url
+    pytest.fail(f"worker found its ports taken {BIND_RETRIES} times")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_worker() -> Iterator[Worker]:
+    proc, info = _start_worker()
+    try:
+        yield info
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_worker: Worker) -> str:
+    return tiny_worker.url
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -200,7 +227,8 @@ def test_client_disconnect_frees_blocks(worker: str) -> None:
     assert m["mesh_worker_generation_tokens_total"] - start < 1500
 
 
-def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
+def test_kv_events_of_a_request_reach_a_subscriber(tiny_worker: Worker) -> None:
+    worker = tiny_worker.url
     import msgspec
     import zmq
 
@@ -212,7 +240,7 @@ def test_kv_events_of_a_request_reach_a_subscriber(worker: str) -> None:
     keys = block_keys(tokens, 16, namespace_seed(MODEL))
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{REPLAY_PORT}")
+    dealer.connect(f"tcp://127.0.0.1:{tiny_worker.replay_port}")
     stored: list[int] = []
     try:
         for _ in range(50):  # the publisher thread may be a moment behind the response
