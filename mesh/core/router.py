@@ -272,9 +272,10 @@ class Router:
             self._request_ended(lease.request.session_id, lease, now)
 
     def _request_ended(self, sid: str, lease: Lease, now: float) -> None:
-        """A request of session ``sid`` ended: it is idle from now (``end``), and its binding to
-        the lease's target is refreshed (``touch``) unless that target left the registry
-        meanwhile (its bindings were dropped with it: never bound again)."""
+        """A request of session ``sid`` ended: it is idle from now (``end``; for the retention planner,
+        once no other request of it runs), and its binding to the lease's target is refreshed
+        (``touch``) unless that target left the registry meanwhile (its bindings were dropped with
+        it: never bound again)."""
         target = lease.target
         if self.retention is not None:
             self.retention.ended(sid, now)
