@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,15 +15,11 @@ import httpx
 import openai
 import pytest
 
+from tests.procs import free_port, start_process, stop_process, wait_http
+
 ROOT = Path(__file__).resolve().parents[3]
 NUM_BLOCKS = 128  # 2048 tokens of KV
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker_command() -> list[str]:
@@ -41,60 +34,29 @@ def _worker_command() -> list[str]:
         return [sys.executable, "-m", "workers.server.cli"]
 
 
-BIND_RETRIES = 3  # a port picked free can be taken by another test process before the worker binds it
-
-
 @dataclass(frozen=True)
 class Worker:
     url: str
     replay_port: int  # the KV events replay (DEALER) endpoint
 
 
-def _start_worker() -> tuple[subprocess.Popen[str], Worker]:
-    """A tiny worker on free ports, healthy; started again on fresh ports when one was taken."""
-    for _ in range(BIND_RETRIES):
-        port, replay = _free_port(), _free_port()
-        cmd = _worker_command() + [
-            "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_BLOCKS),
-            "--cpu-threads", "1", "--log-level", "warning",
-            "--kv-events-endpoint", f"tcp://*:{_free_port()}", "--kv-events-replay-endpoint", f"tcp://*:{replay}",
-        ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                out = proc.stdout.read() if proc.stdout else ""
-                if "already in use" in out:
-                    break  # another process took a port: fresh ones
-                pytest.fail(f"worker exited {proc.returncode}: {out}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return proc, Worker(url, replay)
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            _stop(proc)
-            pytest.fail("worker did not become healthy")
-    pytest.fail(f"worker found its ports taken {BIND_RETRIES} times")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 @pytest.fixture(scope="module")
-def tiny_worker() -> Iterator[Worker]:
-    proc, info = _start_worker()
+def tiny_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A tiny worker on ports from ``tests.procs.free_port`` (outside the ephemeral range that
+    other processes' connections draw from), healthy."""
+    port, replay = free_port(), free_port()
+    cmd = _worker_command() + [
+        "--preset", "tiny", "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", str(NUM_BLOCKS),
+        "--cpu-threads", "1", "--log-level", "warning",
+        "--kv-events-endpoint", f"tcp://*:{free_port()}", "--kv-events-replay-endpoint", f"tcp://*:{replay}",
+    ]
+    proc = start_process(cmd, name="tiny", log_dir=tmp_path_factory.mktemp("worker"), port=port,
+                         env={"PYTHONPATH": str(ROOT)})
     try:
-        yield info
+        wait_http(proc.url + "/health", proc=proc, timeout_s=90)
+        yield Worker(proc.url, replay)
     finally:
-        _stop(proc)
+        stop_process(proc, timeout_s=15)
 
 
 @pytest.fixture(scope="module")

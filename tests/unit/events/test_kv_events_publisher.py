@@ -6,7 +6,6 @@ replay; its own recomputed block keys equal the engine's hashes."""
 from __future__ import annotations
 
 import random
-import socket
 import threading
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 import zmq
 
 from mesh.core.keys import block_keys, namespace_seed
+from tests.procs import free_port
 from workers.config import EngineConfig, get_preset
 from workers.engine.block_manager import BlockStored
 from workers.engine.llm_engine import LLMEngine
@@ -25,12 +25,6 @@ from workers.model.decoder import build_model
 from workers.server.kv_events import KVEventPublisher
 
 TINY = get_preset("tiny")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the independent subscriber -------------------------------------------------------------------
@@ -158,7 +152,7 @@ def model() -> torch.nn.Module:
 
 
 def test_subscriber_rebuilds_the_cached_set_live_and_after_replay(model: torch.nn.Module) -> None:
-    pub_port, replay_port = _port(), _port()
+    pub_port, replay_port = free_port(), free_port()
     cfg = EngineConfig(device="cpu", num_kv_blocks=24, cpu_threads=1, max_num_batched_tokens=128,
                        kv_events_endpoint=f"tcp://*:{pub_port}", kv_events_replay_endpoint=f"tcp://*:{replay_port}")
     engine = LLMEngine(TINY, cfg, eos_token_id=257, model=model)
@@ -197,7 +191,7 @@ def test_subscriber_rebuilds_the_cached_set_live_and_after_replay(model: torch.n
 
 
 def test_full_queue_drops_oldest_without_blocking_and_leaves_a_visible_gap() -> None:
-    pub_port, replay_port = _port(), _port()
+    pub_port, replay_port = free_port(), free_port()
     pub = KVEventPublisher(f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", max_queue_size=3)
     gate = threading.Event()
     send = pub._send_queued
@@ -231,7 +225,7 @@ def test_full_queue_drops_oldest_without_blocking_and_leaves_a_visible_gap() -> 
 
 
 def test_bind_failure_is_reported() -> None:
-    port = _port()
+    port = free_port()
     first = KVEventPublisher(f"tcp://*:{port}")
     try:
         with pytest.raises(ValueError, match="cannot bind"):
