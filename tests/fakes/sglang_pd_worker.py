@@ -91,7 +91,7 @@ async def prefill(body, reader):
         kv.pop(room, None)
         taken.cancel()
         gone.cancel()
-    if gone in done:
+    if taken not in done and gone in done:  # once its KV was taken the request is served, client or not
         state["aborted"] += 1
         return None, False
     if taken not in done:
