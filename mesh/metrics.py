@@ -1,7 +1,9 @@
 """Prometheus metrics (``mesh_*``) on an app-owned registry, never the process-global one.
 
 Two kinds of metric live here:
-- event metrics (counters, histograms) updated on the request path through pre-bound children;
+- event metrics (counters, histograms) updated through pre-bound children; those the request
+  path writes are ``mesh.loop_metrics``' lock-free ones (``loop_counter``, ``loop_histogram``:
+  written on the event loop's thread only), the others ``prometheus_client``'s;
 - live gauges (in-flight, health, circuit state, ...) read from the owners' state at scrape time
   through collectors added with ``Metrics.add_collector``, so the hot path never writes them.
 
@@ -16,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from mesh.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -69,13 +73,13 @@ def _remove_where(metric: Counter, label: str, values: set[str]) -> None:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.requests_total = self.counter(
+        self.requests_total = self.loop_counter(
             "mesh_requests_total", "Requests answered, by route and HTTP status", ["route", "status"]
         )
-        self.request_latency = self.histogram(
+        self.request_latency = self.loop_histogram(
             "mesh_request_latency_seconds", "Gateway request latency until the last byte", ["route"]
         )
-        self.ttfb = self.histogram("mesh_ttfb_seconds", "Time to the first response byte from a worker", ["route"])
+        self.ttfb = self.loop_histogram("mesh_ttfb_seconds", "Time to the first response byte from a worker", ["route"])
         self.retries_total = self.counter("mesh_retries_total", "Requests retried on another target", ["reason"])
         self.upstream_errors_total = self.counter(
             "mesh_upstream_errors_total", "Failed upstream attempts, by worker and kind", ["worker", "kind"]
@@ -91,10 +95,10 @@ class Metrics:
             "Client connections dropped because a write to the client (or its buffered response) waited "
             "server.client_write_timeout_s",
         )
-        self.routing_decision = self.histogram(
+        self.routing_decision = self.loop_histogram(
             "mesh_routing_decision_seconds", "Time of one routing decision (policy + commit)", buckets=FAST_BUCKETS
         )
-        self.prompt_seconds = self.histogram(
+        self.prompt_seconds = self.loop_histogram(
             "mesh_prompt_processing_seconds", "Parse, render, tokenize and hash one request", buckets=FAST_BUCKETS
         )
         self.health_checks_total = self.counter(
@@ -104,13 +108,13 @@ class Metrics:
         # Prefix reuse, predicted by the router (its decision's overlap on the chosen target, in
         # tokens) vs reported by the worker (usage.prompt_tokens_details.cached_tokens); both are
         # counted only for answers that report it, so their ratio shows index drift.
-        self.prefix_predicted_tokens_total = self.counter(
+        self.prefix_predicted_tokens_total = self.loop_counter(
             "mesh_prefix_predicted_tokens_total", "Cached prompt tokens the router predicted, by target", ["target"]
         )
-        self.prefix_reported_tokens_total = self.counter(
+        self.prefix_reported_tokens_total = self.loop_counter(
             "mesh_prefix_reported_tokens_total", "Cached prompt tokens the workers reported, by target", ["target"]
         )
-        self._children: dict[tuple[str, int], Counter] = {}
+        self._children: dict[tuple[str, int], CounterChild] = {}
         self.add_collector(_policy_fallbacks)
 
     # -- registration helpers for other modules --
@@ -124,6 +128,19 @@ class Metrics:
         self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
     ) -> Histogram:
         return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry)
+
+    # The request path's metrics: written on the event loop's thread only (``mesh.loop_metrics``).
+    def loop_counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> LoopCounter:
+        metric = LoopCounter(name, doc, labels)
+        self.registry.register(metric)
+        return metric
+
+    def loop_histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
+    ) -> LoopHistogram:
+        metric = LoopHistogram(name, doc, labels, buckets)
+        self.registry.register(metric)
+        return metric
 
     def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """``fn`` yields metric families at scrape time (live gauges read from their owner)."""

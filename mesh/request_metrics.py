@@ -1,10 +1,9 @@
 """The per-(model, target) serving metrics a dashboard reads: time to first token, inter-token
 latency, end-to-end latency, and the prompt / cached-prompt / generation tokens workers report.
 
-Why not ``prometheus_client`` children: one ``Histogram.observe`` costs ~3.4 us (a lock per
-bucket and sum), and the inter-token histogram is observed once per relayed chunk. Here an
-observation is a ``bisect`` and two additions on plain lists (~0.15 us); the event loop's thread
-is the only writer and ``/metrics`` renders in that same thread, so no lock is needed.
+The histograms are ``mesh.loop_metrics``' lock-free ones (the inter-token histogram is observed
+once per relayed chunk): the event loop's thread is the only writer and ``/metrics`` renders in
+that same thread.
 
 Ownership and cardinality:
 - ``RequestSeries`` owns every ``Series``. The proxy asks ``series(model, target)`` once per
@@ -18,11 +17,12 @@ Ownership and cardinality:
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from mesh.loop_metrics import HistogramChild, cumulative
 
 # Engines' own TTFT buckets reach minutes (long prompts, queueing); ITL is tens of milliseconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -36,37 +36,28 @@ _MAX_CACHED = 4096  # (model, target) pairs remembered; past it the cache starts
 
 
 class Series:
-    """The serving metrics of one (model, target): histogram counts per bucket (the last one is
-    +Inf) and sums, and token counters. Mutated only by the event loop's thread."""
+    """The serving metrics of one (model, target): three histograms and token counters. Mutated
+    only by the event loop's thread."""
 
-    __slots__ = ("ttft_counts", "ttft_sum", "itl_counts", "itl_sum", "e2e_counts", "e2e_sum",
-                 "prompt_tokens", "cached_tokens", "generation_tokens")
+    __slots__ = ("ttft_hist", "itl_hist", "e2e_hist", "prompt_tokens", "cached_tokens", "generation_tokens")
 
     def __init__(self) -> None:
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
-        self.ttft_sum = 0.0
-        self.itl_counts = [0] * (len(ITL_BUCKETS) + 1)
-        self.itl_sum = 0.0
-        self.e2e_counts = [0] * (len(E2E_BUCKETS) + 1)
-        self.e2e_sum = 0.0
+        self.ttft_hist = HistogramChild(TTFT_BUCKETS)
+        self.itl_hist = HistogramChild(ITL_BUCKETS)
+        self.e2e_hist = HistogramChild(E2E_BUCKETS)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.generation_tokens = 0
 
-    # The observers bind ``bisect_left`` and their bounds as defaults: no global lookup per call
-    # (the inter-token one runs once per relayed chunk).
-    def ttft(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = TTFT_BUCKETS) -> None:
-        self.ttft_counts[_at(_bounds, seconds)] += 1
-        self.ttft_sum += seconds
+    def ttft(self, seconds: float) -> None:
+        self.ttft_hist.observe(seconds)
 
-    def itl(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = ITL_BUCKETS) -> None:
+    def itl(self, seconds: float) -> None:
         """One gap between two chunks of a stream (``sse_relay.relay_stream``'s ``gap``)."""
-        self.itl_counts[_at(_bounds, seconds)] += 1
-        self.itl_sum += seconds
+        self.itl_hist.observe(seconds)
 
-    def e2e(self, seconds: float, _at: Any = bisect_left, _bounds: tuple[float, ...] = E2E_BUCKETS) -> None:
-        self.e2e_counts[_at(_bounds, seconds)] += 1
-        self.e2e_sum += seconds
+    def e2e(self, seconds: float) -> None:
+        self.e2e_hist.observe(seconds)
 
     def usage(self, prompt: int, cached: int, generated: int) -> None:
         self.prompt_tokens += prompt
@@ -142,24 +133,10 @@ class RequestSeries:
                                         labels=names)
         for (model, target), s in self._by_label.items():
             values = [model, target]
-            ttft.add_metric(values, _buckets(TTFT_BUCKETS, s.ttft_counts), s.ttft_sum)
-            itl.add_metric(values, _buckets(ITL_BUCKETS, s.itl_counts), s.itl_sum)
-            e2e.add_metric(values, _buckets(E2E_BUCKETS, s.e2e_counts), s.e2e_sum)
+            for family, hist in ((ttft, s.ttft_hist), (itl, s.itl_hist), (e2e, s.e2e_hist)):
+                family.add_metric(values, cumulative(hist.bounds, hist.counts), hist.sum)
             prompt.add_metric(values, s.prompt_tokens)
             cached.add_metric(values, s.cached_tokens)
             generated.add_metric(values, s.generation_tokens)
         return [ttft, itl, e2e, prompt, cached, generated]
 
-
-def _buckets(bounds: Sequence[float], counts: list[int]) -> list[tuple[str, float]]:
-    """Cumulative ``(le, count)`` pairs, +Inf last (its count is the histogram's ``_count``)."""
-    out = []
-    total = 0
-    for bound, n in zip((*bounds, float("inf")), list(counts), strict=True):
-        total += n
-        out.append(("+Inf" if bound == float("inf") else _le(bound), float(total)))
-    return out
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
