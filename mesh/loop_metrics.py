@@ -15,7 +15,7 @@ counter's ``_total`` sample, a histogram's cumulative ``_bucket{le}``, ``_count`
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -52,8 +52,9 @@ class CounterChild:
 class _LoopMetric(Collector):
     """Children by label values, created on first use and kept (bounded label sets only)."""
 
-    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+    def __init__(self, name: str, doc: str, labels: Sequence[str], child: Callable[[], Any]) -> None:
         self.name, self.doc, self.labelnames = name, doc, list(labels)
+        self._child = child  # a new label set's child
         self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: object) -> Any:
@@ -65,9 +66,6 @@ class _LoopMetric(Collector):
             child = self._children[key] = self._child()
         return child
 
-    def _child(self) -> Any:
-        raise NotImplementedError
-
     def describe(self) -> Iterable[Metric]:
         return []
 
@@ -76,15 +74,12 @@ class LoopCounter(_LoopMetric):
     """A counter; ``name`` ends in ``_total`` as ``prometheus_client.Counter``'s does."""
 
     def __init__(self, name: str, doc: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name.removesuffix("_total"), doc, labels)
+        super().__init__(name.removesuffix("_total"), doc, labels, CounterChild)
         self._default: CounterChild | None = None if labels else self.labels()
 
     def inc(self, amount: float = 1.0) -> None:
         """An unlabelled counter's increment."""
         self._default.inc(amount)  # type: ignore[union-attr]
-
-    def _child(self) -> CounterChild:
-        return CounterChild()
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -97,18 +92,16 @@ class LoopHistogram(_LoopMetric):
     """A histogram with fixed ``buckets`` (upper bounds, ascending; +Inf is added)."""
 
     def __init__(self, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> None:
-        super().__init__(name, doc, labels)
-        self.bounds = tuple(float(b) for b in buckets)
-        if list(self.bounds) != sorted(set(self.bounds)):
+        bounds = tuple(float(b) for b in buckets)
+        if list(bounds) != sorted(set(bounds)):
             raise ValueError(f"{name}: buckets must be ascending and distinct")
+        super().__init__(name, doc, labels, lambda: HistogramChild(bounds))
+        self.bounds = bounds
         self._default: HistogramChild | None = None if labels else self.labels()
 
     def observe(self, value: float) -> None:
         """An unlabelled histogram's observation."""
         self._default.observe(value)  # type: ignore[union-attr]
-
-    def _child(self) -> HistogramChild:
-        return HistogramChild(self.bounds)
 
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
